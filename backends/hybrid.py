@@ -1,0 +1,86 @@
+"""Hybrid wrapper: full-attention layers to one backend, linear-attention layers to another.
+
+Dispatch is by ``layer.layer_id in full_attn_layers``, never by the layer object's type (a linear layer
+can arrive in the same wrapper class as an attention layer). A draft worker (MTP/NEXTN, all layer ids 0)
+is built with ``full_attn_layers = [0]``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from backends.base import AttentionBackend, PlannedMetadata
+
+
+def call_accepting(fn, *args, **kwargs):
+    """Call ``fn`` with only the keyword arguments its signature accepts."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+class HybridLinearAttnBackend(AttentionBackend):
+    is_wrapper = True
+
+    def __init__(self, full_attn_backend: AttentionBackend, linear_attn_backend: AttentionBackend,
+                 full_attn_layers: list[int]) -> None:
+        self.full_attn_backend = full_attn_backend
+        self.linear_attn_backend = linear_attn_backend
+        self.full_attn_layers = set(full_attn_layers)
+
+    @property
+    def children(self) -> tuple[AttentionBackend, AttentionBackend]:
+        return self.full_attn_backend, self.linear_attn_backend
+
+    def _backend_for(self, layer) -> AttentionBackend:
+        return self.full_attn_backend if layer.layer_id in self.full_attn_layers else self.linear_attn_backend
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.full_attn_backend.init_forward_metadata(forward_batch)
+        self.linear_attn_backend.init_forward_metadata(forward_batch)
+
+    def init_mha_chunk_metadata(self, forward_batch, **kwargs) -> None:
+        if hasattr(self.full_attn_backend, "init_mha_chunk_metadata"):
+            call_accepting(self.full_attn_backend.init_mha_chunk_metadata, forward_batch, **kwargs)
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
+        return self._backend_for(layer).forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._backend_for(layer).forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._backend_for(layer).forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        for child in self.children:
+            child.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        for child in self.children:
+            child.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens,
+                                                           encoder_lens, forward_mode, spec_info)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu) -> None:
+        for child in self.children:
+            child.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum,
+                                                          encoder_lens, forward_mode, spec_info, seq_lens_cpu)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.full_attn_backend.get_cuda_graph_seq_len_fill_value()
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return self.full_attn_backend.get_verify_buffers_to_fill_after_draft()
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        for child in self.children:
+            child.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
+
+    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None) -> None:
+        self.linear_attn_backend.update_mamba_state_after_mtp_verify(accepted_length, model)
+
+    def planned_metadata(self) -> PlannedMetadata:
+        return self.full_attn_backend.planned_metadata()

@@ -1,0 +1,172 @@
+"""Linear-attention backend in PyTorch: the gated delta rule layer with conv and SSM state pools.
+
+The CPU twin of the fla backend, written independently of ``reference/gdn.py`` (batched decode, conv1d
+through ``torch.nn.functional.conv1d``, float32 state arithmetic) so that comparing the two means something.
+Semantics (DESIGN.md section 3): a request with no prefix starts from zero states, others from its pool
+slot; final states go back to the slot; TARGET_VERIFY keeps the state after each draft position in the
+intermediate pools and leaves the committed states alone until ``update_mamba_state_after_mtp_verify``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.planner import exclusive_cumsum
+from harness.spec import ForwardMode
+
+L2NORM_EPS = 1e-6  # as fla's l2norm: x * rsqrt(sum(x^2) + eps)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def conv_with_state(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise conv + SiLU for one sequence: x ``[T, C]``, weight ``[C, W]``, state ``[C, W-1]``.
+
+    Returns y ``[T, C]`` and the states after each token ``[T, C, W-1]`` (last one = final state).
+    """
+    W = weight.shape[1]
+    xpad = torch.cat([state, x.t()], dim=1)  # [C, W-1+T]
+    y = F.conv1d(xpad[None], weight[:, None, :], groups=weight.shape[0])[0].t()
+    steps = xpad.unfold(1, W - 1, 1)[:, 1:]  # window ending at each token: [C, T, W-1]
+    return F.silu(y), steps.permute(1, 0, 2)
+
+
+def split_heads(layer, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Split conv output ``[T, conv_dim]`` into q, k ``[T, Hk, K]`` and v ``[T, Hv, V]``."""
+    s = layer.spec
+    qk = s.num_k_heads * s.head_k_dim
+    q = y[:, :qk].reshape(-1, s.num_k_heads, s.head_k_dim)
+    k = y[:, qk:2 * qk].reshape(-1, s.num_k_heads, s.head_k_dim)
+    v = y[:, 2 * qk:].reshape(-1, s.num_v_heads, s.head_v_dim)
+    return q, k, v
+
+
+def gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    w = layer.weights
+    g = -torch.exp(w["A_log"].float()) * F.softplus(a.float() + w["dt_bias"].float())
+    return g, torch.sigmoid(b.float())
+
+
+def delta_rule_steps(q, k, v, g, beta, state, scale):
+    """Recurrence over T tokens for one request, float32. q, k ``[T, Hk, K]``; v ``[T, Hv, V]``;
+    g, beta ``[T, Hv]``; state ``[Hv, K, V]``. Returns o ``[T, Hv, V]`` and states ``[T, Hv, K, V]``."""
+    group = v.shape[1] // q.shape[1]
+    q = l2norm(q.float()).repeat_interleave(group, dim=1)
+    k = l2norm(k.float()).repeat_interleave(group, dim=1)
+    v = v.float()
+    outs, states = [], []
+    for t in range(q.shape[0]):
+        state = state * torch.exp(g[t])[:, None, None]
+        pred = torch.einsum("hk,hkv->hv", k[t], state)
+        state = state + torch.einsum("hk,hv->hkv", k[t], beta[t][:, None] * (v[t] - pred))
+        outs.append(scale * torch.einsum("hk,hkv->hv", q[t], state))
+        states.append(state)
+    if not outs:
+        return v.new_zeros(0, v.shape[1], v.shape[2]), state[None][:0]
+    return torch.stack(outs), torch.stack(states)
+
+
+class LinearTorchBackend(AttentionBackend):
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"linear"}),
+        modes=ALL_MODES,
+        dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
+        cuda_graph=True,  # hooks implemented; its layers run eagerly between captured segments
+    )
+    cuda_graph_modes = frozenset({ForwardMode.DECODE})
+
+    def __init__(self, model_runner=None) -> None:
+        self.model_runner = model_runner
+        self.forward_metadata: PlannedMetadata | None = None
+        self._fb = None
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        fb = forward_batch
+        qo = exclusive_cumsum(fb.extend_seq_lens) if not fb.forward_mode.is_idle() else \
+            torch.zeros(1, dtype=torch.int32, device=fb.device)
+        self.forward_metadata = PlannedMetadata(qo_indptr=qo, state_slots=fb.state_slots.clone())
+        self._fb = fb
+
+    def planned_metadata(self) -> PlannedMetadata:
+        return self.forward_metadata
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
+                mixed_qkv=None, a=None, b=None, **kwargs):
+        """mixed_qkv ``[T, conv_dim]``, a, b ``[T, Hv]`` -> o ``[T, Hv, V]`` in mixed_qkv's dtype."""
+        fb = forward_batch
+        s = layer.spec
+        if fb.forward_mode.is_idle():
+            return mixed_qkv.new_empty(0, s.num_v_heads, s.head_v_dim)
+        pool = fb.mamba_pool
+        conv_pool, ssm_pool = pool.conv_states[layer.layer_id], pool.ssm_states[layer.layer_id]
+        verify = fb.forward_mode.is_target_verify()
+        # Decode and verify always continue a cached sequence; extend-like modes may start fresh.
+        has_state = [True] * fb.batch_size if (fb.forward_mode.is_decode() or verify) else \
+            [p > 0 for p in fb.extend_prefix_lens_cpu]
+        qo = self.forward_metadata.qo_indptr.tolist()
+        slots = self.forward_metadata.state_slots.tolist()
+        g, beta = gating(layer, a, b)
+        out = mixed_qkv.new_empty(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
+        weight = layer.weights["conv_weight"].float()
+        for i, slot in enumerate(slots):
+            rows = slice(qo[i], qo[i + 1])
+            conv0 = conv_pool[slot].float() if has_state[i] else torch.zeros_like(conv_pool[slot], dtype=torch.float32)
+            ssm0 = ssm_pool[slot].float() if has_state[i] else torch.zeros_like(ssm_pool[slot], dtype=torch.float32)
+            y, conv_steps = conv_with_state(mixed_qkv[rows].float(), weight, conv0)
+            qh, kh, vh = split_heads(layer, y)
+            o, ssm_steps = delta_rule_steps(qh, kh, vh, g[rows], beta[rows], ssm0, layer.scaling)
+            out[rows] = o.to(out.dtype)
+            if verify:
+                n = qo[i + 1] - qo[i]
+                pool.intermediate_conv_states[layer.layer_id][slot, :n] = conv_steps.to(conv_pool.dtype)
+                pool.intermediate_ssm_states[layer.layer_id][slot, :n] = ssm_steps.to(ssm_pool.dtype)
+            else:
+                conv_pool[slot] = conv_steps[-1].to(conv_pool.dtype)
+                ssm_pool[slot] = ssm_steps[-1].to(ssm_pool.dtype)
+        return out
+
+    def forward_extend(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
+        """Commit, for each request, the states after its last accepted draft token ``[B]`` (1-based count)."""
+        pool = self._fb.mamba_pool
+        slots = self.forward_metadata.state_slots.tolist()
+        for layer_id in pool.ssm_states:
+            for slot, n in zip(slots, accepted_length.tolist()):
+                pool.ssm_states[layer_id][slot] = pool.intermediate_ssm_states[layer_id][slot, n - 1]
+                pool.conv_states[layer_id][slot] = pool.intermediate_conv_states[layer_id][slot, n - 1]
+
+    # ---- CUDA graphs: the kernels plan on the host, so they run eagerly between captured segments; the
+    # hooks plan the padded batch from the request rows like any other batch ----
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        return None
+
+    def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor) -> None:
+        slots = self.model_runner.req_to_state_slot[req_pool_indices[:bs]]
+        qo = torch.arange(bs + 1, dtype=torch.int32, device=slots.device)
+        self.forward_metadata = PlannedMetadata(qo_indptr=qo, state_slots=slots)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        self._plan_graph(bs, req_pool_indices)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu) -> None:
+        self._plan_graph(bs, req_pool_indices)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return [None, None]
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        return None

@@ -1,0 +1,187 @@
+"""The one place backends are registered, and the compositions derived from their declarations.
+
+A new backend is one new module plus one line in ``LEAVES``. Backend modules import their GPU packages
+lazily (inside methods), so every class here imports on any machine and its ``capabilities`` can be read.
+Compositions are written as terms: ``torch_native``, ``hybrid(torch_native,linear_torch)``,
+``tbo(hybrid(flashinfer,fla))``, ``graph(triton)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import cache
+
+from backends.base import AttentionBackend, Capabilities
+from harness.spec import BatchSpec
+
+LEAVES: dict[str, str] = {
+    "torch_native": "backends.torch_native:TorchNativeBackend",
+    "linear_torch": "backends.linear_torch:LinearTorchBackend",
+    "triton": "backends.triton:TritonBackend",
+    "flashinfer": "backends.flashinfer:FlashInferBackend",
+    "flashinfer_mla": "backends.flashinfer_mla:FlashInferMLABackend",
+    "fla": "backends.fla:FlaBackend",
+}
+WRAPPERS = ("hybrid", "tbo", "graph")
+
+
+class CompositionError(ValueError):
+    """An unknown backend name or a malformed composition term."""
+
+
+@cache
+def leaf_class(name: str) -> type[AttentionBackend]:
+    if name not in LEAVES:
+        raise CompositionError(f"unknown backend {name!r}; known: {', '.join(LEAVES)}")
+    module, cls = LEAVES[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def leaf_capabilities(name: str) -> Capabilities:
+    return leaf_class(name).capabilities
+
+
+@dataclass(frozen=True)
+class Composition:
+    """A backend or a wrapper over compositions; immutable and printable as its term."""
+
+    name: str  # a leaf name, or one of WRAPPERS
+    children: tuple["Composition", ...] = ()
+
+    def __str__(self) -> str:
+        if not self.children:
+            return self.name
+        return f"{self.name}({','.join(str(c) for c in self.children)})"
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    def leaves(self) -> list[str]:
+        if self.is_leaf:
+            return [self.name]
+        return [leaf for c in self.children for leaf in c.leaves()]
+
+    def wrappers(self) -> set[str]:
+        if self.is_leaf:
+            return set()
+        return {self.name} | set().union(*(c.wrappers() for c in self.children))
+
+    def attention_kinds(self) -> frozenset[str]:
+        return frozenset().union(*(leaf_capabilities(n).attention_kinds for n in self.leaves()))
+
+    def unavailable_reason(self, device: str) -> str | None:
+        for n in self.leaves():
+            reason = leaf_capabilities(n).unavailable_reason(device)
+            if reason:
+                return f"{n}: {reason}"
+        return None
+
+    def unsupported_reason(self, spec: BatchSpec) -> str | None:
+        """Why this composition cannot run ``spec``, or None."""
+        missing = spec.attention_kinds - self.attention_kinds()
+        if missing:
+            return f"no backend for {', '.join(sorted(missing))} layers"
+        if self.name == "hybrid" and spec.draft_worker and "linear" in self.children[0].attention_kinds():
+            return "draft workers run full attention only"
+        for n in self.leaves():
+            caps = leaf_capabilities(n)
+            owned = spec.attention_kinds & caps.attention_kinds
+            if not owned:
+                continue
+            reason = caps.unsupported_reason(spec)
+            if reason:
+                return f"{n}: {reason}"
+        if "graph" in self.wrappers():
+            if not all(leaf_capabilities(n).cuda_graph for n in self.leaves()):
+                return "a backend inside graph() does not support CUDA graphs"
+        return None
+
+    def build(self, spec: BatchSpec, model_runner) -> AttentionBackend:
+        """Instantiate the backends for batches of ``spec`` over ``model_runner``'s pools (the hybrid layout
+        comes from the spec)."""
+        if self.is_leaf:
+            return leaf_class(self.name)(model_runner)
+        if self.name == "hybrid":
+            from backends.hybrid import HybridLinearAttnBackend
+            full, linear = self.children
+            return HybridLinearAttnBackend(full.build(spec, model_runner), linear.build(spec, model_runner),
+                                           list(hybrid_full_attn_layers(spec)))
+        if self.name == "tbo":
+            from backends.tbo import TboAttnBackend
+            (inner,) = self.children
+            return TboAttnBackend(inner.build(spec, model_runner),
+                                  [inner.build(spec, model_runner), inner.build(spec, model_runner)])
+        if self.name == "graph":
+            (inner,) = self.children
+            return inner.build(spec, model_runner)  # the graph runner drives its capture/replay hooks
+        raise CompositionError(f"unknown wrapper {self.name!r}")
+
+
+def hybrid_full_attn_layers(spec: BatchSpec) -> tuple[int, ...]:
+    """The full-attention layer ids a hybrid wrapper is built with (a draft worker: ``[0]``)."""
+    return spec.full_attn_layers
+
+
+def parse(term: str) -> Composition:
+    """Parse a composition term such as ``tbo(hybrid(torch_native,linear_torch))``."""
+    term = term.replace(" ", "")
+    comp, rest = _parse(term, term)
+    if rest:
+        raise CompositionError(f"unexpected {rest!r} after a complete composition in {term!r}")
+    return comp
+
+
+def _parse(s: str, whole: str) -> tuple[Composition, str]:
+    i = 0
+    while i < len(s) and (s[i].isalnum() or s[i] == "_"):
+        i += 1
+    name, rest = s[:i], s[i:]
+    if not name:
+        raise CompositionError(f"expected a backend name in {whole!r}")
+    if not rest.startswith("("):
+        leaf_class(name)
+        return Composition(name), rest
+    if name not in WRAPPERS:
+        raise CompositionError(f"unknown wrapper {name!r} in {whole!r}; wrappers: {', '.join(WRAPPERS)}")
+    children = []
+    rest = rest[1:]
+    while True:
+        child, rest = _parse(rest, whole)
+        children.append(child)
+        if rest.startswith(","):
+            rest = rest[1:]
+            continue
+        if rest.startswith(")"):
+            rest = rest[1:]
+            break
+        raise CompositionError(f"unbalanced parentheses in {whole!r}")
+    arity = {"hybrid": 2, "tbo": 1, "graph": 1}[name]
+    if len(children) != arity:
+        raise CompositionError(f"{name}() takes {arity} argument(s), got {len(children)} in {whole!r}")
+    if name == "hybrid":
+        full, linear = children
+        if "linear" in full.attention_kinds() or full.attention_kinds() - {"mha", "mla"}:
+            raise CompositionError(f"hybrid's first argument must be a full-attention backend in {whole!r}")
+        if linear.attention_kinds() != {"linear"}:
+            raise CompositionError(f"hybrid's second argument must be a linear-attention backend in {whole!r}")
+    return Composition(name, tuple(children)), rest
+
+
+def all_compositions() -> list[Composition]:
+    """Every composition the declarations allow, whether or not it can run here.
+
+    Full-attention backends alone, linear backends alone, hybrid(full, linear) for pairs sharing a device,
+    tbo() over each of those, and graph() over each composition whose backends all support CUDA graphs.
+    """
+    full = [n for n in LEAVES if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
+    linear = [n for n in LEAVES if leaf_capabilities(n).attention_kinds == {"linear"}]
+    base = [Composition(n) for n in full + linear]
+    for f in full:
+        for lin in linear:
+            if leaf_capabilities(f).devices & leaf_capabilities(lin).devices:
+                base.append(Composition("hybrid", (Composition(f), Composition(lin))))
+    out = base + [Composition("tbo", (c,)) for c in base]
+    out += [Composition("graph", (c,)) for c in out if all(leaf_capabilities(n).cuda_graph for n in c.leaves())]
+    return out

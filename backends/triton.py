@@ -1,0 +1,122 @@
+"""Triton backend: our own kernels for MHA extend (paged prefix + causal new tokens, custom masks) and
+paged decode, with CUDA-graph hooks for decode.
+
+On a GPU the kernels compile; on the CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` set
+before triton is imported), which is how CI exercises them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.planner import exclusive_cumsum, plan_token_level
+from harness.spec import ForwardMode
+
+DECODE_KV_SPLITS = 4
+
+
+class TritonBackend(AttentionBackend):
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mha"}),
+        modes=ALL_MODES,
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        cuda_graph=True,
+        requires=("triton",),
+        cpu_needs_env="TRITON_INTERPRET",
+        # tl.dot on float32 inputs uses TF32 tensor cores on the GPU by default.
+        fp32_matmul_roundoff=2.0**-11,
+    )
+    cuda_graph_modes = frozenset({ForwardMode.DECODE})
+
+    def __init__(self, model_runner=None) -> None:
+        self.model_runner = model_runner
+        self.forward_metadata: PlannedMetadata | None = None
+        self.graph_buffers: dict[str, torch.Tensor] | None = None
+
+    # ---- planning ----
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.forward_metadata = plan_token_level(forward_batch)
+
+    def planned_metadata(self) -> PlannedMetadata:
+        meta = self.forward_metadata
+        if self.graph_buffers is not None and meta.kv_indptr is not None:
+            # Graph buffers are sized for the largest batch; expose the part the kernels read.
+            bs = self.graph_buffers["bs"]
+            kv_indptr = meta.kv_indptr[: bs + 1]
+            return PlannedMetadata(qo_indptr=meta.qo_indptr[: bs + 1], kv_indptr=kv_indptr,
+                                   kv_indices=meta.kv_indices[: int(kv_indptr[-1])], kv_includes_new_tokens=True)
+        return meta
+
+    # ---- per layer ----
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        from backends.triton_kernels.extend_attention import extend_attention_fwd
+
+        fb, meta = forward_batch, self.forward_metadata
+        pool = fb.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        o = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        extend_attention_fwd(q, k, v, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
+                             meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.custom_mask, meta.mask_indptr,
+                             sm_scale=layer.scaling, logit_cap=layer.logit_cap,
+                             sliding_window=layer.sliding_window_size, causal=meta.custom_mask is None)
+        return o
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        from backends.triton_kernels.decode_attention import decode_attention_fwd
+
+        fb, meta = forward_batch, self.forward_metadata
+        pool = fb.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        o = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        bs = q.shape[0]
+        decode_attention_fwd(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
+                             meta.kv_indptr[: bs + 1], meta.kv_indices, sm_scale=layer.scaling,
+                             logit_cap=layer.logit_cap, sliding_window=layer.sliding_window_size,
+                             num_kv_splits=DECODE_KV_SPLITS)
+        return o
+
+    # ---- CUDA graphs (decode) ----
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        mr = self.model_runner
+        self.graph_buffers = {
+            "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=mr.device),
+            "kv_indices": torch.zeros(max_bs * mr.context_len, dtype=torch.int64, device=mr.device),
+            "qo_indptr": torch.arange(max_bs + 1, dtype=torch.int32, device=mr.device),
+            "bs": max_bs,
+        }
+
+    def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
+        """Refresh the static buffers in place; the kernels captured in the graph read only these."""
+        buf = self.graph_buffers
+        seq_lens = seq_lens[:bs].to(torch.int64)
+        buf["kv_indptr"][: bs + 1].copy_(exclusive_cumsum(seq_lens))
+        max_len = int(seq_lens.max()) if bs else 0
+        rows = self.model_runner.req_to_token[req_pool_indices[:bs], :max_len]
+        keep = torch.arange(max_len, device=rows.device)[None, :] < seq_lens[:, None]
+        flat = rows[keep].to(torch.int64)
+        buf["kv_indices"][: flat.numel()].copy_(flat)
+        buf["bs"] = bs
+        self.forward_metadata = PlannedMetadata(qo_indptr=buf["qo_indptr"], kv_indptr=buf["kv_indptr"],
+                                                kv_indices=buf["kv_indices"], kv_includes_new_tokens=True)
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info) -> None:
+        if forward_mode not in self.cuda_graph_modes:
+            raise NotImplementedError(f"triton captures CUDA graphs for decode only, not {forward_mode.value}")
+        self._plan_graph(bs, req_pool_indices, seq_lens)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu) -> None:
+        self._plan_graph(bs, req_pool_indices, seq_lens)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return [None, None]  # the verify plan is complete after init_forward_metadata
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        return None

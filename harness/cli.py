@@ -1,0 +1,198 @@
+"""``python -m harness``: list the matrix, run it, replay a reproducer.
+
+Bad input (an unknown backend, a malformed case file, no GPU for a GPU run) ends with one line on stderr
+and exit status 2; a property failure ends with exit status 1 after every finding has been written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+def resolve_device(requested: str) -> str:
+    """'auto' picks CUDA when present. On the CPU, Triton kernels run in its interpreter, which must be
+    switched on before triton is first imported."""
+    import torch
+
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda asked for, but no CUDA GPU is visible (use --device cpu)")
+    if requested not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
+    if requested == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    return requested
+
+
+def _profile(name: str):
+    from harness.profiles import PROFILES
+
+    if name not in PROFILES:
+        raise UsageError(f"unknown profile {name!r}; profiles: {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def cmd_list(args) -> int:
+    from backends.registry import all_compositions
+    from harness.matrix import composition_modes, matrix_rows
+
+    device = resolve_device(args.device)
+    profile = _profile(args.profile)
+    rows, skipped = matrix_rows(device, profile, args.backends)
+    skipped = dict(skipped)
+    print(f"device: {device}   profile: {profile.name} ({profile.description})")
+    width = max(len(str(c)) for c in all_compositions())
+    for c in all_compositions():
+        name = str(c)
+        if args.backends and name not in {str(r.composition) for r in rows} and name not in skipped:
+            continue
+        if name in skipped:
+            print(f"  {name:<{width}}  unavailable: {skipped[name]}")
+            continue
+        n = sum(1 for r in rows if str(r.composition) == name)
+        modes = ",".join(m.value for m in sorted(composition_modes(c), key=lambda m: m.value))
+        print(f"  {name:<{width}}  available   {n:3d} rows  modes: {modes}")
+    print(f"{len(rows)} rows runnable here")
+    return 0
+
+
+def _database(path: str | None):
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    return DirectoryBasedExampleDatabase(path or ".hypothesis/examples")
+
+
+def cmd_run(args) -> int:
+    from harness.matrix import matrix_rows
+    from harness.report import print_summary, write_json_report
+    from harness.search import search_row
+
+    device = resolve_device(args.device)
+    profile = _profile(args.profile)
+    rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+    if not rows:
+        raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
+    out_dir = Path(args.out)
+    db = _database(args.db)
+    results = []
+    start = time.perf_counter()
+    for n, row in enumerate(rows, 1):
+        print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
+        result = search_row(row, profile, device, database=db, max_examples=args.max_examples, out_dir=out_dir)
+        results.append(result)
+        print(f"{result.summary()} {result.seconds:.1f}s", flush=True)
+        if not result.ok and result.case_file:
+            print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
+        write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
+    print_summary(results, skipped, time.perf_counter() - start)
+    return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_repro(args) -> int:
+    from harness.casefile import CaseFile, package_versions
+    from harness.repro import replay
+
+    case = CaseFile.read(args.file)
+    device = resolve_device(args.device if args.device != "auto" else
+                            ("cuda" if case.device == "cuda" else "cpu"))
+    now = package_versions()
+    for pkg, then in (case.versions or {}).items():
+        if then != now.get(pkg) and then is not None:
+            print(f"note: case made with {pkg} {then}, this machine has {now.get(pkg)}", file=sys.stderr)
+    return replay(case, device, Path(args.dump) if args.dump else None)
+
+
+def cmd_mutants(args) -> int:
+    from harness.mutant_run import print_table, run_mutant, write_json
+    from harness.mutants import CATALOGUE, MUTANTS
+
+    device = resolve_device(args.device)
+    profile = _profile(args.profile)
+    unknown = [n for n in args.only or [] if n not in MUTANTS]
+    if unknown:
+        raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see `python -m harness mutants --list`")
+    if args.list:
+        for m in CATALOGUE:
+            print(f"{m.name}: {m.doc}")
+        return 0
+    chosen = [MUTANTS[n] for n in args.only] if args.only else CATALOGUE
+    out_dir = Path(args.out)
+    results = []
+    for m in chosen:
+        print(f"{m.name} ...", end=" ", flush=True)
+        r = run_mutant(m, profile, device, out_dir / "mutants", args.budget)
+        results.append(r)
+        print(f"{r.status} {'' if r.status == 'unavailable' else f'{r.seconds:.1f}s'} {r.property or r.reason}",
+              flush=True)
+        write_json(results, out_dir / "mutants.json")
+    print()
+    print_table(results)
+    return 1 if any(r.status == "survived" for r in results) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, profile_default="ci"):
+        sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+        sp.add_argument("--profile", default=profile_default, help="ci, dev, nightly or gpu")
+        sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")
+
+    sp = sub.add_parser("list", help="print the matrix and why unavailable entries are")
+    common(sp)
+    sp.set_defaults(fn=cmd_list)
+
+    sp = sub.add_parser("run", help="run the matrix (the main job)")
+    common(sp)
+    sp.add_argument("--properties", nargs="*", help="property names (default: all)")
+    sp.add_argument("--modes", nargs="*", help="forward modes (default: all the composition supports)")
+    sp.add_argument("--max-examples", type=int, help="examples per row (default: the profile's)")
+    sp.add_argument("--out", default="harness-out", help="folder for case files and the report")
+    sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")
+    sp.set_defaults(fn=cmd_run)
+
+    sp = sub.add_parser("mutants", help="run the catalogue of injected bugs and report which are caught")
+    sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    sp.add_argument("--profile", default="ci", help="ci, dev, nightly or gpu")
+    sp.add_argument("--only", nargs="*", help="mutant names")
+    sp.add_argument("--list", action="store_true", help="list the catalogue and exit")
+    sp.add_argument("--budget", type=float, default=300.0, help="seconds per mutant before it counts as survived")
+    sp.add_argument("--out", default="harness-out", help="folder for the table (mutants.json) and case files")
+    sp.set_defaults(fn=cmd_mutants)
+
+    sp = sub.add_parser("repro", help="replay a case file and show where outputs differ")
+    sp.add_argument("file")
+    sp.add_argument("--device", default="auto", help="auto (the case's device if present), cpu or cuda")
+    sp.add_argument("--dump", help="folder to save the case's tensors (outputs, reference) into")
+    sp.set_defaults(fn=cmd_repro)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: findings so far are under the output folder", file=sys.stderr)
+        return 130
+    except Exception as e:  # bad input surfaces as one of these; anything else is a harness bug
+        from backends.registry import CompositionError
+        from harness.spec import SpecError
+
+        if isinstance(e, (SpecError, CompositionError)):
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        raise

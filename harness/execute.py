@@ -1,0 +1,31 @@
+"""Run one materialized case through one composition, as a serving engine would."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from backends.base import AttentionBackend
+from backends.registry import Composition
+from harness.forward_batch import ModelRunner
+from harness.materialize import Case
+from harness.model import run_layers
+from harness.tbo import TboSplit, attach_tbo_children
+
+
+@dataclass
+class Execution:
+    backend: AttentionBackend
+    outputs: list[torch.Tensor]  # one per layer
+    split: TboSplit | None = None
+
+
+def execute(composition: Composition, case: Case, backend: AttentionBackend | None = None) -> Execution:
+    """Build the composition (unless given), split the batch if it is a TBO composition, run every layer."""
+    backend = backend or composition.build(case.spec, ModelRunner.of(case.forward_batch))
+    split = None
+    if composition.name == "tbo":
+        split = attach_tbo_children(case.forward_batch)
+    outputs = run_layers(backend, case.forward_batch, case.spec.layers, case.inputs, case.weights)
+    return Execution(backend, outputs, split)

@@ -1,0 +1,253 @@
+"""Specification + device -> tensors. The one place where the harness makes tensors.
+
+Every random value is drawn on the CPU from one ``torch.Generator`` seeded by ``spec.seed``, in a fixed
+order, then cast and moved; so a specification and seed give the same tensors bit for bit on a device.
+Memory that a correct backend must not read (spare pages, spare ``req_to_token`` rows, slots past a
+request's length, states of requests without a prefix) is filled with random garbage rather than zeros,
+so reading it changes the output instead of hiding behind a zero.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from harness.forward_batch import ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo
+from harness.spec import BatchSpec
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "float64": torch.float64}
+SPARE_REQ_ROWS = 2  # rows of req_to_token / state slots that belong to no request of the batch
+
+
+@dataclass
+class Case:
+    """A materialized batch: the ForwardBatch, each layer's inputs and weights, and pool snapshots."""
+
+    spec: BatchSpec
+    forward_batch: ForwardBatch
+    inputs: list[LayerInputs]
+    weights: list[LayerWeights]
+    kv_pool_before: KVPool
+    mamba_pool_before: MambaPool | None
+    token_slots: list[list[int]]  # KV slot of every token (cached and new) of each request, as plain ints
+
+    @property
+    def device(self) -> torch.device:
+        return self.forward_batch.device
+
+
+class _Draw:
+    """Draws in a fixed order from one CPU generator."""
+
+    def __init__(self, seed: int) -> None:
+        self.g = torch.Generator().manual_seed(seed)
+
+    def normal(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=self.g, dtype=torch.float32) * scale
+
+    def uniform(self, *shape: int, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
+        return lo + (hi - lo) * torch.rand(shape, generator=self.g, dtype=torch.float32)
+
+    def perm(self, n: int) -> torch.Tensor:
+        return torch.randperm(n, generator=self.g)
+
+    def ints(self, lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=self.g)
+
+
+def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
+    device = torch.device(device)
+    dtype = TORCH_DTYPES[spec.dtype]
+    draw = _Draw(spec.seed)
+    B, ps = spec.batch_size, spec.page_size
+    kv_lens = spec.kv_lens
+
+    # Pages: shuffled, non-contiguous; page 0 reserved so slot 0 is never a real token.
+    pages_needed = [math.ceil(n / ps) for n in kv_lens]
+    num_pages = 1 + sum(pages_needed) + 2 + sum(pages_needed) // 4
+    num_slots = num_pages * ps
+    page_order = (draw.perm(num_pages - 1) + 1).tolist()
+    # req_to_token row 0 is reserved for padded rows (CUDA-graph padding), like slot 0 of the pools.
+    max_reqs = 1 + B + SPARE_REQ_ROWS
+    req_to_token = draw.ints(1, num_slots, max_reqs, spec.context_len).to(torch.int32)  # garbage by default
+    req_pool_indices = (draw.perm(max_reqs - 1) + 1)[:B].to(torch.int64)
+    token_slots: list[list[int]] = []
+    cursor = 0
+    for i, n in enumerate(kv_lens):
+        pages = page_order[cursor:cursor + pages_needed[i]]
+        cursor += pages_needed[i]
+        slots = [pages[j // ps] * ps + j % ps for j in range(n)]
+        token_slots.append(slots)
+        req_to_token[req_pool_indices[i], :n] = torch.tensor(slots, dtype=torch.int32)
+
+    out_cache_loc = torch.tensor(
+        [s for i in range(B) for s in token_slots[i][spec.prefix_lens[i]:kv_lens[i]]], dtype=torch.int64)
+
+    # Linear-attention state slot of each req_to_token row (SGLang's mamba index): shuffled, and row 0 (the
+    # padding row) maps to state slot 0, which is reserved.
+    req_to_state_slot = torch.cat([torch.zeros(1, dtype=torch.int64), draw.perm(max_reqs - 1) + 1])
+    state_slots = req_to_state_slot[req_pool_indices]
+    num_state_slots = max_reqs
+
+    # Pools and per-layer tensors, layer by layer in spec order.
+    k_buffers: dict[int, torch.Tensor] = {}
+    v_buffers: dict[int, torch.Tensor | None] = {}
+    conv_states: dict[int, torch.Tensor] = {}
+    ssm_states: dict[int, torch.Tensor] = {}
+    inter_conv: dict[int, torch.Tensor] = {}
+    inter_ssm: dict[int, torch.Tensor] = {}
+    inputs: list[LayerInputs] = []
+    weights: list[LayerWeights] = []
+    T = spec.num_tokens
+    D = spec.spec.draft_token_num if spec.spec is not None else 0
+    for layer in spec.layers:
+        if layer.kind == "mha":
+            if layer.layer_id not in k_buffers:
+                k_buffers[layer.layer_id] = draw.normal(num_slots, layer.num_kv_heads, layer.head_dim)
+                v_buffers[layer.layer_id] = draw.normal(num_slots, layer.num_kv_heads, layer.v_head_dim)
+            inputs.append(LayerInputs({
+                "q": draw.normal(T, layer.num_q_heads, layer.head_dim),
+                "k": draw.normal(T, layer.num_kv_heads, layer.head_dim),
+                "v": draw.normal(T, layer.num_kv_heads, layer.v_head_dim),
+            }))
+            weights.append(LayerWeights({}))
+        elif layer.kind == "mla":
+            C, R = layer.kv_lora_rank, layer.qk_rope_head_dim
+            if layer.layer_id not in k_buffers:
+                k_buffers[layer.layer_id] = draw.normal(num_slots, 1, C + R)
+                v_buffers[layer.layer_id] = None
+            inputs.append(LayerInputs({
+                "q": draw.normal(T, layer.num_heads, layer.qk_nope_head_dim + R),
+                "ckv": draw.normal(T, C),
+                "kpe": draw.normal(T, R),
+            }))
+            # Up-projections scaled so expanded keys and values have unit-order entries.
+            weights.append(LayerWeights({
+                "w_kc": draw.normal(layer.num_heads, layer.qk_nope_head_dim, C, scale=C**-0.5),
+                "w_vc": draw.normal(layer.num_heads, C, layer.v_head_dim, scale=C**-0.5),
+            }))
+        else:
+            W, Hv, K, V = layer.conv_kernel, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+            conv_states[layer.layer_id] = draw.normal(num_state_slots, layer.conv_dim, W - 1)
+            ssm_states[layer.layer_id] = draw.normal(num_state_slots, Hv, K, V, scale=0.5)
+            if spec.mode.is_target_verify():
+                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, layer.conv_dim, W - 1)
+                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, Hv, K, V)
+            inputs.append(LayerInputs({
+                "mixed_qkv": draw.normal(T, layer.conv_dim),
+                "a": draw.normal(T, Hv),
+                "b": draw.normal(T, Hv),
+            }))
+            # Decays near one (exp(g) ~ 0.6..0.99) so state carried across a prefix matters.
+            weights.append(LayerWeights({
+                "conv_weight": draw.normal(layer.conv_dim, W, scale=W**-0.5),
+                "A_log": torch.log(draw.uniform(Hv, lo=0.02, hi=0.5)),
+                "dt_bias": draw.normal(Hv, scale=0.5),
+            }))
+
+    def dev(t: torch.Tensor, dt: torch.dtype | None = None) -> torch.Tensor:
+        return t.to(dtype=dt or t.dtype).to(device)
+
+    kv_pool = KVPool(ps, {i: dev(b, dtype) for i, b in k_buffers.items()},
+                     {i: (None if b is None else dev(b, dtype)) for i, b in v_buffers.items()})
+    mamba_pool = None
+    if conv_states:
+        mamba_pool = MambaPool({i: dev(t, dtype) for i, t in conv_states.items()},
+                               {i: dev(t, torch.float32) for i, t in ssm_states.items()},
+                               {i: dev(t, dtype) for i, t in inter_conv.items()},
+                               {i: dev(t, torch.float32) for i, t in inter_ssm.items()})
+    layer_inputs = [LayerInputs({n: dev(t, dtype) for n, t in li.tensors.items()}) for li in inputs]
+    # Weights stay float32: they are model parameters, and both paths read the same values.
+    layer_weights = [LayerWeights({n: dev(t) for n, t in lw.tensors.items()}) for lw in weights]
+
+    positions = torch.tensor(spec.positions(), dtype=torch.int64)
+    mrope_positions = None
+    if spec.mrope is not None:
+        mrope_positions = torch.tensor(spec.mrope_positions(), dtype=torch.int64).reshape(3, T)
+
+    spec_info = _spec_info(spec, positions, device)
+    fb = ForwardBatch(
+        forward_mode=spec.mode,
+        batch_size=B,
+        req_pool_indices=dev(req_pool_indices),
+        seq_lens=dev(torch.tensor(spec.seq_lens, dtype=torch.int64)),
+        seq_lens_cpu=torch.tensor(spec.seq_lens, dtype=torch.int64),
+        seq_lens_sum=sum(spec.seq_lens),
+        extend_seq_lens=dev(torch.tensor(spec.extend_lens, dtype=torch.int32)),
+        extend_prefix_lens=dev(torch.tensor(spec.prefix_lens, dtype=torch.int32)),
+        extend_start_loc=dev(torch.tensor(_exclusive_cumsum(spec.extend_lens), dtype=torch.int32)),
+        extend_seq_lens_cpu=list(spec.extend_lens),
+        extend_prefix_lens_cpu=list(spec.prefix_lens),
+        extend_num_tokens=T,
+        positions=dev(positions),
+        mrope_positions=None if mrope_positions is None else dev(mrope_positions),
+        out_cache_loc=dev(out_cache_loc),
+        req_to_token=dev(req_to_token),
+        req_to_state_slot=dev(req_to_state_slot),
+        state_slots=dev(state_slots),
+        token_to_kv_pool=kv_pool,
+        mamba_pool=mamba_pool,
+        spec_info=spec_info,
+        device=device,
+        spec=spec,
+        num_token_non_padded=T,
+    )
+    return Case(spec, fb, layer_inputs, layer_weights, kv_pool.clone(),
+                None if mamba_pool is None else mamba_pool.clone(), token_slots)
+
+
+def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        out.append(total)
+        total += x
+    return out
+
+
+def tree_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """``[D, D]`` bool: draft token j sees draft token k iff k is j or one of j's ancestors."""
+    D = len(parents)
+    mask = torch.zeros(D, D, dtype=torch.bool)
+    for j in range(D):
+        k = j
+        while k >= 0:
+            mask[j, k] = True
+            k = parents[k]
+    return mask
+
+
+def verify_custom_mask(spec: BatchSpec) -> torch.Tensor:
+    """Flat custom mask of a TARGET_VERIFY batch: per request ``[D, seq_len + D]`` row-major, concatenated."""
+    blocks = []
+    for i, seq_len in enumerate(spec.seq_lens):
+        tree = tree_mask(spec.spec.parents[i])
+        block = torch.cat([torch.ones(tree.shape[0], seq_len, dtype=torch.bool), tree], dim=1)
+        blocks.append(block.reshape(-1))
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
+
+
+def _spec_info(spec: BatchSpec, positions: torch.Tensor, device: torch.device) -> SpecInfo | None:
+    if spec.spec is None:
+        return None
+    s = spec.spec
+    verify = spec.mode.is_target_verify()
+    return SpecInfo(
+        draft_token_num=s.draft_token_num,
+        topk=s.topk,
+        spec_steps=s.spec_steps,
+        custom_mask=verify_custom_mask(spec).to(device) if verify else None,
+        positions=positions.to(device) if verify else None,
+        parents=torch.tensor(s.parents, dtype=torch.int64).to(device),
+        accept_length=torch.tensor(s.accept_lens, dtype=torch.int32).to(device),
+        accept_length_cpu=list(s.accept_lens),
+    )
+
+
+def request_slots(fb: ForwardBatch, request: int, length: int) -> torch.Tensor:
+    """The first ``length`` KV slots of a request, read through ``req_to_token``."""
+    row = fb.req_to_token[fb.req_pool_indices[request]]
+    return row[:length].to(torch.int64)
+

@@ -1,0 +1,352 @@
+"""A catalogue of real bug classes, injected at run time into our own backends, wrappers and batch
+construction (no file is edited: each mutant is a context manager that patches and restores).
+
+Each entry names the bug and its real-world symptom in one line, and the compositions whose search should
+catch it. ``python -m harness mutants`` runs each mutant's compositions under a profile until the first
+failing property, and reports which were killed, how fast, and how small the shrunk reproducer was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+from unittest import mock
+
+import torch
+
+CPU_HYBRID = "hybrid(torch_native,linear_torch)"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    doc: str  # the bug, then the symptom users saw
+    targets: tuple[str, ...]  # composition terms to search
+    patch: Callable[[], ContextManager]
+    properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
+
+
+def _replace(obj, attr, new):
+    return mock.patch.object(obj, attr, new)
+
+
+# ---- wrappers ---------------------------------------------------------------------------------------
+def tbo_lacks_forward():
+    from backends.base import AttentionBackend
+    from backends.tbo import TboAttnBackend
+    return _replace(TboAttnBackend, "forward", AttentionBackend.forward)
+
+
+def tbo_mrope_dim0():
+    import harness.tbo as tbo
+    original = tbo.sub_batch
+
+    def sub_batch(fb, req, tok, prefix, extend, mode=None):
+        child = original(fb, req, tok, prefix, extend, mode)
+        if fb.mrope_positions is not None:
+            child.mrope_positions = fb.mrope_positions[tok]  # sliced on dim 0, not the token dim
+        return child
+    return _replace(tbo, "sub_batch", sub_batch)
+
+
+def hybrid_lacks_mha_chunk():
+    from backends.hybrid import HybridLinearAttnBackend
+
+    @contextlib.contextmanager
+    def cm():
+        saved = HybridLinearAttnBackend.init_mha_chunk_metadata
+        del HybridLinearAttnBackend.init_mha_chunk_metadata
+        try:
+            yield
+        finally:
+            HybridLinearAttnBackend.init_mha_chunk_metadata = saved
+    return cm()
+
+
+def hybrid_extra_kwarg():
+    from backends.hybrid import HybridLinearAttnBackend
+
+    def init_mha_chunk_metadata(self, forward_batch, **kwargs):
+        self.full_attn_backend.init_mha_chunk_metadata(forward_batch, disable_flashinfer_ragged=False)
+    return _replace(HybridLinearAttnBackend, "init_mha_chunk_metadata", init_mha_chunk_metadata)
+
+
+def backend_lacks_update_verify():
+    from backends.base import AttentionBackend
+    from backends.torch_native import TorchNativeBackend
+    return _replace(TorchNativeBackend, "update_verify_buffers_to_fill_after_draft",
+                    AttentionBackend.update_verify_buffers_to_fill_after_draft)
+
+
+def hybrid_dispatch_by_type():
+    from backends.hybrid import HybridLinearAttnBackend
+    from harness.model import AttentionLayer
+
+    def _backend_for(self, layer):
+        return self.full_attn_backend if isinstance(layer, AttentionLayer) else self.linear_attn_backend
+    return _replace(HybridLinearAttnBackend, "_backend_for", _backend_for)
+
+
+def draft_worker_target_layout():
+    import backends.registry as registry
+    from harness.spec import BatchSpec
+
+    def layout(spec: BatchSpec):
+        # The target model's layout (full attention every 4th layer), kept by the draft worker.
+        return (3, 7, 11, 15) if spec.draft_worker else spec.full_attn_layers
+    return _replace(registry, "hybrid_full_attn_layers", layout)
+
+
+def tbo_verify_split_token():
+    import harness.tbo as tbo
+    from harness.spec import ForwardMode
+    original = tbo.compute_split
+
+    def compute_split(mode, extend_lens, draft_token_num=None):
+        split = original(mode, extend_lens, draft_token_num)
+        if split is not None and mode is ForwardMode.TARGET_VERIFY:
+            return tbo.TboSplit(split.split_seq, split.split_seq)  # forgot * draft_token_num
+        return split
+    return _replace(tbo, "compute_split", compute_split)
+
+
+def two_chunk_prefix_not_grown():
+    import harness.tbo as tbo
+    original = tbo.split_forward_batch
+
+    def split_forward_batch(fb, split):
+        if not split.two_chunk:
+            return original(fb, split)
+        prefix, extend = list(fb.extend_prefix_lens_cpu), list(fb.extend_seq_lens_cpu)
+        s, t = split.split_seq, split.split_token
+        part_a = t - sum(extend[:s])
+        a = tbo.sub_batch(fb, slice(0, s + 1), slice(0, t), prefix[: s + 1], extend[:s] + [part_a])
+        b = tbo.sub_batch(fb, slice(s, len(extend)), slice(t, fb.extend_num_tokens),
+                          prefix[s:], [extend[s] - part_a] + extend[s + 1:])  # prefix of request s not grown
+        return [a, b]
+    return _replace(tbo, "split_forward_batch", split_forward_batch)
+
+
+# ---- backends ---------------------------------------------------------------------------------------
+def gqa_modulo_mapping():
+    import backends.torch_native as tn
+    original = tn.sdpa
+
+    def sdpa(q, k, v, mask, scale):
+        group = q.shape[1] // k.shape[1]
+        return original(q, k.repeat(1, group, 1), v.repeat(1, group, 1), mask, scale)  # head h -> h % Hk
+    return _replace(tn, "sdpa", sdpa)
+
+
+def kv_written_one_slot_off():
+    from harness.forward_batch import KVPool
+    original = KVPool.set_kv_buffer
+
+    def set_kv_buffer(self, layer_id, loc, k, v):
+        original(self, layer_id, loc + 1, k, v)
+    return _replace(KVPool, "set_kv_buffer", set_kv_buffer)
+
+
+def sm_scale_wrong():
+    import backends.torch_native as tn
+    original = tn.sdpa
+
+    def sdpa(q, k, v, mask, scale):
+        return original(q, k, v, mask, 1.0 / q.shape[-1])
+    return _replace(tn, "sdpa", sdpa)
+
+
+def prefix_drops_last_token():
+    import backends.planner as planner
+    original = planner.token_kv_indices
+
+    def token_kv_indices(req_to_token, req_pool_indices, kv_lens):
+        return original(req_to_token, req_pool_indices, (kv_lens - 1).clamp(min=0))
+    return _replace(planner, "token_kv_indices", token_kv_indices)
+
+
+def verify_mask_transposed():
+    import backends.planner as planner
+    from harness.materialize import tree_mask
+    original = planner.plan_token_level
+
+    def plan_token_level(fb):
+        meta = original(fb)
+        if fb.forward_mode.is_target_verify():
+            blocks = []
+            for i, seq_len in enumerate(fb.seq_lens_cpu.tolist()):
+                tree = tree_mask(fb.spec.spec.parents[i]).t()  # descendants instead of ancestors
+                blocks.append(torch.cat([torch.ones(tree.shape[0], seq_len, dtype=torch.bool), tree], 1).reshape(-1))
+            meta.custom_mask = torch.cat(blocks).to(fb.device)
+        return meta
+    return _replace(planner, "plan_token_level", plan_token_level)
+
+
+def draft_positions_by_index():
+    from harness.spec import BatchSpec
+    original = BatchSpec.positions
+
+    def positions(self):
+        if self.mode.is_target_verify():
+            return [p + j for p, e in zip(self.prefix_lens, self.extend_lens) for j in range(e)]
+        return original(self)
+
+    import harness.materialize as materialize
+    real = materialize.materialize
+
+    def patched(spec, device="cpu"):
+        with mock.patch.object(BatchSpec, "positions", positions):
+            return real(spec, device)
+    return _replace(materialize, "materialize", patched)
+
+
+def stale_graph_replay():
+    from backends.triton import TritonBackend
+
+    def replay(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu):
+        return None  # keeps the capture-time plan
+    return _replace(TritonBackend, "init_forward_metadata_replay_cuda_graph", replay)
+
+
+def decode_ignores_sliding_window():
+    import backends.triton_kernels.decode_attention as dec
+    original = dec.decode_attention_fwd
+
+    def decode_attention_fwd(*args, **kwargs):
+        kwargs["sliding_window"] = -1
+        return original(*args, **kwargs)
+    return _replace(dec, "decode_attention_fwd", decode_attention_fwd)
+
+
+def extend_drops_logit_cap():
+    import backends.triton_kernels.extend_attention as ext
+    original = ext.extend_attention_fwd
+
+    def extend_attention_fwd(*args, **kwargs):
+        kwargs["logit_cap"] = 0.0
+        return original(*args, **kwargs)
+    return _replace(ext, "extend_attention_fwd", extend_attention_fwd)
+
+
+def mla_last_chunk_dropped():
+    import backends.torch_native as tn
+    original = tn.TorchNativeBackend.init_mha_chunk_metadata
+
+    def init_mha_chunk_metadata(self, forward_batch):
+        original(self, forward_batch)
+        if len(self.mha_chunk["chunks"]) > 1:
+            self.mha_chunk["chunks"] = self.mha_chunk["chunks"][:-1]
+    return _replace(tn.TorchNativeBackend, "init_mha_chunk_metadata", init_mha_chunk_metadata)
+
+
+# ---- linear attention ---------------------------------------------------------------------------------
+def state_slot_is_request_row():
+    import backends.linear_torch as lt
+    original = lt.LinearTorchBackend.init_forward_metadata
+
+    def init_forward_metadata(self, forward_batch):
+        original(self, forward_batch)
+        self.forward_metadata.state_slots = forward_batch.req_pool_indices.clone()  # the row, not its slot
+    return _replace(lt.LinearTorchBackend, "init_forward_metadata", init_forward_metadata)
+
+
+def conv_state_not_saved():
+    import backends.linear_torch as lt
+    original = lt.conv_with_state
+
+    def conv_with_state(x, weight, state):
+        y, steps = original(x, weight, state)
+        return y, steps * 0 + state[None]  # the state never advances
+    return _replace(lt, "conv_with_state", conv_with_state)
+
+
+def fresh_request_reads_pool():
+    import backends.linear_torch as lt
+
+    @contextlib.contextmanager
+    def cm():
+        saved = lt.LinearTorchBackend.forward
+
+        def forward(self, *args, **kwargs):
+            fb = kwargs["forward_batch"]
+            real = fb.extend_prefix_lens_cpu
+            fb.extend_prefix_lens_cpu = [1] * len(real)  # every request 'has' a prefix
+            try:
+                return saved(self, *args, **kwargs)
+            finally:
+                fb.extend_prefix_lens_cpu = real
+        lt.LinearTorchBackend.forward = forward
+        try:
+            yield
+        finally:
+            lt.LinearTorchBackend.forward = saved
+    return cm()
+
+
+def commit_wrong_position():
+    import backends.linear_torch as lt
+    original = lt.LinearTorchBackend.update_mamba_state_after_mtp_verify
+
+    def update(self, accepted_length, model=None):
+        return original(self, (accepted_length - 1).clamp(min=1), model)
+    return _replace(lt.LinearTorchBackend, "update_mamba_state_after_mtp_verify", update)
+
+
+def graph_captures_linear():
+    import harness.graph_runner as gr
+    return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
+
+
+CATALOGUE: list[Mutant] = [
+    Mutant("tbo_lacks_forward", "TBO wrapper defines only forward_extend/forward_decode; linear layers' "
+           "forward(mixed_qkv=...) hits the base dispatch and crashes or goes astray",
+           (f"tbo({CPU_HYBRID})",)),
+    Mutant("tbo_mrope_dim0", "TBO child batches slice mrope_positions on dim 0, not the token dim 1; "
+           "multimodal positions are garbage in both halves", ("tbo(torch_native)",)),
+    Mutant("hybrid_lacks_mha_chunk", "Hybrid wrapper lacks init_mha_chunk_metadata; the hasattr guard skips "
+           "planning and MLA prefill sees a qo_indptr that does not match q", (CPU_HYBRID,)),
+    Mutant("hybrid_extra_kwarg", "Hybrid passes a keyword its child's init_mha_chunk_metadata does not accept; "
+           "TypeError on the first MLA prefill", (CPU_HYBRID,)),
+    Mutant("backend_lacks_update_verify", "a backend lacks update_verify_buffers_to_fill_after_draft; the "
+           "overlap plan stream crashes in speculative decoding", ("torch_native",)),
+    Mutant("hybrid_dispatch_by_type", "Hybrid dispatches by the layer object's type, not layer_id in "
+           "full_attn_layers; linear layers reach the full backend", (CPU_HYBRID,)),
+    Mutant("draft_worker_target_layout", "the MTP draft worker keeps the target's full_attn_layers instead of "
+           "[0]; its only layer goes to the linear backend", (CPU_HYBRID,)),
+    Mutant("graph_captures_linear", "a linear-attention kernel is captured into the piecewise CUDA graph; "
+           "replays return stale output (GPU only)", ("graph(hybrid(flashinfer,fla))", "graph(hybrid(triton,linear_torch))")),
+    Mutant("tbo_verify_split_token", "TBO splits verify batches at split_seq tokens, forgetting "
+           "* draft_token_num; children get the wrong draft tokens", ("tbo(torch_native)",)),
+    Mutant("two_chunk_prefix_not_grown", "two-chunk TBO split forgets to grow the straddling request's prefix "
+           "in child B; its second half ignores the first", ("tbo(torch_native)",)),
+    Mutant("gqa_modulo_mapping", "GQA maps q head h to kv head h % Hk instead of h // group; "
+           "heads attend with the wrong keys", ("torch_native",)),
+    Mutant("kv_written_one_slot_off", "K/V written at out_cache_loc + 1; the next step reads the wrong keys "
+           "and a neighbour's cache is clobbered", ("torch_native", "triton")),
+    Mutant("sm_scale_wrong", "softmax scale 1/d instead of 1/sqrt(d); attention too flat, quality drops "
+           "without an error", ("torch_native",)),
+    Mutant("prefix_drops_last_token", "kv_indptr built from kv_lens - 1: the last cached key is never read",
+           ("torch_native", "triton")),
+    Mutant("verify_mask_transposed", "tree custom mask transposed (descendants instead of ancestors); "
+           "speculative acceptance collapses", ("torch_native", "triton")),
+    Mutant("draft_positions_by_index", "draft-token positions use the token index instead of its tree depth; "
+           "RoPE of sibling drafts is wrong", ("torch_native",)),
+    Mutant("stale_graph_replay", "the replay hook keeps the capture-time plan; graph replays read stale "
+           "indptrs and indices", ("graph(triton)",)),
+    Mutant("decode_ignores_sliding_window", "decode kernel launched without the layer's sliding window; "
+           "long contexts attend too far", ("triton",)),
+    Mutant("extend_drops_logit_cap", "extend kernel launched without the logit soft-cap (Gemma-style "
+           "models drift)", ("triton",)),
+    Mutant("mla_last_chunk_dropped", "MLA chunked-prefix plan drops the last prefix chunk; long-prefix "
+           "prefill forgets the end of the context", ("torch_native",)),
+    Mutant("state_slot_is_request_row", "linear-attention states indexed by req_pool_index instead of the "
+           "request's state slot; requests read each other's state", ("linear_torch",)),
+    Mutant("conv_state_not_saved", "conv state never advances; decode after prefill convolves stale inputs",
+           ("linear_torch",)),
+    Mutant("fresh_request_reads_pool", "a request with no prefix starts from the pool's stale state instead "
+           "of zeros", ("linear_torch",)),
+    Mutant("commit_wrong_position", "after verify, the state one position before the last accepted token is "
+           "committed", ("linear_torch",)),
+]
+MUTANTS = {m.name: m for m in CATALOGUE}

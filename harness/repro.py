@@ -1,0 +1,53 @@
+"""Replaying a case file: rerun its property and show where the outputs differ."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from backends.registry import parse
+from harness.casefile import CaseFile
+from properties import PROPERTIES
+from properties.run import layer_bound, run_case, token_starts
+from properties.verdict import compare
+
+
+def describe(spec) -> str:
+    layers = ", ".join(f"{l.kind}#{l.layer_id}" for l in spec.layers)
+    return (f"{spec.mode.value}, {spec.batch_size} request(s), prefix {list(spec.prefix_lens)}, "
+            f"extend {list(spec.extend_lens)}, page {spec.page_size}, {spec.dtype}, layers [{layers}]")
+
+
+def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
+    from harness.cli import UsageError
+
+    composition = parse(case.composition)
+    reason = composition.unavailable_reason(device) or composition.unsupported_reason(case.spec)
+    if reason:
+        raise UsageError(f"cannot replay {case.composition} here: {reason}")
+    if case.property not in PROPERTIES:
+        raise UsageError(f"case names unknown property {case.property!r}; known: {', '.join(PROPERTIES)}")
+    print(f"composition: {case.composition}\nproperty:    {case.property}\nbatch:       {describe(case.spec)}")
+    verdict = PROPERTIES[case.property].run(composition, case.spec, device)
+    print(f"verdict:     {verdict}")
+    try:
+        run = run_case(composition, case.spec, device)
+    except Exception as e:  # noqa: BLE001 - the verdict above already reported it
+        print(f"(no per-layer diff: the plain run crashed with {type(e).__name__}: {e})")
+        return 0 if verdict.ok else 1
+    starts = token_starts(case.spec)
+    print(f"{'layer':>6} {'rel_l2':>10} {'bound':>10} {'max_abs':>10}  worst element")
+    for layer, out, ref in zip(case.spec.layers, run.execution.outputs, run.reference.outputs):
+        bound = layer_bound(composition, case.spec, layer)
+        c = compare(out, ref, bound, starts)
+        print(f"{layer.layer_id:>6} {c.rel_l2:>10.3e} {bound.rel_l2:>10.3e} {c.max_abs:>10.3e}  "
+              f"{c.where}{'' if c.ok else '  <-- out of bounds'}")
+    if dump_dir is not None:
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"spec": case.spec.to_json(), "outputs": [o.cpu() for o in run.execution.outputs],
+                    "reference": [r.cpu() for r in run.reference.outputs],
+                    "inputs": [{k: t.cpu() for k, t in i.tensors.items()} for i in run.case.inputs]},
+                   dump_dir / "tensors.pt")
+        print(f"tensors saved to {dump_dir / 'tensors.pt'}")
+    return 0 if verdict.ok else 1

@@ -1,0 +1,442 @@
+"""Pure-data description of one forward batch (DESIGN.md sections 1 and 3).
+
+A :class:`BatchSpec` holds no tensors: it is what Hypothesis draws, what a case file stores and what
+materialization turns into a :class:`~harness.forward_batch.ForwardBatch`. It validates itself on
+construction, so an impossible batch fails with one line naming the field, before any tensor exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Union
+
+SCHEMA_VERSION = 1
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+
+
+class SpecError(ValueError):
+    """A batch specification or case file that cannot describe a real batch."""
+
+
+class ForwardMode(str, Enum):
+    EXTEND = "extend"
+    DECODE = "decode"
+    MIXED = "mixed"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+    IDLE = "idle"
+
+    def is_idle(self) -> bool:
+        return self is ForwardMode.IDLE
+
+    def is_decode(self) -> bool:
+        return self is ForwardMode.DECODE
+
+    def is_target_verify(self) -> bool:
+        return self is ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self) -> bool:
+        return self is ForwardMode.DRAFT_EXTEND
+
+    def is_extend(self) -> bool:
+        """Every mode whose query rows go through the extend (prefill) path, as in SGLang."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise SpecError(msg)
+
+
+@dataclass(frozen=True)
+class MHALayer:
+    """Full attention with GQA: q head h reads kv head h // (num_q_heads // num_kv_heads)."""
+
+    layer_id: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    sliding_window: int | None = None  # window_left: position p sees keys in [p - w, p]
+    logit_cap: float | None = None
+    rope_theta: float = 10000.0
+    kind: str = field(default="mha", init=False)
+
+    @property
+    def sm_scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
+            _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.num_q_heads % self.num_kv_heads == 0,
+                 f"{where}: num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        _require(self.head_dim % 2 == 0, f"{where}.head_dim must be even for RoPE, got {self.head_dim}")
+        _require(self.sliding_window is None or self.sliding_window >= 0,
+                 f"{where}.sliding_window must be >= 0 or null, got {self.sliding_window}")
+        _require(self.logit_cap is None or self.logit_cap > 0,
+                 f"{where}.logit_cap must be > 0 or null, got {self.logit_cap}")
+
+
+@dataclass(frozen=True)
+class MLALayer:
+    """DeepSeek multi-head latent attention; the cache holds ckv[kv_lora_rank] and kpe[qk_rope_head_dim]."""
+
+    layer_id: int
+    num_heads: int
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    kv_lora_rank: int = 512
+    v_head_dim: int = 128
+    rope_theta: float = 10000.0
+    kind: str = field(default="mla", init=False)
+
+    @property
+    def sm_scale(self) -> float:
+        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        for name in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim"):
+            _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.qk_rope_head_dim % 2 == 0, f"{where}.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+
+
+@dataclass(frozen=True)
+class LinearLayer:
+    """Gated delta rule layer; value head j reads q/k head j // (num_v_heads // num_k_heads)."""
+
+    layer_id: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    kind: str = field(default="linear", init=False)
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k_dim + self.num_v_heads * self.head_v_dim
+
+    @property
+    def scale(self) -> float:
+        return self.head_k_dim**-0.5
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        for name in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):
+            _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.num_v_heads % self.num_k_heads == 0,
+                 f"{where}: num_v_heads={self.num_v_heads} is not a multiple of num_k_heads={self.num_k_heads}")
+        _require(self.conv_kernel >= 2, f"{where}.conv_kernel must be >= 2, got {self.conv_kernel}")
+
+
+Layer = Union[MHALayer, MLALayer, LinearLayer]
+_LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer}
+
+
+@dataclass(frozen=True)
+class SpecInput:
+    """Speculative-decoding inputs.
+
+    ``parents[i][j]`` is the parent of draft token j of request i in its draft tree (-1 for the root,
+    which is token 0; a parent always precedes its child). ``accept_lens[i]`` is how many draft tokens
+    verification accepted (a chain from the root): TARGET_VERIFY commits the linear-attention state at that
+    position; DRAFT_EXTEND extends by exactly that many tokens.
+    """
+
+    draft_token_num: int
+    topk: int
+    spec_steps: int
+    parents: tuple[tuple[int, ...], ...]
+    accept_lens: tuple[int, ...]
+
+    def depths(self, request: int) -> tuple[int, ...]:
+        out: list[int] = []
+        for p in self.parents[request]:
+            out.append(0 if p < 0 else out[p] + 1)
+        return tuple(out)
+
+    def is_chain(self) -> bool:
+        return all(tree == tuple(range(-1, len(tree) - 1)) for tree in self.parents)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image of t x h x w tokens placed at token ``offset`` of request ``request``'s full sequence."""
+
+    request: int
+    offset: int
+    t: int
+    h: int
+    w: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.t * self.h * self.w
+
+
+@dataclass(frozen=True)
+class MropeLayout:
+    """Multimodal RoPE: ``sections`` split rotary_dim // 2 into temporal, height and width parts."""
+
+    sections: tuple[int, int, int]
+    images: tuple[ImageSpan, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One forward batch, as pure data.
+
+    ``prefix_lens[i]`` tokens of request i are already cached; ``extend_lens[i]`` new query rows follow.
+    DECODE has extend_lens all 1; TARGET_VERIFY has extend_lens all ``spec.draft_token_num`` (the cached
+    length is then what SGLang calls ``seq_lens``); DRAFT_EXTEND has extend_lens == ``spec.accept_lens``.
+    """
+
+    mode: ForwardMode
+    prefix_lens: tuple[int, ...]
+    extend_lens: tuple[int, ...]
+    layers: tuple[Layer, ...]
+    page_size: int = 1
+    dtype: str = "float32"
+    seed: int = 0
+    context_len: int = 4096
+    spec: SpecInput | None = None
+    mrope: MropeLayout | None = None
+    tbo: bool = False
+    draft_worker: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", ForwardMode(self.mode))
+        object.__setattr__(self, "prefix_lens", tuple(int(x) for x in self.prefix_lens))
+        object.__setattr__(self, "extend_lens", tuple(int(x) for x in self.extend_lens))
+        object.__setattr__(self, "layers", tuple(self.layers))
+        self.validate()
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return len(self.prefix_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    @property
+    def kv_lens(self) -> tuple[int, ...]:
+        """Keys each request attends to once its new tokens are written (prefix + new)."""
+        return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens))
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        """SGLang's ``seq_lens``: cached + new, except in TARGET_VERIFY where drafts are not counted."""
+        if self.mode.is_target_verify():
+            return self.prefix_lens
+        return self.kv_lens
+
+    @property
+    def full_attn_layers(self) -> tuple[int, ...]:
+        """Layer ids that go to the full-attention backend of a hybrid model."""
+        if self.draft_worker:
+            return (0,)
+        return tuple(layer.layer_id for layer in self.layers if layer.kind != "linear")
+
+    @property
+    def attention_kinds(self) -> frozenset[str]:
+        return frozenset(layer.kind for layer in self.layers)
+
+    def positions(self) -> list[int]:
+        """Absolute position of each query row, computed from lengths alone (the reference's view)."""
+        out: list[int] = []
+        for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+            if self.mode.is_target_verify():
+                out.extend(p + d for d in self.spec.depths(i))
+            else:
+                out.extend(range(p, p + e))
+        return out
+
+    # ---- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        B = len(self.prefix_lens)
+        _require(len(self.extend_lens) == B,
+                 f"extend_lens has {len(self.extend_lens)} entries but prefix_lens has {B}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _require(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+            _require(p >= 0, f"prefix_lens[{i}] must be >= 0, got {p}")
+            _require(e >= 1, f"extend_lens[{i}] must be >= 1, got {e}")
+            _require(p + e <= self.context_len,
+                     f"request {i}: prefix_lens + extend_lens = {p + e} exceeds context_len={self.context_len}")
+        _require(len(self.layers) >= 1, "layers must name at least one layer")
+        for layer in self.layers:
+            layer.validate()
+        ids = [layer.layer_id for layer in self.layers]
+        if self.draft_worker:
+            _require(all(i == 0 for i in ids) and all(l.kind != "linear" for l in self.layers),
+                     "draft_worker batches have only full-attention layers, all with layer_id 0")
+        else:
+            _require(len(set(ids)) == len(ids), f"layer ids must be distinct, got {ids}")
+            _require(all(i >= 0 for i in ids), f"layer ids must be >= 0, got {ids}")
+        self._validate_mode(B)
+        if self.mrope is not None:
+            self._validate_mrope()
+
+    def _validate_mode(self, B: int) -> None:
+        m = self.mode
+        if m.is_idle():
+            _require(B == 0, f"an idle batch has no requests, got {B}")
+            _require(not self.tbo, "tbo needs requests; an idle batch has none")
+            return
+        _require(B >= 1, f"mode {m.value} needs at least one request")
+        if m.is_decode():
+            _require(all(e == 1 for e in self.extend_lens), "decode batches have extend_lens all 1")
+        if m.is_decode() or m.is_target_verify():
+            # Decoding and verification always follow a prefill, so something is cached already.
+            _require(all(p >= 1 for p in self.prefix_lens), f"{m.value} batches need prefix_lens >= 1")
+        needs_spec = m.is_target_verify() or m.is_draft_extend()
+        _require(needs_spec == (self.spec is not None),
+                 f"spec (speculative inputs) is required for target_verify/draft_extend and only there; mode is {m.value}")
+        if self.spec is None:
+            return
+        s = self.spec
+        _require(s.draft_token_num >= 1 and s.topk >= 1 and s.spec_steps >= 1,
+                 "spec.draft_token_num, spec.topk and spec.spec_steps must be >= 1")
+        _require(len(s.parents) == B, f"spec.parents has {len(s.parents)} trees for {B} requests")
+        _require(len(s.accept_lens) == B, f"spec.accept_lens has {len(s.accept_lens)} entries for {B} requests")
+        for i, tree in enumerate(s.parents):
+            _require(len(tree) == s.draft_token_num,
+                     f"spec.parents[{i}] has {len(tree)} nodes, expected draft_token_num={s.draft_token_num}")
+            _require(len(tree) >= 1 and tree[0] == -1, f"spec.parents[{i}] is not a tree: node 0 must be the root (-1)")
+            for j, p in enumerate(tree[1:], start=1):
+                _require(0 <= p < j, f"spec.parents[{i}][{j}]={p} is not a tree: a parent must be an earlier node")
+            _require(max(s.depths(i)) <= s.spec_steps,
+                     f"spec.parents[{i}] is deeper than spec_steps={s.spec_steps}")
+        for i, a in enumerate(s.accept_lens):
+            _require(1 <= a <= s.spec_steps + 1, f"spec.accept_lens[{i}]={a} must be in 1..spec_steps+1")
+            if m.is_target_verify():
+                _require(a <= max(s.depths(i)) + 1, f"spec.accept_lens[{i}]={a} is longer than the tree is deep")
+        if m.is_target_verify():
+            _require(all(e == s.draft_token_num for e in self.extend_lens),
+                     "target_verify batches have extend_lens all equal to spec.draft_token_num")
+            if "linear" in self.attention_kinds:
+                _require(s.is_chain(), "linear-attention layers verify chains only (topk=1): spec.parents must be chains")
+        if m.is_draft_extend():
+            _require(self.extend_lens == s.accept_lens, "draft_extend batches have extend_lens == spec.accept_lens")
+
+    def _validate_mrope(self) -> None:
+        _require(not self.mode.is_target_verify(), "mrope layouts are not modelled for target_verify batches")
+        sections = self.mrope.sections
+        _require(len(sections) == 3 and all(x >= 0 for x in sections), f"mrope.sections must be 3 counts, got {sections}")
+        for layer in self.layers:
+            rot = layer.head_dim if layer.kind == "mha" else layer.qk_rope_head_dim if layer.kind == "mla" else None
+            if rot is not None:
+                _require(sum(sections) == rot // 2,
+                         f"mrope.sections {sections} sum to {sum(sections)}, layer {layer.layer_id} needs {rot // 2}")
+        for n, img in enumerate(self.mrope.images):
+            _require(0 <= img.request < self.batch_size, f"mrope.images[{n}].request={img.request} out of range")
+            _require(min(img.t, img.h, img.w) >= 1, f"mrope.images[{n}] must have t, h, w >= 1")
+            _require(img.offset >= 0 and img.offset + img.num_tokens <= self.kv_lens[img.request],
+                     f"mrope.images[{n}] does not fit inside request {img.request}'s sequence")
+        spans = sorted((img.request, img.offset, img.offset + img.num_tokens) for img in self.mrope.images)
+        for (r0, _, end0), (r1, start1, _) in zip(spans, spans[1:]):
+            _require(r0 != r1 or start1 >= end0, f"mrope.images overlap in request {r1}")
+
+    def mrope_positions(self) -> tuple[list[int], list[int], list[int]]:
+        """The three mRoPE position rows (temporal, height, width) of each query row (Qwen2-VL rule).
+
+        Text tokens take the next position on all three rows; an image of t x h x w tokens starting where
+        the next position is s takes (s + ti, s + hi, s + wi), and the text after it resumes at
+        s + max(t, h, w).
+        """
+        rows: tuple[list[int], list[int], list[int]] = ([], [], [])
+        images = self.mrope.images if self.mrope is not None else ()
+        for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+            starts = {img.offset: img for img in images if img.request == i}
+            seq: list[tuple[int, int, int]] = []
+            nxt = 0
+            while len(seq) < p + e:
+                img = starts.get(len(seq))
+                if img is None:
+                    seq.append((nxt, nxt, nxt))
+                    nxt += 1
+                    continue
+                for ti in range(img.t):
+                    for hi in range(img.h):
+                        for wi in range(img.w):
+                            seq.append((nxt + ti, nxt + hi, nxt + wi))
+                nxt += max(img.t, img.h, img.w)
+            for r in range(3):
+                rows[r].extend(pos[r] for pos in seq[p:p + e])
+        return rows
+
+    # ---- JSON -----------------------------------------------------------------------------------
+    def to_json_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["mode"] = self.mode.value
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_json_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json_dict(cls, d: dict[str, Any]) -> "BatchSpec":
+        if not isinstance(d, dict):
+            raise SpecError(f"a batch specification is a JSON object, got {type(d).__name__}")
+        d = dict(d)
+        version = d.pop("schema_version", None)
+        _require(version == SCHEMA_VERSION,
+                 f"schema_version {version!r} is not supported (this harness reads version {SCHEMA_VERSION})")
+        layers = []
+        for n, ld in enumerate(_field(d, "layers", list)):
+            _require(isinstance(ld, dict), f"layers[{n}] must be an object")
+            ld = dict(ld)
+            kind = ld.pop("kind", None)
+            _require(kind in _LAYER_TYPES, f"layers[{n}].kind must be one of mha, mla, linear, got {kind!r}")
+            layers.append(_build(_LAYER_TYPES[kind], ld, f"layers[{n}]"))
+        d["layers"] = tuple(layers)
+        if d.get("spec") is not None:
+            s = dict(_field(d, "spec", dict))
+            s["parents"] = tuple(tuple(t) for t in s.get("parents", ()))
+            s["accept_lens"] = tuple(s.get("accept_lens", ()))
+            d["spec"] = _build(SpecInput, s, "spec")
+        if d.get("mrope") is not None:
+            m = dict(_field(d, "mrope", dict))
+            m["sections"] = tuple(m.get("sections", ()))
+            m["images"] = tuple(_build(ImageSpan, dict(im), f"mrope.images[{k}]")
+                                for k, im in enumerate(m.get("images", ())))
+            d["mrope"] = _build(MropeLayout, m, "mrope")
+        try:
+            d["mode"] = ForwardMode(d.get("mode"))
+        except ValueError:
+            raise SpecError(f"mode must be one of {', '.join(m.value for m in ForwardMode)}, got {d.get('mode')!r}") from None
+        return _build(cls, d, "batch")
+
+    @classmethod
+    def from_json(cls, text: str) -> "BatchSpec":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SpecError(f"not valid JSON: {e}") from None
+        return cls.from_json_dict(d)
+
+
+def _field(d: dict, name: str, typ: type) -> Any:
+    value = d.get(name)
+    _require(isinstance(value, typ), f"{name} must be a JSON {typ.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _build(cls: type, d: dict, where: str) -> Any:
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(d) - names - {"kind"})
+    _require(not unknown, f"{where}: unknown field(s) {', '.join(unknown)}")
+    d = {k: v for k, v in d.items() if k in names}
+    try:
+        return cls(**d)
+    except TypeError as e:
+        raise SpecError(f"{where}: {e}") from None

@@ -1,0 +1,149 @@
+"""Hypothesis strategies for batch specifications, valid by construction.
+
+Each strategy draws sizes first and contents second, so the shrinker moves toward fewer requests, shorter
+lengths, zero prefixes and fewer layers. No ``assume`` or filter is needed: every drawn example is a batch
+the composition can run (its declared page sizes, modes and layer kinds).
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from harness.profiles import Profile
+from harness.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+
+
+@st.composite
+def lengths(draw, lo: int, hi: int, page_size: int) -> int:
+    """A length in [lo, hi] that is often at a page boundary (k*ps - 1, k*ps, k*ps + 1), or 1."""
+    hi = max(hi, lo)
+    pages = [k * page_size + d for k in range(1, hi // max(page_size, 1) + 1) for d in (-1, 0, 1)]
+    special = sorted({x for x in [lo, 1, *pages] if lo <= x <= hi})
+    return draw(st.one_of(st.integers(lo, hi), st.sampled_from(special)))
+
+
+@st.composite
+def draft_tree(draw, draft_token_num: int, steps: int, topk: int, chain: bool) -> tuple[int, ...]:
+    """Parent indices of an EAGLE-style draft tree: node 0 is the root; no node deeper than ``steps``;
+    at most ``topk`` children per node."""
+    if chain:
+        return tuple(range(-1, draft_token_num - 1))
+    parents, depth, children = [-1], [0], [0]
+    for j in range(1, draft_token_num):
+        options = [i for i in range(j) if depth[i] < steps and children[i] < topk] or [0]
+        p = draw(st.sampled_from(options))
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        children.append(0)
+        children[p] += 1
+    return tuple(parents)
+
+
+def _full_layer(kind: str, layer_id: int, profile: Profile, draw) -> MHALayer | MLALayer:
+    if kind == "mla":
+        h, nope, rope, rank, v = profile.mla
+        return MLALayer(layer_id, h, nope, rope, rank, v)
+    hq, hk, d, dv = profile.mha
+    sliding = draw(st.none() | st.integers(0, 2 * profile.max_extend))
+    cap = draw(st.sampled_from([None, 5.0, 50.0]))
+    return MHALayer(layer_id, hq, hk, d, dv, sliding_window=sliding, logit_cap=cap)
+
+
+@st.composite
+def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str], *,
+                page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
+                mrope: bool = True, hybrid: bool = False, chain: bool = False) -> BatchSpec:
+    """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
+
+    ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
+    ``chain`` makes every draft tree a chain (topk 1).
+    """
+    page_size = draw(st.sampled_from(page_sizes or profile.page_sizes))
+    full_kinds = sorted(kinds & {"mha", "mla"})
+    draft_worker = hybrid and bool(full_kinds) and mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and \
+        draw(st.booleans()) and draw(st.booleans())
+    # Layers: draw how many, then the kind of each.
+    if draft_worker:
+        layers = (_full_layer(full_kinds[0], 0, profile, draw),)
+    else:
+        full_kind = draw(st.sampled_from(full_kinds)) if full_kinds else None
+        n_layers = draw(st.integers(1, profile.max_layers))
+        layer_kinds = [draw(st.sampled_from([k for k in (full_kind, "linear" if "linear" in kinds else None) if k]))
+                       for _ in range(n_layers)]
+        layers = tuple(LinearLayer(i, *profile.linear) if k == "linear" else _full_layer(k, i, profile, draw)
+                       for i, k in enumerate(layer_kinds))
+    if not sliding_window or not logit_cap:
+        layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
+    has_linear = any(l.kind == "linear" for l in layers)
+
+    # Requests: how many, then their lengths.
+    if mode is ForwardMode.IDLE:
+        return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=profile.dtype,
+                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker)
+    B = draw(st.integers(1, profile.max_requests))
+    spec_input = None
+    if mode is ForwardMode.DECODE:
+        prefix = [draw(lengths(1, profile.max_prefix, page_size)) for _ in range(B)]
+        extend = [1] * B
+    elif mode is ForwardMode.TARGET_VERIFY:
+        steps = draw(st.integers(1, 4))
+        topk = 1 if (has_linear or chain) else draw(st.integers(1, 4))
+        D = draw(st.integers(1, steps * topk + 1)) if topk > 1 else steps + 1
+        prefix = [draw(lengths(1, profile.max_prefix, page_size)) for _ in range(B)]
+        extend = [D] * B
+        trees = tuple(draw(draft_tree(D, steps, topk, chain=topk == 1)) for _ in range(B))
+        accept = []
+        for tree in trees:
+            depth = [0] * D
+            for j in range(1, D):
+                depth[j] = depth[tree[j]] + 1
+            accept.append(draw(st.integers(1, max(depth) + 1)))
+        spec_input = SpecInput(D, topk, steps, trees, tuple(accept))
+    elif mode is ForwardMode.DRAFT_EXTEND:
+        steps = draw(st.integers(1, 4))
+        prefix = [draw(lengths(0, profile.max_prefix, page_size)) for _ in range(B)]
+        extend = [draw(st.integers(1, steps + 1)) for _ in range(B)]
+        spec_input = SpecInput(steps + 1, 1, steps, tuple(tuple(range(-1, steps)) for _ in range(B)), tuple(extend))
+    else:
+        prefix = [draw(st.one_of(st.just(0), lengths(0, profile.max_prefix, page_size))) for _ in range(B)]
+        extend = [draw(lengths(1, profile.max_extend, page_size)) for _ in range(B)]
+        if mode is ForwardMode.MIXED:
+            # Some requests are decodes (an extend of 1 after a cached prefix).
+            for i in range(B):
+                if draw(st.booleans()):
+                    prefix[i], extend[i] = max(prefix[i], 1), 1
+    mrope_layout = None
+    if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()) and draw(st.booleans()):
+        mrope_layout = draw(mrope_layouts(layers, prefix, extend))
+    return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=profile.dtype,
+                     seed=draw(st.integers(0, 2**31 - 1)), spec=spec_input, mrope=mrope_layout,
+                     draft_worker=draft_worker)
+
+
+def _strip(layer, sliding_window: bool, logit_cap: bool):
+    if layer.kind != "mha":
+        return layer
+    return MHALayer(layer.layer_id, layer.num_q_heads, layer.num_kv_heads, layer.head_dim, layer.v_head_dim,
+                    sliding_window=layer.sliding_window if sliding_window else None,
+                    logit_cap=layer.logit_cap if logit_cap else None)
+
+
+@st.composite
+def mrope_layouts(draw, layers, prefix: list[int], extend: list[int]) -> MropeLayout:
+    """Text with image grids inside: sections split the rotary half-dim; images never overlap."""
+    rot = next(l.head_dim if l.kind == "mha" else l.qk_rope_head_dim for l in layers)
+    half = rot // 2
+    t = draw(st.integers(0, half // 3))
+    h = draw(st.integers(0, half - t))
+    sections = (t, h, half - t - h)
+    images = []
+    for i, (p, e) in enumerate(zip(prefix, extend)):
+        pos, total = 0, p + e
+        while draw(st.booleans()):
+            gt, gh, gw = draw(st.integers(1, 2)), draw(st.integers(1, 4)), draw(st.integers(1, 4))
+            start = draw(st.integers(pos, total))
+            if start + gt * gh * gw > total:
+                break
+            images.append(ImageSpan(i, start, gt, gh, gw))
+            pos = start + gt * gh * gw
+    return MropeLayout(sections, tuple(images))

@@ -1,0 +1,90 @@
+"""What must hold, as named properties of (composition, batch specification, device) -> Verdict.
+
+Each entry says which compositions and batches it applies to; the test matrix and the command line take
+their rows from ``PROPERTIES`` and ``applies``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+from backends.registry import Composition
+from harness.spec import BatchSpec, ForwardMode
+from properties.cache import cache_writes_exact
+from properties.conformance import conformance, dispatch
+from properties.graph import graph_replay_equals_eager
+from properties.equivalence import (chunked_prefill_equals_whole, prefill_then_decode_equals_prefill,
+                                    tbo_split_equals_unsplit, verify_chain_equals_extend)
+from properties.metadata import metadata_invariants
+from properties.outputs import outputs_match_reference
+from properties.verdict import Verdict
+
+
+EXTEND_MODES = frozenset({ForwardMode.EXTEND})
+ALL = frozenset(ForwardMode)
+
+
+@dataclass(frozen=True)
+class Property:
+    """A named check, the modes whose batches it needs, and the wrappers a composition must contain."""
+
+    name: str
+    check: Callable[[Composition, BatchSpec, str], Verdict]
+    doc: str
+    modes: frozenset[ForwardMode] = ALL
+    needs_wrapper: str | None = None  # e.g. "tbo": only compositions with that outer wrapper
+    excludes_wrapper: str | None = None
+    strategy_options: tuple[tuple[str, object], ...] = ()  # extra keyword arguments of batch_specs
+
+    def applies(self, composition: Composition, mode: ForwardMode) -> str | None:
+        """None if the property applies to this row, else why not."""
+        if mode not in self.modes:
+            return f"{self.name} needs {'/'.join(sorted(m.value for m in self.modes))} batches"
+        outer = self.needs_wrapper in ("tbo", "graph")
+        if outer and composition.name != self.needs_wrapper:
+            return f"{self.name} needs a {self.needs_wrapper}() composition"
+        if self.needs_wrapper and not outer and self.needs_wrapper not in composition.wrappers():
+            return f"{self.name} needs a {self.needs_wrapper} wrapper"
+        if composition.name == "graph" and self.needs_wrapper != "graph":
+            return "graph() compositions are checked by graph_replay"
+        if self.excludes_wrapper and composition.name == self.excludes_wrapper:
+            return f"{self.name} does not run on {self.excludes_wrapper} compositions"
+        return None
+
+    def run(self, composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+        """Run the check; a crash is a failing verdict that names the exception and where it was raised."""
+        try:
+            return self.check(composition, spec, device)
+        except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            return Verdict(self.name, False, f"crashed: {type(e).__name__}: {e} "
+                                             f"({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})")
+
+
+PROPERTIES: dict[str, Property] = {p.name: p for p in [
+    Property("outputs", outputs_match_reference,
+             "outputs finite, one row per token, within the dtype bound of the float64 reference; linear states too"),
+    Property("metadata", metadata_invariants,
+             "planned indptrs, indices, last-page lengths, masks and state slots satisfy the invariants"),
+    Property("cache", cache_writes_exact, "new K/V land exactly at out_cache_loc; no other slot or state changes"),
+    Property("conformance", conformance,
+             "every protocol method exists, accepts the canonical call, and wrappers delegate it",
+             modes=frozenset({ForwardMode.EXTEND})),
+    Property("dispatch", dispatch, "full layer ids reach the full backend, the others the linear backend",
+             modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}), needs_wrapper="hybrid"),
+    Property("tbo_split", tbo_split_equals_unsplit, "joining the TBO children's outputs gives the unsplit output",
+             modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}), needs_wrapper="tbo"),
+    Property("chunked_prefill", chunked_prefill_equals_whole, "extend e1 then e2 equals one extend of e1+e2",
+             modes=EXTEND_MODES, excludes_wrapper="tbo"),
+    Property("prefill_then_decode", prefill_then_decode_equals_prefill, "extend n then decode 1 equals extend n+1",
+             modes=EXTEND_MODES, excludes_wrapper="tbo"),
+    Property("verify_chain", verify_chain_equals_extend,
+             "verify of a chain equals extend of its tokens; the committed state is the accepted prefix's",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
+             strategy_options=(("chain", True),)),
+    Property("graph_replay", graph_replay_equals_eager,
+             "CUDA-graph replay equals eager on real rows, pools end identical, new inputs give new outputs",
+             modes=frozenset({ForwardMode.DECODE}), needs_wrapper="graph"),
+]}

@@ -1,0 +1,332 @@
+"""Conformance and dispatch (DESIGN.md section 5).
+
+Conformance: every backend and wrapper exposes every protocol method with a signature that accepts the
+canonical call; a wrapper defines each method itself (an inherited base method does not delegate) and the
+call reaches the child that owns it, with arguments that child accepts. Children are replaced by strict
+spies whose signatures are exactly the protocol's, so a wrapper that swallows a call, answers ``hasattr``
+with False, or passes an unexpected keyword, fails.
+
+Dispatch: in a real run, every full-attention layer reaches the full backend and every other layer the
+linear backend (draft workers included).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+
+import torch
+
+from backends.base import PROTOCOL_METHODS, AttentionBackend
+from backends.registry import Composition
+from harness.execute import execute
+from harness.forward_batch import ModelRunner
+from harness.materialize import materialize
+from harness.model import make_layer
+from harness.spec import BatchSpec, ForwardMode
+from harness.tbo import attach_tbo_children
+from properties.verdict import Verdict
+
+GRAPH_METHODS = {"init_cuda_graph_state", "init_forward_metadata_capture_cuda_graph",
+                 "init_forward_metadata_replay_cuda_graph"}
+
+
+class Spy(AttentionBackend):
+    """A child with exactly the protocol's signatures that records every call it receives."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def _rec(self, name, *args, **kwargs):
+        self.calls.append((name, args, kwargs))
+
+    def called(self, name: str) -> bool:
+        return any(c[0] == name for c in self.calls)
+
+    def init_forward_metadata(self, forward_batch):
+        self._rec("init_forward_metadata", forward_batch)
+
+    def init_mha_chunk_metadata(self, forward_batch):  # the strictest hook: the batch only
+        self._rec("init_mha_chunk_metadata", forward_batch)
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        self._rec("forward", layer=layer)
+        return self.label
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self._rec("forward_extend", layer=layer)
+        return self.label
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        self._rec("forward_decode", layer=layer)
+        return self.label
+
+    def init_cuda_graph_state(self, max_bs, max_num_tokens):
+        self._rec("init_cuda_graph_state")
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
+                                                 forward_mode, spec_info):
+        self._rec("init_forward_metadata_capture_cuda_graph", bs=bs)
+
+    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
+                                                forward_mode, spec_info, seq_lens_cpu):
+        self._rec("init_forward_metadata_replay_cuda_graph", bs=bs)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        self._rec("get_cuda_graph_seq_len_fill_value")
+        return 1
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        self._rec("get_verify_buffers_to_fill_after_draft")
+        return [None, None]
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
+        self._rec("update_verify_buffers_to_fill_after_draft")
+
+    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None):
+        self._rec("update_mamba_state_after_mtp_verify")
+
+
+CANONICAL_CALLS = {
+    "init_forward_metadata": (("fb",), {}),
+    "forward": (("q", "k", "v", "layer", "fb"), {"save_kv_cache": True}),
+    "forward_extend": (("q", "k", "v", "layer", "fb"), {"save_kv_cache": True}),
+    "forward_decode": (("q", "k", "v", "layer", "fb"), {"save_kv_cache": True}),
+    "init_cuda_graph_state": ((), {"max_bs": 4, "max_num_tokens": 4}),
+    "init_forward_metadata_capture_cuda_graph": ((), dict(bs=4, num_tokens=4, req_pool_indices=None, seq_lens=None,
+                                                         encoder_lens=None, forward_mode=None, spec_info=None)),
+    "init_forward_metadata_replay_cuda_graph": ((), dict(bs=4, req_pool_indices=None, seq_lens=None, seq_lens_sum=0,
+                                                        encoder_lens=None, forward_mode=None, spec_info=None,
+                                                        seq_lens_cpu=None)),
+    "get_cuda_graph_seq_len_fill_value": ((), {}),
+    "get_verify_buffers_to_fill_after_draft": ((), {}),
+    "update_verify_buffers_to_fill_after_draft": ((), {"spec_info": None, "cuda_graph_bs": 4}),
+}
+LINEAR_FORWARD = ((), {"layer": None, "forward_batch": None, "mixed_qkv": None, "a": None, "b": None})
+
+
+def _nodes(backend) -> list:
+    out = [backend]
+    if hasattr(backend, "primary"):
+        for c in [backend.primary, *backend.children]:
+            out += _nodes(c)
+    elif hasattr(backend, "full_attn_backend"):
+        out += _nodes(backend.full_attn_backend) + _nodes(backend.linear_attn_backend)
+    return out
+
+
+def _surface_problem(node) -> str | None:
+    cls = type(node)
+    is_wrapper = getattr(node, "is_wrapper", False)
+    for m in PROTOCOL_METHODS:
+        fn = getattr(node, m, None)
+        if not callable(fn):
+            return f"{cls.__name__} lacks {m}()"
+        inherited = getattr(cls, m) is getattr(AttentionBackend, m)
+        if inherited and (is_wrapper or m != "forward"):
+            return f"{cls.__name__}.{m} is the base's ({'a wrapper must delegate it' if is_wrapper else 'not implemented'})"
+        args, kwargs = CANONICAL_CALLS[m]
+        try:
+            inspect.signature(fn).bind(*args, **kwargs)
+        except TypeError as e:
+            return f"{cls.__name__}.{m} does not accept the canonical call: {e}"
+    kinds = node.capabilities.attention_kinds if hasattr(node, "capabilities") else {"linear"}
+    if "linear" in kinds or is_wrapper:
+        try:
+            inspect.signature(node.forward).bind(*LINEAR_FORWARD[0], **LINEAR_FORWARD[1])
+        except TypeError as e:
+            return f"{cls.__name__}.forward does not accept the linear-attention call: {e}"
+    if not is_wrapper:
+        for m in ("get_cuda_graph_seq_len_fill_value", "get_verify_buffers_to_fill_after_draft"):
+            try:
+                getattr(node, m)()
+            except NotImplementedError as e:
+                return f"{cls.__name__}.{m}() raises: {e}"
+        try:
+            node.update_verify_buffers_to_fill_after_draft(None, 1)
+        except NotImplementedError as e:
+            return f"{cls.__name__}.update_verify_buffers_to_fill_after_draft() raises: {e}"
+    return None
+
+
+def _layer(layer_id: int, kind: str):
+    from harness.spec import LinearLayer, MHALayer
+    from harness.forward_batch import LayerWeights
+    spec = MHALayer(layer_id, 2, 1, 8, 8) if kind == "mha" else LinearLayer(layer_id, 1, 1, 8, 8)
+    return make_layer(spec, LayerWeights({}), ForwardMode.EXTEND)
+
+
+def _reaches(node, spies: dict, method: str, owners: set, call) -> str | None:
+    """Invoke ``call`` on the wrapper with fresh spies; the owners (and, for routed calls, only they) must
+    receive ``method``."""
+    for spy in spies.values():
+        spy.calls.clear()
+    call()
+    for label, spy in spies.items():
+        if label in owners and not spy.called(method):
+            return f"{type(node).__name__}.{method} did not reach the {label} backend"
+    return None
+
+
+def _delegation_problem(node, spec: BatchSpec, device: str) -> str | None:
+    """Swap the wrapper's children for strict spies and check each call reaches its owner."""
+    if hasattr(node, "full_attn_backend"):
+        return _hybrid_delegation(node, spec, device)
+    if hasattr(node, "primary"):
+        return _tbo_delegation(node, spec, device)
+    return None
+
+
+def _hybrid_delegation(node, spec: BatchSpec, device: str) -> str | None:
+    fb = materialize(spec, device).forward_batch
+    real = (node.full_attn_backend, node.linear_attn_backend)
+    spies = {"full": Spy("full"), "linear": Spy("linear")}
+    node.full_attn_backend, node.linear_attn_backend = spies["full"], spies["linear"]
+    full_id = next(iter(node.full_attn_layers), 0)
+    linear_id = max(node.full_attn_layers, default=0) + 1
+    both = {"full", "linear"}
+    checks = [
+        ("init_forward_metadata", both, lambda: node.init_forward_metadata(fb)),
+        ("init_cuda_graph_state", both, lambda: node.init_cuda_graph_state(4, 4)),
+        ("init_forward_metadata_capture_cuda_graph", both, lambda: _call(node, "init_forward_metadata_capture_cuda_graph")),
+        ("init_forward_metadata_replay_cuda_graph", both, lambda: _call(node, "init_forward_metadata_replay_cuda_graph")),
+        ("get_cuda_graph_seq_len_fill_value", {"full"}, node.get_cuda_graph_seq_len_fill_value),
+        ("get_verify_buffers_to_fill_after_draft", {"full"}, node.get_verify_buffers_to_fill_after_draft),
+        ("update_verify_buffers_to_fill_after_draft", {"full"}, lambda: node.update_verify_buffers_to_fill_after_draft(None, 4)),
+    ]
+    try:
+        if not hasattr(node, "init_mha_chunk_metadata"):
+            return f"{type(node).__name__} has no init_mha_chunk_metadata: callers' hasattr guard would skip its full backend's planning"
+        checks.append(("init_mha_chunk_metadata", {"full"}, lambda: node.init_mha_chunk_metadata(fb)))
+        for method, owners, call in checks:
+            problem = _reaches(node, spies, method, owners, call)
+            if problem:
+                return problem
+        for m in ("forward", "forward_extend", "forward_decode"):
+            for layer_id, owner in ((full_id, "full"), (linear_id, "linear")):
+                other = "linear" if owner == "full" else "full"
+                for spy in spies.values():
+                    spy.calls.clear()
+                getattr(node, m)(None, None, None, _layer(layer_id, "mha"), fb)
+                if not spies[owner].called(m) or spies[other].called(m):
+                    return f"{type(node).__name__}.{m} for layer {layer_id} did not reach only the {owner} backend"
+    except TypeError as e:
+        return f"{type(node).__name__} called a child with arguments it does not accept: {e}"
+    finally:
+        node.full_attn_backend, node.linear_attn_backend = real
+    return None
+
+
+def _tbo_delegation(node, spec: BatchSpec, device: str) -> str | None:
+    real = (node.primary, node.children)
+    spies = {"primary": Spy("primary"), "child A": Spy("child A"), "child B": Spy("child B")}
+    node.primary, node.children = spies["primary"], [spies["child A"], spies["child B"]]
+    layers = spec.layers if spec.draft_worker else spec.layers[:1]
+    decode_spec = BatchSpec(ForwardMode.DECODE, (3, 5, 2, 4), (1, 1, 1, 1), layers, page_size=spec.page_size,
+                            dtype=spec.dtype, draft_worker=spec.draft_worker)
+    fb = materialize(decode_spec, device).forward_batch
+    attach_tbo_children(fb)
+    everyone = set(spies)
+    checks = [
+        ("init_forward_metadata", everyone, lambda: node.init_forward_metadata(fb)),
+        ("init_mha_chunk_metadata", {"primary"}, lambda: node.init_mha_chunk_metadata(fb)),
+        ("forward", {"primary"}, lambda: node.forward(None, None, None, _layer(0, "mha"), fb)),
+        ("forward", {"primary"}, lambda: node.forward(layer=_layer(0, "linear"), forward_batch=fb,
+                                                      mixed_qkv=None, a=None, b=None)),
+        ("forward_extend", {"primary"}, lambda: node.forward_extend(None, None, None, _layer(0, "mha"), fb)),
+        ("forward_decode", {"primary"}, lambda: node.forward_decode(None, None, None, _layer(0, "mha"), fb)),
+        ("init_cuda_graph_state", everyone, lambda: node.init_cuda_graph_state(4, 4)),
+        ("init_forward_metadata_capture_cuda_graph", everyone,
+         lambda: _call(node, "init_forward_metadata_capture_cuda_graph", fb)),
+        ("init_forward_metadata_replay_cuda_graph", everyone,
+         lambda: _call(node, "init_forward_metadata_replay_cuda_graph", fb)),
+        ("get_cuda_graph_seq_len_fill_value", {"primary"}, node.get_cuda_graph_seq_len_fill_value),
+        ("get_verify_buffers_to_fill_after_draft", {"primary"}, node.get_verify_buffers_to_fill_after_draft),
+        ("update_verify_buffers_to_fill_after_draft", {"primary"},
+         lambda: node.update_verify_buffers_to_fill_after_draft(None, 4)),
+    ]
+    try:
+        for method, owners, call in checks:
+            problem = _reaches(node, spies, method, owners, call)
+            if problem:
+                return problem
+    except TypeError as e:
+        return f"{type(node).__name__} called a child with arguments it does not accept: {e}"
+    finally:
+        node.primary, node.children = real
+    return None
+
+
+def _call(node, method: str, fb=None) -> None:
+    bs = 4 if fb is None else fb.batch_size
+    rpi = torch.arange(bs) if fb is None else fb.req_pool_indices
+    seq = torch.full((bs,), 3) if fb is None else fb.seq_lens
+    mode = ForwardMode.DECODE
+    if method == "init_forward_metadata_capture_cuda_graph":
+        node.init_forward_metadata_capture_cuda_graph(bs, bs, rpi, seq, None, mode, None)
+    else:
+        node.init_forward_metadata_replay_cuda_graph(bs, rpi, seq, int(seq.sum()), None, mode, None, seq.cpu())
+
+
+def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    name = "conformance"
+    backend = composition.build(spec, ModelRunner.of(materialize(spec, device).forward_batch))
+    nodes = _nodes(backend)
+    for node in nodes:
+        problem = _surface_problem(node)
+        if problem:
+            return Verdict(name, False, problem)
+    for node in nodes:
+        if getattr(node, "is_wrapper", False):
+            problem = _delegation_problem(node, spec, device)
+            if problem:
+                return Verdict(name, False, problem)
+    return Verdict(name, True, f"{len(nodes)} backend object(s) expose and delegate every protocol method")
+
+
+class _Recorder:
+    """Forwards everything to a real backend, recording which layer ids its forward methods saw."""
+
+    def __init__(self, inner, seen: set) -> None:
+        self._inner, self._seen = inner, seen
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name in ("forward", "forward_extend", "forward_decode"):
+            def recorded(*args, **kwargs):
+                layer = kwargs.get("layer", args[3] if len(args) > 3 else None)
+                self._seen.add(layer.layer_id)
+                return attr(*args, **kwargs)
+            return recorded
+        return attr
+
+
+def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    name = "dispatch"
+    case = materialize(spec, device)
+    backend = composition.build(spec, ModelRunner.of(case.forward_batch))
+    hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
+    if not hybrids:
+        return Verdict(name, True, "no hybrid wrapper in this composition")
+    full_seen, linear_seen = set(), set()
+    for h in hybrids:
+        h.full_attn_backend = _Recorder(h.full_attn_backend, full_seen)
+        h.linear_attn_backend = _Recorder(h.linear_attn_backend, linear_seen)
+    error = None
+    try:
+        execute(composition, case, backend=backend)
+    except Exception as e:  # a misrouted layer usually crashes in the wrong backend; report where it went
+        error = f"{type(e).__name__}: {e}"
+    full_ids = {l.layer_id for l in spec.layers if l.kind != "linear"}
+    linear_ids = {l.layer_id for l in spec.layers if l.kind == "linear"}
+    wrong = sorted((full_seen & linear_ids) | (linear_seen & full_ids))
+    if wrong:
+        return Verdict(name, False, f"layer id(s) {wrong} reached the wrong backend "
+                                    f"(full got {sorted(full_seen)}, linear got {sorted(linear_seen)})")
+    if error:
+        return Verdict(name, False, f"run crashed: {error}")
+    missing = sorted((full_ids - full_seen) | (linear_ids - linear_seen))
+    if missing and spec.batch_size:
+        return Verdict(name, False, f"layer id(s) {missing} never reached their backend")
+    return Verdict(name, True, f"full layers {sorted(full_ids)} and linear layers {sorted(linear_ids)} dispatched correctly")

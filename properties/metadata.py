@@ -1,0 +1,104 @@
+"""Invariants of every leaf backend's planned metadata (DESIGN.md section 5), checked without knowing
+the backend: indptrs start at 0 and do not decrease, they end at the right totals, indices are exactly
+the requests' ``req_to_token`` slots (or pages), last-page lengths agree with the lengths, masks have the
+verify length, state slots are the batch's."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.base import PlannedMetadata
+from backends.registry import Composition
+from harness.forward_batch import ForwardBatch
+from harness.materialize import verify_custom_mask
+from harness.spec import BatchSpec
+from properties.run import run_case
+from properties.verdict import Verdict
+
+NAME = "metadata"
+
+
+def planned_leaves(backend, fb: ForwardBatch) -> list[tuple[object, ForwardBatch]]:
+    """Each leaf backend with the batch it planned (TBO children planned their halves)."""
+    if hasattr(backend, "primary"):
+        out = planned_leaves(backend.primary, fb)
+        for child, child_fb in zip(backend.children, fb.tbo_children or ()):
+            out += planned_leaves(child, child_fb)
+        return out
+    if hasattr(backend, "full_attn_backend"):
+        return planned_leaves(backend.full_attn_backend, fb) + planned_leaves(backend.linear_attn_backend, fb)
+    return [(backend, fb)]
+
+
+def _indptr_problem(name: str, indptr: torch.Tensor, total: int, B: int) -> str | None:
+    x = indptr.to("cpu", torch.int64)
+    if x.numel() != B + 1:
+        return f"{name} has {x.numel()} entries for {B} requests"
+    if int(x[0]) != 0:
+        return f"{name}[0] = {int(x[0])}, expected 0"
+    if bool((x[1:] < x[:-1]).any()):
+        return f"{name} decreases"
+    if int(x[-1]) != total:
+        return f"{name}[-1] = {int(x[-1])}, expected {total}"
+    return None
+
+
+def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
+    """The first violated invariant of one plan, or None."""
+    B, T = fb.batch_size, fb.extend_num_tokens
+    if meta.qo_indptr is not None:
+        problem = _indptr_problem("qo_indptr", meta.qo_indptr, T, B)
+        if problem:
+            return problem
+    if meta.state_slots is not None and meta.state_slots.tolist() != fb.state_slots.tolist():
+        return f"state_slots {meta.state_slots.tolist()} != the batch's {fb.state_slots.tolist()}"
+    if meta.kv_indptr is not None:
+        problem = _indptr_problem("kv_indptr", meta.kv_indptr, meta.kv_indices.numel(), B)
+        if problem:
+            return problem
+        ps = fb.page_size if meta.kv_indices_are_pages else 1
+        indptr = meta.kv_indptr.tolist()
+        indices = meta.kv_indices.to("cpu", torch.int64)
+        for i in range(B):
+            n = fb.extend_prefix_lens_cpu[i] + (fb.extend_seq_lens_cpu[i] if meta.kv_includes_new_tokens else 0)
+            row = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)
+            expected = row[:n:ps] // ps
+            got = indices[indptr[i]:indptr[i + 1]]
+            if got.numel() != expected.numel() or not torch.equal(got, expected):
+                unit = "pages" if ps > 1 else "slots"
+                return (f"request {i}: kv_indices hold {got.tolist()[:8]}..., expected its req_to_token {unit} "
+                        f"{expected.tolist()[:8]}... ({expected.numel()} of them)")
+            if meta.kv_last_page_len is not None:
+                last = int(meta.kv_last_page_len[i])
+                want = (n - 1) % ps + 1 if n > 0 else 0
+                if last != want or (n > 0 and not 1 <= last <= ps):
+                    return f"request {i}: kv_last_page_len {last}, expected {want} for {n} keys in pages of {ps}"
+    if fb.forward_mode.is_target_verify() and meta.custom_mask is not None:
+        expected = verify_custom_mask(fb.spec).to(meta.custom_mask.device)
+        if meta.custom_mask.numel() != expected.numel():
+            return f"custom_mask has {meta.custom_mask.numel()} entries, expected sum(D*(seq_len+D)) = {expected.numel()}"
+        if not torch.equal(meta.custom_mask.bool(), expected):
+            first = int(torch.nonzero(meta.custom_mask.bool() != expected)[0])
+            return f"custom_mask differs from the draft trees at flat entry {first}"
+    chunk = meta.chunk or {}
+    if "qo_indptr" in chunk:
+        problem = _indptr_problem("mha chunk qo_indptr", chunk["qo_indptr"], T, B)
+        if problem:
+            return problem
+        for i in range(B):
+            row = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)
+            got = torch.cat([idx[int(p[i]):int(p[i + 1])].cpu() for p, idx in chunk["chunks"]] or [torch.zeros(0)])
+            expected = row[:fb.extend_prefix_lens_cpu[i]]
+            if got.numel() != expected.numel() or not torch.equal(got.to(torch.int64), expected):
+                return f"request {i}: MLA prefix chunks do not cover exactly its {expected.numel()} prefix slots"
+    return None
+
+
+def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    run = run_case(composition, spec, device)
+    leaves = planned_leaves(run.execution.backend, run.case.forward_batch)
+    for backend, fb in leaves:
+        problem = check_plan(backend.planned_metadata(), fb)
+        if problem:
+            return Verdict(NAME, False, f"{type(backend).__name__}: {problem}")
+    return Verdict(NAME, True, f"{len(leaves)} plan(s) satisfy every invariant")

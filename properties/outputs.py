@@ -1,0 +1,46 @@
+"""Outputs agree with the reference: finite, one row per query token, within the dtype's bound; and the
+linear-attention states left in the pools agree with the reference's states."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.registry import Composition
+from harness.spec import BatchSpec
+from properties.run import Run, Worst, compare_outputs, layer_bound, run_case
+from properties.verdict import Verdict, compare
+
+NAME = "outputs"
+
+
+def linear_state_comparisons(run: Run, composition: Composition, worst: Worst) -> None:
+    """Pool states at each request's slot vs the reference (per draft position in TARGET_VERIFY)."""
+    spec, pool = run.case.spec, run.case.forward_batch.mamba_pool
+    slots = run.case.forward_batch.state_slots.tolist()
+    for layer in spec.layers:
+        if layer.kind != "linear":
+            continue
+        expected = run.reference.linear_states[layer.layer_id]
+        bound = layer_bound(composition, spec, layer)
+        for i, slot in enumerate(slots):
+            if spec.mode.is_target_verify():
+                n = spec.extend_lens[i]
+                pairs = [(pool.intermediate_ssm_states[layer.layer_id][slot, :n], expected.ssm_steps[i], "ssm steps"),
+                         (pool.intermediate_conv_states[layer.layer_id][slot, :n], expected.conv_steps[i], "conv steps")]
+            else:
+                pairs = [(pool.ssm_states[layer.layer_id][slot], expected.ssm[i], "ssm state"),
+                         (pool.conv_states[layer.layer_id][slot], expected.conv[i], "conv state")]
+            for actual, exp, what in pairs:
+                worst.add(compare(actual, exp, bound, label=f"layer {layer.layer_id} request {i} {what}:"), bound)
+
+
+def outputs_match_reference(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    run = run_case(composition, spec, device)
+    for layer, out in zip(spec.layers, run.execution.outputs):
+        if out.shape[0] != spec.num_tokens:
+            return Verdict(NAME, False, f"layer {layer.layer_id} returned {out.shape[0]} rows for "
+                                        f"{spec.num_tokens} query tokens")
+    worst = Worst()
+    compare_outputs(run.execution.outputs, run.reference.outputs, composition, spec, worst)
+    linear_state_comparisons(run, composition, worst)
+    return worst.verdict(NAME, "outputs and states vs float64 reference")

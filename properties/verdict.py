@@ -1,0 +1,77 @@
+"""What a property returns, and the comparison that locates the worst error."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from properties.tolerances import Bound
+
+
+@dataclass
+class Verdict:
+    """The outcome of one property on one case: ok or not, why, and the worst error against its bound."""
+
+    property: str
+    ok: bool
+    reason: str
+    worst_error: float | None = None
+    bound: float | None = None
+    where: str | None = None
+    details: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else "FAILED"
+        err = "" if self.worst_error is None else f" (worst {self.worst_error:.3g}, bound {self.bound:.3g})"
+        loc = f" at {self.where}" if self.where else ""
+        return f"{self.property}: {status}: {self.reason}{err}{loc}"
+
+
+def locate(token: int, token_starts: list[int]) -> tuple[int, int]:
+    """Map a flat token row to (request, token within the request's new tokens)."""
+    request = 0
+    while request + 1 < len(token_starts) and token_starts[request + 1] <= token:
+        request += 1
+    return request, token - token_starts[request]
+
+
+@dataclass
+class Comparison:
+    rel_l2: float
+    max_abs: float
+    ok: bool
+    where: str
+    index: tuple[int, ...]
+
+
+def compare(actual: torch.Tensor, expected: torch.Tensor, bound: Bound, token_starts: list[int] | None = None,
+            label: str = "") -> Comparison:
+    """Compare ``actual`` with the float64 ``expected`` (same shape; rows are tokens if token_starts given)."""
+    if actual.shape != expected.shape:
+        return Comparison(float("inf"), float("inf"), False,
+                          f"{label} shape {tuple(actual.shape)} != expected {tuple(expected.shape)}", ())
+    a, e = actual.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64)
+    if e.numel() == 0:
+        return Comparison(0.0, 0.0, True, label, ())
+    if not torch.isfinite(a).all():
+        idx = tuple(int(i) for i in torch.nonzero(~torch.isfinite(a))[0])
+        return Comparison(float("inf"), float("inf"), False, f"{label} non-finite value at {_where(idx, token_starts)}", idx)
+    diff = (a - e).abs()
+    scale = float(e.abs().max())
+    rel_l2 = float(torch.linalg.vector_norm(a - e) / max(float(torch.linalg.vector_norm(e)), 1e-300))
+    flat = int(diff.argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
+    max_abs = float(diff.max())
+    ok = rel_l2 <= bound.rel_l2 and max_abs <= bound.element * max(scale, 1e-300)
+    return Comparison(rel_l2, max_abs, ok, f"{label} {_where(idx, token_starts)}".strip(), idx)
+
+
+def _where(idx: tuple[int, ...], token_starts: list[int] | None) -> str:
+    if not idx:
+        return ""
+    if token_starts is None:
+        return f"index {idx}"
+    request, token = locate(idx[0], token_starts)
+    head = f", head {idx[1]}" if len(idx) > 1 else ""
+    return f"request {request}, token {token}{head}"

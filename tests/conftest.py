@@ -1,0 +1,47 @@
+"""Test configuration: device, Triton interpreter, Hypothesis profiles and the example database.
+
+Options: ``--profile`` (ci, dev, nightly, gpu) selects the Hypothesis settings and kernel configuration;
+``--backends`` restricts the matrix to compositions made of the named backends (or given as terms).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton must see this before its first import: on a machine without a GPU its kernels are interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
+from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
+
+from harness.profiles import PROFILES, hypothesis_settings  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--profile", default=os.environ.get("HARNESS_PROFILE", "ci"), choices=sorted(PROFILES),
+                     help="harness profile: Hypothesis settings and kernel configuration")
+    parser.addoption("--backends", nargs="*", default=None,
+                     help="restrict the matrix to these backends or composition terms")
+
+
+def pytest_configure(config):
+    profile = PROFILES[config.getoption("--profile")]
+    db = DirectoryBasedExampleDatabase(os.path.join(config.rootpath, ".hypothesis", "examples"))
+    settings.register_profile("harness-tests", hypothesis_settings(profile, database=db))
+    settings.load_profile("harness-tests")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(scope="session")
+def profile(request):
+    return PROFILES[request.config.getoption("--profile")]

@@ -1,0 +1,88 @@
+"""Materialization: determinism, paged non-contiguous slots, reserved padding, and every batch field."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, strategies as st
+
+from harness.materialize import materialize, verify_custom_mask
+from harness.profiles import PROFILES
+from harness.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
+from harness.strategies import batch_specs
+
+CI = PROFILES["ci"]
+
+
+def _tensors(case):
+    fb = case.forward_batch
+    out = [fb.req_to_token, fb.req_pool_indices, fb.out_cache_loc, fb.positions, fb.state_slots]
+    out += list(fb.token_to_kv_pool.k_buffers.values())
+    out += [b for b in fb.token_to_kv_pool.v_buffers.values() if b is not None]
+    for li in case.inputs:
+        out += list(li.tensors.values())
+    if fb.mamba_pool is not None:
+        out += list(fb.mamba_pool.ssm_states.values()) + list(fb.mamba_pool.conv_states.values())
+    return out
+
+
+@given(batch_specs(CI, ForwardMode.EXTEND, frozenset({"mha", "linear"}), hybrid=True))
+def test_same_spec_same_tensors_bit_for_bit(spec):
+    a, b = materialize(spec), materialize(spec)
+    for x, y in zip(_tensors(a), _tensors(b)):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@given(batch_specs(CI, ForwardMode.EXTEND, frozenset({"mha"})))
+def test_slots_are_paged_shuffled_and_never_zero(spec):
+    case = materialize(spec)
+    ps = spec.page_size
+    used = []
+    for i, slots in enumerate(case.token_slots):
+        assert len(slots) == spec.kv_lens[i]
+        row = case.forward_batch.req_to_token[case.forward_batch.req_pool_indices[i]]
+        assert row[: len(slots)].tolist() == slots
+        for j, s in enumerate(slots):
+            assert s % ps == j % ps and s // ps == slots[j - j % ps] // ps  # token j at page offset j % ps
+        used += slots
+    assert 0 not in used and len(set(used)) == len(used)
+    assert case.forward_batch.out_cache_loc.tolist() == [s for i, sl in enumerate(case.token_slots)
+                                                         for s in sl[spec.prefix_lens[i]:]]
+    assert 0 not in case.forward_batch.req_pool_indices.tolist()  # row 0 is padding
+
+
+def test_pages_are_not_contiguous():
+    spec = BatchSpec(ForwardMode.EXTEND, (40, 40), (8, 8), (MHALayer(0, 4, 2, 32, 32),), page_size=4, seed=3)
+    slots = materialize(spec).token_slots[0]
+    pages = [s // 4 for s in slots[::4]]
+    assert pages != sorted(pages)
+
+
+def test_positions_verify_mask_and_mrope():
+    D = 4
+    spec = BatchSpec(ForwardMode.TARGET_VERIFY, (5, 3), (D, D), (MHALayer(0, 4, 2, 32, 32),),
+                     spec=SpecInput(D, 2, 3, ((-1, 0, 0, 1), (-1, 0, 1, 2)), (2, 3)))
+    fb = materialize(spec).forward_batch
+    assert fb.positions.tolist() == [5, 6, 6, 7, 3, 4, 5, 6]  # seq_len + tree depth
+    assert fb.seq_lens.tolist() == [5, 3]
+    mask = verify_custom_mask(spec)
+    assert mask.numel() == D * (5 + D) + D * (3 + D) == fb.spec_info.custom_mask.numel()
+    block = mask[: D * (5 + D)].view(D, 5 + D)
+    assert block[:, :5].all()
+    assert block[3, 5:].tolist() == [True, True, False, True]  # node 3 sees itself, its parent 1 and root 0
+    text = BatchSpec(ForwardMode.EXTEND, (2,), (3,), (MHALayer(0, 4, 2, 32, 32),),
+                     mrope=__import__("harness.spec", fromlist=["MropeLayout"]).MropeLayout((4, 6, 6)))
+    mfb = materialize(text).forward_batch
+    assert (mfb.mrope_positions == mfb.positions[None]).all()
+
+
+def test_linear_pools_and_mla_cache_shapes():
+    spec = BatchSpec(ForwardMode.EXTEND, (0, 6), (3, 2),
+                     (MLALayer(0, 4, 16, 8, 32, 16), LinearLayer(1, 2, 4, 16, 16)))
+    case = materialize(spec)
+    fb = case.forward_batch
+    assert fb.token_to_kv_pool.k_buffers[0].shape[1:] == (1, 32 + 8)
+    assert fb.token_to_kv_pool.v_buffers[0] is None
+    assert fb.mamba_pool.ssm_states[1].dtype == torch.float32
+    assert fb.mamba_pool.conv_states[1].shape[1:] == (2 * 2 * 16 + 4 * 16, 3)
+    assert 0 not in fb.state_slots.tolist() and fb.req_to_state_slot[0] == 0
+    assert case.inputs[1].tensors["mixed_qkv"].shape == (5, 2 * 2 * 16 + 4 * 16)
