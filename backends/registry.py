@@ -173,7 +173,8 @@ def all_compositions() -> list[Composition]:
     """Every composition the declarations allow, whether or not it can run here.
 
     Full-attention backends alone, linear backends alone, hybrid(full, linear) for pairs sharing a device,
-    tbo() over each of those, and graph() over each composition whose backends all support CUDA graphs.
+    tbo() over each of those, and graph() over each composition with full attention whose backends all
+    implement the CUDA-graph hooks.
     """
     full = [n for n in LEAVES if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
     linear = [n for n in LEAVES if leaf_capabilities(n).attention_kinds == {"linear"}]
@@ -183,5 +184,6 @@ def all_compositions() -> list[Composition]:
             if leaf_capabilities(f).devices & leaf_capabilities(lin).devices:
                 base.append(Composition("hybrid", (Composition(f), Composition(lin))))
     out = base + [Composition("tbo", (c,)) for c in base]
-    out += [Composition("graph", (c,)) for c in out if all(leaf_capabilities(n).cuda_graph for n in c.leaves())]
+    out += [Composition("graph", (c,)) for c in out
+            if all(leaf_capabilities(n).cuda_graph for n in c.leaves()) and c.attention_kinds() & {"mha", "mla"}]
     return out

@@ -163,7 +163,7 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     # Weights stay float32: they are model parameters, and both paths read the same values.
     layer_weights = [LayerWeights({n: dev(t) for n, t in lw.tensors.items()}) for lw in weights]
 
-    positions = torch.tensor(spec.positions(), dtype=torch.int64)
+    positions = query_positions(spec)
     mrope_positions = None
     if spec.mrope is not None:
         mrope_positions = torch.tensor(spec.mrope_positions(), dtype=torch.int64).reshape(3, T)
@@ -197,6 +197,27 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     )
     return Case(spec, fb, layer_inputs, layer_weights, kv_pool.clone(),
                 None if mamba_pool is None else mamba_pool.clone(), token_slots)
+
+
+def tree_depths(parents: torch.Tensor) -> torch.Tensor:
+    """``[B, D]`` depth of each draft token from its parent indices (the root, index 0, has depth 0)."""
+    depth = torch.zeros_like(parents)
+    for j in range(1, parents.shape[1]):
+        depth[:, j] = depth.gather(1, parents[:, j:j + 1].clamp(min=0))[:, 0] + 1
+    return depth
+
+
+def query_positions(spec: BatchSpec) -> torch.Tensor:
+    """``[T]`` positions as a scheduler builds them with tensor ops: prefix + offset, or in verification
+    seq_len + tree depth. (The reference derives them separately, from ``BatchSpec.positions``.)"""
+    prefix = torch.tensor(spec.prefix_lens, dtype=torch.int64)
+    extend = torch.tensor(spec.extend_lens, dtype=torch.int64)
+    if spec.mode.is_target_verify():
+        parents = torch.tensor(spec.spec.parents, dtype=torch.int64)
+        return (prefix[:, None] + tree_depths(parents)).reshape(-1)
+    starts = torch.cumsum(extend, 0) - extend
+    offsets = torch.arange(int(extend.sum())) - torch.repeat_interleave(starts, extend)
+    return torch.repeat_interleave(prefix, extend) + offsets
 
 
 def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:

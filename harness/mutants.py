@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import ContextManager
 from unittest import mock
 
 import torch
@@ -23,8 +23,11 @@ class Mutant:
     name: str
     doc: str  # the bug, then the symptom users saw
     targets: tuple[str, ...]  # composition terms to search
-    patch: Callable[[], ContextManager]
     properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
+
+    def patch(self) -> ContextManager:
+        """The fault, active inside the returned context: the module function named after the mutant."""
+        return globals()[self.name]()
 
 
 def _replace(obj, attr, new):
@@ -184,21 +187,11 @@ def verify_mask_transposed():
 
 
 def draft_positions_by_index():
-    from harness.spec import BatchSpec
-    original = BatchSpec.positions
-
-    def positions(self):
-        if self.mode.is_target_verify():
-            return [p + j for p, e in zip(self.prefix_lens, self.extend_lens) for j in range(e)]
-        return original(self)
-
     import harness.materialize as materialize
-    real = materialize.materialize
 
-    def patched(spec, device="cpu"):
-        with mock.patch.object(BatchSpec, "positions", positions):
-            return real(spec, device)
-    return _replace(materialize, "materialize", patched)
+    def tree_depths(parents):
+        return torch.arange(parents.shape[1]).expand_as(parents).clone()  # index in the tree, not depth
+    return _replace(materialize, "tree_depths", tree_depths)
 
 
 def stale_graph_replay():

@@ -207,7 +207,6 @@ class BatchSpec:
     context_len: int = 4096
     spec: SpecInput | None = None
     mrope: MropeLayout | None = None
-    tbo: bool = False
     draft_worker: bool = False
 
     def __post_init__(self) -> None:
@@ -289,7 +288,6 @@ class BatchSpec:
         m = self.mode
         if m.is_idle():
             _require(B == 0, f"an idle batch has no requests, got {B}")
-            _require(not self.tbo, "tbo needs requests; an idle batch has none")
             return
         _require(B >= 1, f"mode {m.value} needs at least one request")
         if m.is_decode():
@@ -320,6 +318,8 @@ class BatchSpec:
             if m.is_target_verify():
                 _require(a <= max(s.depths(i)) + 1, f"spec.accept_lens[{i}]={a} is longer than the tree is deep")
         if m.is_target_verify():
+            _require(all(l.kind != "mha" or l.sliding_window is None for l in self.layers),
+                     "sliding-window layers are not modelled in target_verify batches (set sliding_window null)")
             _require(all(e == s.draft_token_num for e in self.extend_lens),
                      "target_verify batches have extend_lens all equal to spec.draft_token_num")
             if "linear" in self.attention_kinds:

@@ -72,6 +72,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                        for _ in range(n_layers)]
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear" else _full_layer(k, i, profile, draw)
                        for i, k in enumerate(layer_kinds))
+    sliding_window = sliding_window and not mode.is_target_verify()  # not modelled with tree masks
     if not sliding_window or not logit_cap:
         layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
     has_linear = any(l.kind == "linear" for l in layers)

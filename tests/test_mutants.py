@@ -1,0 +1,26 @@
+"""The mutant catalogue under the ci profile: every mutant whose compositions run here must be killed.
+
+A mutant that survives is a gap in the harness: close the gap, never delete the mutant.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.mutant_run import run_mutant
+from harness.mutants import CATALOGUE
+from harness.profiles import PROFILES
+
+
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])
+def test_mutant_is_killed(mutant, device, tmp_path):
+    result = run_mutant(mutant, PROFILES["ci"], device, tmp_path, budget_s=600)
+    if result.status == "unavailable":
+        pytest.skip(f"{mutant.name}: {result.reason}")
+    assert result.status == "killed", f"{mutant.name} survived: {result.reason}"
+
+
+def test_catalogue_is_documented_and_large_enough():
+    assert len(CATALOGUE) >= 20
+    assert len({m.name for m in CATALOGUE}) == len(CATALOGUE)
+    assert all(m.doc and ";" in m.doc for m in CATALOGUE), "each mutant: the bug; the symptom"
