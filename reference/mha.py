@@ -1,40 +1,98 @@
-"""Dense multi-head attention: the readable oracle for every MHA kernel."""
+"""Dense multi-head attention for one request: the readable oracle for every MHA kernel.
+
+Positions are aligned to the end: with ``Lq`` query rows over ``Lk`` keys, query ``i`` sits at position
+``Lk - Lq + i`` (the new tokens are the last ``Lq`` of the sequence), which covers prefill, chunked prefill
+and decode with one rule.
+"""
 
 from __future__ import annotations
 
 import torch
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, causal: bool = True,
-              mask: torch.Tensor | None = None, sliding_window: int | None = None,
-              logit_cap: float | None = None) -> torch.Tensor:
-    """Attention of ``q (Lq, H, D)`` over ``k (Lk, Hk, D)``, ``v (Lk, Hk, Dv)`` -> ``(Lq, H, Dv)``.
+def visible_keys(num_queries: int, num_keys: int, *, causal: bool = True, mask: torch.Tensor | None = None,
+                 sliding_window: int | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """Which keys each query row may attend to.
 
-    GQA: query head h reads kv head ``h // (H // Hk)``. ``causal`` is aligned to the end: query i sits at
-    position ``Lk - Lq + i`` and sees keys at positions up to its own. ``mask (Lq, Lk)`` bool (True = may
-    attend) is combined with causal by AND. ``sliding_window`` = window_left: position p sees keys in
-    ``[p - sliding_window, p]``. ``logit_cap``: scores become ``cap * tanh(scores / cap)`` after scaling.
-    A query that sees no key returns zeros. Computed in the inputs' dtype.
+    Parameters
+    ----------
+    num_queries, num_keys : int
+        ``Lq`` and ``Lk``; query ``i`` sits at position ``Lk - Lq + i``, key ``j`` at position ``j``.
+    causal : bool
+        Keys after the query's own position are hidden.
+    mask : torch.Tensor | None
+        ``(Lq, Lk)``, bool, True = may attend; ANDed with the rest.
+    sliding_window : int | None
+        window_left: a query at position ``p`` sees only keys in ``[p - sliding_window, p]`` (the upper
+        end comes from ``causal``).
+    device : torch.device | str | None
+        Where to build the result.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(Lq, Lk)``, bool.
     """
-    Lq, H, _ = q.shape
-    Lk, Hk, _ = k.shape
-    if H % Hk:
-        raise ValueError(f"{H} query heads are not a multiple of {Hk} kv heads")
-    group = H // Hk
-    kv_head = torch.arange(H, device=q.device) // group
-    scores = torch.einsum("qhd,khd->hqk", q, k[:, kv_head]) * sm_scale
-    if logit_cap is not None:
-        scores = logit_cap * torch.tanh(scores / logit_cap)
-    q_pos = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]
-    k_pos = torch.arange(Lk, device=q.device)[None, :]
-    visible = torch.ones(Lq, Lk, dtype=torch.bool, device=q.device)
+    q_pos = torch.arange(num_keys - num_queries, num_keys, device=device)[:, None]
+    k_pos = torch.arange(num_keys, device=device)[None, :]
+    visible = torch.ones(num_queries, num_keys, dtype=torch.bool, device=device)
     if causal:
         visible &= k_pos <= q_pos
     if sliding_window is not None:
         visible &= k_pos >= q_pos - sliding_window
     if mask is not None:
-        visible &= mask.to(torch.bool)
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.where(visible[None], probs, torch.zeros_like(probs))  # rows with no key: 0, not NaN
-    return torch.einsum("hqk,khd->qhd", probs, v[:, kv_head])
+        if tuple(mask.shape) != (num_queries, num_keys):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected (Lq, Lk) = ({num_queries}, {num_keys})")
+        visible &= mask.to(device=visible.device, dtype=torch.bool)
+    return visible
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, causal: bool = True,
+              mask: torch.Tensor | None = None, sliding_window: int | None = None,
+              logit_cap: float | None = None) -> torch.Tensor:
+    """Softmax attention of one request, computed in the inputs' dtype.
+
+    ``scores = q . k * sm_scale``; with ``logit_cap``, ``scores = logit_cap * tanh(scores / logit_cap)``;
+    hidden keys (see :func:`visible_keys`) are dropped; ``o = softmax(scores) @ v``. A query row that sees
+    no key at all returns zeros, not NaN.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(Lq, num_qo_heads, head_dim)``.
+    k : torch.Tensor
+        ``(Lk, num_kv_heads, head_dim)``.
+    v : torch.Tensor
+        ``(Lk, num_kv_heads, v_head_dim)``.
+    sm_scale : float
+        Multiplies ``q . k`` (usually ``head_dim ** -0.5``).
+    causal : bool
+        End-aligned causal masking (query ``i`` at position ``Lk - Lq + i``).
+    mask : torch.Tensor | None
+        ``(Lq, Lk)``, bool, True = may attend; ANDed with causal. Tree verification passes
+        ``causal=False`` and the full mask.
+    sliding_window : int | None
+        window_left: a query at position ``p`` sees key positions ``[p - sliding_window, p]``.
+    logit_cap : float | None
+        tanh soft cap applied after ``sm_scale`` and before masking.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(Lq, num_qo_heads, v_head_dim)`` in q's dtype. GQA: query head ``h`` reads kv head
+        ``h // (num_qo_heads // num_kv_heads)``.
+    """
+    Lq, H, _ = q.shape
+    Lk, Hk, _ = k.shape
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"{H} query heads are not a multiple of {Hk} kv heads; GQA needs H % Hk == 0")
+    kv_head = torch.arange(H, device=q.device) // (H // Hk)
+    k, v = k[:, kv_head], v[:, kv_head]  # (Lk, H, D): one kv head per query head
+    scores = torch.einsum("qhd,khd->hqk", q, k) * sm_scale
+    if logit_cap is not None:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    visible = visible_keys(Lq, Lk, causal=causal, mask=mask, sliding_window=sliding_window, device=q.device)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    # A row with no visible key is all -inf and softmaxes to NaN; kernels return 0 there.
+    probs = probs.masked_fill(~visible, 0.0)
+    return torch.einsum("hqk,khd->qhd", probs, v)
