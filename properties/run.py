@@ -9,7 +9,7 @@ import torch
 from backends.registry import Composition, leaf_capabilities
 from harness.execute import Execution, execute
 from harness.materialize import Case, materialize
-from harness.spec import BatchSpec, Layer
+from harness.spec import BatchSpec, Layer, MHALayer, MLALayer
 from properties.tolerances import Bound, output_bound
 from properties.verdict import Comparison, Verdict, compare
 from reference.batch import ReferenceResult, reference_outputs
@@ -40,7 +40,16 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Boun
     """The output bound of one layer: its dtype, the longest reduction, the kernels' matmul precision."""
     roundoff = max(leaf_capabilities(n).fp32_matmul_roundoff for n in composition.leaves())
     reduction = max(spec.kv_lens, default=1)
-    return output_bound(spec.dtype, reduction, roundoff)
+    return output_bound(spec.dtype, reduction, roundoff, inner_dim=score_dot_len(layer))
+
+
+def score_dot_len(layer: Layer) -> int:
+    """Length of the dot product behind each attention score (or each state read of a recurrence)."""
+    if isinstance(layer, MHALayer):
+        return layer.head_dim
+    if isinstance(layer, MLALayer):
+        return layer.kv_lora_rank + layer.qk_rope_head_dim
+    return max(layer.head_k_dim, layer.conv_kernel)
 
 
 class Worst:
