@@ -183,8 +183,9 @@ def _hybrid_delegation(node, spec: BatchSpec, device: str) -> str | None:
     real = (node.full_attn_backend, node.linear_attn_backend)
     spies = {"full": Spy("full"), "linear": Spy("linear")}
     node.full_attn_backend, node.linear_attn_backend = spies["full"], spies["linear"]
-    full_id = next(iter(node.full_attn_layers), 0)
-    linear_id = max(node.full_attn_layers, default=0) + 1
+    # A linear-only model has no full layer to route to; only the linear route is checked then.
+    routes = [(min(node.full_attn_layers), "full")] if node.full_attn_layers else []
+    routes.append((max(node.full_attn_layers, default=-1) + 1, "linear"))
     both = {"full", "linear"}
     checks = [
         ("init_forward_metadata", both, lambda: node.init_forward_metadata(fb)),
@@ -204,7 +205,7 @@ def _hybrid_delegation(node, spec: BatchSpec, device: str) -> str | None:
             if problem:
                 return problem
         for m in ("forward", "forward_extend", "forward_decode"):
-            for layer_id, owner in ((full_id, "full"), (linear_id, "linear")):
+            for layer_id, owner in routes:
                 other = "linear" if owner == "full" else "full"
                 for spy in spies.values():
                     spy.calls.clear()
