@@ -48,6 +48,9 @@ class GraphRunner:
         self.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=dev)  # slot 0: padding
         self.positions = torch.zeros(bs, dtype=torch.int64, device=dev)
         self.state_slots = torch.zeros(bs, dtype=torch.int64, device=dev)  # state slot 0: padding
+        # Multimodal models rotate by the three mrope rows; a graph must read them from a static buffer too.
+        self.mrope_positions = (None if template.mrope_positions is None
+                                else torch.zeros(3, bs, dtype=template.mrope_positions.dtype, device=dev))
         self.inputs = [LayerInputs({n: torch.zeros((bs,) + t.shape[1:], dtype=t.dtype, device=dev)
                                     for n, t in li.tensors.items()}) for li in inputs_like]
         self.fb = replace(template, forward_mode=ForwardMode.DECODE, batch_size=bs,
@@ -57,7 +60,7 @@ class GraphRunner:
                           extend_prefix_lens=(self.seq_lens - 1).to(torch.int32),
                           extend_start_loc=torch.arange(bs, dtype=torch.int32, device=dev),
                           extend_seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[fill - 1] * bs,
-                          extend_num_tokens=bs, positions=self.positions, mrope_positions=None,
+                          extend_num_tokens=bs, positions=self.positions, mrope_positions=self.mrope_positions,
                           out_cache_loc=self.out_cache_loc, state_slots=self.state_slots, spec_info=None,
                           num_token_non_padded=bs, tbo_children=None)
         self.graphs: list[torch.cuda.CUDAGraph | None] = []
@@ -101,6 +104,9 @@ class GraphRunner:
         self.out_cache_loc[:n].copy_(fb.out_cache_loc)
         self.positions.zero_()
         self.positions[:n].copy_(fb.positions)
+        if self.mrope_positions is not None:
+            self.mrope_positions.zero_()
+            self.mrope_positions[:, :n].copy_(fb.mrope_positions)
         self.state_slots.copy_(self.mr.req_to_state_slot[self.req_pool_indices])
         for static, real in zip(self.inputs, inputs):
             for name, t in static.tensors.items():
