@@ -28,6 +28,9 @@ class MutantResult:
 
 
 def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float) -> MutantResult:
+    if mutant.needs_device and mutant.needs_device != device:
+        return MutantResult(mutant.name, "unavailable",
+                            reason=f"the fault exists only on {mutant.needs_device} (this run uses {device})")
     compositions = [parse(t) for t in mutant.targets]
     runnable = [c for c in compositions if c.unavailable_reason(device) is None]
     if not runnable:

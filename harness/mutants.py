@@ -24,6 +24,7 @@ class Mutant:
     doc: str  # the bug, then the symptom users saw
     targets: tuple[str, ...]  # composition terms to search
     properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
+    needs_device: str | None = None  # the fault only exists on this device type (e.g. real graph capture)
 
     def patch(self) -> ContextManager:
         """The fault, active inside the returned context: the module function named after the mutant."""
@@ -171,6 +172,8 @@ def prefix_drops_last_token():
 
 def verify_mask_transposed():
     import backends.planner as planner
+    import backends.torch_native as torch_native
+    import backends.triton as triton
     from harness.materialize import tree_mask
     original = planner.plan_token_level
 
@@ -183,7 +186,13 @@ def verify_mask_transposed():
                 blocks.append(torch.cat([torch.ones(tree.shape[0], seq_len, dtype=torch.bool), tree], 1).reshape(-1))
             meta.custom_mask = torch.cat(blocks).to(fb.device)
         return meta
-    return _replace(planner, "plan_token_level", plan_token_level)
+    # The backends imported the planner's function by name: patch it where they look it up.
+    @contextlib.contextmanager
+    def patched():
+        with _replace(torch_native, "plan_token_level", plan_token_level), \
+                _replace(triton, "plan_token_level", plan_token_level):
+            yield
+    return patched()
 
 
 def draft_positions_by_index():
@@ -286,6 +295,16 @@ def commit_wrong_position():
     return _replace(lt.LinearTorchBackend, "update_mamba_state_after_mtp_verify", update)
 
 
+def graph_drops_mrope():
+    import harness.graph_runner as gr
+    original = gr.GraphRunner.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.mrope_positions = self.fb.mrope_positions = None  # replays rotate by the 1-D positions
+    return _replace(gr.GraphRunner, "__init__", __init__)
+
+
 def graph_captures_linear():
     import harness.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
@@ -308,7 +327,10 @@ CATALOGUE: list[Mutant] = [
     Mutant("draft_worker_target_layout", "the MTP draft worker keeps the target's full_attn_layers instead of "
            "[0]; its only layer goes to the linear backend", (CPU_HYBRID,)),
     Mutant("graph_captures_linear", "a linear-attention kernel is captured into the piecewise CUDA graph; "
-           "replays return stale output (GPU only)", ("graph(hybrid(flashinfer,fla))", "graph(hybrid(triton,linear_torch))")),
+           "replays return stale output", ("graph(hybrid(flashinfer,fla))", "graph(hybrid(triton,linear_torch))"),
+           needs_device="cuda"),
+    Mutant("graph_drops_mrope", "the graph runner keeps no static mrope_positions buffer; replayed decode "
+           "of a multimodal model rotates by text positions and drifts after images", ("graph(triton)",)),
     Mutant("tbo_verify_split_token", "TBO splits verify batches at split_seq tokens, forgetting "
            "* draft_token_num; children get the wrong draft tokens", ("tbo(torch_native)",)),
     Mutant("two_chunk_prefix_not_grown", "two-chunk TBO split forgets to grow the straddling request's prefix "
@@ -319,7 +341,7 @@ CATALOGUE: list[Mutant] = [
            "and a neighbour's cache is clobbered", ("torch_native", "triton")),
     Mutant("sm_scale_wrong", "softmax scale 1/d instead of 1/sqrt(d); attention too flat, quality drops "
            "without an error", ("torch_native",)),
-    Mutant("prefix_drops_last_token", "kv_indptr built from kv_lens - 1: the last cached key is never read",
+    Mutant("prefix_drops_last_token", "kv_indptr built from kv_lens - 1; the last cached key is never read",
            ("torch_native", "triton")),
     Mutant("verify_mask_transposed", "tree custom mask transposed (descendants instead of ancestors); "
            "speculative acceptance collapses", ("torch_native", "triton")),
@@ -329,8 +351,8 @@ CATALOGUE: list[Mutant] = [
            "indptrs and indices", ("graph(triton)",)),
     Mutant("decode_ignores_sliding_window", "decode kernel launched without the layer's sliding window; "
            "long contexts attend too far", ("triton",)),
-    Mutant("extend_drops_logit_cap", "extend kernel launched without the logit soft-cap (Gemma-style "
-           "models drift)", ("triton",)),
+    Mutant("extend_drops_logit_cap", "extend kernel launched without the logit soft-cap; Gemma-style "
+           "models drift", ("triton",)),
     Mutant("mla_last_chunk_dropped", "MLA chunked-prefix plan drops the last prefix chunk; long-prefix "
            "prefill forgets the end of the context", ("torch_native",)),
     Mutant("state_slot_is_request_row", "linear-attention states indexed by req_pool_index instead of the "
@@ -338,8 +360,8 @@ CATALOGUE: list[Mutant] = [
     Mutant("conv_state_not_saved", "conv state never advances; decode after prefill convolves stale inputs",
            ("linear_torch",)),
     Mutant("fresh_request_reads_pool", "a request with no prefix starts from the pool's stale state instead "
-           "of zeros", ("linear_torch",)),
+           "of zeros; fresh prompts inherit another request's context", ("linear_torch",)),
     Mutant("commit_wrong_position", "after verify, the state one position before the last accepted token is "
-           "committed", ("linear_torch",)),
+           "committed; every later token of the request decodes from a state one step behind", ("linear_torch",)),
 ]
 MUTANTS = {m.name: m for m in CATALOGUE}
