@@ -1,0 +1,91 @@
+"""The command line: bad input gives one line and exit 2; a failure gives a case file that replays."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.casefile import CaseFile
+from harness.cli import main
+from harness.spec import BatchSpec, ForwardMode, MHALayer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--backends", "nosuch"], "unknown backend 'nosuch'"),
+    (["run", "--profile", "fast"], "unknown profile 'fast'"),
+    (["list", "--backends", "hybrid(torch_native)"], "hybrid() takes 2 argument(s)"),
+    (["mutants", "--only", "nosuch"], "unknown mutant(s) nosuch"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_malformed_case_files(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    for text, message in [("{", "invalid JSON"), ('{"case_schema_version": 7}', "case_schema_version 7"),
+                          ('{"case_schema_version": 1, "composition": "torch_native"}', "missing field")]:
+        bad.write_text(text)
+        assert main(["repro", str(bad)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1
+    assert main(["repro", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read case file" in capsys.readouterr().err
+
+
+def test_case_for_an_unavailable_backend_says_why(tmp_path, capsys):
+    spec = BatchSpec(ForwardMode.DECODE, (3,), (1,), (MHALayer(0, 8, 2, 128, 128),), dtype="bfloat16")
+    path = CaseFile("flashinfer", "outputs", spec, "cuda", "gpu").write(tmp_path / "gpu.json")
+    code = main(["repro", str(path), "--device", "cpu"])
+    assert code == 2
+    assert "cannot replay flashinfer here" in capsys.readouterr().err
+
+
+def test_list_shows_available_and_unavailable_with_reasons():
+    out = run_cli("list", "--device", "cpu")
+    assert out.returncode == 0, out.stderr
+    assert "torch_native" in out.stdout and "available" in out.stdout
+    assert "tbo(hybrid(torch_native,linear_torch))" in out.stdout
+    assert "unavailable:" in out.stdout  # the GPU backends, with their reason
+
+
+def test_failure_writes_a_case_file_that_replays(tmp_path):
+    out = run_cli("run", "--device", "cpu", "--backends", "torch_native", "--properties", "outputs",
+                  "--modes", "decode", "--out", str(tmp_path), "--db", str(tmp_path / "db"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert re.search(r"\b[1-9]\d* passed, 0 failed", out.stdout), out.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["rows"][0]["ok"] and report["rows"][0]["cases"] > 0
+
+    # The same run with a fault injected fails and leaves a small, replayable case behind.
+    script = ("import sys; from harness.mutants import MUTANTS; from harness.cli import main\n"
+              "with MUTANTS['gqa_modulo_mapping'].patch(): sys.exit(main(sys.argv[1:]))")
+    out = subprocess.run([sys.executable, "-c", script, "run", "--device", "cpu", "--backends", "torch_native",
+                          "--properties", "outputs", "--modes", "decode", "--out", str(tmp_path / "f"),
+                          "--db", str(tmp_path / "db2")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1, out.stdout + out.stderr
+    cases = list((tmp_path / "f" / "cases").glob("torch_native-*.json"))  # tbo(torch_native) fails too
+    assert len(cases) == 1 and f"python -m harness repro {cases[0]}" in out.stdout
+    case = CaseFile.read(cases[0])
+    assert case.spec.batch_size == 1 and case.spec.num_tokens == 1  # shrunk to the smallest batch
+    assert not list((tmp_path / "f" / "pending").glob("*.json"))
+    clean = run_cli("repro", str(cases[0]))  # without the fault, the case passes
+    assert clean.returncode == 0 and "verdict:     outputs: ok" in clean.stdout
+    faulty = subprocess.run([sys.executable, "-c", script, "repro", str(cases[0]), "--dump", str(tmp_path / "dump")],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert faulty.returncode == 1
+    assert "request 0, token 0, head" in faulty.stdout and "out of bounds" in faulty.stdout
+    assert (tmp_path / "dump" / "tensors.pt").exists()
