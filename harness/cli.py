@@ -93,6 +93,11 @@ def cmd_run(args) -> int:
         if not result.ok and result.case_file:
             print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
         write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
+        if device == "cuda" and not result.ok and "CUDA error" in str(result.failure):
+            # A device-side assert is sticky: every later row in this process would fail with it.
+            print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh process "
+                  f"(`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
+            break
     print_summary(results, skipped, time.perf_counter() - start)
     return 0 if all(r.ok for r in results) else 1
 
@@ -112,7 +117,7 @@ def cmd_repro(args) -> int:
 
 
 def cmd_mutants(args) -> int:
-    from harness.mutant_run import print_table, run_mutant, write_json
+    from harness.mutant_run import print_table, run_mutant, run_mutant_isolated, write_json
     from harness.mutants import CATALOGUE, MUTANTS
 
     device = resolve_device(args.device)
@@ -129,7 +134,8 @@ def cmd_mutants(args) -> int:
     results = []
     for m in chosen:
         print(f"{m.name} ...", end=" ", flush=True)
-        r = run_mutant(m, profile, device, out_dir / "mutants", args.budget)
+        run = run_mutant_isolated if (args.isolate or device == "cuda") else run_mutant
+        r = run(m, profile, device, out_dir / "mutants", args.budget)
         results.append(r)
         print(f"{r.status} {'' if r.status == 'unavailable' else f'{r.seconds:.1f}s'} {r.property or r.reason}",
               flush=True)
@@ -168,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--list", action="store_true", help="list the catalogue and exit")
     sp.add_argument("--budget", type=float, default=300.0, help="seconds per mutant before it counts as survived")
     sp.add_argument("--out", default="harness-out", help="folder for the table (mutants.json) and case files")
+    sp.add_argument("--isolate", action="store_true",
+                    help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)
 
     sp = sub.add_parser("repro", help="replay a case file and show where outputs differ")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +53,38 @@ def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, bud
                     return MutantResult(mutant.name, "survived", time.perf_counter() - start,
                                         reason=f"budget of {budget_s:.0f}s spent")
     return MutantResult(mutant.name, "survived", time.perf_counter() - start, reason="every row passed")
+
+
+def _child(mutant_name: str, profile: Profile, device: str, out_dir: Path, budget_s: float, queue) -> None:
+    from harness.mutants import MUTANTS
+    queue.put(asdict(run_mutant(MUTANTS[mutant_name], profile, device, out_dir, budget_s)))
+
+
+def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
+                        budget_s: float) -> MutantResult:
+    """``run_mutant`` in a fresh process. On a GPU a device-side assert poisons the CUDA context for good,
+    so one mutant that trips it would make every later mutant look killed; a process per mutant keeps
+    each verdict its own. A process that dies is a kill by crash, its pending case file the reproducer."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    start = time.perf_counter()
+    proc = ctx.Process(target=_child, args=(mutant.name, profile, device, out_dir, budget_s, queue), daemon=True)
+    proc.start()
+    limit = 2 * budget_s + 120  # the search checks its budget between rows; a row may still be shrinking
+    try:
+        return MutantResult(**queue.get(timeout=limit))
+    except Exception:  # queue.Empty: the child died or hung
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            return MutantResult(mutant.name, "survived", time.perf_counter() - start,
+                                reason=f"no verdict within {limit:.0f}s")
+        pending = sorted((out_dir / mutant.name).glob("pending/*.json"))
+        return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="crash",
+                            reason=f"the process died (exit code {proc.exitcode})",
+                            case_file=str(pending[-1]) if pending else None)
+    finally:
+        proc.join(5)
 
 
 def print_table(results: list[MutantResult]) -> None:
