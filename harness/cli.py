@@ -7,6 +7,7 @@ and exit status 2; a property failure ends with exit status 1 after every findin
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import sys
 import time
@@ -87,7 +88,12 @@ def cmd_run(args) -> int:
     start = time.perf_counter()
     for n, row in enumerate(rows, 1):
         print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
-        result = search_row(row, profile, device, database=db, max_examples=args.max_examples, out_dir=out_dir)
+        # A row that stalls (a hung kernel, a compile) prints every thread's stack, so a hang is never silent.
+        faulthandler.dump_traceback_later(args.stall_seconds, repeat=True, file=sys.stderr)
+        try:
+            result = search_row(row, profile, device, database=db, max_examples=args.max_examples, out_dir=out_dir)
+        finally:
+            faulthandler.cancel_dump_traceback_later()
         results.append(result)
         print(f"{result.summary()} {result.seconds:.1f}s", flush=True)
         if not result.ok and result.case_file:
@@ -165,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-examples", type=int, help="examples per row (default: the profile's)")
     sp.add_argument("--out", default="harness-out", help="folder for case files and the report")
     sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")
+    sp.add_argument("--stall-seconds", type=float, default=180.0,
+                    help="print every thread's stack when one row runs this long (and again each period)")
     sp.set_defaults(fn=cmd_run)
 
     sp = sub.add_parser("mutants", help="run the catalogue of injected bugs and report which are caught")
