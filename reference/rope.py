@@ -70,8 +70,9 @@ def mrope_cos_sin(mrope_positions: torch.Tensor, rotary_dim: int, sections: tupl
         raise ValueError(f"mrope sections {tuple(sections)} must be 3 counts summing to rotary_dim // 2 = "
                          f"{rotary_dim // 2}; fix the sections or the rotary_dim")
     device = mrope_positions.device
-    row_of_freq = torch.repeat_interleave(torch.arange(3, device=device),
-                                          torch.tensor(list(sections), device=device))  # (rotary_dim // 2,)
+    # Built on the device with no host-to-device copy, so the model side can rotate inside a CUDA graph.
+    row_of_freq = torch.cat([torch.full((n,), row, dtype=torch.int64, device=device)
+                             for row, n in enumerate(sections)])  # (rotary_dim // 2,)
     positions = mrope_positions.to(torch.float64)[row_of_freq].T  # (nnz_qo, rotary_dim // 2)
     angles = positions * _inv_freq(rotary_dim, theta, device)[None, :]
     return torch.cos(angles).to(dtype), torch.sin(angles).to(dtype)
