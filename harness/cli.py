@@ -74,7 +74,7 @@ def _database(path: str | None):
 
 def cmd_run(args) -> int:
     from harness.matrix import matrix_rows
-    from harness.report import print_summary, write_json_report
+    from harness.report import print_summary, write_json_report, write_reports
     from harness.search import search_row
 
     device = resolve_device(args.device)
@@ -105,6 +105,7 @@ def cmd_run(args) -> int:
                   f"(`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
             break
     print_summary(results, skipped, time.perf_counter() - start)
+    write_reports(results, skipped, out_dir, device, profile.name)  # report.json again, report.md, plots
     return 0 if all(r.ok for r in results) else 1
 
 
@@ -191,6 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="auto", help="auto (the case's device if present), cpu or cuda")
     sp.add_argument("--dump", help="folder to save the case's tensors (outputs, reference) into")
     sp.set_defaults(fn=cmd_repro)
+    from harness import sweep
+    sweep.add_parser(sub)
     return p
 
 

@@ -1,25 +1,142 @@
-"""The run's summary: a table on the terminal and a JSON report next to the case files."""
+"""The run's summary: a table on the terminal, and report.json, report.md and plots next to the case files.
+
+``harness run`` and ``harness sweep`` write the same report: one record per matrix row (``row_record``),
+the unavailable compositions with their reasons, and (a sweep) its findings and settings.
+"""
 
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from pathlib import Path
 
 
-def write_json_report(results, skipped, path: Path, device: str, profile: str) -> None:
+def row_record(r) -> dict:
+    """A ``RowResult`` (or a record already) as the report's row: status is passed, failed or not run,
+    or for a sweep crashed, hung or error."""
+    if isinstance(r, dict):
+        return r
+    return {"row": r.row_id, "composition": r.composition, "mode": r.mode, "property": r.property,
+            "ok": r.ok, "status": ("passed" if r.cases else "not run") if r.ok else "failed", "cases": r.cases,
+            "seconds": round(r.seconds, 3), "worst_error": r.worst_error, "bound": r.bound,
+            "failure": None if r.ok else str(r.failure), "case_file": None if r.case_file is None else str(r.case_file)}
+
+
+def _report_data(results, skipped, device: str, profile: str, findings=None, extra=None) -> dict:
+    data = {"device": device, "profile": profile, "rows": [row_record(r) for r in results],
+            "unavailable": [{"composition": c, "reason": why} for c, why in skipped]}
+    if findings is not None:
+        data["findings"] = list(findings)
+    return data | (extra or {})
+
+
+def _write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {
-        "device": device,
-        "profile": profile,
-        "rows": [{"row": r.row_id, "composition": r.composition, "mode": r.mode, "property": r.property,
-                  "ok": r.ok, "cases": r.cases, "seconds": round(r.seconds, 3), "worst_error": r.worst_error,
-                  "bound": r.bound, "failure": None if r.ok else str(r.failure),
-                  "case_file": None if r.case_file is None else str(r.case_file)} for r in results],
-        "unavailable": [{"composition": c, "reason": why} for c, why in skipped],
-    }
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_json_report(results, skipped, path: Path, device: str, profile: str) -> None:
+    _write_atomic(path, json.dumps(_report_data(results, skipped, device, profile), indent=1))
+
+
+def write_reports(results, skipped, out_dir: Path, device: str, profile: str, *, findings=None,
+                  extra: dict | None = None) -> list[Path]:
+    """report.json, report.md and the plots (``harness.plots``) in ``out_dir``; returns the paths written."""
+    from harness.plots import write_plots
+
+    data = _report_data(results, skipped, device, profile, findings, extra)
+    out_dir = Path(out_dir)
+    _write_atomic(out_dir / "report.json", json.dumps(data, indent=1))
+    plots = write_plots(data["rows"], out_dir)
+    _write_atomic(out_dir / "report.md", markdown(data, [p.name for p in plots]))
+    return [out_dir / "report.md", out_dir / "report.json", *plots]
+
+
+def _ratio(r: dict) -> float | None:
+    return None if r["worst_error"] is None or not r["bound"] else r["worst_error"] / r["bound"]
+
+
+def _cell(rows: list[dict]) -> str:
+    if not rows:
+        return "-"
+    bad = [r["status"] for r in rows if not r["ok"]]
+    if bad:
+        return f"**{bad[0].upper()}**" + (f" ({len(bad)}/{len(rows)})" if len(rows) > 1 else "")
+    return "not run" if all(r["status"] == "not run" for r in rows) else f"ok ({len(rows)})"
+
+
+def markdown(data: dict, plot_names: list[str]) -> str:
+    """The report as Markdown: summary, findings, composition x property, worst error, throughput."""
+    rows = data["rows"]
+    comps = list(dict.fromkeys(r["composition"] for r in rows))
+    props = list(dict.fromkeys(r["property"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    failed = [r for r in rows if not r["ok"]]
+    cases = sum(r["cases"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    out = ["# Harness report", "",
+           f"device **{data['device']}**, profile **{data['profile']}**: {len(rows)} rows, "
+           f"{sum(r['status'] == 'passed' for r in rows)} passed, {len(failed)} failed, "
+           f"{sum(r['status'] == 'not run' for r in rows)} not run; {cases} cases in {seconds:.1f}s of search", ""]
+    sweep = data.get("sweep")
+    if sweep:
+        out += [f"sweep: budget {sweep['budget_s']:.0f}s, {sweep['elapsed_s']:.0f}s spent, rounds "
+                f"{sweep['rounds'][0]}-{sweep['rounds'][1]}, {sweep['workers']} worker(s), shard "
+                f"{sweep['shard'] or 'all'}, seed {sweep['seed']}"
+                + (f", mutant `{sweep['mutant']}`" if sweep.get("mutant") else "")
+                + (", **interrupted**" if sweep.get("interrupted") else ""), ""]
+    findings = data.get("findings")
+    if findings is None:
+        findings = [{"kind": r["status"], "row": r["row"], "reason": r["failure"], "case_file": r["case_file"]}
+                    for r in failed]
+    out += ["## Findings", ""]
+    if findings:
+        out += ["| kind | row | reason | reproduce |", "|---|---|---|---|"]
+        for f in findings:
+            repro = f"`python -m harness repro {f['case_file']}`" if f.get("case_file") else "-"
+            reason = (f.get("reason") or "").replace("|", "\\|").replace("\n", " ")
+            out.append(f"| {f['kind']} | {f.get('row') or f.get('composition')} | {reason} | {repro} |")
+    else:
+        out.append("none")
+    by_prop, by_mode = defaultdict(list), defaultdict(list)
+    for r in rows:
+        by_prop[r["composition"], r["property"]].append(r)
+        by_mode[r["composition"], r["mode"]].append(r)
+    out += ["", "## Pass/fail: composition x property (over modes)", "",
+            "| composition | " + " | ".join(props) + " |", "|---|" + "---|" * len(props)]
+    out += [f"| {c} | " + " | ".join(_cell(by_prop[c, p]) for p in props) + " |" for c in comps]
+    if "pass_fail.png" in plot_names:
+        out += ["", "![pass/fail](pass_fail.png)"]
+    out += ["", "## Worst error / bound: composition x mode (over properties; above 1 fails)", "",
+            "| composition | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for c in comps:
+        cells = []
+        for m in modes:
+            ratios = [x for x in (_ratio(r) for r in by_mode[c, m]) if x is not None]
+            cells.append(f"{max(ratios):.3f}" if ratios else "-")
+        out.append(f"| {c} | " + " | ".join(cells) + " |")
+    if "worst_error.png" in plot_names:
+        out += ["", "![worst error / bound](worst_error.png)"]
+    out += ["", "## Throughput", "", "| composition | cases | seconds | cases/s |", "|---|---:|---:|---:|"]
+    for c, n, s in throughput(rows):
+        out.append(f"| {c} | {n} | {s:.1f} | {n / s if s else 0:.2f} |")
+    if "cases_per_second.png" in plot_names:
+        out += ["", "![cases per second](cases_per_second.png)"]
+    if data["unavailable"]:
+        out += ["", "## Unavailable here", ""] + [f"- `{u['composition']}`: {u['reason']}" for u in data["unavailable"]]
+    return "\n".join(out) + "\n"
+
+
+def throughput(rows: list[dict]) -> list[tuple[str, int, float]]:
+    """(composition, cases, seconds) in matrix order."""
+    totals: dict[str, list] = {}
+    for r in rows:
+        t = totals.setdefault(r["composition"], [0, 0.0])
+        t[0] += r["cases"]
+        t[1] += r["seconds"]
+    return [(c, n, s) for c, (n, s) in totals.items()]
 
 
 def print_summary(results, skipped, seconds: float) -> None:

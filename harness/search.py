@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import given
+from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import HypothesisException
 
 from harness.casefile import CaseFile, case_name, safe_name
@@ -61,7 +62,8 @@ def row_strategy(row: Row, profile: Profile):
 
 
 def search_row(row: Row, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
-               out_dir: Path = DEFAULT_OUT) -> RowResult:
+               out_dir: Path = DEFAULT_OUT, seed: int | None = None) -> RowResult:
+    """Search one row; ``seed`` fixes Hypothesis's random choices (a sweep gives each round its own)."""
     result = RowResult(row.id, str(row.composition), row.mode.value, row.property.name)
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
@@ -84,6 +86,8 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
 
     # One database key per row, so replays of saved failures stay with their row.
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = row.id.encode()
+    if seed is not None:
+        probe = hypothesis_seed(seed)(probe)
     try:
         probe()
     except PropertyFailed:

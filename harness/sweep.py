@@ -1,0 +1,565 @@
+"""``python -m harness sweep``: spend a time budget searching the whole matrix, one process per composition.
+
+Rows are searched round-robin until the budget is spent: each round runs a row's search with the profile's
+``max_examples`` and a fresh seed, and the composition whose rows are fewest rounds along goes next. Each
+composition's rows run in a process of their own (``harness.sweep_worker``; it goes on to further rounds
+while no other composition waits for a worker), so a segfault, an illegal memory access or a hang (a case
+running longer than ``--case-timeout``) becomes a finding with its reproducer, and the sweep goes on with
+the other rows. A row with a finding is not searched again in that sweep.
+
+Everything lands in the output folder as it happens: ``findings.jsonl`` (one line per finding; its case file
+under ``cases/``), ``results.jsonl`` (one line per row and round; ``--resume`` rebuilds the sweep's state
+from it and skips the rows already done), ``logs/`` (each worker's output); at the end ``report.md``,
+``report.json`` and the plots.
+
+The example database is a folder (``OUT/examples``, or ``--db PATH``). CI shares it between runs by
+restoring it to the same path before a sweep and saving it after (a cache, or an artifact downloaded by
+the next run); failures saved there are replayed first. ``--redis URL`` shares one live database between
+machines instead (needs the ``redis`` package).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.casefile import CaseFile, case_name, safe_name
+from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
+
+ROOT = Path(__file__).resolve().parents[1]
+UNITS = {"s": 1, "m": 60, "h": 3600}
+STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
+STOP_GRACE_S = 5.0  # after SIGINT at the end of the budget, before SIGKILL
+
+
+def usage_error(message: str) -> Exception:
+    from harness.cli import UsageError
+
+    return UsageError(message)
+
+
+def parse_budget(text: str) -> float:
+    """'90s', '30m', '2h' (or plain seconds) -> seconds."""
+    m = re.fullmatch(r"(\d+(?:\.\d*)?)([smh]?)", text.strip())
+    if not m or float(m.group(1)) <= 0:
+        raise usage_error(f"--budget {text!r} is not a duration; write e.g. 90s, 30m or 2h")
+    return float(m.group(1)) * UNITS[m.group(2) or "s"]
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'I/N' -> (I, N) with 0 <= I < N."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise usage_error(f"--shard {text!r}: write I/N with 0 <= I < N, e.g. 0/2 and 1/2")
+    return int(m.group(1)), int(m.group(2))
+
+
+def shard_of(row_id: str, shards: int) -> int:
+    """A row's shard: a stable hash of its id, so it depends on neither the row's order nor the machine."""
+    return int.from_bytes(hashlib.sha256(row_id.encode()).digest()[:8], "big") % shards
+
+
+def shard_rows(rows: list, shard: tuple[int, int] | None) -> list:
+    if shard is None:
+        return list(rows)
+    index, count = shard
+    return [r for r in rows if shard_of(r.id, count) == index]
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    if seconds >= 60:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds}s"
+
+
+def visible_gpus() -> list[str]:
+    """The GPU ids a worker may be pinned to (within CUDA_VISIBLE_DEVICES when that is set)."""
+    import torch
+
+    count = torch.cuda.device_count()
+    listed = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+    return listed[:count] if listed else [str(i) for i in range(count)]
+
+
+def default_workers(device: str) -> int:
+    if device == "cuda":
+        return max(1, len(visible_gpus()))
+    return 2 if (os.cpu_count() or 1) >= 4 else 1
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut short when a sweep was killed mid-write
+    return out
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class RowState:
+    """One row across the sweep's rounds (and the sweeps it resumes)."""
+
+    row: object  # harness.matrix.Row
+    rounds: int = 0
+    cases: int = 0
+    seconds: float = 0.0
+    worst_error: float | None = None
+    bound: float | None = None
+    finding: dict | None = None
+
+    def absorb(self, result: dict) -> None:
+        self.rounds += 1
+        self.cases += result.get("cases", 0)
+        self.seconds += result.get("seconds", 0.0)
+        err, bound = result.get("worst_error"), result.get("bound")
+        if err is not None and bound and (self.worst_error is None or err / bound > self.worst_error / self.bound):
+            self.worst_error, self.bound = err, bound
+
+    def record(self) -> dict:
+        """The row as ``harness.report`` reads it."""
+        r, f = self.row, self.finding
+        status = {None: "passed" if self.cases else "not run", "failure": "failed", "crash": "crashed",
+                  "hang": "hung", "error": "error"}[f and f["kind"]]
+        return {"row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
+                "ok": f is None, "status": status, "rounds": self.rounds, "cases": self.cases,
+                "seconds": round(self.seconds, 3), "worst_error": self.worst_error, "bound": self.bound,
+                "failure": None if f is None else f["reason"], "case_file": None if f is None else f.get("case_file")}
+
+
+@dataclass
+class Task:
+    """A worker process searching one composition's rows."""
+
+    composition: str
+    slot: int
+    proc: subprocess.Popen
+    events: Path
+    log: Path
+    last_activity: float
+    offset: int = 0
+    current: str | None = None  # the row started and not yet done
+    current_round: int = 0
+    started_any: bool = False
+    stopping: bool = False
+
+
+@dataclass
+class Sweep:
+    rows: list[RowState]
+    device: str
+    profile: str
+    out_dir: Path
+    deadline: float
+    workers: int
+    case_timeout_s: float
+    seed: int
+    db: str | None
+    redis: str | None
+    mutant: str | None
+    max_rounds: int | None
+    progress: object
+    gpus: list[str] = field(default_factory=list)
+    running: dict[int, Task] = field(default_factory=dict)
+    launches: int = 0
+
+    def __post_init__(self) -> None:
+        self.by_id = {s.row.id: s for s in self.rows}
+        self.compositions = list(dict.fromkeys(str(s.row.composition) for s in self.rows))
+        self.retired_compositions: set[str] = set()
+        self.session = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's task files and logs
+
+    # ---- scheduling ------------------------------------------------------------------------------------
+    def active(self, composition: str) -> list[RowState]:
+        if composition in self.retired_compositions:
+            return []
+        return [s for s in self.rows if str(s.row.composition) == composition and s.finding is None
+                and (self.max_rounds is None or s.rounds < self.max_rounds)]
+
+    def waiting(self) -> list[str]:
+        """Compositions with rows to search and no worker, fewest rounds along first (ties: matrix order)."""
+        busy = {t.composition for t in self.running.values()}
+        ready = [(min(s.rounds for s in self.active(c)), order, c) for order, c in enumerate(self.compositions)
+                 if c not in busy and self.active(c)]
+        return [c for _, _, c in sorted(ready)]
+
+    def launch(self, slot: int, composition: str) -> None:
+        rows = self.active(composition)
+        round_ = min(s.rounds for s in rows)
+        self.launches += 1
+        stem = f"{self.session}-{self.launches:03d}--{safe_name(composition)}--r{round_}"
+        task_file, events = self.out_dir / "workers" / f"{stem}.json", self.out_dir / "workers" / f"{stem}.events.jsonl"
+        log = self.out_dir / "logs" / f"{stem}.log"
+        task_file.parent.mkdir(parents=True, exist_ok=True)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        task_file.write_text(json.dumps({
+            "composition": composition, "device": self.device, "profile": self.profile, "seed": self.seed,
+            "rows": [{"row": s.row.id, "rounds": s.rounds} for s in rows], "max_rounds": self.max_rounds,
+            "out_dir": str(self.out_dir), "db": self.db, "redis": self.redis, "mutant": self.mutant,
+            "deadline": self.deadline, "events": str(events),
+            # Further rounds in the same process only while no other composition waits for a worker.
+            "continue_until": self.deadline if len(self.waiting()) <= self.workers - len(self.running) else 0.0},
+            indent=1))
+        events.write_text("")
+        with open(log, "w") as log_file:
+            proc = subprocess.Popen([sys.executable, "-m", "harness.sweep_worker", str(task_file)],
+                                    stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=self.worker_env(slot), start_new_session=True)
+        self.running[slot] = Task(composition, slot, proc, events, log, time.time())
+        gpu = f" on GPU {self.gpus[slot % len(self.gpus)]}" if self.gpus else ""
+        self.progress.event(f"start {composition} at round {round_ + 1}: {len(rows)} row(s){gpu}")
+
+    def worker_env(self, slot: int) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        if self.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]  # set before the child imports torch
+        else:
+            env.setdefault("TRITON_INTERPRET", "1")
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        return env
+
+    # ---- supervision -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            while True:
+                for slot in list(self.running):
+                    self.watch(self.running[slot])
+                if time.time() >= self.deadline:
+                    if self.running:
+                        self.progress.event(f"budget spent: stopping {len(self.running)} worker(s); "
+                                            f"their rows in progress are not counted")
+                    break
+                for slot in range(self.workers):
+                    waiting = self.waiting()
+                    if slot not in self.running and waiting:
+                        self.launch(slot, waiting[0])
+                if not self.running:
+                    break
+                self.progress.update(self.status_line(), [self.describe(t) for t in self.running.values()])
+                time.sleep(0.2)
+        finally:
+            for task in list(self.running.values()):
+                self.stop(task)
+
+    def watch(self, task: Task) -> None:
+        self.read_events(task)
+        code = task.proc.poll()
+        if code is not None:
+            self.read_events(task)
+            del self.running[task.slot]
+            self.exited(task, code)
+            return
+        active = task.last_activity
+        if task.current:
+            try:  # rewritten before every example: its age is the running case's
+                active = max(active, self.pending_file(task.current).stat().st_mtime)
+            except FileNotFoundError:
+                pass
+        if time.time() - active > self.case_timeout_s:
+            self.dump_stacks(task)
+            self.kill(task)
+            del self.running[task.slot]
+            what = f"case of {task.current}" if task.current else "worker (before its first row)"
+            self.crashed(task, "hang", f"hang: a {what} made no progress for {self.case_timeout_s:.0f}s")
+
+    def read_events(self, task: Task) -> None:
+        with open(task.events, "rb") as f:
+            f.seek(task.offset)
+            chunk = f.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line still being written waits for the next look
+        task.offset += len(complete)
+        for line in complete.decode().splitlines():
+            event = json.loads(line)
+            task.last_activity = time.time()
+            if event["event"] == "start":
+                task.current, task.current_round, task.started_any = event["row"], event["round"], True
+            elif event["event"] == "done":
+                task.current = None
+                self.row_done(self.by_id[event["row"]], event["round"], event["result"])
+
+    def row_done(self, state: RowState, round_: int, result: dict) -> None:
+        state.absorb(result)
+        r = state.row
+        append_jsonl(self.out_dir / "results.jsonl", {
+            "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
+            "round": round_, "seed": round_seed(self.seed, r.id, round_), **result})
+        if result["ok"]:
+            ratio = "" if result["worst_error"] is None else \
+                f", worst {result['worst_error'] / result['bound']:.2f} of bound"
+            self.progress.event(f"ok {r.id} round {round_ + 1}: {result['cases']} cases{ratio} "
+                                f"({result['seconds']:.1f}s)")
+            return
+        self.finding(state, "failure", result["failure"], result["case_file"], str(r.composition), round_,
+                     batch_size=result.get("batch_size"), num_tokens=result.get("num_tokens"))
+
+    def exited(self, task: Task, code: int) -> None:
+        if task.stopping or code == 0:
+            return
+        if code == EXIT_CONTEXT_POISONED:
+            self.progress.event(f"{task.composition}: the CUDA context is unusable after a failure; "
+                                f"its remaining rows go to a fresh process")
+            return
+        from harness.mutant_run import exit_description
+
+        self.crashed(task, "crash", f"crash: the worker died ({exit_description(code)})")
+
+    def crashed(self, task: Task, kind: str, reason: str) -> None:
+        """A worker died or hung: a finding for the row it was running, with its pending case as reproducer."""
+        if task.current is None:
+            # Nothing was running: the worker itself is broken (an import error, a bad environment). Its rows
+            # would fail the same way in every process, so this sweep leaves the composition alone.
+            self.retired_compositions.add(task.composition)
+            where = "before its first row" if not task.started_any else "between rows"
+            self.finding(None, "error", f"{reason} {where}: {self.log_tail(task, 1)}", None, task.composition, None)
+            return
+        state = self.by_id[task.current]
+        tail = self.log_tail(task, 15)
+        reason += self.innermost_frame(tail)
+        case_file = None
+        pending = self.pending_file(task.current)
+        if pending.exists():
+            case = CaseFile.read(pending)
+            case.verdict = {"reason": f"{reason} (not shrunk: the process died with it)", "worst_error": None,
+                            "bound": None, "where": None}
+            case_file = str(case.write(self.out_dir / "cases" / case_name(
+                case.composition, case.property, state.row.mode.value, case.spec)))
+            pending.unlink()
+        self.finding(state, kind, reason, case_file, task.composition, task.current_round, log=str(task.log),
+                     log_tail=tail)
+
+    def finding(self, state: RowState | None, kind: str, reason: str, case_file: str | None, composition: str,
+                round_: int | None, **extra) -> None:
+        record = {"kind": kind, "row": state and state.row.id, "composition": composition,
+                  "mode": state and state.row.mode.value, "property": state and state.row.property.name,
+                  "round": round_, "reason": reason, "case_file": case_file, "mutant": self.mutant,
+                  "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
+        append_jsonl(self.out_dir / "findings.jsonl", record)
+        if state is not None:
+            state.finding = record
+        self.progress.event(f"FINDING ({kind}) {state.row.id if state else composition}: {reason}")
+        if case_file:
+            self.progress.event(f"  reproduce: python -m harness repro {case_file}")
+
+    def pending_file(self, row_id: str) -> Path:
+        return self.out_dir / "pending" / f"{safe_name(row_id)}.json"  # where search_row writes it
+
+    @staticmethod
+    def log_tail(task: Task, lines: int) -> str:
+        """The end of the worker's log, or where faulthandler's last stack dump starts (innermost frame first)."""
+        text = task.log.read_text(errors="replace").strip().splitlines() if task.log.exists() else []
+        dumps = [i for i, line in enumerate(text) if "(most recent call first)" in line]
+        if dumps:
+            start = dumps[-1] - 2 if dumps[-1] >= 2 and "Fatal Python error" in text[dumps[-1] - 2] else dumps[-1]
+            return "\n".join(text[start:start + lines])
+        return "\n".join(text[-lines:]) if text else "(no output)"
+
+    @staticmethod
+    def innermost_frame(log_tail: str) -> str:
+        """', in forward_decode (mutants.py:258)' from a faulthandler dump, else ''."""
+        m = re.search(r'File "([^"]+)", line (\d+) in (\S+)', log_tail)
+        return f", in {m.group(3)} ({m.group(1).rsplit('/', 1)[-1]}:{m.group(2)})" if m else ""
+
+    # ---- stopping --------------------------------------------------------------------------------------
+    def dump_stacks(self, task: Task) -> None:
+        """Ask the hung worker for its Python stacks (faulthandler writes them to its log)."""
+        try:
+            os.kill(task.proc.pid, signal.SIGUSR1)
+            task.proc.wait(1.0)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+
+    def kill(self, task: Task) -> None:
+        task.stopping = True
+        try:
+            os.killpg(task.proc.pid, signal.SIGKILL)  # the worker's own session: it and anything it started
+        except ProcessLookupError:
+            pass
+        task.proc.wait()
+
+    def stop(self, task: Task) -> None:
+        task.stopping = True
+        try:
+            os.killpg(task.proc.pid, signal.SIGINT)
+            task.proc.wait(STOP_GRACE_S)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            self.kill(task)
+        self.read_events(task)  # a row that finished during the grace period still counts
+        self.running.pop(task.slot, None)
+
+    # ---- display ---------------------------------------------------------------------------------------
+    def status_line(self) -> str:
+        done = [s for s in self.rows if s.rounds or s.finding]
+        findings = sum(s.finding is not None for s in self.rows)
+        rounds = min((s.rounds for s in self.rows if s.finding is None), default=0)
+        return (f"{len(done)}/{len(self.rows)} rows searched, every row {rounds} round(s) or more, "
+                f"{sum(s.cases for s in self.rows)} cases, {findings} finding(s), "
+                f"{duration(max(0.0, self.deadline - time.time()))} left")
+
+    def describe(self, task: Task) -> str:
+        return f"worker {task.slot}: {task.current or task.composition} round {task.current_round + 1}"
+
+
+def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str) -> dict:
+    """The sweep's metadata: the resumed sweep's, or a new sweep's (a previous sweep's files moved aside)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta_path = out_dir / "sweep.json"
+    if resume and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        for key, now in (("profile", profile), ("device", device)):
+            if meta.get(key) != now:
+                raise usage_error(f"--resume: {out_dir} holds a sweep with {key} {meta.get(key)}; "
+                                  f"pass --{key} {meta.get(key)} or choose another --out")
+    else:
+        old = [out_dir / n for n in STATE_FILES if (out_dir / n).exists()]
+        if old:
+            stamp = datetime.datetime.fromtimestamp(old[0].stat().st_mtime).strftime("%Y%m%d-%H%M%S")
+            keep = out_dir / "previous" / stamp
+            keep.mkdir(parents=True, exist_ok=True)
+            for p in old:
+                p.replace(keep / p.name)
+        meta = {"seed": random.SystemRandom().getrandbits(32), "profile": profile, "device": device,
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        meta_path.write_text(json.dumps(meta, indent=1))
+    for stale in (out_dir / "pending").glob("*.json"):  # cases of a sweep that was stopped, not findings
+        stale.unlink()
+    return meta
+
+
+def cmd_sweep(args) -> int:
+    from harness.cli import _profile, resolve_device
+    from harness.matrix import matrix_rows
+    from harness.mutants import MUTANTS
+    from harness.progress import make_progress
+    from harness.report import write_reports
+    from harness.sweep_worker import example_database
+    from properties import PROPERTIES
+
+    budget = parse_budget(args.budget)
+    shard = parse_shard(args.shard) if args.shard else None
+    device = resolve_device(args.device)
+    profile = _profile(args.profile)
+    if args.mutant and args.mutant not in MUTANTS:
+        raise usage_error(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
+    unknown = [p for p in args.properties or [] if p not in PROPERTIES]
+    if unknown:
+        raise usage_error(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                          f"properties: {', '.join(PROPERTIES)}")
+    for name, value in (("--workers", args.workers), ("--case-timeout", args.case_timeout), ("--rounds", args.rounds)):
+        if value is not None and value <= 0:
+            raise usage_error(f"{name} must be positive, got {value}")
+    rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+    if not rows:
+        raise usage_error("no matrix row matches the selection (see `python -m harness list`)")
+    rows = shard_rows(rows, shard)
+    out_dir = Path(args.out)
+    db = None if args.redis else str(Path(args.db) if args.db else out_dir / "examples")
+    try:
+        example_database(db, args.redis)  # a bad --redis fails here, once, not in every worker
+    except ValueError as e:
+        raise usage_error(str(e)) from None
+    meta = prepare_out_dir(out_dir, args.resume, profile.name, device)
+    states = {r.id: RowState(r) for r in rows}
+    for result in read_jsonl(out_dir / "results.jsonl"):
+        if result.get("row") in states:
+            states[result["row"]].absorb(result)
+    for f in read_jsonl(out_dir / "findings.jsonl"):
+        if f.get("row") in states:
+            states[f["row"]].finding = f
+
+    start = time.time()
+    progress = make_progress(start, budget)
+    workers = args.workers or default_workers(device)
+    sweep = Sweep(list(states.values()), device, profile.name, out_dir, start + budget, workers,
+                  args.case_timeout or (600.0 if device == "cuda" else 300.0), meta["seed"], db, args.redis,
+                  args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [])
+    resumed = sum(1 for s in sweep.rows if s.rounds or s.finding)
+    notes = [f"shard {shard[0]}/{shard[1]}"] if shard else []
+    notes += [f"{resumed} row(s) resumed"] if resumed else []
+    notes += [f"mutant {args.mutant}"] if args.mutant else []
+    progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.compositions)} composition(s) on {device}, profile "
+                   f"{profile.name}, budget {duration(budget)}, {workers} worker(s)" + "".join(f", {n}" for n in notes))
+    interrupted = False
+    try:
+        sweep.run()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        progress.close()
+    elapsed = time.time() - start
+
+    findings = read_jsonl(out_dir / "findings.jsonl")
+    records = [s.record() for s in sweep.rows]
+    searched = [s for s in sweep.rows if s.finding is None and s.rounds]
+    rounds = (min(s.rounds for s in searched), max(s.rounds for s in searched)) if searched else (0, 0)
+    settings = {"budget_s": budget, "elapsed_s": round(elapsed, 1), "shard": args.shard, "workers": workers,
+                "seed": meta["seed"], "mutant": args.mutant, "rounds": list(rounds), "database": args.redis or db,
+                "interrupted": interrupted}
+    paths = write_reports(records, skipped, out_dir, device, profile.name, findings=findings,
+                          extra={"sweep": settings})
+    cases = sum(r["cases"] for r in records)
+    unreached = sum(r["status"] == "not run" for r in records)
+    print(f"sweep: {len(records)} rows{f' ({unreached} not reached)' if unreached else ''}, rounds "
+          f"{rounds[0]}-{rounds[1]}, {cases} cases in {duration(elapsed)} "
+          f"({cases / elapsed if elapsed else 0:.1f} cases/s), {len(findings)} finding(s)")
+    for f in findings:
+        print(f"FINDING ({f['kind']}) {f.get('row') or f['composition']}: {f['reason']}")
+        if f.get("case_file"):
+            print(f"  reproduce: python -m harness repro {f['case_file']}")
+    print(f"report: {', '.join(str(p) for p in paths)}")
+    if interrupted:
+        raise KeyboardInterrupt
+    return 1 if findings else 0
+
+
+def add_parser(sub) -> None:
+    """Register ``sweep`` with the command line's subparsers."""
+    sp = sub.add_parser("sweep", help="spend a time budget searching the whole matrix, a process per composition",
+                        description=__doc__.splitlines()[0].split(": ", 1)[1])
+    sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    sp.add_argument("--profile", default="nightly", help="ci, dev, nightly (default) or gpu")
+    sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")
+    sp.add_argument("--properties", nargs="*", help="property names (default: all)")
+    sp.add_argument("--modes", nargs="*", help="forward modes (default: all the composition supports)")
+    sp.add_argument("--budget", default="30m", help="wall time to spend, e.g. 90s, 30m, 2h (default 30m)")
+    sp.add_argument("--shard", help="I/N: search only shard I of N (rows split by a stable hash of their id)")
+    sp.add_argument("--rounds", type=int,
+                    help="stop after this many rounds of every row (default: the budget decides)")
+    db = sp.add_mutually_exclusive_group()
+    db.add_argument("--db", help="Hypothesis example database folder (default OUT/examples)")
+    db.add_argument("--redis", help="Hypothesis example database on a Redis server, e.g. redis://host:6379/0")
+    sp.add_argument("--out", default="harness-out/sweep", help="folder for findings, case files, logs and the report")
+    sp.add_argument("--workers", type=int,
+                    help="worker processes at a time (default: one per visible GPU; 1-2 on a CPU)")
+    sp.add_argument("--case-timeout", type=float,
+                    help="seconds one case may run before it counts as a hang (default 600 on a GPU, 300 on a CPU)")
+    sp.add_argument("--mutant", help="inject this mutant from the catalogue into every worker")
+    sp.add_argument("--resume", action="store_true",
+                    help="continue the sweep in --out (with a fresh --budget): rows already done this round are "
+                         "skipped, its findings kept")
+    sp.set_defaults(fn=cmd_sweep)

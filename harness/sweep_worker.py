@@ -1,0 +1,123 @@
+"""A sweep worker: one composition's rows, round after round, in a process of their own.
+
+Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep``. The task file names the rows and
+the rounds each has done, the sweep's seed, the profile, the device, the example database, the mutant to
+inject, the deadline, and until when it may go on to further rounds (while no other composition waits for
+its slot, it keeps its process rather than paying for a fresh one each round). Each
+event is one JSON line appended to the task's events file: ``start`` before a row's search, ``done`` with
+its result after it, so the sweep knows which row was running when this process died or stalled (the
+row's pending case file, written by ``search_row`` before every example, is the reproducer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+EXIT_CONTEXT_POISONED = 3  # a sticky CUDA error: the rows left need a fresh process
+
+
+def round_seed(sweep_seed: int, row_id: str, round_: int) -> int:
+    """Each row's search in each round of a sweep draws from its own, reproducible seed."""
+    return int.from_bytes(hashlib.sha256(f"{sweep_seed}/{row_id}/{round_}".encode()).digest()[:8], "big")
+
+
+def example_database(db: str | None, redis_url: str | None):
+    """The Hypothesis example database: a folder, or a Redis server shared between machines."""
+    if redis_url:
+        try:
+            import redis
+            from hypothesis.extra.redis import RedisExampleDatabase
+        except ImportError:
+            raise ValueError("--redis needs the redis package (pip install redis)") from None
+        try:
+            client = redis.Redis.from_url(redis_url)
+            client.ping()
+        except Exception as e:  # noqa: BLE001 - bad URL or unreachable server, both the user's to fix
+            raise ValueError(f"--redis {redis_url}: cannot reach the server ({type(e).__name__}: {e})") from None
+        return RedisExampleDatabase(client)
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    return DirectoryBasedExampleDatabase(db)
+
+
+def result_record(result) -> dict:
+    """A ``RowResult`` as plain JSON (the case file keeps the batch itself)."""
+    spec = result.spec
+    return {"ok": result.ok, "cases": result.cases, "seconds": round(result.seconds, 3),
+            "worst_error": result.worst_error, "bound": result.bound,
+            "failure": None if result.ok else str(result.failure),
+            "case_file": None if result.case_file is None else str(result.case_file),
+            "batch_size": None if spec is None else spec.batch_size,
+            "num_tokens": None if spec is None else spec.num_tokens,
+            "first_failure_seconds": result.first_failure_seconds}
+
+
+def run_task(task: dict) -> int:
+    device = task["device"]
+    if device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    faulthandler.enable()  # a segfault prints the Python stack into the worker's log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the sweep asks for the stack of a hung case
+
+    from harness.matrix import matrix_rows
+    from harness.mutants import MUTANTS
+    from harness.profiles import PROFILES
+    from harness.search import search_row
+
+    profile = PROFILES[task["profile"]]
+    rows = {r.id: r for r in matrix_rows(device, profile, [task["composition"]])[0]}
+    database = example_database(task.get("db"), task.get("redis"))
+    out_dir = Path(task["out_dir"])
+    rounds = {item["row"]: item["rounds"] for item in task["rows"]}  # rounds done so far, per row
+    first_round = min(rounds.values())
+    with open(task["events"], "a") as events:
+        def emit(**fields) -> None:
+            events.write(json.dumps(fields | {"time": time.time()}) + "\n")
+            events.flush()
+
+        emit(event="ready")
+        with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
+            while rounds:
+                round_ = min(rounds.values())
+                if task["max_rounds"] is not None and round_ >= task["max_rounds"]:
+                    break
+                if round_ > first_round and time.time() >= task["continue_until"]:
+                    break  # another composition waits for this worker's slot
+                for row_id in [r for r, n in rounds.items() if n == round_]:
+                    if time.time() >= task["deadline"]:
+                        emit(event="stopped", reason="budget spent")
+                        return 0
+                    row = rows[row_id]
+                    emit(event="start", row=row_id, round=round_)
+                    result = search_row(row, profile, device, database=database, out_dir=out_dir,
+                                        seed=round_seed(task["seed"], row_id, round_))
+                    emit(event="done", row=row_id, round=round_, result=result_record(result))
+                    rounds[row_id] += 1
+                    if not result.ok:
+                        del rounds[row_id]  # a row with a finding is done for this sweep
+                        if device == "cuda" and "CUDA error" in str(result.failure):
+                            return EXIT_CONTEXT_POISONED
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m harness.sweep_worker TASK.json (started by `python -m harness sweep`)",
+              file=sys.stderr)
+        return 2
+    try:
+        return run_task(json.loads(Path(argv[0]).read_text()))
+    except KeyboardInterrupt:  # the sweep stops its workers with SIGINT when the budget is spent
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,116 @@
+"""``harness sweep``: spends its budget, survives crashing rows, shards deterministically, resumes."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness.casefile import CaseFile
+from harness.cli import main
+from harness.matrix import matrix_rows
+from harness.profiles import PROFILES
+from harness.sweep import shard_of, shard_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+DECODE_OUTPUTS = ["--backends", "torch_native", "--modes", "decode", "--properties", "outputs"]  # 2 rows
+
+
+def sweep(out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "harness", "sweep", "--device", "cpu", "--profile", "ci",
+                           "--out", str(out), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget", "10x"], "--budget '10x' is not a duration"),
+    (["--budget", "0s"], "is not a duration"),
+    (["--shard", "2/2"], "--shard '2/2': write I/N"),
+    (["--shard", "one"], "write I/N"),
+    (["--backends", "nosuch"], "unknown backend 'nosuch'"),
+    (["--mutant", "nosuch"], "unknown mutant 'nosuch'"),
+    (["--workers", "0"], "--workers must be positive"),
+    (["--redis", "redis://127.0.0.1:9/0"], "--redis"),  # no redis package, or no server there
+])
+def test_bad_input_is_one_line_and_exit_2(args, message, capsys, tmp_path):
+    assert main(["sweep", "--device", "cpu", "--out", str(tmp_path), *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+
+
+def test_shards_split_rows_by_a_stable_hash():
+    rows, _ = matrix_rows("cpu", PROFILES["ci"])
+    ids = [r.id for r in rows]
+    for n in (2, 3):
+        parts = [[r.id for r in shard_rows(rows, (i, n))] for i in range(n)]
+        assert sorted(sum(parts, [])) == sorted(ids)  # union is every row, and no row is in two shards
+        assert all(parts)
+        shuffled = random.Random(n).sample(rows, len(rows))
+        assert [sorted(r.id for r in shard_rows(shuffled, (i, n))) for i in range(n)] == [sorted(p) for p in parts]
+    assert shard_rows(rows, (0, 1)) == rows
+    assert shard_of("torch_native-decode-outputs", 2) in (0, 1)
+
+
+def test_short_sweep_spends_its_budget_and_writes_the_report(tmp_path):
+    start = time.monotonic()
+    out = sweep(tmp_path, "--budget", "10s", "--workers", "2", *DECODE_OUTPUTS)
+    elapsed = time.monotonic() - start
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert elapsed >= 10, "the sweep stopped before its budget was spent"
+    for name in ("report.md", "report.json", "pass_fail.png", "worst_error.png", "cases_per_second.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {r["row"] for r in report["rows"]} == {"torch_native-decode-outputs", "tbo(torch_native)-decode-outputs"}
+    assert all(r["status"] == "passed" and r["cases"] > 0 for r in report["rows"])
+    assert max(r["rounds"] for r in report["rows"]) >= 2, "rows are searched again while budget remains"
+    assert "| torch_native | ok" in (tmp_path / "report.md").read_text()
+    assert "ok torch_native-decode-outputs round 1" in out.stderr  # progress, one line per event
+
+
+def test_crashing_row_is_a_finding_and_the_sweep_goes_on(tmp_path):
+    out = sweep(tmp_path, "--budget", "120s", "--rounds", "3", "--workers", "2", "--backends", "torch_native",
+                "--modes", "extend", "decode", "--properties", "outputs", "--mutant", "decode_segfault_past_page_table")
+    assert out.returncode == 1, out.stdout + out.stderr
+    crashes = [f for f in jsonl(tmp_path / "findings.jsonl") if f["row"] == "torch_native-decode-outputs"]
+    assert len(crashes) == 1 and crashes[0]["kind"] == "crash" and "SIGSEGV" in crashes[0]["reason"]
+    case = CaseFile.read(crashes[0]["case_file"])  # the case that was running when the process died
+    assert case.composition == "torch_native" and case.spec.mode.value == "decode"
+    assert "SIGSEGV" in case.verdict["reason"]
+    assert f"python -m harness repro {crashes[0]['case_file']}" in out.stdout
+    rounds = [r for r in jsonl(tmp_path / "results.jsonl") if r["row"] == "torch_native-extend-outputs"]
+    assert len(rounds) == 3 and all(r["ok"] for r in rounds)  # the same composition's other row went on
+    statuses = {r["row"]: r["status"] for r in json.loads((tmp_path / "report.json").read_text())["rows"]}
+    assert statuses["torch_native-decode-outputs"] == "crashed"
+    assert statuses["torch_native-extend-outputs"] == "passed"
+
+
+def test_resume_skips_finished_rows_and_keeps_findings(tmp_path, capsys):
+    first = sweep(tmp_path, "--budget", "120s", "--rounds", "1", "--workers", "2", *DECODE_OUTPUTS)
+    assert first.returncode == 0, first.stdout + first.stderr
+    results = jsonl(tmp_path / "results.jsonl")
+    assert sorted(r["row"] for r in results) == ["tbo(torch_native)-decode-outputs", "torch_native-decode-outputs"]
+    # Interrupted before tbo(torch_native) finished; an earlier finding (of a row outside this selection) stays.
+    kept = [r for r in results if r["row"] == "torch_native-decode-outputs"]
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    finding = {"kind": "failure", "row": "triton-decode-outputs", "composition": "triton", "reason": "earlier"}
+    (tmp_path / "findings.jsonl").write_text(json.dumps(finding) + "\n")
+
+    again = sweep(tmp_path, "--budget", "120s", "--rounds", "1", "--workers", "2", "--resume", *DECODE_OUTPUTS)
+    assert again.returncode == 1, again.stdout + again.stderr  # the kept finding
+    assert "1 row(s) resumed" in again.stderr
+    assert "start tbo(torch_native)" in again.stderr and "start torch_native " not in again.stderr
+    results = jsonl(tmp_path / "results.jsonl")
+    assert [r["row"] for r in results] == ["torch_native-decode-outputs", "tbo(torch_native)-decode-outputs"]
+    assert jsonl(tmp_path / "findings.jsonl") == [finding]
+
+    assert main(["sweep", "--device", "cpu", "--profile", "dev", "--resume", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds a sweep with profile ci" in err and len(err.splitlines()) == 1
