@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import queue as queue_module
+import signal
 import time
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,7 +31,20 @@ class MutantResult:
     case_file: str | None = None
 
 
-def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float) -> MutantResult:
+def default_case_timeout(device: str) -> float:
+    """Seconds one example may run before its process counts as hung (a GPU's first case may JIT-compile)."""
+    return 600.0 if device == "cuda" else 60.0
+
+
+def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float,
+               case_timeout_s: float | None = None) -> MutantResult:
+    """Search the mutant's rows until one fails; a mutant that ``crashes`` the process runs in a child."""
+    if mutant.crashes and not (mutant.needs_device and mutant.needs_device != device):
+        return run_mutant_isolated(mutant, profile, device, out_dir, budget_s, case_timeout_s)
+    return _search_mutant(mutant, profile, device, out_dir, budget_s)
+
+
+def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float) -> MutantResult:
     if mutant.needs_device and mutant.needs_device != device:
         return MutantResult(mutant.name, "unavailable",
                             reason=f"the fault exists only on {mutant.needs_device} (this run uses {device})")
@@ -39,10 +55,18 @@ def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, bud
         return MutantResult(mutant.name, "unavailable", reason=reasons)
     start = time.perf_counter()
     with mutant.patch():
-        for comp in runnable:
-            rows, _ = matrix_rows(device, profile, [str(comp)], list(mutant.properties) if mutant.properties else None)
-            for row in (r for r in rows if r.composition == comp):
-                result = search_row(row, profile, device, database=None, out_dir=out_dir / mutant.name)
+        rows = [r for comp in runnable
+                for r in matrix_rows(device, profile, [str(comp)],
+                                     list(mutant.properties) if mutant.properties else None)[0]
+                if r.composition == comp]
+        # Breadth first: a few examples on every row, then the profile's count, then four times that.
+        # Seeds are fixed per mutant and round, so a verdict is reproducible run to run.
+        rounds = (min(3, profile.max_examples), profile.max_examples, 4 * profile.max_examples)
+        for n, max_examples in enumerate(rounds):
+            for row in rows:
+                seed = zlib.crc32(f"{mutant.name}/{row.id}/{n}".encode())
+                result = search_row(row, profile, device, database=None, max_examples=max_examples,
+                                    out_dir=out_dir / mutant.name, seed=seed)
                 if not result.ok:
                     spec = result.spec
                     return MutantResult(mutant.name, "killed", time.perf_counter() - start,
@@ -52,39 +76,60 @@ def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, bud
                 if time.perf_counter() - start > budget_s:
                     return MutantResult(mutant.name, "survived", time.perf_counter() - start,
                                         reason=f"budget of {budget_s:.0f}s spent")
-    return MutantResult(mutant.name, "survived", time.perf_counter() - start, reason="every row passed")
+    return MutantResult(mutant.name, "survived", time.perf_counter() - start, reason=f"every row passed {len(rounds)} rounds")
 
 
 def _child(mutant_name: str, profile: Profile, device: str, out_dir: Path, budget_s: float, queue) -> None:
     from harness.mutants import MUTANTS
-    queue.put(asdict(run_mutant(MUTANTS[mutant_name], profile, device, out_dir, budget_s)))
+    queue.put(asdict(_search_mutant(MUTANTS[mutant_name], profile, device, out_dir, budget_s)))
 
 
 def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
-                        budget_s: float) -> MutantResult:
+                        budget_s: float, case_timeout_s: float | None = None) -> MutantResult:
     """``run_mutant`` in a fresh process. On a GPU a device-side assert poisons the CUDA context for good,
     so one mutant that trips it would make every later mutant look killed; a process per mutant keeps
-    each verdict its own. A process that dies is a kill by crash, its pending case file the reproducer."""
+    each verdict its own. A process that dies is a kill by crash, one whose pending case file has not
+    changed for ``case_timeout_s`` a kill by hang; either way the pending case file is the reproducer."""
+    case_timeout_s = case_timeout_s or default_case_timeout(device)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     start = time.perf_counter()
+    pending_dir = out_dir / mutant.name / "pending"
+    for stale in pending_dir.glob("*.json"):  # a previous run's leftovers would read as this run's crash
+        stale.unlink()
     proc = ctx.Process(target=_child, args=(mutant.name, profile, device, out_dir, budget_s, queue), daemon=True)
     proc.start()
     limit = 2 * budget_s + 120  # the search checks its budget between rows; a row may still be shrinking
     try:
-        return MutantResult(**queue.get(timeout=limit))
-    except Exception:  # queue.Empty: the child died or hung
-        proc.join(5)
-        if proc.is_alive():
-            proc.kill()
-            return MutantResult(mutant.name, "survived", time.perf_counter() - start,
-                                reason=f"no verdict within {limit:.0f}s")
-        pending = sorted((out_dir / mutant.name).glob("pending/*.json"))
-        return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="crash",
-                            reason=f"the process died (exit code {proc.exitcode})",
-                            case_file=str(pending[-1]) if pending else None)
+        while time.perf_counter() - start < limit:
+            try:
+                return MutantResult(**queue.get(timeout=1.0))
+            except queue_module.Empty:
+                pass
+            pending = sorted(pending_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+            if not proc.is_alive():
+                return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="crash",
+                                    reason=f"the process died ({exit_description(proc.exitcode)})",
+                                    case_file=str(pending[-1]) if pending else None)
+            if pending and time.time() - pending[-1].stat().st_mtime > case_timeout_s:
+                proc.kill()
+                return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="hang",
+                                    reason=f"one case ran for over {case_timeout_s:.0f}s", case_file=str(pending[-1]))
+        proc.kill()
+        return MutantResult(mutant.name, "survived", time.perf_counter() - start,
+                            reason=f"no verdict within {limit:.0f}s")
     finally:
         proc.join(5)
+
+
+def exit_description(code: int | None) -> str:
+    """'killed by SIGSEGV' for a negative exit code (a signal), else 'exit code N'."""
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def print_table(results: list[MutantResult]) -> None:

@@ -4,11 +4,16 @@ construction (no file is edited: each mutant is a context manager that patches a
 Each entry names the bug and its real-world symptom in one line, and the compositions whose search should
 catch it. ``python -m harness mutants`` runs each mutant's compositions under a profile until the first
 failing property, and reports which were killed, how fast, and how small the shrunk reproducer was.
+Mutants marked ``crashes`` kill or hang the whole process (as an illegal memory access or a deadlocked
+kernel does); they only ever run in a child process, where the death or the stall is the catch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
+import time
 from dataclasses import dataclass
 from typing import ContextManager
 from unittest import mock
@@ -25,6 +30,7 @@ class Mutant:
     targets: tuple[str, ...]  # composition terms to search
     properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
     needs_device: str | None = None  # the fault only exists on this device type (e.g. real graph capture)
+    crashes: bool = False  # kills or hangs the process: run only in a child process (see harness.mutant_run)
 
     def patch(self) -> ContextManager:
         """The fault, active inside the returned context: the module function named after the mutant."""
@@ -242,6 +248,35 @@ def mla_last_chunk_dropped():
     return _replace(tn.TorchNativeBackend, "init_mha_chunk_metadata", init_mha_chunk_metadata)
 
 
+# ---- process killers (crashes=True) --------------------------------------------------------------------
+def _kv_pages(forward_batch) -> int:
+    """Pages in the batch's page table (every request's context, rounded up to whole pages)."""
+    return sum(-(-n // forward_batch.page_size) for n in forward_batch.seq_lens_cpu.tolist())
+
+
+def decode_segfault_past_page_table():
+    from backends.torch_native import TorchNativeBackend
+    original = TorchNativeBackend.forward_decode
+
+    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        if _kv_pages(forward_batch) > 2:
+            os.kill(os.getpid(), signal.SIGSEGV)  # what an out-of-bounds page-table read does to the process
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    return _replace(TorchNativeBackend, "forward_decode", forward_decode)
+
+
+def extend_hangs_past_two_pages():
+    from backends.torch_native import TorchNativeBackend
+    original = TorchNativeBackend.forward_extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        if forward_batch.forward_mode.value == "extend" and _kv_pages(forward_batch) > 2:
+            while True:  # a kernel waiting on a barrier no other block reaches
+                time.sleep(3600)
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    return _replace(TorchNativeBackend, "forward_extend", forward_extend)
+
+
 # ---- linear attention ---------------------------------------------------------------------------------
 def state_slot_is_request_row():
     import backends.linear_torch as lt
@@ -363,5 +398,11 @@ CATALOGUE: list[Mutant] = [
            "of zeros; fresh prompts inherit another request's context", ("linear_torch",)),
     Mutant("commit_wrong_position", "after verify, the state one position before the last accepted token is "
            "committed; every later token of the request decodes from a state one step behind", ("linear_torch",)),
+    Mutant("decode_segfault_past_page_table", "paged decode reads past the end of the page table once the batch "
+           "spans more than two KV pages; the process dies with SIGSEGV (an illegal memory access on a GPU)",
+           ("torch_native",), properties=("outputs",), crashes=True),
+    Mutant("extend_hangs_past_two_pages", "the extend kernel waits on a barrier that batches spanning more than "
+           "two KV pages never reach; the process hangs (a deadlocked kernel) and the run never ends",
+           ("torch_native",), properties=("outputs",), crashes=True),
 ]
 MUTANTS = {m.name: m for m in CATALOGUE}

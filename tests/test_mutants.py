@@ -14,7 +14,9 @@ from harness.profiles import PROFILES
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])
 def test_mutant_is_killed(mutant, device, tmp_path):
-    result = run_mutant(mutant, PROFILES["ci"], device, tmp_path, budget_s=600)
+    # A crashing mutant's hang is detected after case_timeout_s without progress; 10 s is ample for a
+    # ci-profile case, which takes well under a second.
+    result = run_mutant(mutant, PROFILES["ci"], device, tmp_path, budget_s=600, case_timeout_s=10)
     if result.status == "unavailable":
         pytest.skip(f"{mutant.name}: {result.reason}")
     assert result.status == "killed", f"{mutant.name} survived: {result.reason}"
