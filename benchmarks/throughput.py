@@ -1,0 +1,236 @@
+"""Throughput of the harness itself: cases per second per composition and property, and where the time goes.
+
+    python benchmarks/throughput.py [--profile ci] [--device auto] [--backends ...] [--properties ...]
+                                    [--modes extend decode] [--cases 20] [--max-requests 16] [--json PATH]
+
+For each matrix row, ``--cases`` batch specifications are drawn up front from the row's own strategy (a
+seeded Hypothesis run that only generates: no database, no shrinking), then each runs through the row's
+property while a clock splits the time into
+
+- generation: drawing the specifications (Hypothesis), per case;
+- materialization: building tensors, pools and the forward batch (``harness.materialize.materialize``);
+- reference: the float64 reference (``reference.batch.reference_outputs``);
+- backend: building the backends, planning, and every layer's forward, model-side q/k/v and RoPE included
+  (``Composition.build``, ``harness.model``, ``harness.execute``, the graph runner);
+- checking: everything else the property does (comparisons, invariants, bookkeeping).
+
+Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
+boundary synchronizes the device so kernels are charged to the phase that launched them. The first case of
+each row is a warm-up (Triton and FlashInfer compile on first use) and is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PHASES = ("generation", "materialization", "reference", "backend", "checking")
+TIMED = {  # phase -> (module, attribute path) of the functions charged to it
+    "materialization": [("harness.materialize", "materialize")],
+    "reference": [("reference.batch", "reference_outputs")],
+    "backend": [("harness.execute", "execute"), ("harness.model", "run_layers"), ("harness.model", "run_layer"),
+                ("harness.model", "prepare_batch"), ("harness.graph_runner", "eager_decode"),
+                ("harness.graph_runner", "GraphRunner.capture"), ("harness.graph_runner", "GraphRunner.replay"),
+                ("backends.registry", "Composition.build")],
+}
+PACKAGES = ("harness.", "properties.", "reference.", "backends.")
+
+
+class PhaseClock:
+    """Exclusive wall time per phase: entering a nested phase pauses the enclosing one."""
+
+    def __init__(self, synchronize) -> None:
+        self.synchronize = synchronize
+        self.totals: dict[str, float] = defaultdict(float)
+        self.stack: list[list] = []  # [phase, started]
+
+    def now(self) -> float:
+        self.synchronize()
+        return time.perf_counter()
+
+    def enter(self, phase: str) -> None:
+        now = self.now()
+        if self.stack:
+            self.totals[self.stack[-1][0]] += now - self.stack[-1][1]
+        self.stack.append([phase, now])
+
+    def leave(self) -> None:
+        now = self.now()
+        phase, started = self.stack.pop()
+        self.totals[phase] += now - started
+        if self.stack:
+            self.stack[-1][1] = now
+
+    def timed(self, phase: str, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            self.enter(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.leave()
+        return wrapper
+
+
+@contextmanager
+def instrumented(clock: PhaseClock):
+    """Wrap the timed functions wherever the project's modules hold them (they import them by name)."""
+    import importlib
+
+    patches = []
+    for phase, targets in TIMED.items():
+        for module_name, path in targets:
+            owner = importlib.import_module(module_name)
+            *classes, name = path.split(".")
+            for cls in classes:
+                owner = getattr(owner, cls)
+            original = getattr(owner, name)
+            wrapped = clock.timed(phase, original)
+            holders = [owner] if classes else [m for n, m in list(sys.modules.items())
+                                               if n.startswith(PACKAGES) and m is not None]
+            for holder in holders:
+                for attr, value in list(vars(holder).items()):
+                    if value is original:
+                        patches.append((holder, attr, value))
+                        setattr(holder, attr, wrapped)
+    try:
+        yield
+    finally:
+        for holder, attr, value in reversed(patches):
+            setattr(holder, attr, value)
+
+
+def draw_specs(row, profile, n: int, seed: int) -> list:
+    """``n`` specifications from the row's strategy, by a generate-only, seeded Hypothesis run."""
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as with_seed
+
+    from harness.search import row_strategy
+
+    specs = []
+
+    @with_seed(seed)
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(row_strategy(row, profile))
+    def collect(spec) -> None:
+        specs.append(spec)
+
+    collect()
+    return specs[:n]
+
+
+@dataclasses.dataclass
+class RowTiming:
+    row: str
+    composition: str
+    mode: str
+    property: str
+    cases: int
+    failures: int
+    seconds: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def cases_per_second(self) -> float:
+        return self.cases / self.total if self.total else 0.0
+
+
+def bench_row(row, profile, device: str, n: int, seed: int, warmup: int) -> RowTiming:
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    start = time.perf_counter()
+    specs = draw_specs(row, profile, n + warmup, seed)
+    generation = (time.perf_counter() - start) * n / max(len(specs), 1)
+    for spec in specs[:warmup]:
+        row.property.run(row.composition, spec, device)
+    clock = PhaseClock(sync)
+    failures = 0
+    with instrumented(clock):
+        for spec in specs[warmup:]:
+            clock.enter("checking")  # whatever the property does outside the timed calls
+            try:
+                failures += not row.property.run(row.composition, spec, device).ok
+            finally:
+                clock.leave()
+    seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
+    return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, len(specs) - warmup,
+                     failures, seconds)
+
+
+def print_table(results: list[RowTiming]) -> None:
+    w = max([len(r.composition) for r in results] + [11])
+    heads = "".join(f"{p[:5] + '%':>7}" for p in PHASES)
+    print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8}{heads} {'fails':>5}")
+    for r in results:
+        shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
+        print(f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f}"
+              f"{shares} {r.failures:>5}")
+    total = {p: sum(r.seconds[p] for r in results) for p in PHASES}
+    all_s, cases = sum(total.values()), sum(r.cases for r in results)
+    shares = "".join(f"{100 * total[p] / all_s if all_s else 0:>7.1f}" for p in PHASES)
+    print(f"{'all':<{w}} {'':<7} {'':<20} {cases:>5} {cases / all_s if all_s else 0:>8.2f}{shares}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default="ci", help="ci (default), dev, nightly or gpu")
+    p.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    p.add_argument("--backends", nargs="*", help="leaf backend names or composition terms (default: all available)")
+    p.add_argument("--properties", nargs="*", help="property names (default: all)")
+    p.add_argument("--modes", nargs="*", default=["extend", "decode"], help="forward modes (default: extend decode)")
+    p.add_argument("--cases", type=int, default=20, help="timed cases per row (default 20)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed cases per row first (default 1)")
+    p.add_argument("--max-requests", type=int, default=16, help="largest batch drawn (default 16)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the drawn specifications")
+    p.add_argument("--json", help="also write the timings here")
+    args = p.parse_args(argv)
+
+    from harness.cli import UsageError, _profile, resolve_device
+
+    try:
+        device = resolve_device(args.device)  # before anything imports triton
+        profile = dataclasses.replace(_profile(args.profile), max_requests=args.max_requests)
+        from harness.matrix import matrix_rows
+        from properties import PROPERTIES
+
+        unknown = [x for x in args.properties or [] if x not in PROPERTIES]
+        if unknown:
+            raise UsageError(f"unknown properties {', '.join(unknown)}; properties: {', '.join(PROPERTIES)}")
+        if args.cases < 1:
+            raise UsageError(f"--cases must be positive, got {args.cases}")
+        rows, _ = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not rows:
+        print("error: no matrix row matches the selection (see `python -m harness list`)", file=sys.stderr)
+        return 2
+    print(f"device {device}, profile {profile.name}, batches up to {profile.max_requests} requests, "
+          f"{args.cases} cases per row after {args.warmup} warm-up", file=sys.stderr)
+    results = []
+    for n, row in enumerate(rows, 1):
+        print(f"[{n}/{len(rows)}] {row.id}", file=sys.stderr, flush=True)
+        results.append(bench_row(row, profile, device, args.cases, args.seed, args.warmup))
+    print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"cases_per_second": r.cases_per_second}
+                                               for r in results], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
