@@ -82,6 +82,10 @@ def cmd_run(args) -> int:
     rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
     if not rows:
         raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
+    if args.shard:
+        from harness.sweep import parse_shard, shard_rows
+
+        rows = shard_rows(rows, parse_shard(args.shard))  # the sweep's split: a stable hash of the row id
     out_dir = Path(args.out)
     db = _database(args.db)
     results = []
@@ -170,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--properties", nargs="*", help="property names (default: all)")
     sp.add_argument("--modes", nargs="*", help="forward modes (default: all the composition supports)")
     sp.add_argument("--max-examples", type=int, help="examples per row (default: the profile's)")
+    sp.add_argument("--shard", help="I/N: run only shard I of N (rows split by a stable hash of their id, as in sweep)")
     sp.add_argument("--out", default="harness-out", help="folder for case files and the report")
     sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")
     sp.add_argument("--stall-seconds", type=float, default=180.0,
