@@ -140,13 +140,15 @@ def cmd_mutants(args) -> int:
         for m in CATALOGUE:
             print(f"{m.name}: {m.doc}")
         return 0
+    if args.case_timeout is not None and args.case_timeout <= 0:
+        raise UsageError(f"--case-timeout must be positive, got {args.case_timeout}")
     chosen = [MUTANTS[n] for n in args.only] if args.only else CATALOGUE
     out_dir = Path(args.out)
     results = []
     for m in chosen:
         print(f"{m.name} ...", end=" ", flush=True)
         run = run_mutant_isolated if (args.isolate or device == "cuda") else run_mutant
-        r = run(m, profile, device, out_dir / "mutants", args.budget)
+        r = run(m, profile, device, out_dir / "mutants", args.budget, args.case_timeout)
         results.append(r)
         print(f"{r.status} {'' if r.status == 'unavailable' else f'{r.seconds:.1f}s'} {r.property or r.reason}",
               flush=True)
@@ -188,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--list", action="store_true", help="list the catalogue and exit")
     sp.add_argument("--budget", type=float, default=300.0, help="seconds per mutant before it counts as survived")
     sp.add_argument("--out", default="harness-out", help="folder for the table (mutants.json) and case files")
+    sp.add_argument("--case-timeout", type=float,
+                    help="seconds one case may run before the mutant counts as a hang (default 600 on a GPU, where "
+                         "the first case may compile, 60 on a CPU)")
     sp.add_argument("--isolate", action="store_true",
                     help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)
