@@ -73,7 +73,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
         for i in range(spec.batch_size):
             rows = slice(starts[i], starts[i + 1])
             prefix = spec.prefix_lens[i]
-            prefix_slots = torch.tensor(case.token_slots[i][:prefix], dtype=torch.int64, device=case.device)
+            prefix_slots = case.token_slots[i][:prefix].to(case.device)
             mask = _mask(case, i)
             causal = mask is None
             if layer.kind == "mha":
