@@ -32,7 +32,9 @@ class Case:
     weights: list[LayerWeights]
     kv_pool_before: KVPool
     mamba_pool_before: MambaPool | None
-    token_slots: list[list[int]]  # KV slot of every token (cached and new) of each request, as plain ints
+    # KV slot of every token (cached and new) of each request: one [kv_len] int64 CPU tensor per request,
+    # views of one flat tensor (torch.cat(token_slots) is every request's slots in batch order).
+    token_slots: tuple[torch.Tensor, ...]
 
     @property
     def device(self) -> torch.device:
@@ -46,7 +48,8 @@ class _Draw:
         self.g = torch.Generator().manual_seed(seed)
 
     def normal(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(shape, generator=self.g, dtype=torch.float32) * scale
+        x = torch.randn(shape, generator=self.g, dtype=torch.float32)
+        return x if scale == 1.0 else x * scale  # x * 1.0 == x exactly: skip a pass over the pool-sized draws
 
     def uniform(self, *shape: int, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
         return lo + (hi - lo) * torch.rand(shape, generator=self.g, dtype=torch.float32)
@@ -69,22 +72,24 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     pages_needed = [math.ceil(n / ps) for n in kv_lens]
     num_pages = 1 + sum(pages_needed) + 2 + sum(pages_needed) // 4
     num_slots = num_pages * ps
-    page_order = (draw.perm(num_pages - 1) + 1).tolist()
+    page_order = draw.perm(num_pages - 1) + 1
     # req_to_token row 0 is reserved for padded rows (CUDA-graph padding), like slot 0 of the pools.
     max_reqs = 1 + B + SPARE_REQ_ROWS
     req_to_token = draw.ints(1, num_slots, max_reqs, spec.context_len).to(torch.int32)  # garbage by default
     req_pool_indices = (draw.perm(max_reqs - 1) + 1)[:B].to(torch.int64)
-    token_slots: list[list[int]] = []
-    cursor = 0
-    for i, n in enumerate(kv_lens):
-        pages = page_order[cursor:cursor + pages_needed[i]]
-        cursor += pages_needed[i]
-        slots = [pages[j // ps] * ps + j % ps for j in range(n)]
-        token_slots.append(slots)
-        req_to_token[req_pool_indices[i], :n] = torch.tensor(slots, dtype=torch.int32)
-
-    out_cache_loc = torch.tensor(
-        [s for i in range(B) for s in token_slots[i][spec.prefix_lens[i]:kv_lens[i]]], dtype=torch.int64)
+    # Token j of request i sits at offset j % ps of the request's (j // ps)-th page, its pages taken in turn
+    # from page_order: all requests' tokens at once, flattened request by request.
+    kv = torch.tensor(kv_lens, dtype=torch.int64)
+    request_of_token = torch.repeat_interleave(torch.arange(B), kv)
+    index_in_request = torch.arange(int(kv.sum())) - torch.repeat_interleave(torch.cumsum(kv, 0) - kv, kv)
+    pages = torch.tensor(pages_needed, dtype=torch.int64)
+    first_page = torch.cumsum(pages, 0) - pages
+    page = page_order[first_page[request_of_token] + index_in_request // ps]
+    slots = page * ps + index_in_request % ps  # [sum(kv_lens)] int64
+    req_to_token[req_pool_indices[request_of_token], index_in_request] = slots.to(torch.int32)
+    token_slots = slots.split(list(kv_lens))
+    is_new = index_in_request >= torch.tensor(spec.prefix_lens, dtype=torch.int64)[request_of_token]
+    out_cache_loc = slots[is_new]
 
     # Linear-attention state slot of each req_to_token row (SGLang's mamba index): shuffled, and row 0 (the
     # padding row) maps to state slot 0, which is reserved.
@@ -231,13 +236,13 @@ def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
 def tree_mask(parents: tuple[int, ...]) -> torch.Tensor:
     """``[D, D]`` bool: draft token j sees draft token k iff k is j or one of j's ancestors."""
     D = len(parents)
-    mask = torch.zeros(D, D, dtype=torch.bool)
+    rows = [[False] * D for _ in range(D)]  # plain lists: one tensor write per element would be slow
     for j in range(D):
         k = j
         while k >= 0:
-            mask[j, k] = True
+            rows[j][k] = True
             k = parents[k]
-    return mask
+    return torch.tensor(rows, dtype=torch.bool).reshape(D, D)
 
 
 def verify_custom_mask(spec: BatchSpec) -> torch.Tensor:

@@ -8,6 +8,7 @@ construction, so an impossible batch fails with one line naming the field, befor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass, field
 from enum import Enum
@@ -250,13 +251,18 @@ class BatchSpec:
 
     def positions(self) -> list[int]:
         """Absolute position of each query row, computed from lengths alone (the reference's view)."""
+        return list(self._positions)
+
+    # A spec is frozen, so what is derived from it by Python loops over every token is computed once.
+    @functools.cached_property
+    def _positions(self) -> tuple[int, ...]:
         out: list[int] = []
         for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
             if self.mode.is_target_verify():
                 out.extend(p + d for d in self.spec.depths(i))
             else:
                 out.extend(range(p, p + e))
-        return out
+        return tuple(out)
 
     # ---- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
@@ -352,6 +358,11 @@ class BatchSpec:
         the next position is s takes (s + ti, s + hi, s + wi), and the text after it resumes at
         s + max(t, h, w).
         """
+        t, h, w = self._mrope_positions
+        return list(t), list(h), list(w)
+
+    @functools.cached_property
+    def _mrope_positions(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
         rows: tuple[list[int], list[int], list[int]] = ([], [], [])
         images = self.mrope.images if self.mrope is not None else ()
         for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
@@ -371,7 +382,7 @@ class BatchSpec:
                 nxt += max(img.t, img.h, img.w)
             for r in range(3):
                 rows[r].extend(pos[r] for pos in seq[p:p + e])
-        return rows
+        return tuple(rows[0]), tuple(rows[1]), tuple(rows[2])
 
     # ---- JSON -----------------------------------------------------------------------------------
     def to_json_dict(self) -> dict[str, Any]:

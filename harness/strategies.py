@@ -7,6 +7,8 @@ the composition can run (its declared page sizes, modes and layer kinds).
 
 from __future__ import annotations
 
+import functools
+
 from hypothesis import strategies as st
 
 from harness.profiles import Profile
@@ -16,10 +18,16 @@ from harness.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALaye
 @st.composite
 def lengths(draw, lo: int, hi: int, page_size: int) -> int:
     """A length in [lo, hi] that is often at a page boundary (k*ps - 1, k*ps, k*ps + 1), or 1."""
-    hi = max(hi, lo)
+    return draw(_lengths(lo, max(hi, lo), page_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _lengths(lo: int, hi: int, page_size: int) -> st.SearchStrategy[int]:
+    # Built once per bounds: a fresh strategy per draw cost more than the draw (listing and validating up
+    # to 3 * hi / page_size boundary lengths every time).
     pages = [k * page_size + d for k in range(1, hi // max(page_size, 1) + 1) for d in (-1, 0, 1)]
     special = sorted({x for x in [lo, 1, *pages] if lo <= x <= hi})
-    return draw(st.one_of(st.integers(lo, hi), st.sampled_from(special)))
+    return st.one_of(st.integers(lo, hi), st.sampled_from(special))
 
 
 @st.composite

@@ -51,18 +51,21 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, bound: Bound, token_st
     if actual.shape != expected.shape:
         return Comparison(float("inf"), float("inf"), False,
                           f"{label} shape {tuple(actual.shape)} != expected {tuple(expected.shape)}", ())
-    a, e = actual.detach().to("cpu", torch.float64), expected.detach().to("cpu", torch.float64)
+    # On the device, with every statistic read back in one transfer: copying whole outputs to the host and
+    # reading each statistic separately would cost more than the comparison.
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(a.device, torch.float64)
     if e.numel() == 0:
         return Comparison(0.0, 0.0, True, label, ())
-    if not torch.isfinite(a).all():
+    diff = (a - e).abs()
+    stats = torch.stack([torch.isfinite(a).all().to(torch.float64), torch.linalg.vector_norm(diff),
+                         torch.linalg.vector_norm(e), e.abs().max(), diff.max(), diff.argmax().to(torch.float64)])
+    finite, diff_norm, e_norm, scale, max_abs, flat = stats.tolist()
+    if not finite:
         idx = tuple(int(i) for i in torch.nonzero(~torch.isfinite(a))[0])
         return Comparison(float("inf"), float("inf"), False, f"{label} non-finite value at {_where(idx, token_starts)}", idx)
-    diff = (a - e).abs()
-    scale = float(e.abs().max())
-    rel_l2 = float(torch.linalg.vector_norm(a - e) / max(float(torch.linalg.vector_norm(e)), 1e-300))
-    flat = int(diff.argmax())
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
-    max_abs = float(diff.max())
+    rel_l2 = diff_norm / max(e_norm, 1e-300)
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(int(flat)), diff.shape))
     ok = rel_l2 <= bound.rel_l2 and max_abs <= bound.element * max(scale, 1e-300)
     return Comparison(rel_l2, max_abs, ok, f"{label} {_where(idx, token_starts)}".strip(), idx)
 

@@ -1,4 +1,6 @@
-"""The reference over a whole materialized batch: one dense computation per request, in float64.
+"""The reference over a whole materialized batch, in float64: the single-request definitions of
+``reference.mha`` and ``reference.mla`` applied to every request, computed a group of requests at a time on a
+padded grid (a few large tensor ops per layer rather than a dozen small ones per request).
 
 It reads only the pure specification (lengths, positions, trees), the pool snapshots taken before the
 forward, the token slots, and the layer inputs; never the backend's metadata nor ``forward_batch.positions``,
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.materialize import Case, tree_mask
+from harness.spec import BatchSpec
 from reference import gdn, mha, mla
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 
@@ -37,84 +40,216 @@ class ReferenceResult:
     linear_states: dict[int, LinearStates]  # by layer id
 
 
-def _rope(x: torch.Tensor, case: Case, rows: slice, rotary_dim: int, theta: float) -> torch.Tensor:
-    spec = case.spec
-    if spec.mrope is not None:
-        pos = torch.tensor(spec.mrope_positions(), dtype=torch.int64)[:, rows]
-        cos, sin = mrope_cos_sin(pos, rotary_dim, spec.mrope.sections, theta=theta, dtype=x.dtype)
-    else:
-        pos = torch.tensor(spec.positions(), dtype=torch.int64)[rows]
-        cos, sin = rope_cos_sin(pos, rotary_dim, theta=theta, dtype=x.dtype)
-    return apply_rope(x, cos.to(x.device), sin.to(x.device))
+# A group of requests may be padded to at most this many times the attention scores its requests need, or
+# to any size within the budget: on a GPU a padded score costs next to nothing beside a kernel launch, on a
+# CPU it costs as much as a real one.
+MAX_PADDING = 1.5
+PADDING_BUDGET = {"cuda": 1 << 22, "cpu": 1 << 16}  # padded (query, key) pairs per group
 
 
-def _mask(case: Case, i: int) -> torch.Tensor | None:
-    """Explicit [Lq, Lk] mask for verification; None means 'causal, aligned to the end'."""
-    spec = case.spec
-    if not spec.mode.is_target_verify():
-        return None
-    tree = tree_mask(spec.spec.parents[i])
-    return torch.cat([torch.ones(tree.shape[0], spec.prefix_lens[i], dtype=torch.bool), tree], dim=1)
+def request_groups(spec: BatchSpec, device: torch.device) -> list[list[int]]:
+    """The batch's requests split into groups that pad well together, longest sequences first.
+
+    A group grows while ``len(group) * max extend_len * max kv_len`` stays within ``MAX_PADDING`` times
+    ``sum(extend_len * kv_len)`` or within the device's ``PADDING_BUDGET``. A small batch or a decode batch
+    is one group.
+    """
+    budget = PADDING_BUDGET.get(device.type, PADDING_BUDGET["cpu"])
+    order = sorted(range(spec.batch_size), key=lambda i: (spec.kv_lens[i], spec.extend_lens[i]), reverse=True)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            group = groups[-1] + [i]
+            padded = len(group) * max(spec.extend_lens[r] for r in group) * max(spec.kv_lens[r] for r in group)
+            needed = sum(spec.extend_lens[r] * spec.kv_lens[r] for r in group)
+            if padded <= max(MAX_PADDING * needed, budget):
+                groups[-1] = group
+                continue
+        groups.append([i])
+    return groups
+
+
+@dataclass
+class PaddedBatch:
+    """A group of the batch's ragged requests laid out on a padded ``(B, Lq)`` / ``(B, Lk)`` grid.
+
+    Built once per case. Grid row ``b`` holds request ``requests[b]``. Its query row ``r`` (``r <
+    extend_len``) is row ``starts + r`` of the layer inputs and sits at key index ``prefix_len + r``
+    (end-aligned: the new tokens are the last ones). Its key ``j`` (``j < kv_len``) is cached token ``j``,
+    read from the pool snapshot, for ``j < prefix_len``, else new token ``j - prefix_len``. Keys are gathered
+    from ``cat(cached rows, new rows)``: the group's cached tokens request by request (``cached_slots``),
+    then all ``T`` new rows of the batch. Padding points at row 0 and is hidden by ``visible``.
+    """
+
+    requests: list[int]
+    query_rows: torch.Tensor  # (B, Lq) int64: row of the layer inputs (padding: 0)
+    real_queries: torch.Tensor  # (n,) int64: the real query rows' places in the flattened (B * Lq) grid
+    query_key_index: torch.Tensor  # (B, Lq) int64: key index of each query row (prefix_len + r)
+    key_rows: torch.Tensor  # (B, Lk) int64: row of cat(cached rows, new rows) (padding: 0)
+    cached_slots: torch.Tensor  # (group's sum of prefix_lens,) int64: KV slot of every cached token
+    visible: torch.Tensor  # (B, Lq, Lk) bool: causal (or the verify tree mask) and padding, no window yet
+
+    @classmethod
+    def build(cls, case: Case, requests: list[int]) -> "PaddedBatch":
+        spec, dev = case.spec, case.device
+        as_column = lambda xs: torch.tensor(xs, dtype=torch.int64, device=dev)[:, None]  # noqa: E731
+        prefix = as_column([spec.prefix_lens[i] for i in requests])  # (B, 1)
+        extend = as_column([spec.extend_lens[i] for i in requests])
+        starts = as_column([sum(spec.extend_lens[:i]) for i in requests])  # first input row of each request
+        kv_len = prefix + extend
+        cached_starts = torch.cumsum(prefix, 0) - prefix  # first cached row of each request
+        # Sizes from the spec, not from the tensors: reading a device tensor's value would stall a GPU.
+        r = torch.arange(max(spec.extend_lens[i] for i in requests), device=dev)[None, :]  # (1, Lq)
+        j = torch.arange(max(spec.kv_lens[i] for i in requests), device=dev)[None, :]  # (1, Lk)
+        num_cached = sum(spec.prefix_lens[i] for i in requests)
+        query_valid = r < extend
+        key_valid = j < kv_len
+        query_key_index = prefix + r
+        key_rows = torch.where(j < prefix, cached_starts + j, num_cached + starts + j - prefix)
+        if spec.mode.is_target_verify():
+            # Every cached token, plus the draft tree: the token itself and its ancestors.
+            trees = torch.stack([tree_mask(spec.spec.parents[i]) for i in requests]).to(dev)  # (B, D, D)
+            D = trees.shape[-1]
+            draft = (j - prefix).clamp(0, D - 1)[:, None, :].expand(-1, D, -1)  # (B, D, Lk)
+            attend = (j < prefix)[:, None, :] | trees.gather(2, draft)
+        else:
+            attend = j[:, None, :] <= query_key_index[:, :, None]  # causal
+        visible = attend & query_valid[:, :, None] & key_valid[:, None, :]
+        cached_slots = torch.cat([case.token_slots[i][:spec.prefix_lens[i]] for i in requests]).to(dev)
+        return cls(requests, torch.where(query_valid, starts + r, 0), query_valid.flatten().nonzero()[:, 0],
+                   query_key_index, torch.where(key_valid, key_rows, 0), cached_slots, visible)
+
+    def visible_in_window(self, sliding_window: int | None) -> torch.Tensor:
+        """``visible``, further limited to keys at most ``sliding_window`` positions behind the query."""
+        if sliding_window is None:
+            return self.visible
+        j = torch.arange(self.visible.shape[-1], device=self.visible.device)
+        return self.visible & (j[None, None, :] >= self.query_key_index[:, :, None] - sliding_window)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """``(n, ...)``: the real query rows of a ``(B, Lq, ...)`` result, request by request."""
+        return x.flatten(0, 1)[self.real_queries]
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, Lq, ...)`` from the ``(T, ...)`` rows of the whole batch."""
+        return x[self.query_rows]
+
+    def keys(self, cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """``(B, Lk, ...)`` keys (or values) from the group's ``(sum prefix_lens, ...)`` cached rows and the
+        batch's ``(T, ...)`` new rows."""
+        return torch.cat([cached, new.to(cached.dtype)])[self.key_rows]
+
+
+def _in_batch_order(groups: list[PaddedBatch], padded: list[torch.Tensor]) -> torch.Tensor:
+    """``(T, ...)``: each group's ``(B, Lq, ...)`` result without padding, rows back in batch order."""
+    rows = torch.cat([g.unpad(g.query_rows) for g in groups])
+    values = torch.cat([g.unpad(x) for g, x in zip(groups, padded)])
+    out = torch.empty_like(values)
+    out[rows] = values
+    return out
+
+
+class _Rope:
+    """cos/sin of every query row, per (rotary_dim, theta), from the specification's positions alone."""
+
+    def __init__(self, case: Case) -> None:
+        spec = case.spec
+        self.sections = spec.mrope.sections if spec.mrope is not None else None
+        rows = spec.mrope_positions() if self.sections is not None else spec.positions()
+        self.positions = torch.tensor(rows, dtype=torch.int64, device=case.device)  # (T,) or (3, T)
+        self.cache: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+        """Rotate ``x (T, H, rotary_dim)``."""
+        if (rotary_dim, theta) not in self.cache:
+            if self.sections is not None:
+                cs = mrope_cos_sin(self.positions, rotary_dim, self.sections, theta=theta)
+            else:
+                cs = rope_cos_sin(self.positions, rotary_dim, theta=theta)
+            self.cache[rotary_dim, theta] = cs
+        cos, sin = self.cache[rotary_dim, theta]
+        return apply_rope(x, cos, sin)
 
 
 def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> ReferenceResult:
+    """Every layer's expected output (and linear-attention states) for a materialized case.
+
+    Full-attention layers run each group of requests (:func:`request_groups`; usually the whole batch) at
+    once on a :class:`PaddedBatch` grid, through :func:`reference.mha.attention_padded` and
+    :func:`reference.mla.attention_absorbed_padded` (the single-request formulas with a batch dimension);
+    ``tests/reference/test_reference_batch.py`` checks that this equals the single-request definitions
+    applied one request at a time. Linear-attention layers are a recurrence and run request by request.
+
+    Returns outputs ``(T, H, Dv)`` per layer, in ``dtype``, and the linear layers' states.
+    """
     spec = case.spec
     outputs: list[torch.Tensor] = []
     linear_states: dict[int, LinearStates] = {}
-    starts = [0]
-    for e in spec.extend_lens:
-        starts.append(starts[-1] + e)
+    groups = [PaddedBatch.build(case, g) for g in request_groups(spec, case.device)]
+    rope = _Rope(case)
+    pool = case.kv_pool_before
     for layer, inp, w in zip(spec.layers, case.inputs, case.weights):
         t = {n: x.to(dtype) for n, x in inp.tensors.items()}
         wt = {n: x.to(dtype) for n, x in w.tensors.items()}
-        per_request: list[torch.Tensor] = []
-        states = LinearStates([], [], [] if spec.mode.is_target_verify() else None,
-                              [] if spec.mode.is_target_verify() else None)
-        for i in range(spec.batch_size):
-            rows = slice(starts[i], starts[i + 1])
-            prefix = spec.prefix_lens[i]
-            prefix_slots = torch.tensor(case.token_slots[i][:prefix], dtype=torch.int64, device=case.device)
-            mask = _mask(case, i)
-            causal = mask is None
-            if layer.kind == "mha":
-                q = _rope(t["q"][rows], case, rows, layer.head_dim, layer.rope_theta)
-                k_new = _rope(t["k"][rows], case, rows, layer.head_dim, layer.rope_theta)
-                k = torch.cat([case.kv_pool_before.k_buffers[layer.layer_id][prefix_slots].to(dtype), k_new])
-                v = torch.cat([case.kv_pool_before.v_buffers[layer.layer_id][prefix_slots].to(dtype), t["v"][rows]])
-                per_request.append(mha.attention(q, k, v, sm_scale=layer.sm_scale, causal=causal, mask=mask,
-                                                 sliding_window=layer.sliding_window, logit_cap=layer.logit_cap))
-            elif layer.kind == "mla":
-                N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
-                q = t["q"][rows]
-                q_pe = _rope(q[..., N:], case, rows, R, layer.rope_theta)
-                kpe_new = _rope(t["kpe"][rows][:, None, :], case, rows, R, layer.rope_theta)[:, 0]
-                cached = case.kv_pool_before.k_buffers[layer.layer_id][prefix_slots, 0].to(dtype)
-                ckv = torch.cat([cached[:, :C], t["ckv"][rows]])
-                kpe = torch.cat([cached[:, C:], kpe_new])
-                per_request.append(mla.attention_absorbed(q[..., :N], q_pe, ckv, kpe, wt["w_kc"], wt["w_vc"],
-                                                          sm_scale=layer.sm_scale, causal=causal, mask=mask))
-            else:
-                slot = int(case.forward_batch.state_slots[i])
-                mp = case.mamba_pool_before
-                has_state = prefix > 0
-                res = gdn.linear_attention_layer(
-                    t["mixed_qkv"][rows], t["a"][rows], t["b"][rows],
-                    conv_weight=wt["conv_weight"], A_log=wt["A_log"], dt_bias=wt["dt_bias"],
-                    num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads,
-                    head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, scale=layer.scale,
-                    conv_state=mp.conv_states[layer.layer_id][slot].to(dtype) if has_state else None,
-                    ssm_state=mp.ssm_states[layer.layer_id][slot].to(dtype) if has_state else None,
-                    keep_states=spec.mode.is_target_verify())
-                per_request.append(res.o)
-                states.conv.append(res.conv_state)
-                states.ssm.append(res.ssm_state)
-                if spec.mode.is_target_verify():
-                    states.conv_steps.append(res.conv_states)
-                    states.ssm_steps.append(res.ssm_states)
         if layer.kind == "linear":
-            linear_states[layer.layer_id] = states
-        outputs.append(torch.cat(per_request) if per_request else _empty(layer, dtype, case.device))
+            out, linear_states[layer.layer_id] = _linear_layer(case, layer, t, wt, dtype)
+            outputs.append(out)
+        elif not groups:  # an idle batch
+            outputs.append(_empty(layer, dtype, case.device))
+        elif layer.kind == "mha":
+            q = rope(t["q"], layer.head_dim, layer.rope_theta)
+            k_new = rope(t["k"], layer.head_dim, layer.rope_theta)
+            k_pool, v_pool = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+            outputs.append(_in_batch_order(groups, [
+                mha.attention_padded(g.queries(q), g.keys(k_pool[g.cached_slots].to(dtype), k_new),
+                                     g.keys(v_pool[g.cached_slots].to(dtype), t["v"]),
+                                     g.visible_in_window(layer.sliding_window),
+                                     sm_scale=layer.sm_scale, logit_cap=layer.logit_cap)
+                for g in groups]))
+        else:  # mla
+            N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
+            q_nope = t["q"][..., :N]
+            q_pe = rope(t["q"][..., N:], R, layer.rope_theta)
+            kpe_new = rope(t["kpe"][:, None, :], R, layer.rope_theta)[:, 0]
+            latent_pool = pool.k_buffers[layer.layer_id]
+            padded = []
+            for g in groups:
+                cached = latent_pool[g.cached_slots, 0].to(dtype)  # (cached tokens, C + R): ckv then kpe
+                padded.append(mla.attention_absorbed_padded(
+                    g.queries(q_nope), g.queries(q_pe), g.keys(cached[:, :C], t["ckv"]),
+                    g.keys(cached[:, C:], kpe_new), wt["w_kc"], wt["w_vc"], g.visible, sm_scale=layer.sm_scale))
+            outputs.append(_in_batch_order(groups, padded))
     return ReferenceResult(outputs, linear_states)
+
+
+def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates]:
+    """One gated-delta-rule layer, request by request (a recurrence over each request's tokens)."""
+    spec = case.spec
+    verify = spec.mode.is_target_verify()
+    states = LinearStates([], [], [] if verify else None, [] if verify else None)
+    mp = case.mamba_pool_before
+    per_request = []
+    start = 0
+    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
+        rows = slice(start, start + spec.extend_lens[i])
+        start = rows.stop
+        has_state = spec.prefix_lens[i] > 0
+        res = gdn.linear_attention_layer(
+            t["mixed_qkv"][rows], t["a"][rows], t["b"][rows],
+            conv_weight=wt["conv_weight"], A_log=wt["A_log"], dt_bias=wt["dt_bias"],
+            num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads,
+            head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, scale=layer.scale,
+            conv_state=mp.conv_states[layer.layer_id][slot].to(dtype) if has_state else None,
+            ssm_state=mp.ssm_states[layer.layer_id][slot].to(dtype) if has_state else None,
+            keep_states=verify)
+        per_request.append(res.o)
+        states.conv.append(res.conv_state)
+        states.ssm.append(res.ssm_state)
+        if verify:
+            states.conv_steps.append(res.conv_states)
+            states.ssm_steps.append(res.ssm_states)
+    return (torch.cat(per_request) if per_request else _empty(layer, dtype, case.device)), states
 
 
 def _empty(layer, dtype, device) -> torch.Tensor:

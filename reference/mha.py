@@ -96,3 +96,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: fl
     # A row with no visible key is all -inf and softmaxes to NaN; kernels return 0 there.
     probs = probs.masked_fill(~visible, 0.0)
     return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
+                     sm_scale: float, logit_cap: float | None = None) -> torch.Tensor:
+    """:func:`attention` for a batch of requests padded to common lengths, visibility given explicitly.
+
+    The same formula, one request per leading index: for request ``b`` with ``lq`` query rows and ``lk``
+    keys, ``out[b, :lq]`` equals ``attention(q[b, :lq], k[b, :lk], v[b, :lk], causal=False,
+    mask=visible[b, :lq, :lk], ...)`` as long as ``visible`` hides the padding keys. Padding query rows that
+    see no key are zeros. One call does a whole batch, so the reference costs a few large tensor ops per
+    layer instead of a dozen small ones per request.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        ``(B, Lq, num_qo_heads, head_dim)``.
+    k : torch.Tensor
+        ``(B, Lk, num_kv_heads, head_dim)``.
+    v : torch.Tensor
+        ``(B, Lk, num_kv_heads, v_head_dim)``.
+    visible : torch.Tensor
+        ``(B, Lq, Lk)``, bool, True = may attend (causality, windows and padding all folded in).
+    sm_scale, logit_cap
+        As in :func:`attention`.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, Lq, num_qo_heads, v_head_dim)`` in q's dtype; GQA as in :func:`attention`.
+    """
+    B, Lq, H, D = q.shape
+    Hk = k.shape[2]
+    if Hk == 0 or H % Hk:
+        raise ValueError(f"{H} query heads are not a multiple of {Hk} kv heads; GQA needs H % Hk == 0")
+    # Query head h = kv head h // group, member h % group: a view, so no copy of k per query head.
+    q = q.reshape(B, Lq, Hk, H // Hk, D)
+    scores = torch.einsum("bqkgd,bskd->bkgqs", q, k) * sm_scale
+    if logit_cap is not None:
+        scores = logit_cap * torch.tanh(scores / logit_cap)
+    hidden = ~visible[:, None, None]  # (B, 1, 1, Lq, Lk), broadcast over heads
+    probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
+    probs = probs.masked_fill_(hidden, 0.0)  # rows with no visible key: NaN -> 0, as in attention
+    return torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Lq, H, v.shape[-1])

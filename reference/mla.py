@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.mha import attention
+from reference.mha import attention, attention_padded
 
 
 def absorb_query(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
@@ -28,13 +28,15 @@ def absorb_query(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
     w_kc : torch.Tensor
         ``(num_heads, qk_nope_head_dim, kv_lora_rank)``.
 
+    Leading dimensions other than ``Lq`` (a padded batch) pass through.
+
     Returns
     -------
     torch.Tensor
         ``(Lq, num_heads, kv_lora_rank)`` in q_nope's dtype:
         ``q_latent[l, h, c] = sum_n q_nope[l, h, n] * w_kc[h, n, c]``.
     """
-    return torch.einsum("lhn,hnc->lhc", q_nope, w_kc.to(q_nope.dtype))
+    return torch.einsum("...hn,hnc->...hc", q_nope, w_kc.to(q_nope.dtype))
 
 
 def expand_kv(ckv: torch.Tensor, kpe: torch.Tensor, w_kc: torch.Tensor,
@@ -113,3 +115,36 @@ def attention_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tens
     """
     k, v = expand_kv(ckv, kpe, w_kc, w_vc)
     return attention(torch.cat([q_nope, q_pe], dim=-1), k, v, sm_scale=sm_scale, causal=causal, mask=mask)
+
+
+def attention_absorbed_padded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
+                              w_kc: torch.Tensor, w_vc: torch.Tensor, visible: torch.Tensor, *,
+                              sm_scale: float) -> torch.Tensor:
+    """:func:`attention_absorbed` for a batch of requests padded to common lengths (see
+    :func:`reference.mha.attention_padded`): ``out[b, :lq]`` is request ``b``'s result with
+    ``mask=visible[b, :lq, :lk]`` and ``causal=False``.
+
+    Parameters
+    ----------
+    q_nope : torch.Tensor
+        ``(B, Lq, num_heads, qk_nope_head_dim)``.
+    q_pe : torch.Tensor
+        ``(B, Lq, num_heads, qk_rope_head_dim)``, already rotated.
+    ckv : torch.Tensor
+        ``(B, Lk, kv_lora_rank)``.
+    kpe : torch.Tensor
+        ``(B, Lk, qk_rope_head_dim)``, already rotated.
+    w_kc, w_vc, sm_scale
+        As in :func:`attention_absorbed`.
+    visible : torch.Tensor
+        ``(B, Lq, Lk)``, bool, True = may attend.
+
+    Returns
+    -------
+    torch.Tensor
+        ``(B, Lq, num_heads, v_head_dim)`` in q_nope's dtype.
+    """
+    q = torch.cat([absorb_query(q_nope, w_kc), q_pe], dim=-1)  # (B, Lq, H, C + R)
+    k = torch.cat([ckv, kpe.to(ckv.dtype)], dim=-1)[:, :, None, :]  # (B, Lk, 1, C + R): one kv head for all
+    o_latent = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale)  # (B, Lq, H, C)
+    return torch.einsum("blhc,hcv->blhv", o_latent, w_vc.to(o_latent.dtype))

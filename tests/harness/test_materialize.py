@@ -38,6 +38,7 @@ def test_slots_are_paged_shuffled_and_never_zero(spec):
     ps = spec.page_size
     used = []
     for i, slots in enumerate(case.token_slots):
+        slots = slots.tolist()
         assert len(slots) == spec.kv_lens[i]
         row = case.forward_batch.req_to_token[case.forward_batch.req_pool_indices[i]]
         assert row[: len(slots)].tolist() == slots
@@ -46,13 +47,27 @@ def test_slots_are_paged_shuffled_and_never_zero(spec):
         used += slots
     assert 0 not in used and len(set(used)) == len(used)
     assert case.forward_batch.out_cache_loc.tolist() == [s for i, sl in enumerate(case.token_slots)
-                                                         for s in sl[spec.prefix_lens[i]:]]
+                                                         for s in sl[spec.prefix_lens[i]:].tolist()]
     assert 0 not in case.forward_batch.req_pool_indices.tolist()  # row 0 is padding
 
 
+@given(batch_specs(CI, ForwardMode.EXTEND, frozenset({"mha"})))
+def test_slots_are_the_page_order_token_by_token(spec):
+    """The slot layout case files reproduce: the first draw is the page order, and request i takes the next
+    ceil(kv_len / page_size) pages of it, token j at offset j % page_size of its (j // page_size)-th page."""
+    ps = spec.page_size
+    pages_needed = [-(-n // ps) for n in spec.kv_lens]
+    num_pages = 1 + sum(pages_needed) + 2 + sum(pages_needed) // 4
+    page_order = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(spec.seed)) + 1).tolist()
+    case, cursor = materialize(spec), 0
+    for i, n in enumerate(spec.kv_lens):
+        pages = page_order[cursor:cursor + pages_needed[i]]
+        cursor += pages_needed[i]
+        assert case.token_slots[i].tolist() == [pages[j // ps] * ps + j % ps for j in range(n)]
+
 def test_pages_are_not_contiguous():
     spec = BatchSpec(ForwardMode.EXTEND, (40, 40), (8, 8), (MHALayer(0, 4, 2, 32, 32),), page_size=4, seed=3)
-    slots = materialize(spec).token_slots[0]
+    slots = materialize(spec).token_slots[0].tolist()
     pages = [s // 4 for s in slots[::4]]
     assert pages != sorted(pages)
 

@@ -1,0 +1,33 @@
+"""The comparison behind every output-level property: its statistics, where it points, non-finite values."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from properties.tolerances import Bound
+from properties.verdict import compare
+
+BOUND = Bound(rel_l2=1e-3, element=1e-2, reason="test")
+
+
+def test_statistics_and_location_of_the_worst_element():
+    expected = torch.ones(5, 2, 3, dtype=torch.float64)
+    actual = expected.float().clone()
+    actual[3, 1, 2] += 0.5  # row 3 is token 1 of request 1 when requests start at rows 0 and 2
+    c = compare(actual, expected, BOUND, token_starts=[0, 2])
+    assert c.max_abs == 0.5 and c.index == (3, 1, 2)
+    assert math.isclose(c.rel_l2, 0.5 / math.sqrt(30), rel_tol=1e-12)
+    assert not c.ok and c.where == "request 1, token 1, head 1"
+    assert compare(expected.float(), expected, BOUND).ok
+
+
+def test_non_finite_and_mismatched_shapes_fail():
+    expected = torch.zeros(4, 2, dtype=torch.float64)
+    actual = expected.clone()
+    actual[2, 1] = float("nan")
+    c = compare(actual, expected, BOUND)
+    assert not c.ok and c.index == (2, 1) and "non-finite" in c.where
+    assert not compare(expected[:3], expected, BOUND).ok
+    assert compare(expected[:0], expected[:0], BOUND).ok

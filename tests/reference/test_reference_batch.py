@@ -1,0 +1,155 @@
+"""The batched reference (all requests of a layer on one padded grid) equals the single-request definitions
+(``reference.mha.attention``, ``reference.mla.attention_absorbed``) applied one request at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import reference.batch as batch
+from harness.materialize import Case, materialize, tree_mask
+from harness.profiles import PROFILES
+from harness.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+from harness.strategies import batch_specs
+from reference import mha, mla
+from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
+
+F64 = torch.float64
+# Larger than ci, so that batches split into several padding groups on a CPU.
+PROFILE = dataclasses.replace(PROFILES["dev"], max_requests=8)
+
+
+def per_request_outputs(case: Case) -> list[torch.Tensor | None]:
+    """Each full-attention layer's output, one request at a time through the single-request functions
+    (None for linear layers, which the batched path also runs one request at a time)."""
+    spec = case.spec
+    if spec.mrope is not None:
+        positions = torch.tensor(spec.mrope_positions(), dtype=torch.int64)
+    else:
+        positions = torch.tensor(spec.positions(), dtype=torch.int64)
+
+    def rope(x, rows, rotary_dim, theta):
+        if spec.mrope is not None:
+            cos, sin = mrope_cos_sin(positions[:, rows], rotary_dim, spec.mrope.sections, theta=theta)
+        else:
+            cos, sin = rope_cos_sin(positions[rows], rotary_dim, theta=theta)
+        return apply_rope(x, cos, sin)
+
+    outputs: list[torch.Tensor | None] = []
+    for layer, inp, w in zip(spec.layers, case.inputs, case.weights):
+        if layer.kind == "linear":
+            outputs.append(None)
+            continue
+        t = {n: x.to(F64) for n, x in inp.tensors.items()}
+        pool = case.kv_pool_before.k_buffers[layer.layer_id]
+        per_request, start = [], 0
+        for i, (prefix, extend) in enumerate(zip(spec.prefix_lens, spec.extend_lens)):
+            rows = slice(start, start + extend)
+            start += extend
+            cached = case.token_slots[i][:prefix]
+            mask = None
+            if spec.mode.is_target_verify():
+                mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool), tree_mask(spec.spec.parents[i])], 1)
+            if layer.kind == "mha":
+                q = rope(t["q"][rows], rows, layer.head_dim, layer.rope_theta)
+                k = torch.cat([pool[cached].to(F64), rope(t["k"][rows], rows, layer.head_dim, layer.rope_theta)])
+                v = torch.cat([case.kv_pool_before.v_buffers[layer.layer_id][cached].to(F64), t["v"][rows]])
+                per_request.append(mha.attention(q, k, v, sm_scale=layer.sm_scale, causal=mask is None, mask=mask,
+                                                 sliding_window=layer.sliding_window, logit_cap=layer.logit_cap))
+            else:
+                N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
+                q_pe = rope(t["q"][rows][..., N:], rows, R, layer.rope_theta)
+                kpe_new = rope(t["kpe"][rows][:, None, :], rows, R, layer.rope_theta)[:, 0]
+                latent = pool[cached, 0].to(F64)
+                ckv, kpe = torch.cat([latent[:, :C], t["ckv"][rows]]), torch.cat([latent[:, C:], kpe_new])
+                per_request.append(mla.attention_absorbed(t["q"][rows][..., :N], q_pe, ckv, kpe, w.tensors["w_kc"],
+                                                          w.tensors["w_vc"], sm_scale=layer.sm_scale,
+                                                          causal=mask is None, mask=mask))
+        outputs.append(torch.cat(per_request) if per_request else None)
+    return outputs
+
+
+def assert_batched_equals_per_request(spec: BatchSpec) -> None:
+    case = materialize(spec)
+    batched = batch.reference_outputs(case).outputs
+    for layer, got, expected in zip(spec.layers, batched, per_request_outputs(case)):
+        assert got.shape[0] == spec.num_tokens
+        if expected is not None:
+            assert got.shape == expected.shape and got.dtype == F64
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=f"layer {layer.layer_id}")
+
+
+# Padding groups: the device's default, one request per group unless they pad perfectly, one group always.
+GROUPINGS = {"default": None, "split": (1.0, 0), "one group": (float("inf"), 0)}
+
+
+@pytest.fixture(params=list(GROUPINGS))
+def grouping(request, monkeypatch):
+    if GROUPINGS[request.param] is not None:
+        max_padding, budget = GROUPINGS[request.param]
+        monkeypatch.setattr(batch, "MAX_PADDING", max_padding)
+        monkeypatch.setattr(batch, "PADDING_BUDGET", {"cpu": budget, "cuda": budget})
+    return request.param
+
+
+KINDS = [frozenset({"mha"}), frozenset({"mla"}), frozenset({"mha", "linear"})]
+
+
+@settings(max_examples=25)
+@given(data=st.data())
+def test_batched_equals_per_request_on_drawn_batches(grouping, data):
+    mode = data.draw(st.sampled_from(list(ForwardMode)))
+    kinds = data.draw(st.sampled_from(KINDS))
+    assert_batched_equals_per_request(data.draw(batch_specs(PROFILE, mode, kinds, hybrid="linear" in kinds)))
+
+
+def mha_layer(layer_id=0, **kw) -> MHALayer:
+    return MHALayer(layer_id, kw.pop("hq", 8), kw.pop("hk", 2), kw.pop("d", 32), kw.pop("dv", 16), **kw)
+
+
+@pytest.mark.parametrize("spec", [
+    # GQA, a prefix-0 request, sliding windows (0 included), logit cap, paged slots.
+    BatchSpec(ForwardMode.EXTEND, (0, 37, 5, 0), (9, 3, 20, 1),
+              (mha_layer(0), mha_layer(1, sliding_window=4, logit_cap=5.0), mha_layer(2, sliding_window=0)),
+              page_size=4, seed=1),
+    BatchSpec(ForwardMode.DECODE, (1, 60, 17), (1, 1, 1), (mha_layer(0, sliding_window=8),), seed=2),
+    BatchSpec(ForwardMode.MIXED, (12, 0, 30), (1, 7, 1), (MLALayer(0, 4, 16, 8, 32, 16),), page_size=16, seed=3),
+    # Tree verification: ragged prefixes, trees of different shapes.
+    BatchSpec(ForwardMode.TARGET_VERIFY, (5, 23, 1), (4, 4, 4), (mha_layer(0), mha_layer(1, hk=8)), seed=4,
+              spec=SpecInput(4, 2, 3, ((-1, 0, 0, 1), (-1, 0, 1, 2), (-1, 0, 0, 0)), (2, 3, 1))),
+    BatchSpec(ForwardMode.TARGET_VERIFY, (9, 2), (3, 3), (MLALayer(0, 4, 16, 8, 32, 16),), seed=5,
+              spec=SpecInput(3, 2, 2, ((-1, 0, 0), (-1, 0, 1)), (2, 3))),
+    BatchSpec(ForwardMode.DRAFT_EXTEND, (0, 11), (3, 1), (mha_layer(0, logit_cap=2.0),), seed=6,
+              spec=SpecInput(3, 1, 2, ((-1, 0, 1), (-1, 0, 1)), (3, 1))),
+    # mRoPE with an image inside the new tokens and one in the prefix.
+    BatchSpec(ForwardMode.EXTEND, (4, 10), (12, 6), (mha_layer(0, d=16), MLALayer(1, 4, 16, 16, 32, 16)), seed=7,
+              mrope=MropeLayout((2, 3, 3), (ImageSpan(0, 6, 1, 2, 3), ImageSpan(1, 1, 2, 2, 2)))),
+    # Hybrid: linear layers interleaved with full attention.
+    BatchSpec(ForwardMode.EXTEND, (0, 8), (5, 2), (mha_layer(0), LinearLayer(1, 2, 4, 16, 16), mha_layer(2)), seed=8),
+], ids=["gqa-window-cap", "decode-window", "mixed-mla", "verify-mha", "verify-mla", "draft-extend", "mrope",
+        "hybrid"])
+def test_batched_equals_per_request_on_chosen_batches(grouping, spec):
+    assert_batched_equals_per_request(spec)
+
+
+def test_idle_batch_gives_empty_outputs_of_the_right_shape():
+    spec = BatchSpec(ForwardMode.IDLE, (), (), (mha_layer(0, dv=24), MLALayer(1, 4, 16, 8, 32, 16),
+                                                 LinearLayer(2, 2, 4, 16, 12)))
+    result = batch.reference_outputs(materialize(spec))
+    assert [tuple(o.shape) for o in result.outputs] == [(0, 8, 24), (0, 4, 16), (0, 4, 12)]
+    assert result.linear_states[2].conv == [] and result.linear_states[2].ssm == []
+
+
+def test_request_groups_cover_the_batch_and_bound_the_padding():
+    spec = BatchSpec(ForwardMode.EXTEND, (0, 300, 5, 290, 0, 40), (200, 3, 180, 10, 1, 40), (mha_layer(0),))
+    groups = batch.request_groups(spec, torch.device("cpu"))
+    assert sorted(i for g in groups for i in g) == list(range(spec.batch_size))
+    assert len(groups) > 1
+    for g in groups:
+        padded = len(g) * max(spec.extend_lens[i] for i in g) * max(spec.kv_lens[i] for i in g)
+        needed = sum(spec.extend_lens[i] * spec.kv_lens[i] for i in g)
+        assert padded <= max(batch.MAX_PADDING * needed, batch.PADDING_BUDGET["cpu"])
+    assert len(batch.request_groups(spec, torch.device("cuda"))) == 1  # within a GPU's budget
