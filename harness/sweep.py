@@ -1,7 +1,8 @@
 """``python -m harness sweep``: spend a time budget searching the whole matrix, one process per composition.
 
-Rows are searched round-robin until the budget is spent: each round runs a row's search with the profile's
-``max_examples`` and a fresh seed, and the composition whose rows are fewest rounds along goes next. Each
+Rows are searched round-robin until the budget is spent: each round runs a row's search with a fresh seed,
+the first with a few examples (so a short sweep reaches the whole matrix), later ones with the profile's
+``max_examples``, and the composition whose rows are fewest rounds along goes next. Each
 composition's rows run in a process of their own (``harness.sweep_worker``; it goes on to further rounds
 while no other composition waits for a worker), so a segfault, an illegal memory access or a hang (a case
 running longer than ``--case-timeout``) becomes a finding with its reproducer, and the sweep goes on with
@@ -94,10 +95,17 @@ def visible_gpus() -> list[str]:
     return listed[:count] if listed else [str(i) for i in range(count)]
 
 
+MAX_WORKERS_PER_GPU = 4
+
+
 def default_workers(device: str) -> int:
+    """On a GPU host, several workers per GPU: a worker spends most of its time in Python on the CPU
+    (generation, materialization, checking), so one per GPU leaves the GPU idle. About four cores each."""
+    cpus = os.cpu_count() or 1
     if device == "cuda":
-        return max(1, len(visible_gpus()))
-    return 2 if (os.cpu_count() or 1) >= 4 else 1
+        gpus = max(1, len(visible_gpus()))
+        return gpus * max(1, min(MAX_WORKERS_PER_GPU, cpus // (4 * gpus)))
+    return 2 if cpus >= 4 else 1
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -239,7 +247,8 @@ class Sweep:
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[slot % len(self.gpus)]  # set before the child imports torch
         else:
             env.setdefault("TRITON_INTERPRET", "1")
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
+        # Workers share the cores: without this, each one's torch starts a thread per core.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.workers)))
         return env
 
     # ---- supervision -----------------------------------------------------------------------------------
@@ -555,7 +564,8 @@ def add_parser(sub) -> None:
     db.add_argument("--redis", help="Hypothesis example database on a Redis server, e.g. redis://host:6379/0")
     sp.add_argument("--out", default="harness-out/sweep", help="folder for findings, case files, logs and the report")
     sp.add_argument("--workers", type=int,
-                    help="worker processes at a time (default: one per visible GPU; 1-2 on a CPU)")
+                    help="worker processes at a time, pinned to the visible GPUs in turn (default: up to 4 per GPU, "
+                         "about 4 cores each; 1-2 on a CPU)")
     sp.add_argument("--case-timeout", type=float,
                     help="seconds one case may run before it counts as a hang (default 600 on a GPU, 300 on a CPU)")
     sp.add_argument("--mutant", help="inject this mutant from the catalogue into every worker")

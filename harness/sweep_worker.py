@@ -24,6 +24,14 @@ from pathlib import Path
 EXIT_CONTEXT_POISONED = 3  # a sticky CUDA error: the rows left need a fresh process
 
 
+FIRST_ROUND_EXAMPLES = 3  # round 0 is quick, so a short sweep still reaches every row of the matrix
+
+
+def round_examples(profile, round_: int) -> int:
+    """Examples per row in a round: a few in the first (breadth first), then the profile's number."""
+    return min(FIRST_ROUND_EXAMPLES, profile.max_examples) if round_ == 0 else profile.max_examples
+
+
 def round_seed(sweep_seed: int, row_id: str, round_: int) -> int:
     """Each row's search in each round of a sweep draws from its own, reproducible seed."""
     return int.from_bytes(hashlib.sha256(f"{sweep_seed}/{row_id}/{round_}".encode()).digest()[:8], "big")
@@ -98,6 +106,7 @@ def run_task(task: dict) -> int:
                     row = rows[row_id]
                     emit(event="start", row=row_id, round=round_)
                     result = search_row(row, profile, device, database=database, out_dir=out_dir,
+                                        max_examples=round_examples(profile, round_),
                                         seed=round_seed(task["seed"], row_id, round_))
                     emit(event="done", row=row_id, round=round_, result=result_record(result))
                     rounds[row_id] += 1

@@ -114,3 +114,25 @@ def test_resume_skips_finished_rows_and_keeps_findings(tmp_path, capsys):
     assert main(["sweep", "--device", "cpu", "--profile", "dev", "--resume", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert "holds a sweep with profile ci" in err and len(err.splitlines()) == 1
+
+
+def test_first_round_is_small_so_a_short_sweep_reaches_every_row():
+    from harness.profiles import PROFILES
+    from harness.sweep_worker import round_examples
+
+    gpu = PROFILES["gpu"]
+    assert round_examples(gpu, 0) == 3 < gpu.max_examples
+    assert round_examples(gpu, 1) == round_examples(gpu, 5) == gpu.max_examples
+    assert round_examples(PROFILES["ci"], 0) == min(3, PROFILES["ci"].max_examples)
+
+
+def test_workers_share_the_cores(monkeypatch):
+    from harness import sweep
+
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(sweep, "visible_gpus", lambda: ["0"])
+    assert sweep.default_workers("cuda") == 4  # four cores each
+    monkeypatch.setattr(sweep, "visible_gpus", lambda: ["0", "1"])
+    assert sweep.default_workers("cuda") == 4  # 16 cores over two GPUs: two workers per GPU, 4 cores each
+    monkeypatch.setattr(sweep.os, "cpu_count", lambda: 64)
+    assert sweep.default_workers("cuda") == 2 * sweep.MAX_WORKERS_PER_GPU
