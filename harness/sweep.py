@@ -434,7 +434,7 @@ class Sweep:
         return f"worker {task.slot}: {task.current or task.composition} round {task.current_round + 1}"
 
 
-def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str) -> dict:
+def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed: int | None = None) -> dict:
     """The sweep's metadata: the resumed sweep's, or a new sweep's (a previous sweep's files moved aside)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "sweep.json"
@@ -452,7 +452,7 @@ def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str) -> d
             keep.mkdir(parents=True, exist_ok=True)
             for p in old:
                 p.replace(keep / p.name)
-        meta = {"seed": random.SystemRandom().getrandbits(32), "profile": profile, "device": device,
+        meta = {"seed": random.SystemRandom().getrandbits(32) if seed is None else seed, "profile": profile, "device": device,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         meta_path.write_text(json.dumps(meta, indent=1))
     for stale in (out_dir / "pending").glob("*.json"):  # cases of a sweep that was stopped, not findings
@@ -492,7 +492,7 @@ def cmd_sweep(args) -> int:
         example_database(db, args.redis)  # a bad --redis fails here, once, not in every worker
     except ValueError as e:
         raise usage_error(str(e)) from None
-    meta = prepare_out_dir(out_dir, args.resume, profile.name, device)
+    meta = prepare_out_dir(out_dir, args.resume, profile.name, device, args.seed)
     states = {r.id: RowState(r) for r in rows}
     for result in read_jsonl(out_dir / "results.jsonl"):
         if result.get("row") in states:
@@ -569,6 +569,8 @@ def add_parser(sub) -> None:
     sp.add_argument("--case-timeout", type=float,
                     help="seconds one case may run before it counts as a hang (default 600 on a GPU, 300 on a CPU)")
     sp.add_argument("--mutant", help="inject this mutant from the catalogue into every worker")
+    sp.add_argument("--seed", type=int, help="the sweep's seed (default: random; kept in sweep.json, and --resume "
+                                             "keeps the resumed sweep's): equal seeds search the same cases")
     sp.add_argument("--resume", action="store_true",
                     help="continue the sweep in --out (with a fresh --budget): rows already done this round are "
                          "skipped, its findings kept")
