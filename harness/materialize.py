@@ -1,7 +1,8 @@
 """Specification + device -> tensors. The one place where the harness makes tensors.
 
-Every random value is drawn on the CPU from one ``torch.Generator`` seeded by ``spec.seed``, in a fixed
-order, then cast and moved; so a specification and seed give the same tensors bit for bit on a device.
+Every random value comes from a counter-based generator keyed by ``spec.seed`` and the draw's place in a
+fixed order (``_Draw``); large tensors are drawn where they live, and a specification and seed give the same
+tensors bit for bit on a CPU and on any GPU.
 Memory that a correct backend must not read (spare pages, spare ``req_to_token`` rows, slots past a
 request's length, states of requests without a prefix) is filled with random garbage rather than zeros,
 so reading it changes the output instead of hiding behind a zero.
@@ -41,24 +42,86 @@ class Case:
         return self.forward_batch.device
 
 
+_CPU = torch.device("cpu")
+_U64 = (1 << 64) - 1
+_NORMAL_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
+def _signed32(c: int) -> int:
+    """A 32-bit pattern as the int32 value with the same bits (torch's int32 scalars are signed)."""
+    return c - (1 << 32) if c >= 1 << 31 else c
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int32 words (``>>`` on a signed tensor copies the sign bit)."""
+    return torch.bitwise_right_shift(x, s).bitwise_and_((1 << (32 - s)) - 1)
+
+
+def _normal_table(device: torch.device) -> torch.Tensor:
+    """``[65536]`` float32 quantiles of the standard normal at ``(j + 0.5) / 65536``, computed in float64 on the CPU."""
+    if device not in _NORMAL_TABLES:
+        p = (torch.arange(1 << 16, dtype=torch.float64) + 0.5) / (1 << 16)
+        _NORMAL_TABLES[device] = (math.sqrt(2.0) * torch.erfinv(2.0 * p - 1.0)).to(torch.float32).to(device)
+    return _NORMAL_TABLES[device]
+
+
 class _Draw:
-    """Draws in a fixed order from one CPU generator."""
+    """Counter-based random draws, the same bit for bit on every device.
+
+    Element ``i`` of the ``n``-th draw of a seed is a 32-bit hash of ``(seed, n, i)``, computed with int32
+    tensor ops (wrapping multiplies, xors, shifts: exact on every device). A normal value is the hash's top 16
+    bits looked up in a table of the standard normal's quantiles at ``(j + 0.5) / 2**16``, built once in
+    float64 on the CPU; so a draw can be made where its tensor lives (a KV pool of millions of values costs a
+    few kernel launches on a GPU instead of a CPU ``randn`` and a copy), and still give the same tensors on a
+    CPU and on any GPU. Values are quantized to 65536 levels (|x| <= 4.32): far finer than bf16 near 1.
+    """
 
     def __init__(self, seed: int) -> None:
-        self.g = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.calls = 0
 
-    def normal(self, *shape: int, scale: float = 1.0) -> torch.Tensor:
-        x = torch.randn(shape, generator=self.g, dtype=torch.float32)
-        return x if scale == 1.0 else x * scale  # x * 1.0 == x exactly: skip a pass over the pool-sized draws
+    def _keys(self) -> tuple[int, int]:
+        self.calls += 1
+        z = _splitmix64((self.seed * 0x9E3779B97F4A7C15 + self.calls) & _U64)
+        return _signed32(z & 0xFFFFFFFF), _signed32(z >> 32)
+
+    def bits(self, n: int, device: torch.device) -> torch.Tensor:
+        """``[n]`` int32 hashed words of the next draw (all 32 bits random; read them with logical shifts)."""
+        k1, k2 = self._keys()
+        x = torch.arange(n, dtype=torch.int32, device=device)
+        x.add_(k1).mul_(_signed32(0x9E3779B1))
+        x.bitwise_xor_(_srl(x, 16))
+        # The second key enters after a nonlinear step, so one draw's stream is not a shifted copy of another's.
+        x.mul_(_signed32(0x7FEB352D)).bitwise_xor_(k2)
+        x.bitwise_xor_(_srl(x, 15))
+        x.mul_(_signed32(0x846CA68B))
+        x.bitwise_xor_(_srl(x, 16))
+        return x
+
+    def normal(self, *shape: int, scale: float = 1.0, device: torch.device = _CPU) -> torch.Tensor:
+        x = _normal_table(device)[_srl(self.bits(math.prod(shape), device), 16)].reshape(shape)
+        return x if scale == 1.0 else x * scale
 
     def uniform(self, *shape: int, lo: float = 0.0, hi: float = 1.0) -> torch.Tensor:
-        return lo + (hi - lo) * torch.rand(shape, generator=self.g, dtype=torch.float32)
+        """On the CPU: ``(k + 0.5) / 2**23`` for a 23-bit ``k`` is exact in float32."""
+        u = (_srl(self.bits(math.prod(shape), _CPU), 9).to(torch.float32) + 0.5) * 2.0**-23
+        return lo + (hi - lo) * u.reshape(shape)
 
     def perm(self, n: int) -> torch.Tensor:
-        return torch.randperm(n, generator=self.g)
+        """A random permutation of ``range(n)`` (int64, CPU): a stable sort of hashed words."""
+        return torch.sort(self.bits(n, _CPU).to(torch.int64) & 0xFFFFFFFF, stable=True).indices
 
     def ints(self, lo: int, hi: int, *shape: int) -> torch.Tensor:
-        return torch.randint(lo, hi, shape, generator=self.g)
+        """Integers in ``[lo, hi)`` (int64, CPU)."""
+        words = self.bits(math.prod(shape), _CPU).to(torch.int64) & 0xFFFFFFFF
+        return (lo + words % (hi - lo)).reshape(shape)
 
 
 def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
@@ -111,46 +174,46 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     for layer in spec.layers:
         if layer.kind == "mha":
             if layer.layer_id not in k_buffers:
-                k_buffers[layer.layer_id] = draw.normal(num_slots, layer.num_kv_heads, layer.head_dim)
-                v_buffers[layer.layer_id] = draw.normal(num_slots, layer.num_kv_heads, layer.v_head_dim)
+                k_buffers[layer.layer_id] = draw.normal(num_slots, layer.num_kv_heads, layer.head_dim, device=device)
+                v_buffers[layer.layer_id] = draw.normal(num_slots, layer.num_kv_heads, layer.v_head_dim, device=device)
             inputs.append(LayerInputs({
-                "q": draw.normal(T, layer.num_q_heads, layer.head_dim),
-                "k": draw.normal(T, layer.num_kv_heads, layer.head_dim),
-                "v": draw.normal(T, layer.num_kv_heads, layer.v_head_dim),
+                "q": draw.normal(T, layer.num_q_heads, layer.head_dim, device=device),
+                "k": draw.normal(T, layer.num_kv_heads, layer.head_dim, device=device),
+                "v": draw.normal(T, layer.num_kv_heads, layer.v_head_dim, device=device),
             }))
             weights.append(LayerWeights({}))
         elif layer.kind == "mla":
             C, R = layer.kv_lora_rank, layer.qk_rope_head_dim
             if layer.layer_id not in k_buffers:
-                k_buffers[layer.layer_id] = draw.normal(num_slots, 1, C + R)
+                k_buffers[layer.layer_id] = draw.normal(num_slots, 1, C + R, device=device)
                 v_buffers[layer.layer_id] = None
             inputs.append(LayerInputs({
-                "q": draw.normal(T, layer.num_heads, layer.qk_nope_head_dim + R),
-                "ckv": draw.normal(T, C),
-                "kpe": draw.normal(T, R),
+                "q": draw.normal(T, layer.num_heads, layer.qk_nope_head_dim + R, device=device),
+                "ckv": draw.normal(T, C, device=device),
+                "kpe": draw.normal(T, R, device=device),
             }))
             # Up-projections scaled so expanded keys and values have unit-order entries.
             weights.append(LayerWeights({
-                "w_kc": draw.normal(layer.num_heads, layer.qk_nope_head_dim, C, scale=C**-0.5),
-                "w_vc": draw.normal(layer.num_heads, C, layer.v_head_dim, scale=C**-0.5),
+                "w_kc": draw.normal(layer.num_heads, layer.qk_nope_head_dim, C, scale=C**-0.5, device=device),
+                "w_vc": draw.normal(layer.num_heads, C, layer.v_head_dim, scale=C**-0.5, device=device),
             }))
         else:
             W, Hv, K, V = layer.conv_kernel, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-            conv_states[layer.layer_id] = draw.normal(num_state_slots, layer.conv_dim, W - 1)
-            ssm_states[layer.layer_id] = draw.normal(num_state_slots, Hv, K, V, scale=0.5)
+            conv_states[layer.layer_id] = draw.normal(num_state_slots, layer.conv_dim, W - 1, device=device)
+            ssm_states[layer.layer_id] = draw.normal(num_state_slots, Hv, K, V, scale=0.5, device=device)
             if spec.mode.is_target_verify():
-                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, layer.conv_dim, W - 1)
-                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, Hv, K, V)
+                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, layer.conv_dim, W - 1, device=device)
+                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, Hv, K, V, device=device)
             inputs.append(LayerInputs({
-                "mixed_qkv": draw.normal(T, layer.conv_dim),
-                "a": draw.normal(T, Hv),
-                "b": draw.normal(T, Hv),
+                "mixed_qkv": draw.normal(T, layer.conv_dim, device=device),
+                "a": draw.normal(T, Hv, device=device),
+                "b": draw.normal(T, Hv, device=device),
             }))
             # Decays near one (exp(g) ~ 0.6..0.99) so state carried across a prefix matters.
             weights.append(LayerWeights({
-                "conv_weight": draw.normal(layer.conv_dim, W, scale=W**-0.5),
-                "A_log": torch.log(draw.uniform(Hv, lo=0.02, hi=0.5)),
-                "dt_bias": draw.normal(Hv, scale=0.5),
+                "conv_weight": draw.normal(layer.conv_dim, W, scale=W**-0.5, device=device),
+                "A_log": torch.log(draw.uniform(Hv, lo=0.02, hi=0.5)),  # log on the CPU, whatever the device
+                "dt_bias": draw.normal(Hv, scale=0.5, device=device),
             }))
 
     def dev(t: torch.Tensor, dt: torch.dtype | None = None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.casefile import CaseFile
+from harness.casefile import CASE_SCHEMA_VERSION, CaseFile
 from harness.cli import main
 from harness.spec import BatchSpec, ForwardMode, MHALayer
 
@@ -37,7 +37,9 @@ def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
 def test_malformed_case_files(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     for text, message in [("{", "invalid JSON"), ('{"case_schema_version": 7}', "case_schema_version 7"),
-                          ('{"case_schema_version": 1, "composition": "torch_native"}', "missing field")]:
+                          ('{"case_schema_version": 1}', "case_schema_version 1"),
+                          (f'{{"case_schema_version": {CASE_SCHEMA_VERSION}, "composition": "torch_native"}}',
+                           "missing field")]:
         bad.write_text(text)
         assert main(["repro", str(bad)]) == 2
         err = capsys.readouterr().err.strip()

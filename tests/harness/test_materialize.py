@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from harness.materialize import materialize, verify_custom_mask
+from harness.materialize import _Draw, _normal_table, materialize, verify_custom_mask
 from harness.profiles import PROFILES
 from harness.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
 from harness.strategies import batch_specs
@@ -58,12 +59,53 @@ def test_slots_are_the_page_order_token_by_token(spec):
     ps = spec.page_size
     pages_needed = [-(-n // ps) for n in spec.kv_lens]
     num_pages = 1 + sum(pages_needed) + 2 + sum(pages_needed) // 4
-    page_order = (torch.randperm(num_pages - 1, generator=torch.Generator().manual_seed(spec.seed)) + 1).tolist()
+    page_order = (_Draw(spec.seed).perm(num_pages - 1) + 1).tolist()
     case, cursor = materialize(spec), 0
     for i, n in enumerate(spec.kv_lens):
         pages = page_order[cursor:cursor + pages_needed[i]]
         cursor += pages_needed[i]
         assert case.token_slots[i].tolist() == [pages[j // ps] * ps + j % ps for j in range(n)]
+
+def _bits_in_python(seed: int, call: int, i: int) -> int:
+    """``_Draw.bits`` element ``i`` of draw number ``call``, in plain Python integers modulo 2**32."""
+    m = (1 << 32) - 1
+    draw = _Draw(seed)
+    draw.calls = call - 1
+    k1, k2 = (k & m for k in draw._keys())
+    x = ((i + k1) * 0x9E3779B1) & m
+    x ^= x >> 16
+    x = ((x * 0x7FEB352D) & m) ^ k2
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    return x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 + 5])
+def test_draw_bits_are_the_hash_exactly(seed):
+    """The int32 tensor ops wrap like arithmetic modulo 2**32: this pins the stream on every platform (the GPU
+    test compares a CPU and a CUDA materialization bit for bit)."""
+    draw = _Draw(seed)
+    first, second = draw.bits(1000, torch.device("cpu")), draw.bits(70_000, torch.device("cpu"))
+    for call, words in [(1, first), (2, second)]:
+        for i in [0, 1, 2, 999, 69_999][: 4 if call == 1 else 5]:
+            assert int(words[i]) & 0xFFFFFFFF == _bits_in_python(seed, call, i)
+    assert not torch.equal(first, second[:1000])  # a new draw is a new stream
+
+
+def test_draws_have_the_intended_distributions():
+    draw = _Draw(11)
+    x = draw.normal(400_000).double()
+    assert abs(x.mean()) < 0.01 and abs(x.std() - 1) < 0.01
+    assert x.abs().max() < 4.33  # the table's ends: +-Phi^-1(1 - 2**-17) = +-4.32
+    table = _normal_table(torch.device("cpu")).double()
+    assert torch.all(table[1:] > table[:-1]) and torch.allclose(table, -table.flip(0))
+    assert not torch.equal(draw.normal(10), draw.normal(10))  # consecutive draws differ
+    u = draw.uniform(100_000, lo=0.02, hi=0.5)
+    assert u.min() >= 0.02 and u.max() <= 0.5 and abs(u.mean() - 0.26) < 0.005
+    assert sorted(draw.perm(1000).tolist()) == list(range(1000))
+    ints = draw.ints(3, 9, 50_000)
+    assert ints.min() == 3 and ints.max() == 8
+
 
 def test_pages_are_not_contiguous():
     spec = BatchSpec(ForwardMode.EXTEND, (40, 40), (8, 8), (MHALayer(0, 4, 2, 32, 32),), page_size=4, seed=3)
