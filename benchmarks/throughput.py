@@ -1,13 +1,14 @@
 """Throughput of the harness itself: cases per second per composition and property, and where the time goes.
 
     python benchmarks/throughput.py [--profile ci] [--device auto] [--backends ...] [--properties ...]
-                                    [--modes extend decode] [--cases 20] [--max-requests 16] [--json PATH]
+                                    [--modes extend decode] [--cases 20] [--max-requests 16] [--workers N]
+                                    [--json PATH]
 
 For each matrix row, ``--cases`` batch specifications are drawn up front from the row's own strategy (a
 seeded Hypothesis run that only generates: no database, no shrinking), then each runs through the row's
 property while a clock splits the time into
 
-- generation: drawing the specifications (Hypothesis), per case;
+- generation: drawing the specifications (Hypothesis);
 - materialization: building tensors, pools and the forward batch (``harness.materialize.materialize``);
 - reference: the float64 reference (``reference.batch.reference_outputs``);
 - backend: building the backends, planning, and every layer's forward, model-side q/k/v and RoPE included
@@ -15,8 +16,12 @@ property while a clock splits the time into
 - checking: everything else the property does (comparisons, invariants, bookkeeping).
 
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
-boundary synchronizes the device so kernels are charged to the phase that launched them. The first case of
-each row is a warm-up (Triton and FlashInfer compile on first use) and is not counted.
+boundary synchronizes the device so kernels are charged to the phase that launched them. Each row first
+runs ``--warmup`` cases of other specifications (Triton and FlashInfer compile on first use), not counted.
+
+``--workers N`` runs N processes on the one device, as the sweep does (a worker is mostly CPU-bound Python,
+so several keep a GPU busy); each times every row with its own seed, all starting a row together, and a
+row's cases/s is all their cases over the wall time from the first start to the last finish.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
+import queue
 import sys
+import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -138,51 +146,129 @@ class RowTiming:
     cases: int
     failures: int
     seconds: dict[str, float]
+    started: float = 0.0  # time.perf_counter() around the timed part (one clock for all processes)
+    finished: float = 0.0
+    workers: int = 1
 
     @property
     def total(self) -> float:
         return sum(self.seconds.values())
 
     @property
+    def wall(self) -> float:
+        return self.finished - self.started
+
+    @property
     def cases_per_second(self) -> float:
-        return self.cases / self.total if self.total else 0.0
+        """Cases over the timed part's wall time: with several workers, all of them together."""
+        return self.cases / self.wall if self.wall > 0 else 0.0
 
 
-def bench_row(row, profile, device: str, n: int, seed: int, warmup: int) -> RowTiming:
+def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
+    """Warm up on specifications of their own, then time drawing and running ``n`` cases. With a
+    ``barrier``, every worker starts its timed part together (so their wall times overlap)."""
     import torch
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    start = time.perf_counter()
-    specs = draw_specs(row, profile, n + warmup, seed)
-    generation = (time.perf_counter() - start) * n / max(len(specs), 1)
-    for spec in specs[:warmup]:
+    for spec in draw_specs(row, profile, warmup, seed + 1_000_003) if warmup else []:
         row.property.run(row.composition, spec, device)
+    if barrier is not None:
+        barrier.wait()
+    sync()
+    started = time.perf_counter()
+    specs = draw_specs(row, profile, n, seed)
+    generation = time.perf_counter() - started
     clock = PhaseClock(sync)
     failures = 0
     with instrumented(clock):
-        for spec in specs[warmup:]:
+        for spec in specs:
             clock.enter("checking")  # whatever the property does outside the timed calls
             try:
                 failures += not row.property.run(row.composition, spec, device).ok
             finally:
                 clock.leave()
+    finished = time.perf_counter()
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
-    return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, len(specs) - warmup,
-                     failures, seconds)
+    return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, len(specs), failures,
+                     seconds, started, finished)
+
+
+def combine(parts: list[RowTiming]) -> RowTiming:
+    """One row timed by several workers at once: cases and phase seconds add up, wall time spans them all."""
+    first = parts[0]
+    return dataclasses.replace(
+        first, cases=sum(p.cases for p in parts), failures=sum(p.failures for p in parts),
+        seconds={ph: sum(p.seconds[ph] for p in parts) for ph in PHASES},
+        started=min(p.started for p in parts), finished=max(p.finished for p in parts), workers=len(parts))
+
+
+def select_rows(args, device: str):
+    from harness.cli import _profile
+
+    profile = dataclasses.replace(_profile(args.profile), max_requests=args.max_requests)
+    from harness.matrix import matrix_rows
+
+    rows, _ = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+    return profile, rows
+
+
+def worker(index: int, args, device: str, barrier, results) -> None:
+    """One of ``--workers`` processes on the device: the same rows in the same order, its own seeds."""
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.workers))
+    profile, rows = select_rows(args, device)
+    try:
+        for n, row in enumerate(rows):
+            timing = bench_row(row, profile, device, args.cases, args.seed + 7919 * index, args.warmup, barrier)
+            results.put((n, timing))
+    except threading.BrokenBarrierError:
+        return  # another worker failed; the parent says so
+
+
+def run_workers(args, device: str, rows) -> list[RowTiming] | None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # CUDA cannot be forked
+    barrier, results = ctx.Barrier(args.workers), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(i, args, device, barrier, results), daemon=True)
+             for i in range(args.workers)]
+    for proc in procs:
+        proc.start()
+    parts: dict[int, list[RowTiming]] = defaultdict(list)
+    done = 0
+    while done < len(rows) * len(procs):
+        try:
+            n, timing = results.get(timeout=5)
+        except queue.Empty:
+            dead = [proc for proc in procs if proc.exitcode not in (None, 0)]
+            if dead:
+                barrier.abort()
+                print(f"error: a benchmark worker exited with status {dead[0].exitcode}", file=sys.stderr)
+                return None
+            continue
+        parts[n].append(timing)
+        done += 1
+        if len(parts[n]) == len(procs):
+            print(f"[{n + 1}/{len(rows)}] {rows[n].id}", file=sys.stderr, flush=True)
+    for proc in procs:
+        proc.join()
+    return [combine(parts[n]) for n in range(len(rows))]
 
 
 def print_table(results: list[RowTiming]) -> None:
     w = max([len(r.composition) for r in results] + [11])
     heads = "".join(f"{p[:5] + '%':>7}" for p in PHASES)
     print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8}{heads} {'fails':>5}")
+    # Shares are of the summed per-phase time; cases/s is over wall time (all workers together).
     for r in results:
         shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
         print(f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f}"
               f"{shares} {r.failures:>5}")
     total = {p: sum(r.seconds[p] for r in results) for p in PHASES}
-    all_s, cases = sum(total.values()), sum(r.cases for r in results)
+    all_s, cases, wall = sum(total.values()), sum(r.cases for r in results), sum(r.wall for r in results)
     shares = "".join(f"{100 * total[p] / all_s if all_s else 0:>7.1f}" for p in PHASES)
-    print(f"{'all':<{w}} {'':<7} {'':<20} {cases:>5} {cases / all_s if all_s else 0:>8.2f}{shares}")
+    print(f"{'all':<{w}} {'':<7} {'':<20} {cases:>5} {cases / wall if wall else 0:>8.2f}{shares}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,23 +282,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed cases per row first (default 1)")
     p.add_argument("--max-requests", type=int, default=16, help="largest batch drawn (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn specifications")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes timing each row at once on the one device (cases/s is theirs together)")
     p.add_argument("--json", help="also write the timings here")
     args = p.parse_args(argv)
 
-    from harness.cli import UsageError, _profile, resolve_device
+    from harness.cli import UsageError, resolve_device
 
     try:
         device = resolve_device(args.device)  # before anything imports triton
-        profile = dataclasses.replace(_profile(args.profile), max_requests=args.max_requests)
-        from harness.matrix import matrix_rows
         from properties import PROPERTIES
 
         unknown = [x for x in args.properties or [] if x not in PROPERTIES]
         if unknown:
             raise UsageError(f"unknown properties {', '.join(unknown)}; properties: {', '.join(PROPERTIES)}")
-        if args.cases < 1:
-            raise UsageError(f"--cases must be positive, got {args.cases}")
-        rows, _ = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+        if args.cases < 1 or args.workers < 1:
+            raise UsageError(f"--cases and --workers must be positive, got {args.cases} and {args.workers}")
+        profile, rows = select_rows(args, device)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -220,11 +306,16 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no matrix row matches the selection (see `python -m harness list`)", file=sys.stderr)
         return 2
     print(f"device {device}, profile {profile.name}, batches up to {profile.max_requests} requests, "
-          f"{args.cases} cases per row after {args.warmup} warm-up", file=sys.stderr)
-    results = []
-    for n, row in enumerate(rows, 1):
-        print(f"[{n}/{len(rows)}] {row.id}", file=sys.stderr, flush=True)
-        results.append(bench_row(row, profile, device, args.cases, args.seed, args.warmup))
+          f"{args.cases} cases per row after {args.warmup} warm-up, {args.workers} worker(s)", file=sys.stderr)
+    if args.workers > 1:
+        results = run_workers(args, device, rows)
+        if results is None:
+            return 1
+    else:
+        results = []
+        for n, row in enumerate(rows, 1):
+            print(f"[{n}/{len(rows)}] {row.id}", file=sys.stderr, flush=True)
+            results.append(bench_row(row, profile, device, args.cases, args.seed, args.warmup))
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"cases_per_second": r.cases_per_second}
