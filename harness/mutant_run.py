@@ -14,6 +14,7 @@ from pathlib import Path
 from backends.registry import parse
 from harness.matrix import matrix_rows
 from harness.mutants import Mutant
+from harness.procs import COMPILE_TIMEOUT_S, compiler_running
 from harness.profiles import Profile
 from harness.search import search_row
 
@@ -89,7 +90,8 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
     """``run_mutant`` in a fresh process. On a GPU a device-side assert poisons the CUDA context for good,
     so one mutant that trips it would make every later mutant look killed; a process per mutant keeps
     each verdict its own. A process that dies is a kill by crash, one whose pending case file has not
-    changed for ``case_timeout_s`` a kill by hang; either way the pending case file is the reproducer."""
+    changed for ``case_timeout_s`` (time while it runs a JIT compiler not counted, up to ``COMPILE_TIMEOUT_S``)
+    a kill by hang; either way the pending case file is the reproducer."""
     case_timeout_s = case_timeout_s or default_case_timeout(device)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
@@ -100,8 +102,10 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
     proc = ctx.Process(target=_child, args=(mutant.name, profile, device, out_dir, budget_s, queue), daemon=True)
     proc.start()
     limit = 2 * budget_s + 120  # the search checks its budget between rows; a row may still be shrinking
+    grace, grace_anchor, last_look = 0.0, None, time.time()  # compile time within the current case
+    compiled = 0.0  # and within the whole run
     try:
-        while time.perf_counter() - start < limit:
+        while time.perf_counter() - start < limit + compiled:
             try:
                 return MutantResult(**queue.get(timeout=1.0))
             except queue_module.Empty:
@@ -111,7 +115,17 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
                 return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="crash",
                                     reason=f"the process died ({exit_description(proc.exitcode)})",
                                     case_file=str(pending[-1]) if pending else None)
-            if pending and time.time() - pending[-1].stat().st_mtime > case_timeout_s:
+            now = time.time()
+            if compiler_running([proc.pid]):
+                grace += now - last_look
+                compiled += now - last_look
+            last_look = now
+            if not pending:
+                continue
+            active = pending[-1].stat().st_mtime
+            if active != grace_anchor:
+                grace, grace_anchor = 0.0, active
+            if now - active - grace > case_timeout_s or now - active > COMPILE_TIMEOUT_S:
                 proc.kill()
                 return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="hang",
                                     reason=f"one case ran for over {case_timeout_s:.0f}s", case_file=str(pending[-1]))

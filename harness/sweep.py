@@ -5,8 +5,8 @@ the first with a few examples (so a short sweep reaches the whole matrix), later
 ``max_examples``, and the composition whose rows are fewest rounds along goes next. Each
 composition's rows run in a process of their own (``harness.sweep_worker``; it goes on to further rounds
 while no other composition waits for a worker), so a segfault, an illegal memory access or a hang (a case
-running longer than ``--case-timeout``) becomes a finding with its reproducer, and the sweep goes on with
-the other rows. A row with a finding is not searched again in that sweep.
+running longer than ``--case-timeout``, not counting time while a worker's JIT compiler runs, up to
+``--compile-timeout``) becomes a finding with its reproducer, and the sweep goes on with the other rows. A row with a finding is not searched again in that sweep.
 
 Everything lands in the output folder as it happens: ``findings.jsonl`` (one line per finding; its case file
 under ``cases/``), ``results.jsonl`` (one line per row and round; ``--resume`` rebuilds the sweep's state
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.casefile import CaseFile, case_name, safe_name
+from harness.procs import COMPILE_TIMEOUT_S, compiler_running
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +174,10 @@ class Task:
     current_round: int = 0
     started_any: bool = False
     stopping: bool = False
+    # Seconds of the current stall during which some worker had a JIT compiler running (not held against it).
+    grace: float = 0.0
+    grace_anchor: float = 0.0  # the last activity the grace belongs to
+    last_watch: float = 0.0
 
 
 @dataclass
@@ -191,8 +196,11 @@ class Sweep:
     max_rounds: int | None
     progress: object
     gpus: list[str] = field(default_factory=list)
+    compile_timeout_s: float = COMPILE_TIMEOUT_S
     running: dict[int, Task] = field(default_factory=dict)
     launches: int = 0
+    compiling: bool = False  # whether a worker had a compiler running at the last look
+    compile_checked: float = 0.0
 
     def __post_init__(self) -> None:
         self.by_id = {s.row.id: s for s in self.rows}
@@ -255,6 +263,10 @@ class Sweep:
     def run(self) -> None:
         try:
             while True:
+                if time.time() - self.compile_checked >= 1.0:
+                    # A worker waiting on another's build (FlashInfer's file lock) has no compiler of its own.
+                    self.compiling = compiler_running([t.proc.pid for t in self.running.values()])
+                    self.compile_checked = time.time()
                 for slot in list(self.running):
                     self.watch(self.running[slot])
                 if time.time() >= self.deadline:
@@ -288,12 +300,20 @@ class Sweep:
                 active = max(active, self.pending_file(task.current).stat().st_mtime)
             except FileNotFoundError:
                 pass
-        if time.time() - active > self.case_timeout_s:
+        now = time.time()
+        if active != task.grace_anchor:
+            task.grace, task.grace_anchor = 0.0, active
+        if self.compiling:
+            task.grace += now - (task.last_watch or now)
+        task.last_watch = now
+        stalled = now - active
+        if stalled - task.grace > self.case_timeout_s or stalled > self.compile_timeout_s:
             self.dump_stacks(task)
             self.kill(task)
             del self.running[task.slot]
             what = f"case of {task.current}" if task.current else "worker (before its first row)"
-            self.crashed(task, "hang", f"hang: a {what} made no progress for {self.case_timeout_s:.0f}s")
+            waited = f", {task.grace:.0f}s of it while a JIT compiler ran" if task.grace >= 1 else ""
+            self.crashed(task, "hang", f"hang: a {what} made no progress for {stalled:.0f}s{waited}")
 
     def read_events(self, task: Task) -> None:
         with open(task.events, "rb") as f:
@@ -479,7 +499,8 @@ def cmd_sweep(args) -> int:
     if unknown:
         raise usage_error(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
                           f"properties: {', '.join(PROPERTIES)}")
-    for name, value in (("--workers", args.workers), ("--case-timeout", args.case_timeout), ("--rounds", args.rounds)):
+    for name, value in (("--workers", args.workers), ("--case-timeout", args.case_timeout),
+                        ("--compile-timeout", args.compile_timeout), ("--rounds", args.rounds)):
         if value is not None and value <= 0:
             raise usage_error(f"{name} must be positive, got {value}")
     rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
@@ -506,7 +527,8 @@ def cmd_sweep(args) -> int:
     workers = args.workers or default_workers(device)
     sweep = Sweep(list(states.values()), device, profile.name, out_dir, start + budget, workers,
                   args.case_timeout or (600.0 if device == "cuda" else 300.0), meta["seed"], db, args.redis,
-                  args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [])
+                  args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
+                  args.compile_timeout or COMPILE_TIMEOUT_S)
     resumed = sum(1 for s in sweep.rows if s.rounds or s.finding)
     notes = [f"shard {shard[0]}/{shard[1]}"] if shard else []
     notes += [f"{resumed} row(s) resumed"] if resumed else []
@@ -567,7 +589,10 @@ def add_parser(sub) -> None:
                     help="worker processes at a time, pinned to the visible GPUs in turn (default: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
     sp.add_argument("--case-timeout", type=float,
-                    help="seconds one case may run before it counts as a hang (default 600 on a GPU, 300 on a CPU)")
+                    help="seconds one case may run before it counts as a hang (default 600 on a GPU, 300 on a CPU); "
+                         "time while a worker's JIT compiler (nvcc, ninja, ptxas) runs is not counted")
+    sp.add_argument("--compile-timeout", type=float,
+                    help=f"seconds one case may wait in all, compiles included (default {COMPILE_TIMEOUT_S:.0f})")
     sp.add_argument("--mutant", help="inject this mutant from the catalogue into every worker")
     sp.add_argument("--seed", type=int, help="the sweep's seed (default: random; kept in sweep.json, and --resume "
                                              "keeps the resumed sweep's): equal seeds search the same cases")

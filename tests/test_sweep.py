@@ -136,3 +136,54 @@ def test_workers_share_the_cores(monkeypatch):
     assert sweep.default_workers("cuda") == 4  # 16 cores over two GPUs: two workers per GPU, 4 cores each
     monkeypatch.setattr(sweep.os, "cpu_count", lambda: 64)
     assert sweep.default_workers("cuda") == 2 * sweep.MAX_WORKERS_PER_GPU
+
+
+
+@pytest.fixture
+def stalled_sweep(tmp_path):
+    """A sweep of one idle worker (a sleeping process) with --case-timeout 10 and --compile-timeout 100."""
+    from harness.progress import make_progress
+    from harness.sweep import Sweep, Task
+
+    events = tmp_path / "events.jsonl"
+    events.write_text("")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    sw = Sweep([], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0, db=None, redis=None,
+               mutant=None, max_rounds=None, progress=make_progress(time.time(), 60), compile_timeout_s=100.0)
+    sw.running[0] = Task("torch_native", 0, proc, events, tmp_path / "log", last_activity=time.time())
+    yield sw, sw.running[0]
+    proc.kill()
+    proc.wait()
+
+
+def stall(task, seconds: float, compiling_for: float) -> None:
+    """The task made no progress for ``seconds``; the last look was ``compiling_for`` seconds ago."""
+    now = time.time()
+    task.last_activity = task.grace_anchor = now - seconds
+    task.last_watch = now - compiling_for
+
+
+def test_time_spent_compiling_is_not_a_hang(stalled_sweep, tmp_path):
+    """A stalled case is a hang after --case-timeout of its own time; seconds while a worker's JIT compiler ran
+    do not count (a cold GPU runner compiles FlashInfer kernels for minutes)."""
+    sw, task = stalled_sweep
+    sw.compiling = True
+    stall(task, 30, compiling_for=25)
+    sw.watch(task)  # stalled 30 s, 25 of them compiling: 5 s of its own
+    assert 0 in sw.running and 24 < task.grace < 26
+    sw.compiling = False
+    grace = task.grace
+    stall(task, 40, compiling_for=0)
+    task.grace = grace
+    sw.watch(task)  # 40 s stalled, 25 s compiling: 15 s of its own > 10
+    assert 0 not in sw.running and task.proc.poll() is not None
+    reason = jsonl(tmp_path / "findings.jsonl")[0]["reason"]
+    assert "made no progress for 40s, 25s of it while a JIT compiler ran" in reason
+
+
+def test_compile_timeout_bounds_the_grace(stalled_sweep):
+    sw, task = stalled_sweep
+    sw.compiling = True
+    stall(task, 101, compiling_for=101)
+    sw.watch(task)  # compiling all along, but for longer than --compile-timeout
+    assert 0 not in sw.running
