@@ -23,13 +23,14 @@ from harness.search import search_row
 class MutantResult:
     mutant: str
     status: str  # killed, survived, unavailable
-    seconds: float = 0.0
+    seconds: float = 0.0  # to the first failing case (killed), or spent (survived)
     requests: int | None = None
     tokens: int | None = None
     property: str | None = None
     row: str | None = None
     reason: str = ""
     case_file: str | None = None
+    shrink_seconds: float | None = None  # after the first failure: shrinking it to the reported case
 
 
 def default_case_timeout(device: str) -> float:
@@ -66,14 +67,17 @@ def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
         for n, max_examples in enumerate(rounds):
             for row in rows:
                 seed = zlib.crc32(f"{mutant.name}/{row.id}/{n}".encode())
+                row_start = time.perf_counter()
                 result = search_row(row, profile, device, database=None, max_examples=max_examples,
                                     out_dir=out_dir / mutant.name, seed=seed)
                 if not result.ok:
-                    spec = result.spec
-                    return MutantResult(mutant.name, "killed", time.perf_counter() - start,
+                    spec, now = result.spec, time.perf_counter()
+                    first = row_start - start + (result.first_failure_seconds or now - row_start)
+                    return MutantResult(mutant.name, "killed", first,
                                         None if spec is None else spec.batch_size,
                                         None if spec is None else spec.num_tokens, row.property.name, row.id,
-                                        str(result.failure), None if result.case_file is None else str(result.case_file))
+                                        str(result.failure), None if result.case_file is None else str(result.case_file),
+                                        shrink_seconds=now - start - first)
                 if time.perf_counter() - start > budget_s:
                     return MutantResult(mutant.name, "survived", time.perf_counter() - start,
                                         reason=f"budget of {budget_s:.0f}s spent")
@@ -148,20 +152,21 @@ def exit_description(code: int | None) -> str:
 
 def print_table(results: list[MutantResult]) -> None:
     w = max(len(r.mutant) for r in results)
-    print(f"{'mutant':<{w}}  {'status':<11} {'seconds':>8} {'reqs':>5} {'tokens':>6}  property")
+    print(f"{'mutant':<{w}}  {'status':<11} {'seconds':>8} {'shrink':>7} {'reqs':>5} {'tokens':>6}  property")
     for r in results:
         secs = f"{r.seconds:.1f}" if r.status != "unavailable" else "-"
+        shrink = "-" if r.shrink_seconds is None else f"{r.shrink_seconds:.1f}"
         reqs = "-" if r.requests is None else str(r.requests)
         toks = "-" if r.tokens is None else str(r.tokens)
         extra = r.property or r.reason
-        print(f"{r.mutant:<{w}}  {r.status:<11} {secs:>8} {reqs:>5} {toks:>6}  {extra}")
+        print(f"{r.mutant:<{w}}  {r.status:<11} {secs:>8} {shrink:>7} {reqs:>5} {toks:>6}  {extra}")
     killed = [r for r in results if r.status == "killed"]
     if killed:
         secs = sorted(r.seconds for r in killed)
         sizes = sorted(r.tokens for r in killed if r.tokens is not None)
         median = lambda xs: xs[len(xs) // 2] if xs else float("nan")  # noqa: E731
         print(f"\n{len(killed)} killed, {sum(r.status == 'survived' for r in results)} survived, "
-              f"{sum(r.status == 'unavailable' for r in results)} unavailable; median seconds to kill "
+              f"{sum(r.status == 'unavailable' for r in results)} unavailable; median seconds to the first failure "
               f"{median(secs):.1f}, median shrunk size {median(sizes)} token(s)")
 
 

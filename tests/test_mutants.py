@@ -20,6 +20,8 @@ def test_mutant_is_killed(mutant, device, tmp_path):
     if result.status == "unavailable":
         pytest.skip(f"{mutant.name}: {result.reason}")
     assert result.status == "killed", f"{mutant.name} survived: {result.reason}"
+    if not mutant.crashes:  # found by a search: the time to the first failure, then the shrinking apart
+        assert 0 < result.seconds and result.shrink_seconds is not None and result.shrink_seconds >= 0
 
 
 def test_catalogue_is_documented_and_large_enough():
