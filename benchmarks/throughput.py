@@ -203,11 +203,11 @@ def combine(parts: list[RowTiming]) -> RowTiming:
 
 
 def select_rows(args, device: str):
+    """The profile (batches up to ``--max-requests``) and the selected matrix rows."""
     from harness.cli import _profile
-
-    profile = dataclasses.replace(_profile(args.profile), max_requests=args.max_requests)
     from harness.matrix import matrix_rows
 
+    profile = dataclasses.replace(_profile(args.profile), max_requests=args.max_requests)
     rows, _ = matrix_rows(device, profile, args.backends, args.properties, args.modes)
     return profile, rows
 

@@ -6,7 +6,8 @@ the first with a few examples (so a short sweep reaches the whole matrix), later
 composition's rows run in a process of their own (``harness.sweep_worker``; it goes on to further rounds
 while no other composition waits for a worker), so a segfault, an illegal memory access or a hang (a case
 running longer than ``--case-timeout``, not counting time while a worker's JIT compiler runs, up to
-``--compile-timeout``) becomes a finding with its reproducer, and the sweep goes on with the other rows. A row with a finding is not searched again in that sweep.
+``--compile-timeout``) becomes a finding with its reproducer, and the sweep goes on with the other rows. A
+row with a finding is not searched again in that sweep.
 
 Everything lands in the output folder as it happens: ``findings.jsonl`` (one line per finding; its case file
 under ``cases/``), ``results.jsonl`` (one line per row and round; ``--resume`` rebuilds the sweep's state
