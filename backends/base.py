@@ -9,15 +9,19 @@ itself (linear-attention layers call it with keywords only), and the conformance
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
 import torch
 
-from harness.spec import BatchSpec, ForwardMode
+from batch.spec import BatchSpec, ForwardMode
 
-ALL_MODES = frozenset(ForwardMode)
+# The modes a backend of SGLang 0.5.23 serves, named one by one: a mode added to ForwardMode later joins no
+# backend's declaration until someone declares it.
+SERVING_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                           ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})
 
 
 def env_flag(name: str) -> bool:
@@ -38,12 +42,20 @@ PROTOCOL_METHODS = (
 )
 
 
+def call_accepting(fn, *args, **kwargs):
+    """Call ``fn`` with only the keyword arguments its signature accepts."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What one backend supports; the test matrix is derived from these declarations."""
 
     attention_kinds: frozenset[str]
-    modes: frozenset[ForwardMode] = ALL_MODES
+    modes: frozenset[ForwardMode]  # declared explicitly: a new mode joins no backend by default
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
     head_dims: Optional[frozenset[int]] = None  # qk head dims (MHA) it compiles for; None = any
     page_sizes: Optional[frozenset[int]] = None  # None = any
@@ -51,7 +63,7 @@ class Capabilities:
     sliding_window: bool = True
     logit_cap: bool = True
     mrope: bool = True
-    cuda_graph: bool = False
+    cuda_graph_modes: frozenset[ForwardMode] = frozenset()  # modes whose capture/replay hooks it implements
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     requires: tuple[str, ...] = ()  # importable module names
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
@@ -71,28 +83,66 @@ class Capabilities:
                 return f"package '{module}' is not installed"
         return None
 
+
+@dataclass(frozen=True)
+class Support:
+    """What a composition of backends supports: its leaves' declarations combined, read in one place by the
+    matrix, the strategies (to draw only batches inside it) and ``repro`` (to refuse a case outside it).
+
+    Modes, dtypes, page sizes and mrope must hold for every leaf; head dims, sliding window and logit cap for
+    the leaves that own full-attention layers (a linear backend never sees those layers).
+    """
+
+    attention_kinds: frozenset[str]
+    modes: frozenset[ForwardMode]
+    dtypes: frozenset[str]
+    head_dims: Optional[frozenset[int]]
+    page_sizes: Optional[frozenset[int]]
+    sliding_window: bool
+    logit_cap: bool
+    mrope: bool
+    cuda_graph_modes: frozenset[ForwardMode]
+    fp32_matmul_roundoff: float
+
+    @classmethod
+    def of(cls, caps: list[Capabilities]) -> "Support":
+        full = [c for c in caps if c.attention_kinds & {"mha", "mla"}]
+
+        def meet(values):  # None (any) is the identity
+            values = [v for v in values if v is not None]
+            return frozenset.intersection(*values) if values else None
+
+        modes = frozenset.intersection(*(c.modes for c in caps))
+        if not all(c.custom_mask for c in caps):
+            modes -= {ForwardMode.TARGET_VERIFY}
+        return cls(attention_kinds=frozenset().union(*(c.attention_kinds for c in caps)), modes=modes,
+                   dtypes=frozenset.intersection(*(c.dtypes for c in caps)),
+                   head_dims=meet([c.head_dims for c in full]), page_sizes=meet([c.page_sizes for c in caps]),
+                   sliding_window=all(c.sliding_window for c in full), logit_cap=all(c.logit_cap for c in full),
+                   mrope=all(c.mrope for c in caps),
+                   cuda_graph_modes=frozenset.intersection(*(c.cuda_graph_modes for c in caps)),
+                   fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps))
+
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
-        """Why this backend cannot run ``spec`` (a kernel configuration it does not declare), or None."""
+        """Why a batch of ``spec`` is outside this support, or None."""
         if spec.mode not in self.modes:
-            return f"mode {spec.mode.value} not supported"
+            why = "custom (tree) masks not supported" if spec.mode.is_target_verify() else "not supported"
+            return f"mode {spec.mode.value}: {why}"
         if spec.dtype not in self.dtypes:
             return f"dtype {spec.dtype} not supported"
         if self.page_sizes is not None and spec.page_size not in self.page_sizes:
             return f"page_size {spec.page_size} not supported"
-        if spec.mode.is_target_verify() and not self.custom_mask:
-            return "custom (tree) masks not supported"
         if spec.mrope is not None and not self.mrope:
             return "mrope not supported"
         for layer in spec.layers:
-            if layer.kind == "linear":
+            if layer.kind != "mha":
                 continue
-            if layer.kind == "mha":
-                if self.head_dims is not None and layer.head_dim not in self.head_dims:
-                    return f"head_dim {layer.head_dim} not supported"
-                if layer.sliding_window is not None and not self.sliding_window:
-                    return "sliding window not supported"
-                if layer.logit_cap is not None and not self.logit_cap:
-                    return "logit cap not supported"
+            if self.head_dims is not None and layer.head_dim not in self.head_dims:
+                return f"head_dim {layer.head_dim} not supported"
+            if layer.sliding_window is not None and not self.sliding_window:
+                return "sliding window not supported"
+            if layer.logit_cap is not None and not self.logit_cap:
+                return "logit cap not supported"
         return None
 
 

@@ -43,11 +43,11 @@ from __future__ import annotations
 import builtins
 
 import torch
-import torch.nn.functional as F
 
-from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata, env_flag
+from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata, env_flag
+from backends.linear_torch import gating
 from backends.planner import exclusive_cumsum
-from harness.spec import ForwardMode
+from batch.spec import ForwardMode
 
 _SHIMS_INSTALLED = False
 
@@ -92,17 +92,9 @@ def _prepare_device(t: torch.Tensor) -> None:
         install_interpreter_shims()
 
 
-def gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``a, b [T, Hv]`` -> ``g`` (log-decay) and ``beta``, float32 ``[T, Hv]``."""
-    w = layer.weights
-    g = -torch.exp(w["A_log"].float()) * F.softplus(a.float() + w["dt_bias"].float())
-    return g, torch.sigmoid(b.float())
-
-
 def split_qkv(layer, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Conv output ``[..., conv_dim]`` -> q, k ``[..., Hk, K]`` and v ``[..., Hv, V]`` (views)."""
     Hk, Hv, K, V = layer.tp_k_head_num, layer.tp_v_head_num, layer.head_dim, layer.v_head_dim
-    lead = y.shape[:-1]
     qk = Hk * K
     return (y[..., :qk].unflatten(-1, (Hk, K)), y[..., qk:2 * qk].unflatten(-1, (Hk, K)),
             y[..., 2 * qk:2 * qk + Hv * V].unflatten(-1, (Hv, V)))
@@ -116,15 +108,14 @@ def padded_conv_state(state: torch.Tensor) -> torch.Tensor:
 class FlaBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"linear"}),
-        modes=ALL_MODES,
+        modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
-        cuda_graph=True,  # hooks implemented; its layers run eagerly between captured segments
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
         devices=frozenset({"cpu", "cuda"}),
         requires=("fla", "einops", "triton"),  # fla.ops imports einops
         cpu_needs_env="TRITON_INTERPRET",
         fp32_matmul_roundoff=2.0**-11,  # fla's chunk kernels run float32 dots on TF32 tensor cores
     )
-    cuda_graph_modes = frozenset({ForwardMode.DECODE})
 
     def __init__(self, model_runner=None) -> None:
         self.model_runner = model_runner

@@ -17,7 +17,7 @@ page * page_size + offset):
 
 Planning is once per batch, running once per layer. FlashInfer bakes the layer's head counts, head dims,
 ``sm_scale``, logit cap and window into ``plan()``, so there is one wrapper per (role, layer key): keys known
-from ``forward_batch.spec`` are planned in ``init_forward_metadata``; a layer with a key not seen there is
+from the ``model_runner``'s layers are planned in ``init_forward_metadata``; a layer with a key not seen there is
 planned on its first call in this batch (each wrapper records the plan generation it was planned for).
 
 CUDA graphs (DECODE): ``init_cuda_graph_state`` allocates fixed ``kv_indptr``/``kv_indices``/``kv_last_page_len``
@@ -37,9 +37,9 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.planner import exclusive_cumsum, page_kv_indices
-from harness.spec import ForwardMode
+from batch.spec import ForwardMode
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # float workspace per backend instance, as FlashInfer recommends
 MERGE_STATE_MAX_THREADS = 1024  # merge_state launches (head_dim / vec_size) x num_heads threads per block
@@ -134,7 +134,7 @@ class LayerKey:
 
 
 def layer_key(layer, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> LayerKey:
-    """Key of an ``AttentionLayer`` (``harness.model``) whose queries have ``q_dtype``."""
+    """Key of an ``AttentionLayer`` (``engine.model``) whose queries have ``q_dtype``."""
     return LayerKey(layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.v_head_dim,
                     float(layer.scaling), float(layer.logit_cap or 0.0), int(layer.sliding_window_size),
                     q_dtype, kv_dtype)
@@ -204,7 +204,7 @@ def paged_cache(pool, layer_id: int, page_size: int) -> tuple[torch.Tensor, torc
 class FlashInferBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=ALL_MODES,
+        modes=SERVING_MODES,
         dtypes=frozenset({"bfloat16", "float16"}),  # FlashInfer's prefill/decode kernels have no fp32 path
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's FA2/FA3 kernels are instantiated for
         page_sizes=None,  # page_size is a plan() argument of the paged kernels, not a compiled one
@@ -212,11 +212,10 @@ class FlashInferBackend(AttentionBackend):
         sliding_window=True,
         logit_cap=True,
         mrope=True,  # RoPE is applied by the model before attention
-        cuda_graph=True,
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
         devices=frozenset({"cuda"}),
         requires=("flashinfer",),
     )
-    cuda_graph_modes = frozenset({ForwardMode.DECODE})
     ragged_backend = "auto"  # as SGLang: FA3 on Hopper where the head dims allow, else FA2
     paged_backend = "fa2"  # as SGLang's prefill_backend / decode_backend (FA3 has no custom mask)
 
@@ -293,12 +292,13 @@ class FlashInferBackend(AttentionBackend):
         self.graph_bs = None
         self.cache.new_batch()
         self.plan = plan_batch(fb)
-        if fb.spec is None or fb.forward_mode.is_idle():
+        layers = self.model_runner.layers if self.model_runner is not None else ()
+        if not layers or fb.forward_mode.is_idle():
             return  # layers plan on their first call
-        from harness.forward_batch import LayerWeights
-        from harness.model import make_layer
+        from batch.forward_batch import LayerWeights
+        from batch.layers import make_layer
 
-        for spec_layer in fb.spec.layers:
+        for spec_layer in layers:
             if spec_layer.kind != "mha":
                 continue
             layer = make_layer(spec_layer, LayerWeights({}), fb.forward_mode)
@@ -380,7 +380,7 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=buf["kv_last_page_len"][:bs], backend=self.paged_backend)
 
     def _plan_graph(self, bs: int, req_pool_indices, seq_lens, forward_mode) -> None:
-        if forward_mode not in self.cuda_graph_modes:
+        if forward_mode not in self.capabilities.cuda_graph_modes:
             raise NotImplementedError(f"FlashInfer captures CUDA graphs for decode only, not {forward_mode.value}")
         ps = self.model_runner.page_size if self.model_runner is not None else self._page_size_hint()
         self.cache.new_batch()

@@ -18,7 +18,7 @@ per-request view (pages of ``seq_len + D`` keys and the tree mask) and the per-r
 
 Expanded form (EXTEND, MIXED): ``init_mha_chunk_metadata`` plans a ragged prefill over the new tokens
 (causal) and the cached prefix in chunks of ``mla_prefix_chunk`` slots; ``forward_extend`` expands each chunk
-from the latent cache with the layer's ``w_kc`` / ``w_vc`` (``reference.mla.expand_kv``), runs the ragged
+from the latent cache with the layer's ``w_kc`` / ``w_vc`` (``backends.latent.latent_to_heads``), runs the ragged
 prefill per chunk (non-causal) with log-sum-exp, and merges with ``flashinfer.merge_state``. A missing or
 stale chunk plan is a RuntimeError, as in torch_native.
 
@@ -34,12 +34,20 @@ from dataclasses import dataclass
 
 import torch
 
-from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
-from backends.flashinfer import (BatchPlan, WrapperCache, decode_graph_plan, layer_kv_dtype, make_workspace,
-                                 merge_states, plan_batch, req_to_token_of)
+from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.flashinfer import (
+    BatchPlan,
+    WrapperCache,
+    decode_graph_plan,
+    layer_kv_dtype,
+    make_workspace,
+    merge_states,
+    plan_batch,
+    req_to_token_of,
+)
+from backends.latent import latent_to_heads
 from backends.planner import exclusive_cumsum
-from harness.spec import ForwardMode
-from reference.mla import expand_kv
+from batch.spec import ForwardMode
 
 
 @dataclass(frozen=True)
@@ -111,16 +119,15 @@ def verify_rows_plan(forward_batch) -> dict[str, torch.Tensor]:
 class FlashInferMLABackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
-        modes=ALL_MODES,
+        modes=SERVING_MODES,
         dtypes=frozenset({"bfloat16", "float16"}),  # the MLA and prefill kernels have no fp32 path
         page_sizes=None,  # page_size is a plan() argument of the MLA kernel
         custom_mask=True,  # non-chain trees run as one-query rows (see the module docstring)
         mrope=True,  # RoPE is applied by the model
-        cuda_graph=True,
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
         devices=frozenset({"cuda"}),
         requires=("flashinfer",),
     )
-    cuda_graph_modes = frozenset({ForwardMode.DECODE})
     mla_backend = "auto"  # as SGLang: FA3 MLA kernel on Hopper, FA2 elsewhere
     ragged_backend = "auto"
     mla_prefix_chunk = 256  # prefix slots expanded per chunk in the MHA path (small: prefixes span several)
@@ -161,14 +168,15 @@ class FlashInferMLABackend(AttentionBackend):
             self.kv_len = (fb.extend_prefix_lens.to(torch.int64) + fb.extend_seq_lens.to(torch.int64)).to(torch.int32)
         if mode.is_target_verify() and not is_chain(fb.spec_info.parents):
             self.rows = verify_rows_plan(fb)
-        if fb.spec is None or mode.is_idle():
+        layers = self.model_runner.layers if self.model_runner is not None else ()
+        if not layers or mode.is_idle():
             return
-        from harness.forward_batch import LayerWeights
-        from harness.model import make_layer, mla_uses_absorbed
+        from batch.forward_batch import LayerWeights
+        from batch.layers import make_layer, mla_uses_absorbed
 
         if not mla_uses_absorbed(mode):
             return  # the MHA path plans in init_mha_chunk_metadata
-        for spec_layer in fb.spec.layers:
+        for spec_layer in layers:
             if spec_layer.kind == "mla":
                 layer = make_layer(spec_layer, LayerWeights({}), mode)
                 kv_dtype = layer_kv_dtype(fb, layer.layer_id)
@@ -231,12 +239,11 @@ class FlashInferMLABackend(AttentionBackend):
         self.mha_chunk = {"qo_indptr": exclusive_cumsum(fb.extend_seq_lens), "chunks": chunks,
                           "chunk_size": chunk_size, "num_tokens": fb.extend_num_tokens}
         self.chunk_cache.new_batch()
-        if fb.spec is None:
-            return
-        from harness.forward_batch import LayerWeights
-        from harness.model import make_layer
+        layers = self.model_runner.layers if self.model_runner is not None else ()
+        from batch.forward_batch import LayerWeights
+        from batch.layers import make_layer
 
-        for spec_layer in fb.spec.layers:
+        for spec_layer in layers:
             if spec_layer.kind == "mla":
                 layer = make_layer(spec_layer, LayerWeights({}), ForwardMode.EXTEND)
                 key = ragged_key(layer, layer_kv_dtype(fb, layer.layer_id))
@@ -315,8 +322,7 @@ class FlashInferMLABackend(AttentionBackend):
         C = layer.spec.kv_lora_rank
         latent = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
         for c, (_, slots) in enumerate(chunk["chunks"]):
-            lat = latent[slots, 0].float()
-            k_c, v_c = expand_kv(lat[:, :C], lat[:, C:], layer.weights["w_kc"], layer.weights["w_vc"])
+            k_c, v_c = latent_to_heads(latent[slots, 0], C, layer.weights["w_kc"], layer.weights["w_vc"])
             o_c, lse_c = self._ragged(key, c, q.device).run(q, k_c.to(q.dtype).contiguous(),
                                                            v_c.to(q.dtype).contiguous(), return_lse=True)
             o, lse = merge_states(o, lse, o_c, lse_c)
@@ -343,7 +349,7 @@ class FlashInferMLABackend(AttentionBackend):
         return self.plan.page_size
 
     def _plan_graph(self, bs: int, req_pool_indices, seq_lens, forward_mode) -> None:
-        if forward_mode not in self.cuda_graph_modes:
+        if forward_mode not in self.capabilities.cuda_graph_modes:
             raise NotImplementedError(f"FlashInfer MLA captures CUDA graphs for decode only, not {forward_mode.value}")
         self.cache.new_batch()
         self.plan = decode_graph_plan(self, bs, req_pool_indices, seq_lens, self._page_size())

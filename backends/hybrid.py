@@ -7,17 +7,7 @@ is built with ``full_attn_layers = [0]``.
 
 from __future__ import annotations
 
-import inspect
-
-from backends.base import AttentionBackend, PlannedMetadata
-
-
-def call_accepting(fn, *args, **kwargs):
-    """Call ``fn`` with only the keyword arguments its signature accepts."""
-    params = inspect.signature(fn).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = {k: v for k, v in kwargs.items() if k in params}
-    return fn(*args, **kwargs)
+from backends.base import AttentionBackend, PlannedMetadata, call_accepting
 
 
 class HybridLinearAttnBackend(AttentionBackend):

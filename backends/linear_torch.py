@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.planner import exclusive_cumsum
-from harness.spec import ForwardMode
+from batch.spec import ForwardMode
 
 L2NORM_EPS = 1e-6  # as fla's l2norm: x * rsqrt(sum(x^2) + eps)
 
@@ -46,6 +46,8 @@ def split_heads(layer, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a, b [T, Hv]`` -> ``g`` (log-decay ``-exp(A_log) * softplus(a + dt_bias)``) and ``beta = sigmoid(b)``,
+    float32 ``[T, Hv]``."""
     w = layer.weights
     g = -torch.exp(w["A_log"].float()) * F.softplus(a.float() + w["dt_bias"].float())
     return g, torch.sigmoid(b.float())
@@ -73,11 +75,10 @@ def delta_rule_steps(q, k, v, g, beta, state, scale):
 class LinearTorchBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"linear"}),
-        modes=ALL_MODES,
+        modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
-        cuda_graph=True,  # hooks implemented; its layers run eagerly between captured segments
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
     )
-    cuda_graph_modes = frozenset({ForwardMode.DECODE})
 
     def __init__(self, model_runner=None) -> None:
         self.model_runner = model_runner

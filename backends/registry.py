@@ -8,12 +8,13 @@ Compositions are written as terms: ``torch_native``, ``hybrid(torch_native,linea
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from functools import cache
 
-from backends.base import AttentionBackend, Capabilities
-from harness.spec import BatchSpec
+from backends.base import AttentionBackend, Capabilities, Support
+from batch.spec import BatchSpec
 
 LEAVES: dict[str, str] = {
     "torch_native": "backends.torch_native:TorchNativeBackend",
@@ -71,6 +72,13 @@ class Composition:
     def attention_kinds(self) -> frozenset[str]:
         return frozenset().union(*(leaf_capabilities(n).attention_kinds for n in self.leaves()))
 
+    def support(self) -> Support:
+        """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures."""
+        support = Support.of([leaf_capabilities(n) for n in self.leaves()])
+        if "graph" in self.wrappers():
+            support = dataclasses.replace(support, modes=support.modes & support.cuda_graph_modes)
+        return support
+
     def unavailable_reason(self, device: str) -> str | None:
         for n in self.leaves():
             reason = leaf_capabilities(n).unavailable_reason(device)
@@ -85,18 +93,10 @@ class Composition:
             return f"no backend for {', '.join(sorted(missing))} layers"
         if self.name == "hybrid" and spec.draft_worker and "linear" in self.children[0].attention_kinds():
             return "draft workers run full attention only"
-        for n in self.leaves():
-            caps = leaf_capabilities(n)
-            owned = spec.attention_kinds & caps.attention_kinds
-            if not owned:
-                continue
-            reason = caps.unsupported_reason(spec)
-            if reason:
-                return f"{n}: {reason}"
-        if "graph" in self.wrappers():
-            if not all(leaf_capabilities(n).cuda_graph for n in self.leaves()):
-                return "a backend inside graph() does not support CUDA graphs"
-        return None
+        if "graph" in self.wrappers() and spec.mode not in self.support().modes:
+            return f"graph() captures {'/'.join(sorted(m.value for m in self.support().modes)) or 'no mode'}, " \
+                   f"not {spec.mode.value}"
+        return self.support().unsupported_reason(spec)
 
     def build(self, spec: BatchSpec, model_runner) -> AttentionBackend:
         """Instantiate the backends for batches of ``spec`` over ``model_runner``'s pools (the hybrid layout
@@ -185,5 +185,5 @@ def all_compositions() -> list[Composition]:
                 base.append(Composition("hybrid", (Composition(f), Composition(lin))))
     out = base + [Composition("tbo", (c,)) for c in base]
     out += [Composition("graph", (c,)) for c in out
-            if all(leaf_capabilities(n).cuda_graph for n in c.leaves()) and c.attention_kinds() & {"mha", "mla"}]
+            if c.support().cuda_graph_modes and c.attention_kinds() & {"mha", "mla"}]
     return out

@@ -6,9 +6,8 @@ whole batch); batch metadata and CUDA-graph metadata are also planned for each c
 
 from __future__ import annotations
 
-from backends.base import AttentionBackend, PlannedMetadata
-from backends.hybrid import call_accepting
-from harness.tbo import compute_split, slice_spec_info
+from backends.base import AttentionBackend, PlannedMetadata, call_accepting
+from batch.tbo_split import compute_split, slice_spec_info
 
 
 class TboAttnBackend(AttentionBackend):

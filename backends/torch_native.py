@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.latent import latent_to_heads
 from backends.lse import attention_with_lse, merge_attention_states
 from backends.planner import exclusive_cumsum, plan_token_level
-from reference.mla import expand_kv
 
 MLA_PREFIX_CHUNK = 16  # prefix tokens expanded per chunk in the MLA MHA path (small: CI prefixes span several)
 
@@ -49,7 +49,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 class TorchNativeBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha", "mla"}),
-        modes=ALL_MODES,
+        modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
         logit_cap=False,  # scaled_dot_product_attention has no soft-cap
     )
@@ -138,8 +138,7 @@ class TorchNativeBackend(AttentionBackend):
                 idx = indices[int(indptr[i]):int(indptr[i + 1])]
                 if idx.numel() == 0:
                     continue
-                lat = latent[idx, 0].float()
-                k_c, v_c = expand_kv(lat[:, :C], lat[:, C:], layer.weights["w_kc"], layer.weights["w_vc"])
+                k_c, v_c = latent_to_heads(latent[idx, 0], C, layer.weights["w_kc"], layer.weights["w_vc"])
                 o_c, lse_c = attention_with_lse(q[rows], k_c.to(q.dtype), v_c.to(q.dtype), sm_scale=layer.scaling)
                 o, lse = merge_attention_states(o, lse, o_c, lse_c)
             out[rows] = o
@@ -147,15 +146,15 @@ class TorchNativeBackend(AttentionBackend):
 
     # ---- CUDA graphs: not supported (declared), but the protocol surface exists ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        raise NotImplementedError("torch_native does not support CUDA graphs (capabilities.cuda_graph is False)")
+        raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode, spec_info) -> None:
-        raise NotImplementedError("torch_native does not support CUDA graphs (capabilities.cuda_graph is False)")
+        raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
     def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
                                                 forward_mode, spec_info, seq_lens_cpu) -> None:
-        raise NotImplementedError("torch_native does not support CUDA graphs (capabilities.cuda_graph is False)")
+        raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import ALL_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.planner import exclusive_cumsum, plan_token_level
-from harness.spec import ForwardMode
+from batch.spec import ForwardMode
 
 DECODE_KV_SPLITS = 4
 
@@ -19,15 +19,14 @@ DECODE_KV_SPLITS = 4
 class TritonBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=ALL_MODES,
+        modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
-        cuda_graph=True,
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
         requires=("triton",),
         cpu_needs_env="TRITON_INTERPRET",
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.
         fp32_matmul_roundoff=2.0**-21,
     )
-    cuda_graph_modes = frozenset({ForwardMode.DECODE})
 
     def __init__(self, model_runner=None) -> None:
         self.model_runner = model_runner
@@ -104,7 +103,7 @@ class TritonBackend(AttentionBackend):
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
                                                  forward_mode, spec_info) -> None:
-        if forward_mode not in self.cuda_graph_modes:
+        if forward_mode not in self.capabilities.cuda_graph_modes:
             raise NotImplementedError(f"triton captures CUDA graphs for decode only, not {forward_mode.value}")
         self._plan_graph(bs, req_pool_indices, seq_lens)
 

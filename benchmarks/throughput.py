@@ -9,10 +9,10 @@ seeded Hypothesis run that only generates: no database, no shrinking), then each
 property while a clock splits the time into
 
 - generation: drawing the specifications (Hypothesis);
-- materialization: building tensors, pools and the forward batch (``harness.materialize.materialize``);
+- materialization: building tensors, pools and the forward batch (``engine.materialize.materialize``);
 - reference: the float64 reference (``reference.batch.reference_outputs``);
 - backend: building the backends, planning, and every layer's forward, model-side q/k/v and RoPE included
-  (``Composition.build``, ``harness.model``, ``harness.execute``, the graph runner);
+  (``Composition.build``, ``engine.model``, ``engine.execute``, the graph runner);
 - checking: everything else the property does (comparisons, invariants, bookkeeping).
 
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 PHASES = ("generation", "materialization", "reference", "backend", "checking")
 TIMED = {  # phase -> (module, attribute path) of the functions charged to it
-    "materialization": [("harness.materialize", "materialize")],
+    "materialization": [("engine.materialize", "materialize")],
     "reference": [("reference.batch", "reference_outputs")],
-    "backend": [("harness.execute", "execute"), ("harness.model", "run_layers"), ("harness.model", "run_layer"),
-                ("harness.model", "prepare_batch"), ("harness.graph_runner", "eager_decode"),
-                ("harness.graph_runner", "GraphRunner.capture"), ("harness.graph_runner", "GraphRunner.replay"),
+    "backend": [("engine.execute", "execute"), ("engine.model", "run_layers"), ("engine.model", "run_layer"),
+                ("engine.model", "prepare_batch"), ("engine.graph_runner", "eager_decode"),
+                ("engine.graph_runner", "GraphRunner.capture"), ("engine.graph_runner", "GraphRunner.replay"),
                 ("backends.registry", "Composition.build")],
 }
 PACKAGES = ("harness.", "properties.", "reference.", "backends.")
@@ -122,7 +122,7 @@ def draw_specs(row, profile, n: int, seed: int) -> list:
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as with_seed
 
-    from harness.search import row_strategy
+    from search.search_row import row_strategy
 
     specs = []
 
@@ -204,10 +204,10 @@ def combine(parts: list[RowTiming]) -> RowTiming:
 
 def select_rows(args, device: str):
     """The profile (batches up to ``--max-requests``) and the selected matrix rows."""
-    from harness.cli import _profile
-    from harness.matrix import matrix_rows
+    from harness.options import profile_named
+    from search.matrix import matrix_rows
 
-    profile = dataclasses.replace(_profile(args.profile), max_requests=args.max_requests)
+    profile = dataclasses.replace(profile_named(args.profile), max_requests=args.max_requests)
     rows, _ = matrix_rows(device, profile, args.backends, args.properties, args.modes)
     return profile, rows
 
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the timings here")
     args = p.parse_args(argv)
 
-    from harness.cli import UsageError, resolve_device
+    from harness.options import UsageError, resolve_device
 
     try:
         device = resolve_device(args.device)  # before anything imports triton

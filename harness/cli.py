@@ -8,61 +8,46 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import os
 import sys
 import time
 from pathlib import Path
 
-
-class UsageError(Exception):
-    """Bad input from the user: printed as one line, exit status 2."""
-
-
-def resolve_device(requested: str) -> str:
-    """'auto' picks CUDA when present. On the CPU, Triton kernels run in its interpreter, which must be
-    switched on before triton is first imported."""
-    import torch
-
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda asked for, but no CUDA GPU is visible (use --device cpu)")
-    if requested not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
-    if requested == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    return requested
-
-
-def _profile(name: str):
-    from harness.profiles import PROFILES
-
-    if name not in PROFILES:
-        raise UsageError(f"unknown profile {name!r}; profiles: {', '.join(PROFILES)}")
-    return PROFILES[name]
+from harness.options import UsageError, parse_shard, profile_named, resolve_device
 
 
 def cmd_list(args) -> int:
+    from collections import defaultdict
+
     from backends.registry import all_compositions
-    from harness.matrix import composition_modes, matrix_rows
+    from search.matrix import composition_modes, matrix
 
     device = resolve_device(args.device)
-    profile = _profile(args.profile)
-    rows, skipped = matrix_rows(device, profile, args.backends)
-    skipped = dict(skipped)
+    profile = profile_named(args.profile)
+    m = matrix(device, profile, args.backends)
+    unavailable = dict(m.unavailable)
+    left_out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # composition -> why -> what
+    for what, why in m.excluded:
+        comp = next(str(c) for c in all_compositions() if what.startswith(f"{c}-"))
+        left_out[comp][why].append(what[len(comp) + 1:])
     print(f"device: {device}   profile: {profile.name} ({profile.description})")
+    print("rows = modes x properties; under each available composition, the rows left out and why")
     width = max(len(str(c)) for c in all_compositions())
     for c in all_compositions():
         name = str(c)
-        if args.backends and name not in {str(r.composition) for r in rows} and name not in skipped:
+        if args.backends and name not in {str(r.composition) for r in m.rows} and name not in unavailable \
+                and name not in left_out:
             continue
-        if name in skipped:
-            print(f"  {name:<{width}}  unavailable: {skipped[name]}")
+        if name in unavailable:
+            print(f"  {name:<{width}}  unavailable: {unavailable[name]}")
             continue
-        n = sum(1 for r in rows if str(r.composition) == name)
-        modes = ",".join(m.value for m in sorted(composition_modes(c), key=lambda m: m.value))
+        n = sum(1 for r in m.rows if str(r.composition) == name)
+        modes = ",".join(m_.value for m_ in sorted(composition_modes(c), key=lambda m_: m_.value))
         print(f"  {name:<{width}}  available   {n:3d} rows  modes: {modes}")
-    print(f"{len(rows)} rows runnable here")
+        if args.why:
+            for why, whats in left_out[name].items():
+                print(f"  {'':<{width}}    left out ({len(whats)}): {why}: {', '.join(whats)}")
+    print(f"{len(m.rows)} rows runnable here; {len(m.excluded)} left out by declaration "
+          f"({'listed' if args.why else 'add --why to list them with their reasons'})")
     return 0
 
 
@@ -73,17 +58,17 @@ def _database(path: str | None):
 
 
 def cmd_run(args) -> int:
-    from harness.matrix import matrix_rows
     from harness.report import print_summary, write_json_report, write_reports
-    from harness.search import search_row
+    from search.matrix import matrix_rows
+    from search.search_row import search_row
 
     device = resolve_device(args.device)
-    profile = _profile(args.profile)
+    profile = profile_named(args.profile)
     rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
     if not rows:
         raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
     if args.shard:
-        from harness.sweep import parse_shard, shard_rows
+        from search.matrix import shard_rows
 
         rows = shard_rows(rows, parse_shard(args.shard))  # the sweep's split: a stable hash of the row id
     out_dir = Path(args.out)
@@ -114,8 +99,8 @@ def cmd_run(args) -> int:
 
 
 def cmd_repro(args) -> int:
-    from harness.casefile import CaseFile, package_versions
     from harness.repro import replay
+    from search.casefile import CaseFile, package_versions
 
     case = CaseFile.read(args.file)
     device = resolve_device(args.device if args.device != "auto" else
@@ -128,11 +113,11 @@ def cmd_repro(args) -> int:
 
 
 def cmd_mutants(args) -> int:
-    from harness.mutant_run import print_table, run_mutant, run_mutant_isolated, write_json
-    from harness.mutants import CATALOGUE, MUTANTS
+    from harness.mutants.catalogue import CATALOGUE, MUTANTS
+    from harness.mutants.run import print_table, run_mutant, run_mutant_isolated, write_json
 
     device = resolve_device(args.device)
-    profile = _profile(args.profile)
+    profile = profile_named(args.profile)
     unknown = [n for n in args.only or [] if n not in MUTANTS]
     if unknown:
         raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see `python -m harness mutants --list`")
@@ -167,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--profile", default=profile_default, help="ci, dev, nightly or gpu")
         sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")
 
-    sp = sub.add_parser("list", help="print the matrix and why unavailable entries are")
+    sp = sub.add_parser("list", help="print the matrix: what runs here, and why the rest does not")
     common(sp)
+    sp.add_argument("--why", action="store_true", help="also list each row left out, with its reason")
     sp.set_defaults(fn=cmd_list)
 
     sp = sub.add_parser("run", help="run the matrix (the main job)")
@@ -219,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except Exception as e:  # bad input surfaces as one of these; anything else is a harness bug
         from backends.registry import CompositionError
-        from harness.spec import SpecError
+        from batch.spec import SpecError
 
         if isinstance(e, (SpecError, CompositionError)):
             print(f"error: {e}", file=sys.stderr)

@@ -92,7 +92,7 @@ def worst_error(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
 
 
 def cases_per_second(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
-    from harness.report import throughput
+    from search.outcome import throughput
 
     rates = {c: n / s if s else 0.0 for c, n, s in throughput(rows)}
     fig = Figure(figsize=(7.5, 1.2 + 0.3 * len(comps)), layout="constrained")

@@ -6,10 +6,10 @@ from __future__ import annotations
 import sys
 import time
 
+from harness.options import duration
+
 
 def _clock(start: float, budget: float) -> str:
-    from harness.sweep import duration
-
     return f"[{duration(time.time() - start):>6}/{duration(budget)}]"
 
 

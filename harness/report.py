@@ -10,16 +10,12 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from search.outcome import throughput
+
 
 def row_record(r) -> dict:
-    """A ``RowResult`` (or a record already) as the report's row: status is passed, failed or not run,
-    or for a sweep crashed, hung or error."""
-    if isinstance(r, dict):
-        return r
-    return {"row": r.row_id, "composition": r.composition, "mode": r.mode, "property": r.property,
-            "ok": r.ok, "status": ("passed" if r.cases else "not run") if r.ok else "failed", "cases": r.cases,
-            "seconds": round(r.seconds, 3), "worst_error": r.worst_error, "bound": r.bound,
-            "failure": None if r.ok else str(r.failure), "case_file": None if r.case_file is None else str(r.case_file)}
+    """A row's outcome (``search.outcome.RowOutcome``, or its record already) as the report's row."""
+    return r if isinstance(r, dict) else r.record()
 
 
 def _report_data(results, skipped, device: str, profile: str, findings=None, extra=None) -> dict:
@@ -127,16 +123,6 @@ def markdown(data: dict, plot_names: list[str]) -> str:
     if data["unavailable"]:
         out += ["", "## Unavailable here", ""] + [f"- `{u['composition']}`: {u['reason']}" for u in data["unavailable"]]
     return "\n".join(out) + "\n"
-
-
-def throughput(rows: list[dict]) -> list[tuple[str, int, float]]:
-    """(composition, cases, seconds) in matrix order."""
-    totals: dict[str, list] = {}
-    for r in rows:
-        t = totals.setdefault(r["composition"], [0, 0.0])
-        t[0] += r["cases"]
-        t[1] += r["seconds"]
-    return [(c, n, s) for c, (n, s) in totals.items()]
 
 
 def print_summary(results, skipped, seconds: float) -> None:

@@ -7,10 +7,12 @@ from pathlib import Path
 import torch
 
 from backends.registry import parse
-from harness.casefile import CaseFile
+from harness.options import UsageError
 from properties import PROPERTIES
-from properties.run import layer_bound, run_case, token_starts
-from properties.verdict import compare
+from properties.run import run_case
+from properties.tolerances import layer_bound
+from properties.verdict import compare, token_starts
+from search.casefile import CaseFile
 
 
 def describe(spec) -> str:
@@ -20,8 +22,6 @@ def describe(spec) -> str:
 
 
 def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
-    from harness.cli import UsageError
-
     composition = parse(case.composition)
     reason = composition.unavailable_reason(device) or composition.unsupported_reason(case.spec)
     if reason:

@@ -23,7 +23,6 @@ machines instead (needs the ``redis`` package).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import random
@@ -35,57 +34,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.casefile import CaseFile, case_name, safe_name
+from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
+from search.casefile import CaseFile, case_name, safe_name
+from search.matrix import shard_rows
+from search.outcome import RowOutcome, is_worse
 
 ROOT = Path(__file__).resolve().parents[1]
-UNITS = {"s": 1, "m": 60, "h": 3600}
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
 STOP_GRACE_S = 5.0  # after SIGINT at the end of the budget, before SIGKILL
-
-
-def usage_error(message: str) -> Exception:
-    from harness.cli import UsageError
-
-    return UsageError(message)
-
-
-def parse_budget(text: str) -> float:
-    """'90s', '30m', '2h' (or plain seconds) -> seconds."""
-    m = re.fullmatch(r"(\d+(?:\.\d*)?)([smh]?)", text.strip())
-    if not m or float(m.group(1)) <= 0:
-        raise usage_error(f"--budget {text!r} is not a duration; write e.g. 90s, 30m or 2h")
-    return float(m.group(1)) * UNITS[m.group(2) or "s"]
-
-
-def parse_shard(text: str) -> tuple[int, int]:
-    """'I/N' -> (I, N) with 0 <= I < N."""
-    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
-    if not m or not int(m.group(1)) < int(m.group(2)):
-        raise usage_error(f"--shard {text!r}: write I/N with 0 <= I < N, e.g. 0/2 and 1/2")
-    return int(m.group(1)), int(m.group(2))
-
-
-def shard_of(row_id: str, shards: int) -> int:
-    """A row's shard: a stable hash of its id, so it depends on neither the row's order nor the machine."""
-    return int.from_bytes(hashlib.sha256(row_id.encode()).digest()[:8], "big") % shards
-
-
-def shard_rows(rows: list, shard: tuple[int, int] | None) -> list:
-    if shard is None:
-        return list(rows)
-    index, count = shard
-    return [r for r in rows if shard_of(r.id, count) == index]
-
-
-def duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    if seconds >= 60:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds}s"
 
 
 def visible_gpus() -> list[str]:
@@ -133,7 +91,7 @@ def append_jsonl(path: Path, record: dict) -> None:
 class RowState:
     """One row across the sweep's rounds (and the sweeps it resumes)."""
 
-    row: object  # harness.matrix.Row
+    row: object  # search.matrix.Row
     rounds: int = 0
     cases: int = 0
     seconds: float = 0.0
@@ -146,18 +104,16 @@ class RowState:
         self.cases += result.get("cases", 0)
         self.seconds += result.get("seconds", 0.0)
         err, bound = result.get("worst_error"), result.get("bound")
-        if err is not None and bound and (self.worst_error is None or err / bound > self.worst_error / self.bound):
+        if is_worse(err, bound, self.worst_error, self.bound):
             self.worst_error, self.bound = err, bound
 
     def record(self) -> dict:
-        """The row as ``harness.report`` reads it."""
+        """The row as ``harness.report`` reads it (a finding's kind gives its status)."""
         r, f = self.row, self.finding
-        status = {None: "passed" if self.cases else "not run", "failure": "failed", "crash": "crashed",
-                  "hang": "hung", "error": "error"}[f and f["kind"]]
-        return {"row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
-                "ok": f is None, "status": status, "rounds": self.rounds, "cases": self.cases,
-                "seconds": round(self.seconds, 3), "worst_error": self.worst_error, "bound": self.bound,
-                "failure": None if f is None else f["reason"], "case_file": None if f is None else f.get("case_file")}
+        return RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, self.cases, self.seconds,
+                          self.rounds, ok=f is None, worst_error=self.worst_error, bound=self.bound,
+                          failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
+                          case_file=None if f is None else f.get("case_file")).record()
 
 
 @dataclass
@@ -353,7 +309,7 @@ class Sweep:
             self.progress.event(f"{task.composition}: the CUDA context is unusable after a failure; "
                                 f"its remaining rows go to a fresh process")
             return
-        from harness.mutant_run import exit_description
+        from harness.mutants.run import exit_description
 
         self.crashed(task, "crash", f"crash: the worker died ({exit_description(code)})")
 
@@ -463,7 +419,7 @@ def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed
         meta = json.loads(meta_path.read_text())
         for key, now in (("profile", profile), ("device", device)):
             if meta.get(key) != now:
-                raise usage_error(f"--resume: {out_dir} holds a sweep with {key} {meta.get(key)}; "
+                raise UsageError(f"--resume: {out_dir} holds a sweep with {key} {meta.get(key)}; "
                                   f"pass --{key} {meta.get(key)} or choose another --out")
     else:
         old = [out_dir / n for n in STATE_FILES if (out_dir / n).exists()]
@@ -482,38 +438,37 @@ def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed
 
 
 def cmd_sweep(args) -> int:
-    from harness.cli import _profile, resolve_device
-    from harness.matrix import matrix_rows
-    from harness.mutants import MUTANTS
+    from harness.mutants.catalogue import MUTANTS
     from harness.progress import make_progress
     from harness.report import write_reports
     from harness.sweep_worker import example_database
     from properties import PROPERTIES
+    from search.matrix import matrix_rows
 
     budget = parse_budget(args.budget)
     shard = parse_shard(args.shard) if args.shard else None
     device = resolve_device(args.device)
-    profile = _profile(args.profile)
+    profile = profile_named(args.profile)
     if args.mutant and args.mutant not in MUTANTS:
-        raise usage_error(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
+        raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
     unknown = [p for p in args.properties or [] if p not in PROPERTIES]
     if unknown:
-        raise usage_error(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+        raise UsageError(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
                           f"properties: {', '.join(PROPERTIES)}")
     for name, value in (("--workers", args.workers), ("--case-timeout", args.case_timeout),
                         ("--compile-timeout", args.compile_timeout), ("--rounds", args.rounds)):
         if value is not None and value <= 0:
-            raise usage_error(f"{name} must be positive, got {value}")
+            raise UsageError(f"{name} must be positive, got {value}")
     rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
     if not rows:
-        raise usage_error("no matrix row matches the selection (see `python -m harness list`)")
+        raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
     rows = shard_rows(rows, shard)
     out_dir = Path(args.out)
     db = None if args.redis else str(Path(args.db) if args.db else out_dir / "examples")
     try:
         example_database(db, args.redis)  # a bad --redis fails here, once, not in every worker
     except ValueError as e:
-        raise usage_error(str(e)) from None
+        raise UsageError(str(e)) from None
     meta = prepare_out_dir(out_dir, args.resume, profile.name, device, args.seed)
     states = {r.id: RowState(r) for r in rows}
     for result in read_jsonl(out_dir / "results.jsonl"):

@@ -56,18 +56,6 @@ def example_database(db: str | None, redis_url: str | None):
     return DirectoryBasedExampleDatabase(db)
 
 
-def result_record(result) -> dict:
-    """A ``RowResult`` as plain JSON (the case file keeps the batch itself)."""
-    spec = result.spec
-    return {"ok": result.ok, "cases": result.cases, "seconds": round(result.seconds, 3),
-            "worst_error": result.worst_error, "bound": result.bound,
-            "failure": None if result.ok else str(result.failure),
-            "case_file": None if result.case_file is None else str(result.case_file),
-            "batch_size": None if spec is None else spec.batch_size,
-            "num_tokens": None if spec is None else spec.num_tokens,
-            "first_failure_seconds": result.first_failure_seconds}
-
-
 def run_task(task: dict) -> int:
     device = task["device"]
     if device == "cpu":
@@ -75,10 +63,10 @@ def run_task(task: dict) -> int:
     faulthandler.enable()  # a segfault prints the Python stack into the worker's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the sweep asks for the stack of a hung case
 
-    from harness.matrix import matrix_rows
-    from harness.mutants import MUTANTS
-    from harness.profiles import PROFILES
-    from harness.search import search_row
+    from harness.mutants.catalogue import MUTANTS
+    from search.matrix import matrix_rows
+    from search.profiles import PROFILES
+    from search.search_row import search_row
 
     profile = PROFILES[task["profile"]]
     rows = {r.id: r for r in matrix_rows(device, profile, [task["composition"]])[0]}
@@ -108,7 +96,7 @@ def run_task(task: dict) -> int:
                     result = search_row(row, profile, device, database=database, out_dir=out_dir,
                                         max_examples=round_examples(profile, round_),
                                         seed=round_seed(task["seed"], row_id, round_))
-                    emit(event="done", row=row_id, round=round_, result=result_record(result))
+                    emit(event="done", row=row_id, round=round_, result=result.record())
                     rounds[row_id] += 1
                     if not result.ok:
                         del rounds[row_id]  # a row with a finding is done for this sweep

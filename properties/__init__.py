@@ -10,20 +10,23 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+from backends.base import SERVING_MODES
 from backends.registry import Composition
-from harness.spec import BatchSpec, ForwardMode
+from batch.spec import BatchSpec, ForwardMode
 from properties.cache import cache_writes_exact
 from properties.conformance import conformance, dispatch
+from properties.equivalence import (
+    chunked_prefill_equals_whole,
+    prefill_then_decode_equals_prefill,
+    tbo_split_equals_unsplit,
+    verify_chain_equals_extend,
+)
 from properties.graph import graph_replay_equals_eager
-from properties.equivalence import (chunked_prefill_equals_whole, prefill_then_decode_equals_prefill,
-                                    tbo_split_equals_unsplit, verify_chain_equals_extend)
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
 from properties.verdict import Verdict
 
-
 EXTEND_MODES = frozenset({ForwardMode.EXTEND})
-ALL = frozenset(ForwardMode)
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class Property:
     name: str
     check: Callable[[Composition, BatchSpec, str], Verdict]
     doc: str
-    modes: frozenset[ForwardMode] = ALL
+    modes: frozenset[ForwardMode] = SERVING_MODES
     needs_wrapper: str | None = None  # e.g. "tbo": only compositions with that outer wrapper
     excludes_wrapper: str | None = None
     strategy_options: tuple[tuple[str, object], ...] = ()  # extra keyword arguments of batch_specs

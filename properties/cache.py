@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from backends.registry import Composition
-from harness.model import mha_qkv, mla_latent
-from harness.spec import BatchSpec
+from batch.spec import BatchSpec
+from engine.model import mha_qkv, mla_latent
 from properties.run import run_case
 from properties.verdict import Verdict
 
@@ -37,10 +37,10 @@ def cache_writes_exact(composition: Composition, spec: BatchSpec, device: str) -
         expected_v = None if before.v_buffers[layer.layer_id] is None else before.v_buffers[layer.layer_id].clone()
         if loc.numel():
             if layer.kind == "mha":
-                _, k, v = mha_qkv(layer, inp, fb)
+                _, k, v = mha_qkv(layer, inp, fb, spec.mrope_sections)
                 expected_k[loc], expected_v[loc] = k.to(expected_k.dtype), v.to(expected_v.dtype)
             else:
-                expected_k[loc] = mla_latent(layer, inp, fb).to(expected_k.dtype)
+                expected_k[loc] = mla_latent(layer, inp, fb, spec.mrope_sections).to(expected_k.dtype)
         for name, actual, expected in (("k", fb.token_to_kv_pool.k_buffers[layer.layer_id], expected_k),
                                        ("v", fb.token_to_kv_pool.v_buffers[layer.layer_id], expected_v)):
             if expected is None:

@@ -13,22 +13,19 @@ linear backend (draft workers included).
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
 
 import torch
 
 from backends.base import PROTOCOL_METHODS, AttentionBackend
 from backends.registry import Composition
-from harness.execute import execute
-from harness.forward_batch import ModelRunner
-from harness.materialize import materialize
-from harness.model import make_layer
-from harness.spec import BatchSpec, ForwardMode
-from harness.tbo import attach_tbo_children
+from batch.forward_batch import ModelRunner
+from batch.layers import make_layer
+from batch.spec import BatchSpec, ForwardMode
+from batch.tbo_split import attach_tbo_children
+from engine.execute import execute
+from engine.materialize import materialize
 from properties.verdict import Verdict
 
-GRAPH_METHODS = {"init_cuda_graph_state", "init_forward_metadata_capture_cuda_graph",
-                 "init_forward_metadata_replay_cuda_graph"}
 
 
 class Spy(AttentionBackend):
@@ -151,8 +148,8 @@ def _surface_problem(node) -> str | None:
 
 
 def _layer(layer_id: int, kind: str):
-    from harness.spec import LinearLayer, MHALayer
-    from harness.forward_batch import LayerWeights
+    from batch.forward_batch import LayerWeights
+    from batch.spec import LinearLayer, MHALayer
     spec = MHALayer(layer_id, 2, 1, 8, 8) if kind == "mha" else LinearLayer(layer_id, 1, 1, 8, 8)
     return make_layer(spec, LayerWeights({}), ForwardMode.EXTEND)
 
@@ -272,7 +269,7 @@ def _call(node, method: str, fb=None) -> None:
 
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     name = "conformance"
-    backend = composition.build(spec, ModelRunner.of(materialize(spec, device).forward_batch))
+    backend = composition.build(spec, ModelRunner.of(materialize(spec, device).forward_batch, spec.layers))
     nodes = _nodes(backend)
     for node in nodes:
         problem = _surface_problem(node)
@@ -306,7 +303,7 @@ class _Recorder:
 def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     name = "dispatch"
     case = materialize(spec, device)
-    backend = composition.build(spec, ModelRunner.of(case.forward_batch))
+    backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
     hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
     if not hybrids:
         return Verdict(name, True, "no hybrid wrapper in this composition")

@@ -8,15 +8,17 @@ from __future__ import annotations
 import torch
 
 from backends.registry import Composition
-from harness.execute import execute
-from harness.forward_batch import LayerInputs, ModelRunner
-from harness.materialize import TORCH_DTYPES, materialize
-from harness.model import run_layers
-from harness.spec import BatchSpec, ForwardMode
-from harness.tbo import sub_batch
+from batch.case import TORCH_DTYPES
+from batch.forward_batch import LayerInputs, ModelRunner
+from batch.spec import BatchSpec, ForwardMode
+from batch.tbo_split import sub_batch
+from engine.execute import execute
+from engine.materialize import materialize
+from engine.model import run_layers
 from properties.outputs import linear_state_comparisons
-from properties.run import Run, Worst, compare_outputs, layer_bound, run_case, token_starts
-from properties.verdict import Verdict, compare
+from properties.run import Run, run_case
+from properties.tolerances import layer_bound
+from properties.verdict import Verdict, Worst, compare, compare_outputs, token_starts
 from reference.batch import reference_outputs
 
 
@@ -53,11 +55,11 @@ def _chunked(composition: Composition, spec: BatchSpec, device: str, first_part,
     batch1 = sub_batch(fb, slice(0, spec.batch_size), tok1.to(fb.device), list(spec.prefix_lens), e1)
     batch2 = sub_batch(fb, torch.tensor(reqs2, device=fb.device), tok2.to(fb.device),
                        [spec.prefix_lens[i] + e1[i] for i in reqs2], e2, mode=mode2)
-    backend = composition.build(spec, ModelRunner.of(fb))
+    backend = composition.build(spec, ModelRunner.of(fb, spec.layers))
     outs = [torch.empty_like(o, dtype=TORCH_DTYPES[spec.dtype]) for o in reference.outputs]
     for batch, tok in ((batch1, tok1), (batch2, tok2)):
         inputs = [LayerInputs({k: t[tok.to(t.device)] for k, t in inp.tensors.items()}) for inp in case.inputs]
-        for out, part in zip(outs, run_layers(backend, batch, spec.layers, inputs, case.weights)):
+        for out, part in zip(outs, run_layers(backend, batch, spec.layers, inputs, case.weights, spec.mrope_sections)):
             out[tok.to(out.device)] = part.to(out.dtype)
     worst = Worst()
     compare_outputs(outs, reference.outputs, composition, spec, worst, "chunked ")
@@ -86,7 +88,8 @@ def verify_chain_equals_extend(composition: Composition, spec: BatchSpec, device
     fb = case.forward_batch
     as_extend = sub_batch(fb, slice(0, spec.batch_size), slice(0, spec.num_tokens), list(spec.prefix_lens),
                           list(spec.extend_lens), mode=ForwardMode.EXTEND)
-    outs = run_layers(composition.build(spec, ModelRunner.of(fb)), as_extend, spec.layers, case.inputs, case.weights)
+    outs = run_layers(composition.build(spec, ModelRunner.of(fb, spec.layers)), as_extend, spec.layers, case.inputs,
+                      case.weights, spec.mrope_sections)
     compare_outputs(outs, run.reference.outputs, composition, spec, worst, "as extend ")
     if "linear" in spec.attention_kinds:
         run.execution.backend.update_mamba_state_after_mtp_verify(fb.spec_info.accept_length.clone())

@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from backends.registry import Composition
-from harness.forward_batch import LayerInputs, ModelRunner
-from harness.graph_runner import GraphRunner, eager_decode, padded_size
-from harness.materialize import materialize
-from harness.spec import BatchSpec
-from properties.run import Worst, layer_bound, token_starts
-from properties.verdict import Verdict, compare
+from batch.forward_batch import LayerInputs, ModelRunner
+from batch.spec import BatchSpec
+from engine.graph_runner import GraphRunner, eager_decode, padded_size
+from engine.materialize import materialize
+from properties.tolerances import layer_bound
+from properties.verdict import Verdict, Worst, compare, token_starts
 
 NAME = "graph_replay"
 
@@ -37,10 +37,10 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     worst = Worst()
     graph_case = materialize(spec, device)
     fb = graph_case.forward_batch
-    mr = ModelRunner.of(fb)
+    mr = ModelRunner.of(fb, spec.layers)
     before = {n: t.clone() for n, t in _pools(fb).items()}
     runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
-                         padded_size(spec.batch_size))
+                         padded_size(spec.batch_size), spec.mrope_sections)
     runner.capture()
     second_inputs = _fresh_inputs(graph_case.inputs, spec.seed + 1)
     for attempt, inputs in enumerate((graph_case.inputs, second_inputs)):
@@ -48,8 +48,9 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
             t.copy_(before[name])
         replayed = runner.replay(fb, inputs)
         eager_case = materialize(spec, device)
-        eager = eager_decode(inner.build(spec, ModelRunner.of(eager_case.forward_batch)), eager_case.forward_batch,
-                             spec.layers, inputs, eager_case.weights)
+        eager_runner = ModelRunner.of(eager_case.forward_batch, spec.layers)
+        eager = eager_decode(inner.build(spec, eager_runner), eager_case.forward_batch, spec.layers, inputs,
+                             eager_case.weights, spec.mrope_sections)
         label = "replay" if attempt == 0 else "replay with new inputs"
         for layer, a, b in zip(spec.layers, replayed, eager):
             bound = layer_bound(composition, spec, layer)

@@ -9,9 +9,9 @@ import torch
 
 from backends.base import PlannedMetadata
 from backends.registry import Composition
-from harness.forward_batch import ForwardBatch
-from harness.materialize import verify_custom_mask
-from harness.spec import BatchSpec
+from batch.forward_batch import ForwardBatch
+from batch.masks import verify_mask
+from batch.spec import BatchSpec
 from properties.run import run_case
 from properties.verdict import Verdict
 
@@ -74,7 +74,7 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
                 if last != want or (n > 0 and not 1 <= last <= ps):
                     return f"request {i}: kv_last_page_len {last}, expected {want} for {n} keys in pages of {ps}"
     if fb.forward_mode.is_target_verify() and meta.custom_mask is not None:
-        expected = verify_custom_mask(fb.spec).to(meta.custom_mask.device)
+        expected = verify_mask(fb.seq_lens_cpu.tolist(), fb.spec_info.parents.tolist()).to(meta.custom_mask.device)
         if meta.custom_mask.numel() != expected.numel():
             return f"custom_mask has {meta.custom_mask.numel()} entries, expected sum(D*(seq_len+D)) = {expected.numel()}"
         if not torch.equal(meta.custom_mask.bool(), expected):

@@ -3,12 +3,11 @@ linear-attention states left in the pools agree with the reference's states."""
 
 from __future__ import annotations
 
-import torch
-
 from backends.registry import Composition
-from harness.spec import BatchSpec
-from properties.run import Run, Worst, compare_outputs, layer_bound, run_case
-from properties.verdict import Verdict, compare
+from batch.spec import BatchSpec
+from properties.run import Run, run_case
+from properties.tolerances import layer_bound
+from properties.verdict import Verdict, Worst, compare, compare_outputs
 
 NAME = "outputs"
 

@@ -31,6 +31,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from backends.registry import Composition
+from batch.spec import BatchSpec, Layer, MHALayer, MLALayer
+
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 ACCUMULATION_ROUNDOFF = 2.0**-24  # float32 accumulators in every kernel and in the PyTorch backends
 REL_L2_FACTOR = 4.0
@@ -56,3 +59,19 @@ def output_bound(dtype: str, reduction_len: int, fp32_matmul_roundoff: float = 2
                  f"{dtype}: u={u:.3g}, L={reduction_len}, D={inner_dim}: rel_l2 <= {REL_L2_FACTOR:g}u + "
                  f"(sqrt(L)+sqrt(D))*2^-24, element <= {ELEMENT_FACTOR:g}u*max|ref| + "
                  f"(sqrt(L)+sqrt(D))*2^-24*max|ref|")
+
+
+def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Bound:
+    """The output bound of one layer: its dtype, the longest reduction, the kernels' matmul precision."""
+    roundoff = composition.support().fp32_matmul_roundoff
+    reduction = max(spec.kv_lens, default=1)
+    return output_bound(spec.dtype, reduction, roundoff, inner_dim=score_dot_len(layer))
+
+
+def score_dot_len(layer: Layer) -> int:
+    """Length of the dot product behind each attention score (or each state read of a recurrence)."""
+    if isinstance(layer, MHALayer):
+        return layer.head_dim
+    if isinstance(layer, MLALayer):
+        return layer.kv_lora_rank + layer.qk_rope_head_dim
+    return max(layer.head_k_dim, layer.conv_kernel)

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from properties.tolerances import Bound
+from backends.registry import Composition
+from batch.spec import BatchSpec
+from properties.tolerances import Bound, layer_bound
 
 
 @dataclass
@@ -78,3 +80,42 @@ def _where(idx: tuple[int, ...], token_starts: list[int] | None) -> str:
     request, token = locate(idx[0], token_starts)
     head = f", head {idx[1]}" if len(idx) > 1 else ""
     return f"request {request}, token {token}{head}"
+
+
+def token_starts(spec: BatchSpec) -> list[int]:
+    out, total = [], 0
+    for e in spec.extend_lens:
+        out.append(total)
+        total += e
+    return out
+
+
+class Worst:
+    """Collects comparisons; reports the worst failing one, or the closest to its bound if all pass."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Comparison, Bound]] = []
+
+    def add(self, c: Comparison, bound: Bound) -> None:
+        self.items.append((c, bound))
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c, _ in self.items)
+
+    def verdict(self, name: str, what: str) -> Verdict:
+        if not self.items:
+            return Verdict(name, True, f"{what}: nothing to compare")
+        pool = [x for x in self.items if not x[0].ok] or self.items
+        c, bound = max(pool, key=lambda x: x[0].rel_l2 / x[1].rel_l2)
+        reason = f"{what}: within bounds" if self.ok else f"{what}: out of bounds ({bound.reason})"
+        return Verdict(name, self.ok, reason, c.rel_l2, bound.rel_l2, c.where,
+                       {"max_abs": c.max_abs, "compared": len(self.items), "bound": bound})
+
+
+def compare_outputs(outputs: list[torch.Tensor], reference: list[torch.Tensor], composition: Composition,
+                    spec: BatchSpec, worst: Worst, label: str = "") -> None:
+    starts = token_starts(spec)
+    for layer, out, ref in zip(spec.layers, outputs, reference):
+        worst.add(compare(out, ref, layer_bound(composition, spec, layer), starts,
+                          f"{label}layer {layer.layer_id}:"), layer_bound(composition, spec, layer))

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.materialize import Case, tree_mask
-from harness.spec import BatchSpec
+from batch.case import Case
+from batch.masks import tree_mask
+from batch.spec import BatchSpec
 from reference import gdn, mha, mla
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
 
-from harness.profiles import PROFILES, hypothesis_settings  # noqa: E402
+from search.profiles import PROFILES, hypothesis_settings  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.casefile import CASE_SCHEMA_VERSION, CaseFile
+from batch.spec import BatchSpec, ForwardMode, MHALayer
 from harness.cli import main
-from harness.spec import BatchSpec, ForwardMode, MHALayer
+from search.casefile import CASE_SCHEMA_VERSION, CaseFile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ def test_failure_writes_a_case_file_that_replays(tmp_path):
     assert report["rows"][0]["ok"] and report["rows"][0]["cases"] > 0
 
     # The same run with a fault injected fails and leaves a small, replayable case behind.
-    script = ("import sys; from harness.mutants import MUTANTS; from harness.cli import main\n"
+    script = ("import sys; from harness.mutants.catalogue import MUTANTS; from harness.cli import main\n"
               "with MUTANTS['gqa_modulo_mapping'].patch(): sys.exit(main(sys.argv[1:]))")
     out = subprocess.run([sys.executable, "-c", script, "run", "--device", "cpu", "--backends", "torch_native",
                           "--properties", "outputs", "--modes", "decode", "--out", str(tmp_path / "f"),

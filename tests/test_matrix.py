@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.matrix import matrix_rows
-from harness.profiles import PROFILES
-from harness.search import search_row
+from search.matrix import matrix_rows
+from search.profiles import PROFILES
+from search.search_row import search_row
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

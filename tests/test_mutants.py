@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness.mutant_run import run_mutant
-from harness.mutants import CATALOGUE
-from harness.profiles import PROFILES
+from harness.mutants.catalogue import CATALOGUE
+from harness.mutants.run import run_mutant
+from search.profiles import PROFILES
 
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])

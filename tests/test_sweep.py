@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.casefile import CaseFile
 from harness.cli import main
-from harness.matrix import matrix_rows
-from harness.profiles import PROFILES
-from harness.sweep import shard_of, shard_rows
+from search.casefile import CaseFile
+from search.matrix import matrix_rows, shard_of, shard_rows
+from search.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
 DECODE_OUTPUTS = ["--backends", "torch_native", "--modes", "decode", "--properties", "outputs"]  # 2 rows
@@ -117,8 +116,8 @@ def test_resume_skips_finished_rows_and_keeps_findings(tmp_path, capsys):
 
 
 def test_first_round_is_small_so_a_short_sweep_reaches_every_row():
-    from harness.profiles import PROFILES
     from harness.sweep_worker import round_examples
+    from search.profiles import PROFILES
 
     gpu = PROFILES["gpu"]
     assert round_examples(gpu, 0) == 3 < gpu.max_examples

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from harness.forward_batch import LayerInputs, ModelRunner
-from harness.materialize import Case, materialize
-from harness.spec import BatchSpec
+from batch.case import Case
+from batch.forward_batch import LayerInputs, ModelRunner
+from batch.spec import BatchSpec
+from engine.materialize import materialize
 
 # Relative L2 bound for bfloat16 outputs: 2u with u = 2**-8 (3.9e-3). Measured on an H100: FlashInfer ragged
 # prefill 1.9e-3, paged decode 2.0e-3, MLA 2.4e-3, fla chunk GDN 3.3e-3 (shared/device/README.md).
@@ -41,13 +42,13 @@ class Ran:
 
 def run_backend(make_backend, spec: BatchSpec) -> Ran:
     """Materialize ``spec`` on the GPU, build the backend over its pools, run every layer as a model does."""
-    from harness.model import run_layers
+    from engine.model import run_layers
     from reference.batch import reference_outputs
 
     case = materialize(spec, "cuda")
     reference = reference_outputs(case)  # reads only the pool snapshots and the inputs
-    backend = make_backend(ModelRunner.of(case.forward_batch))
-    outputs = run_layers(backend, case.forward_batch, spec.layers, case.inputs, case.weights)
+    backend = make_backend(ModelRunner.of(case.forward_batch, spec.layers))
+    outputs = run_layers(backend, case.forward_batch, spec.layers, case.inputs, case.weights, spec.mrope_sections)
     torch.cuda.synchronize()
     return Ran(case, backend, outputs, reference)
 
@@ -77,15 +78,16 @@ def fresh_inputs(inputs: list[LayerInputs], seed: int) -> list[LayerInputs]:
 def graph_replay_errors(make_backend, spec: BatchSpec) -> list[float]:
     """Capture DECODE layers at the padded batch size, replay the real batch twice (its inputs, then fresh
     ones) and return each replayed layer's relative L2 error against the float64 reference."""
-    from harness.graph_runner import GraphRunner, padded_size
+    from engine.graph_runner import GraphRunner, padded_size
     from reference.batch import reference_outputs
 
     case = materialize(spec, "cuda")
     fb = case.forward_batch
-    mr = ModelRunner.of(fb)
+    mr = ModelRunner.of(fb, spec.layers)
     pools = _pool_tensors(fb)
     before = {n: t.clone() for n, t in pools.items()}
-    runner = GraphRunner(make_backend(mr), mr, fb, spec.layers, case.weights, case.inputs, padded_size(spec.batch_size))
+    runner = GraphRunner(make_backend(mr), mr, fb, spec.layers, case.weights, case.inputs, padded_size(spec.batch_size),
+                         spec.mrope_sections)
     runner.capture()
     errors = []
     for attempt, inputs in enumerate((case.inputs, fresh_inputs(case.inputs, spec.seed + 1))):

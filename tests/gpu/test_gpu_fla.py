@@ -5,9 +5,9 @@ accepted position."""
 from __future__ import annotations
 
 import pytest
-
 from gpu_support import BF16_REL_L2, assert_outputs_match, assert_plan_valid, rel_l2, require_gpu_and, run_backend
-from harness.spec import BatchSpec, ForwardMode, LinearLayer, SpecInput
+
+from batch.spec import BatchSpec, ForwardMode, LinearLayer, SpecInput
 
 pytestmark = pytest.mark.gpu
 require_gpu_and("fla.ops.gated_delta_rule", "fla-core (with einops)")

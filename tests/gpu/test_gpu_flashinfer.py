@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_support import (
+    BF16_REL_L2,
+    assert_outputs_match,
+    assert_plan_valid,
+    graph_replay_errors,
+    require_gpu_and,
+    run_backend,
+)
 
-from gpu_support import (BF16_REL_L2, assert_outputs_match, assert_plan_valid, graph_replay_errors, require_gpu_and,
-                         run_backend)
-from harness.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
 
 pytestmark = pytest.mark.gpu
 require_gpu_and("flashinfer", "flashinfer-python")
@@ -84,7 +90,7 @@ def test_logit_cap(mode):
 def test_kv_cache_writes_exact():
     ran = check(spec(ForwardMode.EXTEND, [5, 0], [11, 4]))
     fb, case = ran.case.forward_batch, ran.case
-    from harness.model import mha_qkv
+    from engine.model import mha_qkv
 
     for layer, inputs in zip(case.spec.layers, case.inputs):
         _, k, v = mha_qkv(layer, inputs, fb)
@@ -109,7 +115,7 @@ def test_hybrid_with_fla_decode_graph():
     pytest.importorskip("fla.ops.gated_delta_rule", reason="fla-core (and einops) is not installed")
     from backends.fla import FlaBackend
     from backends.hybrid import HybridLinearAttnBackend
-    from harness.spec import LinearLayer
+    from batch.spec import LinearLayer
 
     layers = (MHALayer(0, 8, 2, 128, 128), LinearLayer(1, 4, 8, 128, 128), MHALayer(2, 8, 2, 128, 128))
     s = spec(ForwardMode.DECODE, [40, 17, 3], [1, 1, 1], layers=layers)

@@ -4,10 +4,16 @@ the latent cache, the expanded (MHA, chunked-prefix) extend, planned metadata an
 from __future__ import annotations
 
 import pytest
+from gpu_support import (
+    BF16_REL_L2,
+    assert_outputs_match,
+    assert_plan_valid,
+    graph_replay_errors,
+    require_gpu_and,
+    run_backend,
+)
 
-from gpu_support import (BF16_REL_L2, assert_outputs_match, assert_plan_valid, graph_replay_errors, require_gpu_and,
-                         run_backend)
-from harness.spec import BatchSpec, ForwardMode, MLALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, MLALayer, SpecInput
 
 pytestmark = pytest.mark.gpu
 require_gpu_and("flashinfer", "flashinfer-python")
@@ -78,13 +84,13 @@ def test_idle():
 def test_missing_chunk_plan_is_an_error():
     import torch
 
-    from harness.forward_batch import ModelRunner
-    from harness.materialize import materialize
-    from harness.model import run_layer
+    from batch.forward_batch import ModelRunner
+    from engine.materialize import materialize
+    from engine.model import run_layer
 
     case = materialize(spec(ForwardMode.EXTEND, [20], [5]), "cuda")
     fb = case.forward_batch
-    backend = FlashInferMLABackend(ModelRunner.of(fb))
+    backend = FlashInferMLABackend(ModelRunner.of(fb, case.spec.layers))
     backend.init_forward_metadata(fb)  # but no init_mha_chunk_metadata
     with pytest.raises(RuntimeError, match="missing or stale"):
         run_layer(backend, case.spec.layers[0], case.inputs[0], case.weights[0], fb)

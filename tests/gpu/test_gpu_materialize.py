@@ -7,13 +7,14 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
 from gpu_support import CUDA_REASON
-from harness.materialize import materialize
-from harness.profiles import PROFILES
-from harness.spec import ForwardMode
-from harness.strategies import batch_specs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batch.spec import ForwardMode
+from engine.materialize import materialize
+from search.profiles import PROFILES
+from search.strategies import batch_specs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_REASON)]
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
 
-from harness.materialize import _Draw, _normal_table, materialize, verify_custom_mask
-from harness.profiles import PROFILES
-from harness.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
-from harness.strategies import batch_specs
+from batch.masks import verify_custom_mask
+from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
+from engine.materialize import _Draw, _normal_table, materialize
+from search.profiles import PROFILES
+from search.strategies import batch_specs
 
 CI = PROFILES["ci"]
 
@@ -127,7 +128,7 @@ def test_positions_verify_mask_and_mrope():
     assert block[:, :5].all()
     assert block[3, 5:].tolist() == [True, True, False, True]  # node 3 sees itself, its parent 1 and root 0
     text = BatchSpec(ForwardMode.EXTEND, (2,), (3,), (MHALayer(0, 4, 2, 32, 32),),
-                     mrope=__import__("harness.spec", fromlist=["MropeLayout"]).MropeLayout((4, 6, 6)))
+                     mrope=__import__("batch.spec", fromlist=["MropeLayout"]).MropeLayout((4, 6, 6)))
     mfb = materialize(text).forward_batch
     assert (mfb.mrope_positions == mfb.positions[None]).all()
 

@@ -6,11 +6,12 @@ import dataclasses
 import json
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from harness.profiles import PROFILES
-from harness.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecError, SpecInput
-from harness.strategies import batch_specs
+from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecError, SpecInput
+from search.profiles import PROFILES
+from search.strategies import batch_specs
 
 CI = PROFILES["ci"]
 ALL_KINDS = frozenset({"mha", "linear"})
@@ -106,7 +107,7 @@ def test_not_json_at_all():
 
 
 def test_mla_and_mrope_fields_round_trip():
-    from harness.spec import ImageSpan, MropeLayout
+    from batch.spec import ImageSpan, MropeLayout
     spec = good(layers=(mha(0, d=32),), mrope=MropeLayout((4, 6, 6), (ImageSpan(0, 1, 1, 2, 2),)))
     assert BatchSpec.from_json(spec.to_json()) == spec
     mla = good(layers=(MLALayer(0, 4, 16, 8, 32, 16),))

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
-from harness.materialize import materialize
-from harness.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
-from harness.tbo import attach_tbo_children, balanced_split_index, compute_split, two_chunk_split_enabled
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from batch.tbo_split import attach_tbo_children, balanced_split_index, compute_split, two_chunk_split_enabled
+from engine.materialize import materialize
 
 LAYER = (MHALayer(0, 4, 2, 32, 32),)
 
@@ -69,7 +70,7 @@ def test_two_chunk_children_carry_the_straddling_request():
 
 
 def test_mrope_is_sliced_on_the_token_dimension():
-    from harness.spec import ImageSpan, MropeLayout
+    from batch.spec import ImageSpan, MropeLayout
     spec = BatchSpec(ForwardMode.EXTEND, (0, 0), (6, 6), LAYER, mrope=MropeLayout((4, 6, 6), (ImageSpan(1, 1, 1, 2, 2),)))
     fb = materialize(spec).forward_batch
     attach_tbo_children(fb)

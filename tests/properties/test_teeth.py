@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from backends.registry import parse
-from harness.mutants import MUTANTS
-from harness.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
+from harness.mutants.catalogue import MUTANTS
 from properties import PROPERTIES
 
 MHA = MHALayer(0, 4, 2, 32, 32)

@@ -7,15 +7,18 @@ import dataclasses
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import reference.batch as batch
-from harness.materialize import Case, materialize, tree_mask
-from harness.profiles import PROFILES
-from harness.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
-from harness.strategies import batch_specs
+from batch.case import Case
+from batch.masks import tree_mask
+from batch.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+from engine.materialize import materialize
 from reference import mha, mla
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
+from search.profiles import PROFILES
+from search.strategies import batch_specs
 
 F64 = torch.float64
 # Larger than ci, so that batches split into several padding groups on a CPU.

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_kernel_cases import DecodeCase, assert_matches, dense_decode, make_decode_inputs, value_bound
 
 from backends.triton_kernels.decode_attention import decode_attention_fwd
-from triton_kernel_cases import DecodeCase, assert_matches, dense_decode, make_decode_inputs, value_bound
 
 HEAD_DIMS = [(64, 64), (96, 80)]
 DTYPES = [torch.float32, torch.bfloat16]

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_kernel_cases import (
+    DEVICE,
+    ExtendCase,
+    assert_matches,
+    dense_extend,
+    make_extend_inputs,
+    tree_mask,
+    value_bound,
+)
 
 from backends.triton_kernels.extend_attention import extend_attention_fwd
-from triton_kernel_cases import (DEVICE, ExtendCase, assert_matches, dense_extend, make_extend_inputs, tree_mask,
-                                 value_bound)
 
 # (head_dim, v_head_dim): a power of two, and a padded non-power-of-two with v_head_dim != head_dim.
 HEAD_DIMS = [(64, 64), (80, 48)]

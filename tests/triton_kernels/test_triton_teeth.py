@@ -9,11 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from triton_kernel_cases import (
+    DecodeCase,
+    ExtendCase,
+    assert_matches,
+    dense_decode,
+    dense_extend,
+    make_decode_inputs,
+    make_extend_inputs,
+    value_bound,
+)
 
 from backends.triton_kernels.decode_attention import decode_attention_fwd
 from backends.triton_kernels.extend_attention import extend_attention_fwd
-from triton_kernel_cases import (DecodeCase, ExtendCase, assert_matches, dense_decode, dense_extend,
-                                 make_decode_inputs, make_extend_inputs, value_bound)
 
 WRONG_KV_HEAD = torch.arange(8) % 2  # interleaved: q head h -> kv head h % 2, not h // 4
 

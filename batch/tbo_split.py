@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.forward_batch import ForwardBatch, SpecInfo
-from harness.spec import BatchSpec, ForwardMode, SpecInput
+from batch.forward_batch import ForwardBatch, SpecInfo
+from batch.spec import ForwardMode
 
 TBO_TOKEN_THRESHOLD = 0.48
 
@@ -73,15 +73,6 @@ def compute_split(mode: ForwardMode, extend_lens: list[int], draft_token_num: in
     return split
 
 
-def _slice_spec(spec: BatchSpec, prefix: list[int], extend: list[int], req: slice) -> BatchSpec:
-    s = spec.spec
-    if s is not None:
-        s = SpecInput(s.draft_token_num, s.topk, s.spec_steps, s.parents[req], s.accept_lens[req])
-    # A child's tensors keep their own mrope rows; of the layout only the sections are read again.
-    mrope = None if spec.mrope is None else dataclasses.replace(spec.mrope, images=())
-    return dataclasses.replace(spec, prefix_lens=tuple(prefix), extend_lens=tuple(extend), spec=s, mrope=mrope)
-
-
 def slice_spec_info(spec_info: SpecInfo | None, seq_lens: list[int], req: slice) -> SpecInfo | None:
     """The speculative inputs of requests ``req`` (verify masks are per-request blocks of D x (seq + D))."""
     if spec_info is None:
@@ -109,9 +100,6 @@ def sub_batch(fb: ForwardBatch, req: slice | torch.Tensor, tok: slice | torch.Te
     for e in extend:
         starts.append(total)
         total += e
-    spec = _slice_spec(fb.spec, prefix, extend, req)
-    if mode is not fb.forward_mode:
-        spec = dataclasses.replace(spec, mode=mode, spec=None if not mode.is_target_verify() else spec.spec)
     return dataclasses.replace(
         fb,
         forward_mode=mode,
@@ -131,7 +119,6 @@ def sub_batch(fb: ForwardBatch, req: slice | torch.Tensor, tok: slice | torch.Te
         out_cache_loc=fb.out_cache_loc[tok],
         state_slots=fb.state_slots[req],
         spec_info=slice_spec_info(fb.spec_info, fb.seq_lens_cpu.tolist(), req) if mode is fb.forward_mode else None,
-        spec=spec,
         num_token_non_padded=total,
         tbo_split_seq_index=None,
         tbo_split_token_index=None,

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import torch
 
-from harness.forward_batch import ForwardBatch, LayerInputs, LayerWeights, ModelRunner
-from harness.model import prepare_batch, run_layer
-from harness.spec import ForwardMode
+from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights, ModelRunner
+from batch.spec import ForwardMode
+from engine.model import prepare_batch, run_layer
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 CAPTURE_LINEAR_LAYERS = False  # piecewise: linear-attention layers stay eager
@@ -36,8 +36,10 @@ class GraphRunner:
     """Captures ``backend`` for DECODE batches of ``max_bs`` rows over ``model_runner``'s pools."""
 
     def __init__(self, backend, model_runner: ModelRunner, template: ForwardBatch, layer_specs,
-                 weights: list[LayerWeights], inputs_like: list[LayerInputs], bs: int) -> None:
+                 weights: list[LayerWeights], inputs_like: list[LayerInputs], bs: int,
+                 mrope_sections: tuple[int, int, int] | None = None) -> None:
         self.backend, self.mr, self.bs = backend, model_runner, bs
+        self.mrope_sections = mrope_sections
         self.layer_specs, self.weights = list(layer_specs), weights
         self.use_cuda_graph = model_runner.device.type == "cuda"
         dev = model_runner.device
@@ -70,7 +72,8 @@ class GraphRunner:
         return spec.kind != "linear" or CAPTURE_LINEAR_LAYERS
 
     def _layer_fn(self, i: int):
-        return lambda: run_layer(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i], self.fb)
+        return lambda: run_layer(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i], self.fb,
+                                 self.mrope_sections)
 
     def capture(self) -> None:
         self.backend.init_cuda_graph_state(self.bs, self.bs)
@@ -132,6 +135,7 @@ class GraphRunner:
         return outs
 
 
-def eager_decode(backend, fb: ForwardBatch, layer_specs, inputs, weights) -> list[torch.Tensor]:
-    prepare_batch(backend, fb)
-    return [run_layer(backend, s, i, w, fb) for s, i, w in zip(layer_specs, inputs, weights)]
+def eager_decode(backend, fb: ForwardBatch, layer_specs, inputs, weights, mrope_sections=None) -> list[torch.Tensor]:
+    """The same DECODE batch run eagerly, as graph replay must reproduce it."""
+    prepare_batch(backend, fb, layer_specs)
+    return [run_layer(backend, s, i, w, fb, mrope_sections) for s, i, w in zip(layer_specs, inputs, weights)]

@@ -8,20 +8,19 @@ the case behind; after shrinking, the minimal failing case is written under ``ca
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import HypothesisException
 
-from harness.casefile import CaseFile, case_name, safe_name
-from harness.matrix import Row, strategy_options
-from harness.profiles import Profile, hypothesis_settings
-from harness.spec import BatchSpec
-from harness.strategies import batch_specs
-from properties.tolerances import output_bound
+from batch.spec import BatchSpec
 from properties.verdict import Verdict
+from search.casefile import CaseFile, case_name, safe_name
+from search.matrix import Row, strategy_options
+from search.outcome import RowOutcome
+from search.profiles import Profile, hypothesis_settings
+from search.strategies import batch_specs
 
 DEFAULT_OUT = Path("harness-out")
 
@@ -32,39 +31,15 @@ class PropertyFailed(AssertionError):
         self.verdict = verdict
 
 
-@dataclass
-class RowResult:
-    row_id: str
-    composition: str
-    mode: str
-    property: str
-    cases: int = 0
-    seconds: float = 0.0
-    ok: bool = True
-    worst_error: float | None = None
-    bound: float | None = None
-    failure: Verdict | None = None
-    spec: BatchSpec | None = None
-    case_file: Path | None = None
-    first_failure_seconds: float | None = None
-    cases_per_second: float = field(default=0.0)
-
-    def summary(self) -> str:
-        if self.ok:
-            err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
-            return f"ok ({self.cases} cases{err})"
-        return f"FAILED: {self.failure}"
-
-
 def row_strategy(row: Row, profile: Profile):
     options = strategy_options(row.composition, profile) | dict(row.property.strategy_options)
     return batch_specs(profile, row.mode, row.composition.attention_kinds(), **options)
 
 
 def search_row(row: Row, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
-               out_dir: Path = DEFAULT_OUT, seed: int | None = None) -> RowResult:
+               out_dir: Path = DEFAULT_OUT, seed: int | None = None) -> RowOutcome:
     """Search one row; ``seed`` fixes Hypothesis's random choices (a sweep gives each round its own)."""
-    result = RowResult(row.id, str(row.composition), row.mode.value, row.property.name)
+    result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
     start = time.perf_counter()
@@ -75,9 +50,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
         result.cases += 1
-        if verdict.worst_error is not None and verdict.bound:
-            if result.worst_error is None or verdict.worst_error / verdict.bound > result.worst_error / result.bound:
-                result.worst_error, result.bound = verdict.worst_error, verdict.bound
+        result.keep_worst(verdict.worst_error, verdict.bound)
         if not verdict.ok:
             if result.first_failure_seconds is None:
                 result.first_failure_seconds = time.perf_counter() - start
@@ -93,12 +66,12 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     except PropertyFailed:
         spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
         result.ok, result.failure, result.spec = False, verdict, spec
-        bound = output_bound(spec.dtype, max(spec.kv_lens, default=1))
+        bound = verdict.details.get("bound")  # the bound the verdict enforced (None: an exact check)
         result.case_file = CaseFile(str(row.composition), row.property.name, spec, device, profile.name,
                                     verdict={"reason": verdict.reason, "worst_error": verdict.worst_error,
                                              "bound": verdict.bound, "where": verdict.where},
-                                    tolerances={"rel_l2": bound.rel_l2, "element": bound.element,
-                                                "reason": bound.reason},
+                                    tolerances=None if bound is None else {
+                                        "rel_l2": bound.rel_l2, "element": bound.element, "reason": bound.reason},
                                     ).write(out_dir / "cases" / case_name(str(row.composition), row.property.name,
                                                                           row.mode.value, spec))
     except HypothesisException as e:
@@ -107,5 +80,4 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     finally:
         pending.unlink(missing_ok=True)
         result.seconds = time.perf_counter() - start
-        result.cases_per_second = result.cases / result.seconds if result.seconds else 0.0
     return result

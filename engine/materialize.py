@@ -11,35 +11,15 @@ so reading it changes the output instead of hiding behind a zero.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from harness.forward_batch import ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo
-from harness.spec import BatchSpec
+from batch.case import TORCH_DTYPES, Case
+from batch.forward_batch import ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo
+from batch.masks import tree_depths, verify_custom_mask
+from batch.spec import BatchSpec
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "float64": torch.float64}
 SPARE_REQ_ROWS = 2  # rows of req_to_token / state slots that belong to no request of the batch
-
-
-@dataclass
-class Case:
-    """A materialized batch: the ForwardBatch, each layer's inputs and weights, and pool snapshots."""
-
-    spec: BatchSpec
-    forward_batch: ForwardBatch
-    inputs: list[LayerInputs]
-    weights: list[LayerWeights]
-    kv_pool_before: KVPool
-    mamba_pool_before: MambaPool | None
-    # KV slot of every token (cached and new) of each request: one [kv_len] int64 CPU tensor per request,
-    # views of one flat tensor (torch.cat(token_slots) is every request's slots in batch order).
-    token_slots: tuple[torch.Tensor, ...]
-
-    @property
-    def device(self) -> torch.device:
-        return self.forward_batch.device
 
 
 _CPU = torch.device("cpu")
@@ -260,19 +240,10 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
         mamba_pool=mamba_pool,
         spec_info=spec_info,
         device=device,
-        spec=spec,
         num_token_non_padded=T,
     )
     return Case(spec, fb, layer_inputs, layer_weights, kv_pool.clone(),
                 None if mamba_pool is None else mamba_pool.clone(), token_slots)
-
-
-def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """``[B, D]`` depth of each draft token from its parent indices (the root, index 0, has depth 0)."""
-    depth = torch.zeros_like(parents)
-    for j in range(1, parents.shape[1]):
-        depth[:, j] = depth.gather(1, parents[:, j:j + 1].clamp(min=0))[:, 0] + 1
-    return depth
 
 
 def query_positions(spec: BatchSpec) -> torch.Tensor:
@@ -296,28 +267,6 @@ def _exclusive_cumsum(xs: tuple[int, ...]) -> list[int]:
     return out
 
 
-def tree_mask(parents: tuple[int, ...]) -> torch.Tensor:
-    """``[D, D]`` bool: draft token j sees draft token k iff k is j or one of j's ancestors."""
-    D = len(parents)
-    rows = [[False] * D for _ in range(D)]  # plain lists: one tensor write per element would be slow
-    for j in range(D):
-        k = j
-        while k >= 0:
-            rows[j][k] = True
-            k = parents[k]
-    return torch.tensor(rows, dtype=torch.bool).reshape(D, D)
-
-
-def verify_custom_mask(spec: BatchSpec) -> torch.Tensor:
-    """Flat custom mask of a TARGET_VERIFY batch: per request ``[D, seq_len + D]`` row-major, concatenated."""
-    blocks = []
-    for i, seq_len in enumerate(spec.seq_lens):
-        tree = tree_mask(spec.spec.parents[i])
-        block = torch.cat([torch.ones(tree.shape[0], seq_len, dtype=torch.bool), tree], dim=1)
-        blocks.append(block.reshape(-1))
-    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.bool)
-
-
 def _spec_info(spec: BatchSpec, positions: torch.Tensor, device: torch.device) -> SpecInfo | None:
     if spec.spec is None:
         return None
@@ -333,10 +282,3 @@ def _spec_info(spec: BatchSpec, positions: torch.Tensor, device: torch.device) -
         accept_length=torch.tensor(s.accept_lens, dtype=torch.int32).to(device),
         accept_length_cpu=list(s.accept_lens),
     )
-
-
-def request_slots(fb: ForwardBatch, request: int, length: int) -> torch.Tensor:
-    """The first ``length`` KV slots of a request, read through ``req_to_token``."""
-    row = fb.req_to_token[fb.req_pool_indices[request]]
-    return row[:length].to(torch.int64)
-

@@ -1,20 +1,17 @@
 """The runtime batch that backends read (DESIGN.md section 1), with its memory pools.
 
 Field names follow SGLang's ``ForwardBatch`` so that a backend written for one reads the other. Tensors are
-made only by :mod:`harness.materialize`; this module holds the containers and the pool operations.
+made only by :mod:`engine.materialize`; this module holds the containers and the pool operations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from harness.spec import BatchSpec, ForwardMode
-
-if TYPE_CHECKING:  # pragma: no cover
-    pass
+from batch.spec import ForwardMode, Layer
 
 
 @dataclass
@@ -113,7 +110,6 @@ class ForwardBatch:
     mamba_pool: MambaPool | None
     spec_info: SpecInfo | None
     device: torch.device
-    spec: BatchSpec | None = None  # the pure description this batch was made from
     num_token_non_padded: int | None = None
     tbo_split_seq_index: int | None = None
     tbo_split_token_index: int | None = None
@@ -127,13 +123,15 @@ class ForwardBatch:
 @dataclass
 class ModelRunner:
     """What a backend is constructed with (SGLang passes its ModelRunner): the memory pools and sizes that
-    outlive one batch. CUDA-graph replay hooks receive only lengths and indices, so they plan from these."""
+    outlive one batch, and the model's layers (SGLang's ``model_config``). CUDA-graph hooks receive only
+    lengths and indices, so they plan from these."""
 
     req_to_token: torch.Tensor
     req_to_state_slot: torch.Tensor
     token_to_kv_pool: KVPool
     mamba_pool: MambaPool | None
     device: torch.device
+    layers: tuple[Layer, ...] = ()
 
     @property
     def page_size(self) -> int:
@@ -144,8 +142,10 @@ class ModelRunner:
         return self.req_to_token.shape[1]
 
     @classmethod
-    def of(cls, fb: "ForwardBatch") -> "ModelRunner":
-        return cls(fb.req_to_token, fb.req_to_state_slot, fb.token_to_kv_pool, fb.mamba_pool, fb.device)
+    def of(cls, fb: "ForwardBatch", layers: tuple[Layer, ...]) -> "ModelRunner":
+        """The runner whose pools ``fb`` lives in, for a model of ``layers``."""
+        return cls(fb.req_to_token, fb.req_to_state_slot, fb.token_to_kv_pool, fb.mamba_pool, fb.device,
+                   tuple(layers))
 
 
 @dataclass

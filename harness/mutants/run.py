@@ -12,11 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from backends.registry import parse
-from harness.matrix import matrix_rows
-from harness.mutants import Mutant
+from harness.mutants.catalogue import Mutant
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running
-from harness.profiles import Profile
-from harness.search import search_row
+from search.matrix import matrix_rows
+from search.profiles import Profile
+from search.search_row import search_row
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
 
 
 def _child(mutant_name: str, profile: Profile, device: str, out_dir: Path, budget_s: float, queue) -> None:
-    from harness.mutants import MUTANTS
+    from harness.mutants.catalogue import MUTANTS
     queue.put(asdict(_search_mutant(MUTANTS[mutant_name], profile, device, out_dir, budget_s)))
 
 

@@ -8,10 +8,10 @@ import torch
 
 from backends.base import AttentionBackend
 from backends.registry import Composition
-from harness.forward_batch import ModelRunner
-from harness.materialize import Case
-from harness.model import run_layers
-from harness.tbo import TboSplit, attach_tbo_children
+from batch.case import Case
+from batch.forward_batch import ModelRunner
+from batch.tbo_split import TboSplit, attach_tbo_children
+from engine.model import run_layers
 
 
 @dataclass
@@ -23,9 +23,10 @@ class Execution:
 
 def execute(composition: Composition, case: Case, backend: AttentionBackend | None = None) -> Execution:
     """Build the composition (unless given), split the batch if it is a TBO composition, run every layer."""
-    backend = backend or composition.build(case.spec, ModelRunner.of(case.forward_batch))
+    backend = backend or composition.build(case.spec, ModelRunner.of(case.forward_batch, case.spec.layers))
     split = None
     if composition.name == "tbo":
         split = attach_tbo_children(case.forward_batch)
-    outputs = run_layers(backend, case.forward_batch, case.spec.layers, case.inputs, case.weights)
+    outputs = run_layers(backend, case.forward_batch, case.spec.layers, case.inputs, case.weights,
+                         case.spec.mrope_sections)
     return Execution(backend, outputs, split)

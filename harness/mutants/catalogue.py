@@ -30,7 +30,7 @@ class Mutant:
     targets: tuple[str, ...]  # composition terms to search
     properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
     needs_device: str | None = None  # the fault only exists on this device type (e.g. real graph capture)
-    crashes: bool = False  # kills or hangs the process: run only in a child process (see harness.mutant_run)
+    crashes: bool = False  # kills or hangs the process: run only in a child process (see harness.mutants.run)
 
     def patch(self) -> ContextManager:
         """The fault, active inside the returned context: the module function named after the mutant."""
@@ -49,7 +49,7 @@ def tbo_lacks_forward():
 
 
 def tbo_mrope_dim0():
-    import harness.tbo as tbo
+    import batch.tbo_split as tbo
     original = tbo.sub_batch
 
     def sub_batch(fb, req, tok, prefix, extend, mode=None):
@@ -91,7 +91,7 @@ def backend_lacks_update_verify():
 
 def hybrid_dispatch_by_type():
     from backends.hybrid import HybridLinearAttnBackend
-    from harness.model import AttentionLayer
+    from batch.layers import AttentionLayer
 
     def _backend_for(self, layer):
         return self.full_attn_backend if isinstance(layer, AttentionLayer) else self.linear_attn_backend
@@ -100,7 +100,7 @@ def hybrid_dispatch_by_type():
 
 def draft_worker_target_layout():
     import backends.registry as registry
-    from harness.spec import BatchSpec
+    from batch.spec import BatchSpec
 
     def layout(spec: BatchSpec):
         # The target model's layout (full attention every 4th layer), kept by the draft worker.
@@ -109,8 +109,8 @@ def draft_worker_target_layout():
 
 
 def tbo_verify_split_token():
-    import harness.tbo as tbo
-    from harness.spec import ForwardMode
+    import batch.tbo_split as tbo
+    from batch.spec import ForwardMode
     original = tbo.compute_split
 
     def compute_split(mode, extend_lens, draft_token_num=None):
@@ -122,7 +122,7 @@ def tbo_verify_split_token():
 
 
 def two_chunk_prefix_not_grown():
-    import harness.tbo as tbo
+    import batch.tbo_split as tbo
     original = tbo.split_forward_batch
 
     def split_forward_batch(fb, split):
@@ -150,7 +150,7 @@ def gqa_modulo_mapping():
 
 
 def kv_written_one_slot_off():
-    from harness.forward_batch import KVPool
+    from batch.forward_batch import KVPool
     original = KVPool.set_kv_buffer
 
     def set_kv_buffer(self, layer_id, loc, k, v):
@@ -180,7 +180,7 @@ def verify_mask_transposed():
     import backends.planner as planner
     import backends.torch_native as torch_native
     import backends.triton as triton
-    from harness.materialize import tree_mask
+    from batch.masks import tree_mask
     original = planner.plan_token_level
 
     def plan_token_level(fb):
@@ -188,7 +188,7 @@ def verify_mask_transposed():
         if fb.forward_mode.is_target_verify():
             blocks = []
             for i, seq_len in enumerate(fb.seq_lens_cpu.tolist()):
-                tree = tree_mask(fb.spec.spec.parents[i]).t()  # descendants instead of ancestors
+                tree = tree_mask(tuple(fb.spec_info.parents[i].tolist())).t()  # descendants instead of ancestors
                 blocks.append(torch.cat([torch.ones(tree.shape[0], seq_len, dtype=torch.bool), tree], 1).reshape(-1))
             meta.custom_mask = torch.cat(blocks).to(fb.device)
         return meta
@@ -202,7 +202,7 @@ def verify_mask_transposed():
 
 
 def draft_positions_by_index():
-    import harness.materialize as materialize
+    import engine.materialize as materialize
 
     def tree_depths(parents):
         return torch.arange(parents.shape[1]).expand_as(parents).clone()  # index in the tree, not depth
@@ -331,7 +331,7 @@ def commit_wrong_position():
 
 
 def graph_drops_mrope():
-    import harness.graph_runner as gr
+    import engine.graph_runner as gr
     original = gr.GraphRunner.__init__
 
     def __init__(self, *args, **kwargs):
@@ -341,7 +341,7 @@ def graph_drops_mrope():
 
 
 def graph_captures_linear():
-    import harness.graph_runner as gr
+    import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
 
 

@@ -11,8 +11,8 @@ import functools
 
 from hypothesis import strategies as st
 
-from harness.profiles import Profile
-from harness.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+from batch.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+from search.profiles import Profile
 
 
 @st.composite

@@ -1,7 +1,7 @@
 """Pure-data description of one forward batch (DESIGN.md sections 1 and 3).
 
 A :class:`BatchSpec` holds no tensors: it is what Hypothesis draws, what a case file stores and what
-materialization turns into a :class:`~harness.forward_batch.ForwardBatch`. It validates itself on
+materialization turns into a :class:`~batch.forward_batch.ForwardBatch`. It validates itself on
 construction, so an impossible batch fails with one line naming the field, before any tensor exists.
 """
 
@@ -41,10 +41,6 @@ class ForwardMode(str, Enum):
 
     def is_draft_extend(self) -> bool:
         return self is ForwardMode.DRAFT_EXTEND
-
-    def is_extend(self) -> bool:
-        """Every mode whose query rows go through the extend (prefill) path, as in SGLang."""
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -244,6 +240,11 @@ class BatchSpec:
         if self.draft_worker:
             return (0,)
         return tuple(layer.layer_id for layer in self.layers if layer.kind != "linear")
+
+    @property
+    def mrope_sections(self) -> tuple[int, int, int] | None:
+        """The model's mrope sections (None: plain RoPE)."""
+        return None if self.mrope is None else self.mrope.sections
 
     @property
     def attention_kinds(self) -> frozenset[str]:

@@ -14,9 +14,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from harness.spec import BatchSpec, SpecError
+from batch.spec import BatchSpec, SpecError
 
-# 2: tensors come from the counter-based draws of harness.materialize; a version-1 seed gives other tensors.
+# 2: tensors come from the counter-based draws of engine.materialize; a version-1 seed gives other tensors.
 CASE_SCHEMA_VERSION = 2
 VERSIONED_PACKAGES = ("torch", "triton", "hypothesis", "flashinfer-python", "fla-core")
 

@@ -1,0 +1,61 @@
+"""What a backend receives as ``layer``: the attention layer object of a model (DESIGN.md section 3).
+
+SGLang passes its ``RadixAttention`` (or its linear-attention module); this is the same surface, made from
+a layer specification. The form of an MLA layer depends on the mode: absorbed over the latent cache for
+decode, verify and draft-extend, expanded heads for extend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from batch.forward_batch import LayerWeights
+from batch.spec import ForwardMode, Layer
+
+
+@dataclass
+class AttentionLayer:
+    """What a backend receives as ``layer`` (SGLang's RadixAttention, or the linear-attention module).
+
+    Every kind uses this one class on purpose: a wrapper must dispatch by ``layer_id``, never by type.
+    """
+
+    layer_id: int
+    kind: str
+    tp_q_head_num: int
+    tp_k_head_num: int
+    tp_v_head_num: int
+    head_dim: int
+    v_head_dim: int
+    scaling: float
+    logit_cap: float = 0.0
+    sliding_window_size: int = -1
+    spec: Layer | None = None
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    absorbed: bool = False  # MLA: latent (absorbed) form rather than expanded heads
+
+
+def mla_uses_absorbed(mode: ForwardMode) -> bool:
+    """MLA decode, verify and draft-extend run absorbed over the latent cache; extend runs expanded (MHA)."""
+    return mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+
+
+def make_layer(spec: Layer, weights: LayerWeights, mode: ForwardMode) -> AttentionLayer:
+    if spec.kind == "mha":
+        return AttentionLayer(spec.layer_id, "mha", spec.num_q_heads, spec.num_kv_heads, spec.num_kv_heads,
+                              spec.head_dim, spec.v_head_dim, spec.sm_scale,
+                              logit_cap=spec.logit_cap or 0.0,
+                              sliding_window_size=-1 if spec.sliding_window is None else spec.sliding_window,
+                              spec=spec)
+    if spec.kind == "mla":
+        C, R = spec.kv_lora_rank, spec.qk_rope_head_dim
+        if mla_uses_absorbed(mode):
+            return AttentionLayer(spec.layer_id, "mla", spec.num_heads, 1, 1, C + R, C, spec.sm_scale,
+                                  spec=spec, weights=weights.tensors, absorbed=True)
+        return AttentionLayer(spec.layer_id, "mla", spec.num_heads, spec.num_heads, spec.num_heads,
+                              spec.qk_nope_head_dim + R, spec.v_head_dim, spec.sm_scale,
+                              spec=spec, weights=weights.tensors, absorbed=False)
+    return AttentionLayer(spec.layer_id, "linear", spec.num_v_heads, spec.num_k_heads, spec.num_v_heads,
+                          spec.head_k_dim, spec.head_v_dim, spec.scale, spec=spec, weights=weights.tensors)

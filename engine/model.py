@@ -1,0 +1,115 @@
+"""The slice of a model that surrounds attention: layer objects, RoPE, MLA projections, the layer loop.
+
+This is the caller's side of the protocol, written the way a serving engine's model code calls a backend,
+so that wrapper bugs (a missing ``forward``, a skipped ``init_mha_chunk_metadata``, dispatch by type) show
+up here exactly as they would in a model. Backend outputs come back in the layer's output space: MHA
+``[T, Hq, Dv]``, MLA ``[T, H, v_head_dim]`` (absorbed outputs are up-projected here), linear ``[T, Hv, V]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from backends.latent import latent_to_heads, latent_to_output, query_to_latent
+from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights
+from batch.layers import make_layer, mla_uses_absorbed
+from batch.spec import Layer
+from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
+
+
+def rotate(x: torch.Tensor, fb: ForwardBatch, rotary_dim: int, theta: float,
+           mrope_sections: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Apply (m)RoPE to ``x[T, H, rotary_dim]`` from the batch's own positions, in float32.
+
+    ``mrope_sections`` is the model's (its rotary configuration): a batch with ``mrope_positions`` needs it.
+    """
+    if fb.mrope_positions is not None:
+        if mrope_sections is None:
+            raise ValueError("the batch carries mrope_positions but the model has no mrope sections")
+        cos, sin = mrope_cos_sin(fb.mrope_positions, rotary_dim, mrope_sections, theta=theta, dtype=torch.float32)
+    else:
+        cos, sin = rope_cos_sin(fb.positions, rotary_dim, theta=theta, dtype=torch.float32)
+    return apply_rope(x.float(), cos, sin).to(x.dtype)
+
+
+def needs_mha_chunk_plan(fb: ForwardBatch, layer_specs) -> bool:
+    """An MLA model runs extend batches through the MHA (chunked-prefix) path, which is planned apart."""
+    return (any(s.kind == "mla" for s in layer_specs) and not mla_uses_absorbed(fb.forward_mode)
+            and not fb.forward_mode.is_idle())
+
+
+def prepare_batch(backend: Any, fb: ForwardBatch, layer_specs) -> None:
+    """What the model runner does once per batch before the layers."""
+    backend.init_forward_metadata(fb)
+    # Serving engines guard this call with hasattr: a wrapper that lacks the method silently skips it.
+    if needs_mha_chunk_plan(fb, layer_specs) and hasattr(backend, "init_mha_chunk_metadata"):
+        backend.init_mha_chunk_metadata(fb)
+
+
+def mha_qkv(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k after RoPE and v, as the backend receives them (k and v are what the cache must hold)."""
+    t = inputs.tensors
+    return (rotate(t["q"], fb, spec.head_dim, spec.rope_theta, mrope_sections),
+            rotate(t["k"], fb, spec.head_dim, spec.rope_theta, mrope_sections), t["v"])
+
+
+def mla_latent(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=None) -> torch.Tensor:
+    """The latent row each new token writes to the cache: ``[T, 1, kv_lora_rank + rope]`` (ckv, roped kpe)."""
+    t = inputs.tensors
+    kpe = rotate(t["kpe"][:, None, :], fb, spec.qk_rope_head_dim, spec.rope_theta, mrope_sections)[:, 0]
+    return torch.cat([t["ckv"], kpe], dim=-1)[:, None, :]
+
+
+def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeights,
+              fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Run one layer of the model through ``backend``; the output is in the layer's output space."""
+    layer = make_layer(spec, weights, fb.forward_mode)
+    t = inputs.tensors
+    if spec.kind == "linear":
+        return backend.forward(layer=layer, forward_batch=fb, mixed_qkv=t["mixed_qkv"], a=t["a"], b=t["b"])
+    if spec.kind == "mha":
+        q, k, v = mha_qkv(spec, inputs, fb, mrope_sections)
+        return backend.forward(q, k, v, layer, fb)
+    # MLA
+    N, R, C = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
+    dtype = t["q"].dtype
+    q_nope, q_pe = t["q"][..., :N], rotate(t["q"][..., N:], fb, R, spec.rope_theta, mrope_sections)
+    latent = mla_latent(spec, inputs, fb, mrope_sections)
+    w_kc, w_vc = weights.tensors["w_kc"], weights.tensors["w_vc"]
+    if layer.absorbed:
+        q_latent = query_to_latent(q_nope, w_kc).to(dtype)
+        q_abs = torch.cat([q_latent, q_pe], dim=-1)
+        o_latent = backend.forward(q_abs, latent, latent[..., :C], layer, fb)
+        return latent_to_output(o_latent, w_vc).to(dtype)
+    # Expanded (MHA) path: the model writes the latent itself and hands the backend expanded heads.
+    if fb.out_cache_loc.numel():
+        fb.token_to_kv_pool.set_kv_buffer(spec.layer_id, fb.out_cache_loc, latent, None)
+    k, v = latent_to_heads(latent[:, 0], C, w_kc, w_vc)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    return backend.forward(q, k.to(dtype), v.to(dtype), layer, fb, save_kv_cache=False)
+
+
+def run_layers(backend: Any, fb: ForwardBatch, layer_specs, inputs: list[LayerInputs],
+               weights: list[LayerWeights], mrope_sections: tuple[int, int, int] | None = None
+               ) -> list[torch.Tensor]:
+    """Plan the batch, then run every layer; returns one output per layer.
+
+    A batch carrying ``tbo_children`` runs as two-batch overlap does in a model: each child batch, with its
+    slice of every per-token input, goes through the wrapper's child backend, and the halves are joined.
+    """
+    prepare_batch(backend, fb, layer_specs)  # a TBO wrapper plans its children's halves here too
+    if fb.tbo_children:
+        children = backend.children
+        outs = []
+        for spec, inp, w in zip(layer_specs, inputs, weights):
+            parts, start = [], 0
+            for child_fb, child_backend in zip(fb.tbo_children, children):
+                end = start + child_fb.extend_num_tokens
+                parts.append(run_layer(child_backend, spec, inp.slice_tokens(start, end), w, child_fb, mrope_sections))
+                start = end
+            outs.append(torch.cat(parts, dim=0))
+        return outs
+    return [run_layer(backend, spec, inp, w, fb, mrope_sections) for spec, inp, w in zip(layer_specs, inputs, weights)]

@@ -1,0 +1,135 @@
+"""The test matrix, derived from the backends' declarations: composition x mode x property.
+
+Nothing here lists backends by hand: rows come from ``backends.registry.all_compositions`` filtered by
+what each composition declares and what can run on this machine; every excluded row has a reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from backends.registry import Composition, all_compositions, leaf_capabilities, parse
+from batch.spec import ForwardMode
+from properties import PROPERTIES, Property
+from search.profiles import Profile
+
+
+@dataclass(frozen=True)
+class Row:
+    composition: Composition
+    mode: ForwardMode
+    property: Property
+
+    @property
+    def id(self) -> str:
+        return f"{self.composition}-{self.mode.value}-{self.property.name}"
+
+
+def composition_modes(c: Composition) -> frozenset[ForwardMode]:
+    return c.support().modes
+
+
+def strategy_options(c: Composition, profile: Profile) -> dict:
+    """Keyword arguments of ``batch_specs`` that keep drawn batches inside what ``c`` declares."""
+    support = c.support()
+    pages = set(profile.page_sizes) if support.page_sizes is None else set(profile.page_sizes) & support.page_sizes
+    return {
+        "page_sizes": tuple(sorted(pages)),
+        "sliding_window": support.sliding_window,
+        "logit_cap": support.logit_cap,
+        "mrope": support.mrope,
+        "hybrid": "hybrid" in c.wrappers(),
+    }
+
+
+def profile_reason(c: Composition, profile: Profile) -> str | None:
+    """Why none of ``c``'s rows can run under ``profile`` (a kernel configuration it does not declare)."""
+    support = c.support()
+    if not strategy_options(c, profile)["page_sizes"]:
+        return f"declares none of the profile's page sizes {profile.page_sizes}"
+    if profile.dtype not in support.dtypes:
+        return f"does not support the profile's dtype {profile.dtype}"
+    if "mha" in support.attention_kinds and support.head_dims is not None and profile.mha[2] not in support.head_dims:
+        return f"does not support the profile's head_dim {profile.mha[2]} (declares {sorted(support.head_dims)})"
+    return None
+
+
+def mode_reason(c: Composition, mode: ForwardMode) -> str:
+    """Why ``c`` has no rows of ``mode``: the first leaf (or the graph wrapper) that does not declare it."""
+    for n in c.leaves():
+        caps = leaf_capabilities(n)
+        if mode not in caps.modes:
+            return f"{n} does not declare {mode.value}"
+        if mode is ForwardMode.TARGET_VERIFY and not caps.custom_mask:
+            return f"{n} has no custom (tree) mask"
+    for n in c.leaves():
+        if mode not in leaf_capabilities(n).cuda_graph_modes:
+            return f"{n} captures no {mode.value} graph"
+    return "not declared"
+
+
+def select(term_or_names: list[str] | None, compositions: list[Composition]) -> list[Composition]:
+    """Compositions named by term, or containing only the named leaf backends."""
+    if not term_or_names:
+        return compositions
+    terms = {str(parse(t)) for t in term_or_names if "(" in t}
+    leaves = {t for t in term_or_names if "(" not in t}
+    for name in leaves:
+        parse(name)  # unknown names fail with the list of known ones
+    return [c for c in compositions if str(c) in terms or (leaves and set(c.leaves()) <= leaves)]
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """The rows that run here; compositions that cannot run here; and every other row left out, with why."""
+
+    rows: list[Row]
+    unavailable: list[tuple[str, str]]  # (composition, reason)
+    excluded: list[tuple[str, str]]  # (row id or "composition-mode", reason)
+
+
+def matrix(device: str, profile: Profile, backends: list[str] | None = None, properties: list[str] | None = None,
+           modes: list[str] | None = None) -> Matrix:
+    rows, unavailable, excluded = [], [], []
+    wanted_props = [PROPERTIES[p] for p in (properties or PROPERTIES)]
+    for c in select(backends, all_compositions()):
+        reason = c.unavailable_reason(device) or profile_reason(c, profile)
+        if reason:
+            unavailable.append((str(c), reason))
+            continue
+        supported = composition_modes(c)
+        for mode in ForwardMode:
+            if modes and mode.value not in modes:
+                continue
+            if mode not in supported:
+                excluded.append((f"{c}-{mode.value}", mode_reason(c, mode)))
+                continue
+            for prop in wanted_props:
+                why = prop.applies(c, mode)
+                if why is None:
+                    rows.append(Row(c, mode, prop))
+                else:
+                    excluded.append((Row(c, mode, prop).id, why))
+    return Matrix(rows, unavailable, excluded)
+
+
+def matrix_rows(device: str, profile: Profile, backends: list[str] | None = None,
+                properties: list[str] | None = None, modes: list[str] | None = None
+                ) -> tuple[list[Row], list[tuple[str, str]]]:
+    """Rows that can run here, and (composition, why not) for compositions that cannot."""
+    m = matrix(device, profile, backends, properties, modes)
+    return m.rows, m.unavailable
+
+
+def shard_of(row_id: str, shards: int) -> int:
+    """A row's shard: a stable hash of its id, so it depends on neither the row's order nor the machine."""
+    return int.from_bytes(hashlib.sha256(row_id.encode()).digest()[:8], "big") % shards
+
+
+def shard_rows(rows: list[Row], shard: tuple[int, int] | None) -> list[Row]:
+    """The rows of shard ``(index, count)`` (all rows for None)."""
+    if shard is None:
+        return list(rows)
+    index, count = shard
+    return [r for r in rows if shard_of(r.id, count) == index]

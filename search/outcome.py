@@ -1,0 +1,86 @@
+"""The one record of a matrix row's outcome, shared by ``run``, ``sweep`` (and its workers) and the report.
+
+A row searched once (``harness run``) or over several rounds (``harness sweep``) ends as one JSON record
+(:meth:`RowOutcome.record`); the status words and the worst-error rule are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from batch.spec import BatchSpec
+from properties.verdict import Verdict
+
+# How a finding's kind reads as the row's status; a row without a finding has passed, or not run at all.
+FINDING_STATUS = {"failure": "failed", "crash": "crashed", "hang": "hung", "error": "error"}
+
+
+def is_worse(err: float | None, bound: float | None, than_err: float | None, than_bound: float | None) -> bool:
+    """Whether ``err / bound`` is a worse ratio than the one kept so far (none kept: any ratio is)."""
+    if err is None or not bound:
+        return False
+    return than_err is None or err / bound > than_err / than_bound
+
+
+@dataclass
+class RowOutcome:
+    """What searching one row gave: cases, time, the worst error against its bound, the failure if any."""
+
+    row_id: str
+    composition: str
+    mode: str
+    property: str
+    cases: int = 0
+    seconds: float = 0.0
+    rounds: int = 1
+    ok: bool = True
+    worst_error: float | None = None
+    bound: float | None = None
+    failure: Verdict | str | None = None
+    finding_kind: str | None = None  # failure, crash, hang or error (None while ok)
+    spec: BatchSpec | None = None
+    case_file: Path | str | None = None
+    first_failure_seconds: float | None = None
+
+    @property
+    def cases_per_second(self) -> float:
+        return self.cases / self.seconds if self.seconds else 0.0
+
+    @property
+    def status(self) -> str:
+        if self.ok:
+            return "passed" if self.cases else "not run"
+        return FINDING_STATUS[self.finding_kind or "failure"]
+
+    def keep_worst(self, err: float | None, bound: float | None) -> None:
+        if is_worse(err, bound, self.worst_error, self.bound):
+            self.worst_error, self.bound = err, bound
+
+    def summary(self) -> str:
+        if self.ok:
+            err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
+            return f"ok ({self.cases} cases{err})"
+        return f"FAILED: {self.failure}"
+
+    def record(self) -> dict:
+        """The row as JSON: what ``results.jsonl``, a worker's events and ``report.json`` hold."""
+        spec = self.spec
+        return {"row": self.row_id, "composition": self.composition, "mode": self.mode, "property": self.property,
+                "ok": self.ok, "status": self.status, "rounds": self.rounds, "cases": self.cases,
+                "seconds": round(self.seconds, 3), "worst_error": self.worst_error, "bound": self.bound,
+                "failure": None if self.ok else str(self.failure),
+                "case_file": None if self.case_file is None else str(self.case_file),
+                "batch_size": None if spec is None else spec.batch_size,
+                "num_tokens": None if spec is None else spec.num_tokens,
+                "first_failure_seconds": self.first_failure_seconds}
+
+
+def throughput(records: list[dict]) -> list[tuple[str, int, float]]:
+    """(composition, cases, seconds) per composition, in the records' order."""
+    totals: dict[str, list] = {}
+    for r in records:
+        t = totals.setdefault(r["composition"], [0, 0.0])
+        t[0] += r["cases"]
+        t[1] += r["seconds"]
+    return [(c, n, s) for c, (n, s) in totals.items()]
