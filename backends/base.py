@@ -67,6 +67,9 @@ class Capabilities:
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     requires: tuple[str, ...] = ()  # importable module names
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
+    cpu_dtypes: frozenset[str] | None = None  # where the CPU path supports fewer dtypes (None: all of dtypes)
+    engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
+    gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     # Unit roundoff of the kernel's matrix products for float32 inputs (TF32 tensor cores: 2**-11).
     fp32_matmul_roundoff: float = 2.0**-24
 
@@ -78,6 +81,12 @@ class Capabilities:
             return "needs a CUDA GPU; none is visible"
         if device == "cpu" and self.cpu_needs_env and not env_flag(self.cpu_needs_env):
             return f"on the CPU it needs {self.cpu_needs_env}=1 (set before triton is imported)"
+        if self.engine == "sglang":
+            from backends.sglang.runtime import unavailable_reason
+
+            reason = unavailable_reason()
+            if reason:
+                return reason
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return f"package '{module}' is not installed"
@@ -103,6 +112,8 @@ class Support:
     mrope: bool
     cuda_graph_modes: frozenset[ForwardMode]
     fp32_matmul_roundoff: float
+    cpu_dtypes: frozenset[str]
+    gaps: dict[str, str]  # property -> why it does not apply
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -121,7 +132,9 @@ class Support:
                    sliding_window=all(c.sliding_window for c in full), logit_cap=all(c.logit_cap for c in full),
                    mrope=all(c.mrope for c in caps),
                    cuda_graph_modes=frozenset.intersection(*(c.cuda_graph_modes for c in caps)),
-                   fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps))
+                   fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
+                   cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
+                   gaps={prop: why for c in caps for prop, why in c.gaps})
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""

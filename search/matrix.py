@@ -43,13 +43,15 @@ def strategy_options(c: Composition, profile: Profile) -> dict:
     }
 
 
-def profile_reason(c: Composition, profile: Profile) -> str | None:
+def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> str | None:
     """Why none of ``c``'s rows can run under ``profile`` (a kernel configuration it does not declare)."""
     support = c.support()
     if not strategy_options(c, profile)["page_sizes"]:
         return f"declares none of the profile's page sizes {profile.page_sizes}"
     if profile.dtype not in support.dtypes:
         return f"does not support the profile's dtype {profile.dtype}"
+    if device == "cpu" and profile.dtype not in support.cpu_dtypes:
+        return f"does not support the profile's dtype {profile.dtype} on the CPU"
     if "mha" in support.attention_kinds and support.head_dims is not None and profile.mha[2] not in support.head_dims:
         return f"does not support the profile's head_dim {profile.mha[2]} (declares {sorted(support.head_dims)})"
     return None
@@ -94,7 +96,7 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
     rows, unavailable, excluded = [], [], []
     wanted_props = [PROPERTIES[p] for p in (properties or PROPERTIES)]
     for c in select(backends, all_compositions()):
-        reason = c.unavailable_reason(device) or profile_reason(c, profile)
+        reason = c.unavailable_reason(device) or profile_reason(c, profile, device)
         if reason:
             unavailable.append((str(c), reason))
             continue
@@ -106,7 +108,7 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
                 excluded.append((f"{c}-{mode.value}", mode_reason(c, mode)))
                 continue
             for prop in wanted_props:
-                why = prop.applies(c, mode)
+                why = prop.applies(c, mode) or c.support().gaps.get(prop.name)
                 if why is None:
                     rows.append(Row(c, mode, prop))
                 else:

@@ -1,0 +1,1 @@
+"""The adapter to SGLang: its real attention backends run as leaves of the matrix (see ``adapter.py``)."""

@@ -1,0 +1,204 @@
+"""SGLang's real attention backends as leaves of the harness's matrix.
+
+Each leaf wraps one ``ATTENTION_BACKENDS[name](runner)`` of the installed SGLang. The harness's engine drives
+the leaf as a model would; the leaf translates each batch into SGLang's ``ForwardBatch`` (pools shared with the
+harness's, see :mod:`backends.sglang.runtime`), plans it with SGLang's ``init_forward_metadata`` and runs each
+layer as SGLang's ``RadixAttention`` runs it (``layer(q, k, v, forward_batch)`` under SGLang's forward context,
+which dispatches to ``get_attn_backend().forward``). What SGLang planned is exposed in the harness's
+inspectable form (:class:`backends.base.PlannedMetadata`).
+
+Mode names: the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2; the others are the same.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from backends.base import AttentionBackend, Capabilities, PlannedMetadata
+from backends.sglang import runtime
+from batch.spec import ForwardMode
+
+# The modes whose batches this adapter translates into SGLang's today. DRAFT_EXTEND needs SGLang's
+# EagleDraftExtendInput (not built yet). IDLE is left out until triaged: an empty batch planned eagerly makes
+# Triton divide by the batch size (triton_backend.py:441, get_num_kv_splits); whether SGLang's own runner
+# ever plans an empty IDLE batch that way is the open question.
+ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY})
+_SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", ForwardMode.MIXED: "MIXED",
+                ForwardMode.TARGET_VERIFY: "TARGET_VERIFY", ForwardMode.DRAFT_EXTEND: "DRAFT_EXTEND_V2",
+                ForwardMode.IDLE: "IDLE"}
+# The harness draws a window per layer and reads 0 as "attend to the current token only"; SGLang has one
+# window per model and reads 0 as "no window". Until windows are drawn per model, the leaves declare none.
+GAPS = (("conformance", "checks the harness's protocol; SGLang's own (its base class) is not introspected yet"),)
+
+
+def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
+    """EAGLE's tree links from a parent list: each node's first child and its next sibling (-1: none)."""
+    first_child, next_sibling = [-1] * len(parents), [-1] * len(parents)
+    last_child: dict[int, int] = {}
+    for node, parent in enumerate(parents):
+        if parent < 0:
+            continue
+        if parent in last_child:
+            next_sibling[last_child[parent]] = node
+        else:
+            first_child[parent] = node
+        last_child[parent] = node
+    return first_child, next_sibling
+
+
+class SglangBackend(AttentionBackend):
+    """One SGLang attention backend, built over the harness runner's pools on the first batch it plans
+    (SGLang sizes speculative buffers from the draft token count, which a runner does not know)."""
+
+    sglang_name: ClassVar[str]
+
+    def __init__(self, model_runner) -> None:
+        self.model_runner = model_runner
+        self.sgl = runtime.load()
+        self.inner = None  # the SGLang backend
+        self.sgl_runner = None
+        self.draft_tokens = 0
+        self.batches: dict[int, object] = {}  # id(harness batch) -> its SGLang ForwardBatch
+        self.radix: dict[int, object] = {}
+
+    # ---- building ----
+    def _ensure_built(self, fb) -> None:
+        draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
+        if self.inner is not None and draft <= self.draft_tokens:
+            return
+        topk = fb.spec_info.topk if fb.spec_info is not None else 0
+        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk)
+        self.inner = self.sgl.ATTENTION_BACKENDS[self.sglang_name](self.sgl_runner)
+        self.draft_tokens = draft
+        self.radix.clear()
+
+    def _layer(self, layer):
+        """SGLang's RadixAttention for a harness layer (cached per layer id)."""
+        radix = self.radix.get(layer.layer_id)
+        if radix is None:
+            radix = self.sgl.RadixAttention(
+                num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
+                num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
+                v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
+            self.radix[layer.layer_id] = radix
+        return radix
+
+    def translate(self, fb):
+        """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree)."""
+        sgl = self.sgl
+        mode = getattr(sgl.ForwardMode, _SGLANG_MODE[fb.forward_mode])
+        T = fb.extend_num_tokens
+        dev = fb.device
+        out = sgl.ForwardBatch(
+            forward_mode=mode, batch_size=fb.batch_size, input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int32),
+            seq_lens_cpu=fb.seq_lens_cpu.to(torch.int32), out_cache_loc=fb.out_cache_loc,
+            seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
+        self.sgl_runner.kv_index_translator.bind_own_plan(out)  # as every batch of SGLang's scheduler
+        if mode.is_extend(include_draft_extend_v2=True):
+            out.extend_prefix_lens = fb.extend_prefix_lens
+            out.extend_prefix_lens_cpu = list(fb.extend_prefix_lens_cpu)
+            out.extend_seq_lens = fb.extend_seq_lens
+            out.extend_seq_lens_cpu = list(fb.extend_seq_lens_cpu)
+            out.extend_start_loc = fb.extend_start_loc
+            out.extend_num_tokens = T
+        if fb.forward_mode.is_target_verify():
+            info = fb.spec_info
+            D = info.draft_token_num
+            links = [retrieve_links(p) for p in info.parents.tolist()]
+            out.spec_info = sgl.EagleVerifyInput(
+                draft_token=out.input_ids, custom_mask=info.custom_mask, positions=fb.positions,
+                retrieve_index=torch.arange(fb.batch_size * D, device=dev).reshape(fb.batch_size, D),
+                retrieve_next_token=torch.tensor([l[0] for l in links], dtype=torch.int64, device=dev),
+                retrieve_next_sibling=torch.tensor([l[1] for l in links], dtype=torch.int64, device=dev),
+                retrieve_cum_len=torch.arange(fb.batch_size + 1, dtype=torch.int32, device=dev) * D,
+                spec_steps=info.spec_steps, topk=info.topk, draft_token_num=D,
+                capture_hidden_mode=sgl.CaptureHiddenMode.FULL, seq_lens_sum=out.seq_lens_sum,
+                seq_lens_cpu=out.seq_lens_cpu)
+            out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
+        return out
+
+    # ---- the protocol ----
+    def init_forward_metadata(self, forward_batch) -> None:
+        self._ensure_built(forward_batch)
+        sfb = self.translate(forward_batch)
+        self.batches = {id(forward_batch): sfb}
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata(sfb)
+
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        T = q.shape[0]
+        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            o = self._layer(layer)(q.reshape(T, layer.tp_q_head_num * layer.head_dim),
+                                   k.reshape(T, layer.tp_k_head_num * layer.head_dim),
+                                   v.reshape(T, layer.tp_v_head_num * layer.v_head_dim), sfb, save_kv_cache=save_kv_cache)
+        return o.reshape(T, layer.tp_q_head_num, layer.v_head_dim)
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return None
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
+
+    # ---- inspection ----
+    def planned_metadata(self) -> PlannedMetadata:
+        """SGLang's ``forward_metadata`` where it keeps one (Triton: token-level indptrs and slots)."""
+        meta = getattr(self.inner, "forward_metadata", None)
+        if meta is None:
+            return PlannedMetadata()
+        decode = next(iter(self.batches.values())).forward_mode.is_decode()
+        return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
+                               kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
+                               custom_mask=getattr(meta, "custom_mask", None),
+                               mask_indptr=getattr(meta, "mask_indptr", None))
+
+
+class SglangTorchNative(SglangBackend):
+    sglang_name = "torch_native"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mha"}),
+        modes=ADAPTED_MODES,
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        # TorchNativeAttnBackend reads seq_lens as the key length and never the custom mask: verify crashes
+        # (torch_native_backend.py, _run_sdpa_forward_extend). Declared, so the rows skip with this reason.
+        custom_mask=False,
+        logit_cap=False,  # it never reads layer.logit_cap
+        sliding_window=False,
+        requires=("sglang",),
+        engine="sglang",
+        gaps=GAPS,
+    )
+
+
+class SglangTriton(SglangBackend):
+    sglang_name = "triton"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mha"}),
+        modes=ADAPTED_MODES,
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),  # on the CPU only float32/16: see cpu_dtypes
+        cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken (error ~1e10)
+        sliding_window=False,
+        requires=("sglang", "triton"),
+        cpu_needs_env="TRITON_INTERPRET",
+        fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
+        engine="sglang",
+        gaps=GAPS,
+    )

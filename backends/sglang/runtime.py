@@ -1,0 +1,255 @@
+"""Loading SGLang on any machine, and building what its backends are constructed with.
+
+The adapter runs SGLang's own classes; this module is the glue that SGLang's model runner would otherwise be:
+a runner object with the attributes its attention backends read, pools that *share storage* with the harness's
+pools (so the harness's cache and state checks see exactly what SGLang wrote), and the process-wide settings
+SGLang publishes before it builds a backend. The facts behind each attribute come from SGLang's own unit-test
+kit (``sglang/test/kits/attention_unittest/``) and are noted where they are not obvious.
+
+Shims are applied only when needed: an inert ``torchvision`` when the real one is absent (SGLang imports it
+at import time; it cannot be installed beside a CPU torch). Nothing is edited in site-packages.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import sys
+import types
+from functools import cache
+from types import SimpleNamespace
+
+import torch
+
+from batch.forward_batch import ModelRunner
+
+SUPPORTED_VERSIONS = ("0.5.23",)
+INSTALL_HINT = "bash ci/install-sglang.sh"
+
+
+def installed_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def unavailable_reason() -> str | None:
+    """Why SGLang's backends cannot be loaded here (not installed, or a version the adapter does not know)."""
+    version = installed_version()
+    if version is None or importlib.util.find_spec("sglang") is None:
+        return f"sglang is not installed (install the extra: {INSTALL_HINT})"
+    if version not in SUPPORTED_VERSIONS:
+        return f"sglang {version} is installed; the adapter supports {', '.join(SUPPORTED_VERSIONS)}"
+    return None
+
+
+class _Inert:
+    """Any attribute of a stubbed module: usable as a value, a base class or a hashable key, never called."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _Inert(f"{self._name}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        raise RuntimeError(f"{self._name} is an inert stub (the real package is not installed)")
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+    def __hash__(self) -> int:
+        return hash(self._name)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Inert) and other._name == self._name
+
+
+class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``root`` and every ``root.*`` submodule as an inert module (transformers reaches into
+    ``torchvision.transforms`` once it finds the package, so one module is not enough)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.root or fullname.startswith(self.root + "."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__file__ = f"<inert stub {spec.name}>"
+        module.__version__ = "0.0.0"
+
+        def __getattr__(attr, _name=spec.name):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            return _Inert(f"{_name}.{attr}")
+
+        module.__getattr__ = __getattr__
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+@cache
+def load() -> SimpleNamespace:
+    """Import SGLang once per process (10-25 s) and enter its single-rank parallel settings for good.
+
+    Returns the SGLang names the adapter uses.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(reason)
+    if importlib.util.find_spec("torchvision") is None:
+        sys.meta_path.insert(0, _StubPackage("torchvision"))
+    import warnings
+
+    warnings.filterwarnings("ignore", module="sglang")
+    from sglang.srt.configs.model_config import AttentionArch
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.model_executor.model_runner import ModelRunner as SglModelRunner
+    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    # One attention rank, no torch.distributed. The override must stay entered for the whole process:
+    # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").
+    parallel = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
+    parallel.__enter__()
+    return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("warnings", "reason")})
+
+
+class _ModelConfig:
+    """The ``model_config`` surface SGLang's dense backends read at construction (head counts, lengths)."""
+
+    def __init__(self, sgl, num_q_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int,
+                 context_len: int, sliding_window: int | None) -> None:
+        self.attention_arch = sgl.AttentionArch.MHA
+        self.context_len = context_len
+        self.num_attention_heads, self.num_key_value_heads = num_q_heads, num_kv_heads
+        self.head_dim, self.v_head_dim, self.swa_v_head_dim = head_dim, v_head_dim, v_head_dim
+        self.hidden_size = num_q_heads * head_dim
+        self.is_encoder_decoder = self.is_multimodal = self.model_is_mrope = False
+        self.is_generation = True
+        self.quantization = None
+        self.is_hybrid_swa = self.is_local_attention_model = sliding_window is not None
+        self.attention_chunk_size = None
+        self.sliding_window_size = sliding_window
+        hf = SimpleNamespace(architectures=["HarnessForCausalLM"], hidden_size=self.hidden_size,
+                             num_attention_heads=num_q_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim)
+        hf.get_text_config = lambda: hf
+        self.hf_config = self.hf_text_config = hf
+        self.linear_attn_registry_result = None
+
+    def get_num_attention_heads(self, tp: int) -> int:
+        return self.num_attention_heads // tp
+
+    def get_max_num_attention_heads(self) -> int:
+        return self.num_attention_heads
+
+    def get_num_kv_heads(self, tp: int, dcp: int = 1) -> int:
+        return self.num_key_value_heads // (tp // dcp)
+
+
+def model_window(runner: ModelRunner) -> int | None:
+    """SGLang has one sliding window per model (``runner.sliding_window_size``); a window of 0 means none."""
+    windows = {layer.sliding_window for layer in runner.layers if layer.kind == "mha" and layer.sliding_window}
+    if len(windows) > 1:
+        raise ValueError(f"SGLang models have one sliding window, this model has {sorted(windows)}")
+    return windows.pop() if windows else None
+
+
+def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0):
+    """An SGLang model runner over the harness runner's pools (storage shared, not copied).
+
+    SGLang's ``ModelRunner.__init__`` loads a model; like the engine's own unit-test kit, this skips it and
+    sets only what attention backends read.
+    """
+    sgl = load()
+    mha = [layer for layer in runner.layers if layer.kind == "mha"]
+    if not mha:
+        raise ValueError("the SGLang adapter runs MHA layers only (MLA and linear layers are not adapted yet)")
+    shapes = {(l.num_q_heads, l.num_kv_heads, l.head_dim, l.v_head_dim) for l in mha}
+    if len(shapes) > 1:
+        raise ValueError(f"one KV pool shape per model, got {sorted(shapes)}")
+    (hq, hk, d, dv), = shapes
+    window = model_window(runner)
+    page_size = runner.page_size
+    pool = runner.token_to_kv_pool
+    slots = next(iter(pool.k_buffers.values())).shape[0]
+    dtype = next(iter(pool.k_buffers.values())).dtype
+    device = str(runner.device)
+
+    class Runner(sgl.SglModelRunner):
+        # Derived from hf_config in SGLang; a dense model has none of them.
+        hybrid_gdn_config = hybrid_lightning_config = kimi_linear_config = property(lambda self: None)
+        linear_attn_model_spec = mamba2_config = mambaish_config = property(lambda self: None)
+
+        def __init__(self) -> None:  # noqa: D107 - no super().__init__: it would load a model
+            pass
+
+    r = Runner()
+    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, dtype, "auto"
+    r.prefill_attention_backend_str = r.decode_attention_backend_str = backend_name
+    r.draft_attention_backend = None
+    r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
+    r.model_config = _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, window)
+    r.is_draft_worker = False
+    r.max_running_requests = runner.req_to_token.shape[0]
+    r.model = torch.nn.Module()
+    r.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE if max_draft_tokens else sgl.SpeculativeAlgorithm.NONE
+    r._kernel_warmed_up = True
+    # Backends read the published server args at construction (draft token counts, KV splits).
+    r._server_args_override = sgl.get_context().override_server_args(
+        attention_backend=backend_name, chunked_prefill_size=-1,
+        cuda_graph_config=sgl.CudaGraphConfig(decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
+                                              prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED)),
+        disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
+        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype="auto",
+        max_running_requests=None, pp_size=1, revision=None,
+        speculative_algorithm="EAGLE" if max_draft_tokens else None,
+        speculative_eagle_topk=topk, speculative_num_draft_tokens=max_draft_tokens,
+        speculative_num_steps=max(0, max_draft_tokens - 1), tp_size=1,
+        triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,
+        linear_attn_backend="triton", linear_attn_decode_backend=None, linear_attn_prefill_backend=None,
+        _mamba_cache_chunk_size=64)
+    r.server_args = r._server_args_override.install()
+    r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)
+    r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
+    r.req_to_token_pool.size = runner.req_to_token.shape[0]
+    layer_num = max(l.layer_id for l in mha) + 1
+    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
+                              v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
+                              enable_alt_stream=False)
+    # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
+    kv.size = slots - page_size
+    kv.k_buffer = [pool.k_buffers.get(i, torch.zeros(slots, hk, d, dtype=dtype, device=device))
+                   for i in range(layer_num)]
+    kv.v_buffer = [pool.v_buffers.get(i, torch.zeros(slots, hk, dv, dtype=dtype, device=device))
+                   for i in range(layer_num)]
+    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
+    kv._init_data_ptrs_and_strides()
+    r.token_to_kv_pool = kv
+    r.token_to_kv_pool_allocator = SimpleNamespace(page_size=page_size, get_kvcache=lambda: kv)
+    r.init_kv_index_translator()  # after req_to_token is ours: the translator keeps a reference to it
+    r.attention_chunk_size = None
+    r.hisparse_coordinator = None
+    r.init_new_workspace = False
+    r.is_hybrid_swa = window is not None
+    r.sliding_window_size = window
+    r.use_mla_backend = False
+    return r
