@@ -45,6 +45,7 @@ def run_without_torch(*args: str) -> subprocess.CompletedProcess:
     (["run", "--properties", "nosuch"], ["unknown property nosuch", "properties: outputs"]),
     (["run", "--properties", "outputs", "nosuch"], ["unknown property nosuch", "outputs"]),
     (["run", "--device", "cpu", "--backends", "flashinfer"], ["flashinfer", "needs a cuda device"]),
+    (["sweep", "--device", "cpu", "--modes", "decode", "nosuch"], ["unknown mode nosuch"]),
     (["run", "--device", "cpu", "--backends", "torch_native", "--modes", "decode", "--properties", "verify_chain"],
      ["torch_native-decode-verify_chain", "needs target_verify batches"]),
 ])
@@ -91,8 +92,10 @@ def test_bad_out_folder(tmp_path, capsys):
     one_error_line(capsys, "--out", "is a file, not a folder")
 
 
-def test_mutants_budget_takes_the_sweeps_durations():
+def test_mutants_budget_takes_the_sweeps_durations(capsys):
     assert parse_budget("90s") == 90 and parse_budget("30m") == 1800 and parse_budget("300") == 300
+    assert main(["mutants", "--list", "--budget", "60s"]) == 0
+    assert "gqa_modulo_mapping" in capsys.readouterr().out
     for bad in ("-3", "0", "10q"):
         with pytest.raises(UsageError):
             parse_budget(bad)
