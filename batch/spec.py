@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Union
@@ -397,35 +399,41 @@ class BatchSpec:
 
     @classmethod
     def from_json_dict(cls, d: dict[str, Any]) -> "BatchSpec":
+        """Decode a batch from JSON, checking every field's JSON type first, so a wrong type is one line
+        naming the field (never a Python error from deeper down, nor a silently truncated number)."""
         if not isinstance(d, dict):
-            raise SpecError(f"a batch specification is a JSON object, got {type(d).__name__}")
+            raise SpecError(f"a batch specification is a JSON object, got {_json_type(d)}")
         d = dict(d)
         version = d.pop("schema_version", None)
         _require(version == SCHEMA_VERSION,
                  f"schema_version {version!r} is not supported (this harness reads version {SCHEMA_VERSION})")
         layers = []
         for n, ld in enumerate(_field(d, "layers", list)):
-            _require(isinstance(ld, dict), f"layers[{n}] must be an object")
+            _require(isinstance(ld, dict), f"layers[{n}] must be a JSON object, got {_json_type(ld)}")
             ld = dict(ld)
             kind = ld.pop("kind", None)
-            _require(kind in _LAYER_TYPES, f"layers[{n}].kind must be one of mha, mla, linear, got {kind!r}")
+            _require(isinstance(kind, str) and kind in _LAYER_TYPES,
+                     f"layers[{n}].kind must be one of mha, mla, linear, got {_show(kind)}")
             layers.append(_build(_LAYER_TYPES[kind], ld, f"layers[{n}]"))
         d["layers"] = tuple(layers)
         if d.get("spec") is not None:
             s = dict(_field(d, "spec", dict))
-            s["parents"] = tuple(tuple(t) for t in s.get("parents", ()))
-            s["accept_lens"] = tuple(s.get("accept_lens", ()))
+            s.setdefault("parents", [])
+            s.setdefault("accept_lens", [])
             d["spec"] = _build(SpecInput, s, "spec")
         if d.get("mrope") is not None:
             m = dict(_field(d, "mrope", dict))
-            m["sections"] = tuple(m.get("sections", ()))
-            m["images"] = tuple(_build(ImageSpan, dict(im), f"mrope.images[{k}]")
-                                for k, im in enumerate(m.get("images", ())))
+            m.setdefault("sections", [])
+            images = m.get("images", [])
+            _require(isinstance(images, list), f"mrope.images must be a JSON list, got {_json_type(images)}")
+            for k, im in enumerate(images):
+                _require(isinstance(im, dict), f"mrope.images[{k}] must be a JSON object, got {_json_type(im)}")
+            m["images"] = tuple(_build(ImageSpan, dict(im), f"mrope.images[{k}]") for k, im in enumerate(images))
             d["mrope"] = _build(MropeLayout, m, "mrope")
-        try:
-            d["mode"] = ForwardMode(d.get("mode"))
-        except ValueError:
-            raise SpecError(f"mode must be one of {', '.join(m.value for m in ForwardMode)}, got {d.get('mode')!r}") from None
+        mode = d.get("mode")
+        if not isinstance(mode, str) or mode not in {m.value for m in ForwardMode}:
+            raise SpecError(f"mode must be one of {', '.join(m.value for m in ForwardMode)}, got {_show(mode)}")
+        d["mode"] = ForwardMode(mode)
         return _build(cls, d, "batch")
 
     @classmethod
@@ -437,9 +445,63 @@ class BatchSpec:
         return cls.from_json_dict(d)
 
 
+def _json_type(value: Any) -> str:
+    """A value's type as JSON names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    return {str: "string", list: "list", tuple: "list", dict: "object"}.get(type(value), type(value).__name__)
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """A value for an error message, cut short (a bad field may hold a million entries)."""
+    text = json.dumps(value) if value is None or isinstance(value, bool) else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _field(d: dict, name: str, typ: type) -> Any:
     value = d.get(name)
-    _require(isinstance(value, typ), f"{name} must be a JSON {typ.__name__}, got {type(value).__name__}")
+    json_name = {list: "list", dict: "object"}.get(typ, typ.__name__)
+    _require(isinstance(value, typ), f"{name} must be a JSON {json_name}, got {_json_type(value)}")
+    return value
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _decode(value: Any, hint: Any, where: str) -> Any:
+    """Check a JSON value against a field's annotation; JSON lists become tuples. Values already decoded
+    (layers, spec, mrope, mode) pass through."""
+    if hint is int:
+        _require(isinstance(value, int) and not isinstance(value, bool),
+                 f"{where} must be an integer, got {_show(value)}")
+        return value
+    if hint is float:
+        _require(isinstance(value, (int, float)) and not isinstance(value, bool),
+                 f"{where} must be a number, got {_show(value)}")
+        return value
+    if hint is bool:
+        _require(isinstance(value, bool), f"{where} must be true or false, got {_show(value)}")
+        return value
+    if hint is str:
+        _require(isinstance(value, str), f"{where} must be a string, got {_show(value)}")
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        if value is None and len(options) < len(args):
+            return None
+        return _decode(value, options[0], where) if len(options) == 1 else value
+    if origin is tuple:
+        _require(isinstance(value, (list, tuple)), f"{where} must be a JSON list, got {_show(value)}")
+        item = (lambda i: args[0]) if len(args) == 2 and args[1] is Ellipsis else \
+            (lambda i: args[min(i, len(args) - 1)])
+        return tuple(_decode(x, item(i), f"{where}[{i}]") for i, x in enumerate(value))
     return value
 
 
@@ -447,7 +509,8 @@ def _build(cls: type, d: dict, where: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls) if f.init}
     unknown = sorted(set(d) - names - {"kind"})
     _require(not unknown, f"{where}: unknown field(s) {', '.join(unknown)}")
-    d = {k: v for k, v in d.items() if k in names}
+    hints = _hints(cls)
+    d = {k: _decode(v, hints[k], f"{where}.{k}") for k, v in d.items() if k in names}
     try:
         return cls(**d)
     except TypeError as e:

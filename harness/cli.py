@@ -12,7 +12,13 @@ import sys
 import time
 from pathlib import Path
 
-from harness.options import UsageError, parse_shard, profile_named, resolve_device
+from harness.options import (UsageError, check_device_name, check_modes, check_out_folder, check_positive,
+                             check_properties, make_out_folder, parse_budget, parse_shard, profile_named,
+                             resolve_device)
+
+# Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
+# left out, so their bad input is reported before torch is imported.
+LIGHT_COMMANDS = ("list", "run", "mutants", "repro")
 
 
 def cmd_list(args) -> int:
@@ -57,21 +63,43 @@ def _database(path: str | None):
     return DirectoryBasedExampleDatabase(path or ".hypothesis/examples")
 
 
+def no_rows_reason(m) -> str:
+    """Why a selection gave no matrix row, in one line: the selected compositions' unavailable reasons, or
+    the rows that were left out and why."""
+    head = "no matrix row matches the selection"
+    if m.unavailable and not m.excluded:
+        reasons = list(dict.fromkeys(why for _, why in m.unavailable))
+        names = ", ".join(name for name, _ in m.unavailable[:3]) + (" ..." if len(m.unavailable) > 3 else "")
+        return f"{head}: {names} cannot run here: {'; '.join(reasons[:3])}"
+    if m.excluded:
+        shown = "; ".join(f"{what}: {why}" for what, why in m.excluded[:3])
+        more = f" (and {len(m.excluded) - 3} more)" if len(m.excluded) > 3 else ""
+        return f"{head}: left out: {shown}{more} (see `python -m harness list --why`)"
+    return f"{head} (see `python -m harness list`)"
+
+
 def cmd_run(args) -> int:
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError(f"--max-examples must be >= 1, got {args.max_examples}")
+    check_positive("--stall-seconds", args.stall_seconds)
+    shard = parse_shard(args.shard) if args.shard else None
+    check_out_folder("--out", args.out)
+
     from harness.report import print_summary, write_json_report, write_reports
-    from search.matrix import matrix_rows
+    from search.matrix import matrix
     from search.search_row import search_row
 
     device = resolve_device(args.device)
     profile = profile_named(args.profile)
-    rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+    m = matrix(device, profile, args.backends, args.properties, args.modes)
+    rows, skipped = m.rows, m.unavailable
     if not rows:
-        raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
-    if args.shard:
+        raise UsageError(no_rows_reason(m))
+    if shard:
         from search.matrix import shard_rows
 
-        rows = shard_rows(rows, parse_shard(args.shard))  # the sweep's split: a stable hash of the row id
-    out_dir = Path(args.out)
+        rows = shard_rows(rows, shard)  # the sweep's split: a stable hash of the row id
+    out_dir = make_out_folder("--out", args.out)
     db = _database(args.db)
     results = []
     start = time.perf_counter()
@@ -99,12 +127,24 @@ def cmd_run(args) -> int:
 
 
 def cmd_repro(args) -> int:
-    from harness.repro import replay
-    from search.casefile import CaseFile, package_versions
+    from search.casefile import CaseFile, check_fits, package_versions
 
-    case = CaseFile.read(args.file)
-    device = resolve_device(args.device if args.device != "auto" else
-                            ("cuda" if case.device == "cuda" else "cpu"))
+    if args.dump:
+        check_out_folder("--dump", args.dump)
+    case = CaseFile.read(args.file)  # a bad case file is reported before torch is imported
+    check_fits(case.spec, where=args.file)  # before anything is allocated
+    if args.device != "auto":
+        device = resolve_device(args.device)
+    elif case.device == "cuda":
+        try:
+            device = resolve_device("cuda")
+        except UsageError:
+            raise UsageError(f"{args.file} was recorded on cuda, but no CUDA GPU is visible here "
+                             f"(add --device cpu to replay it on the CPU)") from None
+    else:
+        device = resolve_device("cpu")
+    from harness.repro import replay
+
     now = package_versions()
     for pkg, then in (case.versions or {}).items():
         if then != now.get(pkg) and then is not None:
@@ -113,6 +153,10 @@ def cmd_repro(args) -> int:
 
 
 def cmd_mutants(args) -> int:
+    budget = parse_budget(args.budget)
+    check_positive("--case-timeout", args.case_timeout)
+    if not args.list:
+        check_out_folder("--out", args.out)
     from harness.mutants.catalogue import CATALOGUE, MUTANTS
     from harness.mutants.run import print_table, run_mutant, run_mutant_isolated, write_json
 
@@ -125,15 +169,13 @@ def cmd_mutants(args) -> int:
         for m in CATALOGUE:
             print(f"{m.name}: {m.doc}")
         return 0
-    if args.case_timeout is not None and args.case_timeout <= 0:
-        raise UsageError(f"--case-timeout must be positive, got {args.case_timeout}")
     chosen = [MUTANTS[n] for n in args.only] if args.only else CATALOGUE
-    out_dir = Path(args.out)
+    out_dir = make_out_folder("--out", args.out)
     results = []
     for m in chosen:
         print(f"{m.name} ...", end=" ", flush=True)
         run = run_mutant_isolated if (args.isolate or device == "cuda") else run_mutant
-        r = run(m, profile, device, out_dir / "mutants", args.budget, args.case_timeout)
+        r = run(m, profile, device, out_dir / "mutants", budget, args.case_timeout)
         results.append(r)
         print(f"{r.status} {'' if r.status == 'unavailable' else f'{r.seconds:.1f}s'} {r.property or r.reason}",
               flush=True)
@@ -143,7 +185,8 @@ def cmd_mutants(args) -> int:
     return 1 if any(r.status == "survived" for r in results) else 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
+    """The command line's parser; ``with_sweep=False`` leaves out ``sweep`` (its module imports torch)."""
     p = argparse.ArgumentParser(prog="python -m harness", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -174,7 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--profile", default="ci", help="ci, dev, nightly or gpu")
     sp.add_argument("--only", nargs="*", help="mutant names")
     sp.add_argument("--list", action="store_true", help="list the catalogue and exit")
-    sp.add_argument("--budget", type=float, default=300.0, help="seconds per mutant before it counts as survived")
+    sp.add_argument("--budget", default="300s",
+                    help="time per mutant before it counts as survived, e.g. 90s, 5m or plain seconds (default 300s)")
     sp.add_argument("--out", default="harness-out", help="folder for the table (mutants.json) and case files")
     sp.add_argument("--case-timeout", type=float,
                     help="seconds one case may run before the mutant counts as a hang (default 600 on a GPU, where "
@@ -188,14 +232,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--device", default="auto", help="auto (the case's device if present), cpu or cuda")
     sp.add_argument("--dump", help="folder to save the case's tensors (outputs, reference) into")
     sp.set_defaults(fn=cmd_repro)
-    from harness import sweep
-    sweep.add_parser(sub)
+    if with_sweep:
+        from harness import sweep
+        sweep.add_parser(sub)
     return p
 
 
+def check_common(args) -> None:
+    """Options several commands share, checked before any command starts (and, but for --properties,
+    before torch is imported)."""
+    if getattr(args, "device", None) is not None:
+        check_device_name(args.device)
+    if getattr(args, "profile", None) is not None:
+        profile_named(args.profile)
+    check_modes(getattr(args, "modes", None))
+    check_properties(getattr(args, "properties", None))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(with_sweep=not argv or argv[0] not in LIGHT_COMMANDS).parse_args(argv)
     try:
+        check_common(args)
         return args.fn(args)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -204,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted: findings so far are under the output folder", file=sys.stderr)
         return 130
     except Exception as e:  # bad input surfaces as one of these; anything else is a harness bug
-        from backends.registry import CompositionError
         from batch.spec import SpecError
 
-        if isinstance(e, (SpecError, CompositionError)):
+        # CompositionError can only have been raised if its module is loaded (which imports torch).
+        registry = sys.modules.get("backends.registry")
+        if isinstance(e, SpecError) or (registry is not None and isinstance(e, registry.CompositionError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

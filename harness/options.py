@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import os
 import re
+import tempfile
+from pathlib import Path
 
 UNITS = {"s": 1, "m": 60, "h": 3600}
+DEVICES = ("auto", "cpu", "cuda")
 
 
 class UsageError(Exception):
@@ -18,17 +21,22 @@ class UsageError(Exception):
 def resolve_device(requested: str) -> str:
     """'auto' picks CUDA when present. On the CPU, Triton kernels run in its interpreter, which must be
     switched on before triton is first imported."""
+    check_device_name(requested)  # before importing torch, which takes seconds
     import torch
 
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but no CUDA GPU is visible (use --device cpu)")
-    if requested not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
     if requested == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return requested
+
+
+def check_device_name(requested: str) -> None:
+    """The --device value alone (no torch needed): auto, cpu or cuda."""
+    if requested not in DEVICES:
+        raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
 
 
 def profile_named(name: str):
@@ -45,6 +53,59 @@ def parse_budget(text: str) -> float:
     if not m or float(m.group(1)) <= 0:
         raise UsageError(f"--budget {text!r} is not a duration; write e.g. 90s, 30m or 2h")
     return float(m.group(1)) * UNITS[m.group(2) or "s"]
+
+
+def check_properties(names: list[str] | None) -> None:
+    """Every name in --properties must be a property (imports the properties, hence torch, when given)."""
+    if not names:
+        return
+    from properties import PROPERTIES
+
+    unknown = [p for p in names or [] if p not in PROPERTIES]
+    if unknown:
+        raise UsageError(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "
+                         f"properties: {', '.join(PROPERTIES)}")
+
+
+def check_modes(names: list[str] | None) -> None:
+    """Every name in --modes must be a forward mode (no torch needed)."""
+    from batch.spec import ForwardMode
+
+    known = [m.value for m in ForwardMode]
+    unknown = [m for m in names or [] if m not in known]
+    if unknown:
+        raise UsageError(f"unknown mode{'' if len(unknown) == 1 else 's'} {', '.join(unknown)}; "
+                         f"modes: {', '.join(known)}")
+
+
+def check_positive(flag: str, value: float | None) -> None:
+    """A numeric option that must be > 0 when given."""
+    if value is not None and value <= 0:
+        raise UsageError(f"{flag} must be positive, got {value}")
+
+
+def check_out_folder(flag: str, path: str | Path) -> None:
+    """Fail early, without creating anything, when ``path`` cannot become a folder: a file is there, or
+    the nearest existing parent is not a folder."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {path} is a file, not a folder")
+    parent = next((a for a in p.absolute().parents if a.exists()), None)
+    if not p.exists() and parent is not None and not parent.is_dir():
+        raise UsageError(f"{flag} {path}: {parent} is a file, not a folder")
+
+
+def make_out_folder(flag: str, path: str | Path) -> Path:
+    """Create the output folder ``path`` and check that a file can be written there."""
+    check_out_folder(flag, path)
+    p = Path(path)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise UsageError(f"{flag} {path}: cannot write there: {e.strerror or e}") from None
+    return p
 
 
 def parse_shard(text: str) -> tuple[int, int]:

@@ -44,10 +44,13 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
         print(f"{layer.layer_id:>6} {c.rel_l2:>10.3e} {bound.rel_l2:>10.3e} {c.max_abs:>10.3e}  "
               f"{c.where}{'' if c.ok else '  <-- out of bounds'}")
     if dump_dir is not None:
-        dump_dir.mkdir(parents=True, exist_ok=True)
-        torch.save({"spec": case.spec.to_json(), "outputs": [o.cpu() for o in run.execution.outputs],
-                    "reference": [r.cpu() for r in run.reference.outputs],
-                    "inputs": [{k: t.cpu() for k, t in i.tensors.items()} for i in run.case.inputs]},
-                   dump_dir / "tensors.pt")
+        try:
+            dump_dir.mkdir(parents=True, exist_ok=True)
+            torch.save({"spec": case.spec.to_json(), "outputs": [o.cpu() for o in run.execution.outputs],
+                        "reference": [r.cpu() for r in run.reference.outputs],
+                        "inputs": [{k: t.cpu() for k, t in i.tensors.items()} for i in run.case.inputs]},
+                       dump_dir / "tensors.pt")
+        except OSError as e:  # checked before the replay; this is what the check cannot foresee (a full disk)
+            raise UsageError(f"--dump {dump_dir}: cannot write there: {e.strerror or e}") from None
         print(f"tensors saved to {dump_dir / 'tensors.pt'}")
     return 0 if verdict.ok else 1
