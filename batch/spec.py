@@ -59,7 +59,9 @@ class MHALayer:
     num_kv_heads: int
     head_dim: int
     v_head_dim: int
-    sliding_window: int | None = None  # window_left: position p sees keys in [p - w, p]
+    # window_left: position p sees keys in [p - w, p]. A model has one window (SGLang's
+    # runner.sliding_window_size), which each layer uses or not; 0 is not a window (SGLang reads 0 as none).
+    sliding_window: int | None = None
     logit_cap: float | None = None
     rope_theta: float = 10000.0
     kind: str = field(default="mha", init=False)
@@ -75,8 +77,8 @@ class MHALayer:
         _require(self.num_q_heads % self.num_kv_heads == 0,
                  f"{where}: num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         _require(self.head_dim % 2 == 0, f"{where}.head_dim must be even for RoPE, got {self.head_dim}")
-        _require(self.sliding_window is None or self.sliding_window >= 0,
-                 f"{where}.sliding_window must be >= 0 or null, got {self.sliding_window}")
+        _require(self.sliding_window is None or self.sliding_window >= 1,
+                 f"{where}.sliding_window must be >= 1 or null (no window), got {self.sliding_window}")
         _require(self.logit_cap is None or self.logit_cap > 0,
                  f"{where}.logit_cap must be > 0 or null, got {self.logit_cap}")
 
@@ -282,6 +284,9 @@ class BatchSpec:
         _require(len(self.layers) >= 1, "layers must name at least one layer")
         for layer in self.layers:
             layer.validate()
+        windows = sorted({l.sliding_window for l in self.layers if l.kind == "mha" and l.sliding_window})
+        _require(len(windows) <= 1, f"layers use sliding windows {windows}: a model has one sliding window, "
+                                    f"which each layer uses or not")
         ids = [layer.layer_id for layer in self.layers]
         if self.draft_worker:
             _require(all(i == 0 for i in ids) and all(l.kind != "linear" for l in self.layers),

@@ -18,7 +18,7 @@ from batch.spec import BatchSpec, SpecError
 
 # 2: tensors come from the counter-based draws of engine.materialize; a version-1 seed gives other tensors.
 CASE_SCHEMA_VERSION = 2
-VERSIONED_PACKAGES = ("torch", "triton", "hypothesis", "flashinfer-python", "fla-core")
+VERSIONED_PACKAGES = ("torch", "triton", "hypothesis", "flashinfer-python", "fla-core", "sglang")
 
 
 def package_versions() -> dict[str, str | None]:

@@ -6,7 +6,7 @@ A row searched once (``harness run``) or over several rounds (``harness sweep``)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from batch.spec import BatchSpec
@@ -42,6 +42,7 @@ class RowOutcome:
     spec: BatchSpec | None = None
     case_file: Path | str | None = None
     first_failure_seconds: float | None = None
+    known: dict[str, int] = field(default_factory=dict)  # ledger id -> cases that failed as it describes
 
     @property
     def cases_per_second(self) -> float:
@@ -60,7 +61,8 @@ class RowOutcome:
     def summary(self) -> str:
         if self.ok:
             err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
-            return f"ok ({self.cases} cases{err})"
+            known = "".join(f", {n} known failure(s) {k}" for k, n in self.known.items())
+            return f"ok ({self.cases} cases{err}{known})"
         return f"FAILED: {self.failure}"
 
     def record(self) -> dict:
@@ -73,7 +75,7 @@ class RowOutcome:
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "batch_size": None if spec is None else spec.batch_size,
                 "num_tokens": None if spec is None else spec.num_tokens,
-                "first_failure_seconds": self.first_failure_seconds}
+                "first_failure_seconds": self.first_failure_seconds, "known": dict(self.known)}
 
 
 def throughput(records: list[dict]) -> list[tuple[str, int, float]]:

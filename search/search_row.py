@@ -18,6 +18,7 @@ from batch.spec import BatchSpec
 from properties.verdict import Verdict
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import Row, strategy_options
+from search import ledger
 from search.outcome import RowOutcome
 from search.profiles import Profile, hypothesis_settings
 from search.strategies import batch_specs
@@ -50,6 +51,11 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
         result.cases += 1
+        known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
+                                                      spec, verdict)
+        if known is not None:  # triaged and reported: counted, and the search goes on for anything else
+            result.known[known.id] = result.known.get(known.id, 0) + 1
+            return
         result.keep_worst(verdict.worst_error, verdict.bound)
         if not verdict.ok:
             if result.first_failure_seconds is None:

@@ -47,12 +47,13 @@ def draft_tree(draw, draft_token_num: int, steps: int, topk: int, chain: bool) -
     return tuple(parents)
 
 
-def _full_layer(kind: str, layer_id: int, profile: Profile, draw) -> MHALayer | MLALayer:
+def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | None) -> MHALayer | MLALayer:
+    """A full-attention layer; an MHA layer uses the model's sliding ``window`` or none."""
     if kind == "mla":
         h, nope, rope, rank, v = profile.mla
         return MLALayer(layer_id, h, nope, rope, rank, v)
     hq, hk, d, dv = profile.mha
-    sliding = draw(st.none() | st.integers(0, 2 * profile.max_extend))
+    sliding = window if window is not None and draw(st.booleans()) else None
     cap = draw(st.sampled_from([None, 5.0, 50.0]))
     return MHALayer(layer_id, hq, hk, d, dv, sliding_window=sliding, logit_cap=cap)
 
@@ -70,15 +71,17 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     full_kinds = sorted(kinds & {"mha", "mla"})
     draft_worker = hybrid and bool(full_kinds) and mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and \
         draw(st.booleans()) and draw(st.booleans())
-    # Layers: draw how many, then the kind of each.
+    # The model's one sliding window (SGLang: runner.sliding_window_size), then the layers: how many, the kind
+    # of each, and whether it uses the window.
+    window = draw(st.none() | st.integers(1, 2 * profile.max_extend))
     if draft_worker:
-        layers = (_full_layer(full_kinds[0], 0, profile, draw),)
+        layers = (_full_layer(full_kinds[0], 0, profile, draw, window),)
     else:
         full_kind = draw(st.sampled_from(full_kinds)) if full_kinds else None
         n_layers = draw(st.integers(1, profile.max_layers))
         layer_kinds = [draw(st.sampled_from([k for k in (full_kind, "linear" if "linear" in kinds else None) if k]))
                        for _ in range(n_layers)]
-        layers = tuple(LinearLayer(i, *profile.linear) if k == "linear" else _full_layer(k, i, profile, draw)
+        layers = tuple(LinearLayer(i, *profile.linear) if k == "linear" else _full_layer(k, i, profile, draw, window)
                        for i, k in enumerate(layer_kinds))
     sliding_window = sliding_window and not mode.is_target_verify()  # not modelled with tree masks
     if not sliding_window or not logit_cap:

@@ -28,8 +28,6 @@ ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.M
 _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", ForwardMode.MIXED: "MIXED",
                 ForwardMode.TARGET_VERIFY: "TARGET_VERIFY", ForwardMode.DRAFT_EXTEND: "DRAFT_EXTEND_V2",
                 ForwardMode.IDLE: "IDLE"}
-# The harness draws a window per layer and reads 0 as "attend to the current token only"; SGLang has one
-# window per model and reads 0 as "no window". Until windows are drawn per model, the leaves declare none.
 GAPS = (("conformance", "checks the harness's protocol; SGLang's own (its base class) is not introspected yet"),)
 
 
@@ -181,7 +179,6 @@ class SglangTorchNative(SglangBackend):
         # (torch_native_backend.py, _run_sdpa_forward_extend). Declared, so the rows skip with this reason.
         custom_mask=False,
         logit_cap=False,  # it never reads layer.logit_cap
-        sliding_window=False,
         requires=("sglang",),
         engine="sglang",
         gaps=GAPS,
@@ -195,7 +192,6 @@ class SglangTriton(SglangBackend):
         modes=ADAPTED_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),  # on the CPU only float32/16: see cpu_dtypes
         cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken (error ~1e10)
-        sliding_window=False,
         requires=("sglang", "triton"),
         cpu_needs_env="TRITON_INTERPRET",
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3

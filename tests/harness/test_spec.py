@@ -113,3 +113,13 @@ def test_mla_and_mrope_fields_round_trip():
     mla = good(layers=(MLALayer(0, 4, 16, 8, 32, 16),))
     assert BatchSpec.from_json(mla.to_json()) == mla
     assert dataclasses.replace(mla, seed=5).seed == 5
+
+
+def test_a_model_has_one_sliding_window_and_zero_is_not_a_window():
+    from batch.spec import MHALayer
+    with pytest.raises(SpecError, match="one sliding window"):
+        BatchSpec(ForwardMode.EXTEND, (0,), (4,), (MHALayer(0, 4, 2, 32, 32, sliding_window=3),
+                                                  MHALayer(1, 4, 2, 32, 32, sliding_window=5)))
+    with pytest.raises(SpecError, match="sliding_window must be >= 1 or null"):
+        BatchSpec(ForwardMode.EXTEND, (0,), (4,), (MHALayer(0, 4, 2, 32, 32, sliding_window=0),))
+    BatchSpec(ForwardMode.EXTEND, (0,), (4,), (MHALayer(0, 4, 2, 32, 32, sliding_window=3), MHALayer(1, 4, 2, 32, 32)))

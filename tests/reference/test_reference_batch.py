@@ -114,10 +114,13 @@ def mha_layer(layer_id=0, **kw) -> MHALayer:
 
 
 @pytest.mark.parametrize("spec", [
-    # GQA, a prefix-0 request, sliding windows (0 included), logit cap, paged slots.
+    # GQA, a prefix-0 request, the model's sliding window on two of three layers (one of them a window of 1),
+    # logit cap, paged slots.
     BatchSpec(ForwardMode.EXTEND, (0, 37, 5, 0), (9, 3, 20, 1),
-              (mha_layer(0), mha_layer(1, sliding_window=4, logit_cap=5.0), mha_layer(2, sliding_window=0)),
+              (mha_layer(0), mha_layer(1, sliding_window=4, logit_cap=5.0), mha_layer(2, sliding_window=4)),
               page_size=4, seed=1),
+    BatchSpec(ForwardMode.EXTEND, (0, 7), (5, 3), (mha_layer(0, sliding_window=1), mha_layer(1)),
+              page_size=4, seed=7),
     BatchSpec(ForwardMode.DECODE, (1, 60, 17), (1, 1, 1), (mha_layer(0, sliding_window=8),), seed=2),
     BatchSpec(ForwardMode.MIXED, (12, 0, 30), (1, 7, 1), (MLALayer(0, 4, 16, 8, 32, 16),), page_size=16, seed=3),
     # Tree verification: ragged prefixes, trees of different shapes.
@@ -132,7 +135,7 @@ def mha_layer(layer_id=0, **kw) -> MHALayer:
               mrope=MropeLayout((2, 3, 3), (ImageSpan(0, 6, 1, 2, 3), ImageSpan(1, 1, 2, 2, 2)))),
     # Hybrid: linear layers interleaved with full attention.
     BatchSpec(ForwardMode.EXTEND, (0, 8), (5, 2), (mha_layer(0), LinearLayer(1, 2, 4, 16, 16), mha_layer(2)), seed=8),
-], ids=["gqa-window-cap", "decode-window", "mixed-mla", "verify-mha", "verify-mla", "draft-extend", "mrope",
+], ids=["gqa-window-cap", "window-of-one", "decode-window", "mixed-mla", "verify-mha", "verify-mla", "draft-extend", "mrope",
         "hybrid"])
 def test_batched_equals_per_request_on_chosen_batches(grouping, spec):
     assert_batched_equals_per_request(spec)

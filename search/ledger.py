@@ -1,0 +1,100 @@
+"""The known-failure ledger: disagreements with an engine that are triaged and reported upstream.
+
+One reviewed file, ``docs/findings/known-failures.toml``. Each entry names a composition (a glob over the
+term), the properties and modes where it shows, and a *condition*: a named predicate over the failing batch
+and verdict, narrow enough that an unrelated failure in the same row is never taken for it. A failing case
+that matches an entry is counted as known and the search goes on (so a second, new bug in the same row is
+still found); every other failure fails as before. Each entry also names the shrunk case file that shows
+it: when that case passes, the bug is fixed and the entry is stale, which fails the run
+(``tests/test_ledger.py``, ``harness run``), so a fixed bug loses its entry.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+from batch.spec import BatchSpec
+from properties.verdict import Verdict
+
+LEDGER = Path(__file__).resolve().parents[1] / "docs" / "findings" / "known-failures.toml"
+
+
+def _failing_layer(spec: BatchSpec, verdict: Verdict):
+    m = re.search(r"layer (\d+)", verdict.where or "")
+    if m is None:
+        return None
+    return next((layer for layer in spec.layers if layer.layer_id == int(m.group(1))), None)
+
+
+def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The worst element is in a layer whose sliding window is shorter than some request's keys."""
+    layer = _failing_layer(spec, verdict)
+    return (layer is not None and getattr(layer, "sliding_window", None) is not None
+            and max(spec.kv_lens, default=0) > layer.sliding_window)
+
+
+CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
+    "window_cuts_keys": _window_cuts_keys,
+}
+
+
+class LedgerError(ValueError):
+    """A malformed ledger entry."""
+
+
+@dataclass(frozen=True)
+class KnownFailure:
+    id: str
+    composition: str  # glob over composition terms, e.g. "sglang.triton"
+    properties: tuple[str, ...]
+    modes: tuple[str, ...]  # empty: every mode
+    condition: str  # a key of CONDITIONS
+    case: str  # the shrunk case file that shows it, relative to the repository root
+    upstream: str
+    reason: str
+    triage: str  # the docs/findings/ page
+
+    def covers(self, composition: str, mode: str, prop: str) -> bool:
+        return (fnmatch.fnmatchcase(composition, self.composition) and prop in self.properties
+                and (not self.modes or mode in self.modes))
+
+    def matches(self, composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict) -> bool:
+        return not verdict.ok and self.covers(composition, mode, prop) and CONDITIONS[self.condition](spec, verdict)
+
+    @property
+    def case_path(self) -> Path:
+        return LEDGER.parents[2] / self.case
+
+
+def parse_ledger(text: str) -> list[KnownFailure]:
+    entries = []
+    for i, d in enumerate(tomllib.loads(text).get("known", [])):
+        fields = {"id", "composition", "properties", "modes", "condition", "case", "upstream", "reason", "triage"}
+        missing, unknown = fields - {"modes"} - set(d), set(d) - fields
+        if missing or unknown:
+            raise LedgerError(f"known[{i}]: missing {sorted(missing)} / unknown {sorted(unknown)} field(s)")
+        if d["condition"] not in CONDITIONS:
+            raise LedgerError(f"known[{i}] ({d['id']}): unknown condition {d['condition']!r}; "
+                              f"known: {', '.join(CONDITIONS)}")
+        entries.append(KnownFailure(d["id"], d["composition"], tuple(d["properties"]), tuple(d.get("modes", ())),
+                                    d["condition"], d["case"], d["upstream"], d["reason"], d["triage"]))
+    ids = [e.id for e in entries]
+    if len(set(ids)) != len(ids):
+        raise LedgerError(f"ledger ids repeat: {ids}")
+    return entries
+
+
+@cache
+def known_failures() -> tuple[KnownFailure, ...]:
+    return tuple(parse_ledger(LEDGER.read_text())) if LEDGER.exists() else ()
+
+
+def match(composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict) -> KnownFailure | None:
+    """The ledger entry that explains this failing case, or None (then it is a finding)."""
+    return next((e for e in known_failures() if e.matches(composition, mode, prop, spec, verdict)), None)

@@ -1,0 +1,62 @@
+"""The known-failure ledger (docs/findings/known-failures.toml): every entry is well formed, its case still
+fails here exactly as the entry describes (else the bug is fixed and the entry must go), and the match is
+narrow (a failure elsewhere in the same row stays a finding)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from backends.registry import parse
+from batch.spec import BatchSpec, ForwardMode, MHALayer
+from properties import PROPERTIES
+from properties.verdict import Verdict
+from search import ledger
+from search.casefile import CaseFile
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRIES = ledger.known_failures()
+
+
+def test_the_ledger_parses_and_rejects_what_it_cannot_check():
+    assert ENTRIES, "the ledger is empty: the SGLang triage found disagreements"
+    with pytest.raises(ledger.LedgerError, match="unknown condition"):
+        ledger.parse_ledger('[[known]]\nid="x"\ncomposition="a"\nproperties=[]\ncondition="nope"\ncase="c"\n'
+                            'upstream="u"\nreason="r"\ntriage="t"\n')
+    with pytest.raises(ledger.LedgerError, match="missing"):
+        ledger.parse_ledger('[[known]]\nid="x"\n')
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.id for e in ENTRIES])
+def test_entry_is_well_formed(entry):
+    if "*" not in entry.composition:
+        parse(entry.composition)  # a term that names real backends
+    assert set(entry.properties) <= set(PROPERTIES)
+    assert set(entry.modes) <= {m.value for m in ForwardMode}
+    assert (ROOT / entry.triage).is_file(), f"{entry.id}: triage page {entry.triage} is missing"
+    case = CaseFile.read(entry.case_path)
+    assert entry.covers(case.composition, case.spec.mode.value, case.property)
+
+
+@pytest.mark.parametrize("entry", ENTRIES, ids=[e.id for e in ENTRIES])
+def test_entry_still_fails_as_described(entry, device):
+    case = CaseFile.read(entry.case_path)
+    composition = parse(case.composition)
+    reason = composition.unavailable_reason(device)
+    if reason:
+        pytest.skip(f"{entry.id}: {reason}")
+    verdict = PROPERTIES[case.property].run(composition, case.spec, device)
+    assert not verdict.ok, f"{entry.id} no longer fails: the bug is fixed upstream; remove the entry ({verdict})"
+    assert entry.matches(case.composition, case.spec.mode.value, case.property, case.spec, verdict), \
+        f"{entry.id}: its case fails differently now: {verdict}"
+
+
+def test_a_failure_outside_the_condition_is_not_known():
+    spec = BatchSpec(ForwardMode.DECODE, (30,), (1,), (MHALayer(0, 4, 2, 32, 32, sliding_window=4),
+                                                       MHALayer(1, 4, 2, 32, 32)))
+    failing = lambda where: Verdict("outputs", False, "out of bounds", 1.0, 1e-6, where)  # noqa: E731
+    assert ledger.match("sglang.triton", "decode", "outputs", spec, failing("layer 0: request 0")) is not None
+    assert ledger.match("sglang.triton", "decode", "outputs", spec, failing("layer 1: request 0")) is None
+    assert ledger.match("sglang.torch_native", "decode", "outputs", spec, failing("layer 0: request 0")) is None
+    assert ledger.match("sglang.triton", "decode", "cache", spec, failing("layer 0: request 0")) is None
