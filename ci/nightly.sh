@@ -13,8 +13,11 @@ if [ "${HARNESS_NO_INSTALL:-0}" != "1" ]; then
   "$PY" -m pip install -e '.[gpu]'
 fi
 mkdir -p "${HARNESS_DB:-.hypothesis/nightly}"  # Hypothesis writes it only when something fails; CI caches it
-args=(--budget "${HARNESS_BUDGET:-30m}" --profile nightly --out "${HARNESS_OUT:-harness-out/nightly}" --resume
-      --db "${HARNESS_DB:-.hypothesis/nightly}")
+out=${HARNESS_OUT:-harness-out/nightly}
+args=(--budget "${HARNESS_BUDGET:-30m}" --profile nightly --out "$out" --db "${HARNESS_DB:-.hypothesis/nightly}")
+if [ -f "$out/sweep.json" ]; then
+  args+=(--resume)  # a sweep stopped in this folder goes on (--resume refuses a folder with no sweep in it)
+fi
 if [ -n "${HARNESS_SHARD:-}" ]; then
   args+=(--shard "$HARNESS_SHARD")
 fi

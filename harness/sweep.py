@@ -14,6 +14,12 @@ under ``cases/``), ``results.jsonl`` (one line per row and round; ``--resume`` r
 from it and skips the rows already done), ``logs/`` (each worker's output); at the end ``report.md``,
 ``report.json`` and the plots.
 
+One sweep writes to a folder at a time (``OUT/.lock``, see ``harness.outlock``). Workers die with the sweep,
+however it dies; SIGTERM stops a sweep as Ctrl-C does (workers stopped, report written, exit status 130).
+Whatever a worker finished that the sweep did not record (its ``done`` events in ``workers/``, its case
+files in ``cases/``: the sweep was killed before it read them) is adopted into ``results.jsonl`` and
+``findings.jsonl`` on ``--resume`` and at the end of every sweep.
+
 The example database is a folder (``OUT/examples``, or ``--db PATH``). CI shares it between runs by
 restoring it to the same path before a sweep and saving it after (a cache, or an artifact downloaded by
 the next run); failures saved there are replayed first. ``--redis URL`` shares one live database between
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
+from harness.outlock import OutFolderLock
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, safe_name
@@ -163,7 +170,8 @@ class Sweep:
         self.by_id = {s.row.id: s for s in self.rows}
         self.compositions = list(dict.fromkeys(str(s.row.composition) for s in self.rows))
         self.retired_compositions: set[str] = set()
-        self.session = time.strftime("%Y%m%d-%H%M%S")  # names this invocation's task files and logs
+        # Names this invocation's task files and logs (the pid: two sessions may start within one second).
+        self.session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     # ---- scheduling ------------------------------------------------------------------------------------
     def active(self, composition: str) -> list[RowState]:
@@ -192,7 +200,7 @@ class Sweep:
             "composition": composition, "device": self.device, "profile": self.profile, "seed": self.seed,
             "rows": [{"row": s.row.id, "rounds": s.rounds} for s in rows], "max_rounds": self.max_rounds,
             "out_dir": str(self.out_dir), "db": self.db, "redis": self.redis, "mutant": self.mutant,
-            "deadline": self.deadline, "events": str(events),
+            "deadline": self.deadline, "events": str(events), "parent": os.getpid(),
             # Further rounds in the same process only while no other composition waits for a worker.
             "continue_until": self.deadline if len(self.waiting()) <= self.workers - len(self.running) else 0.0},
             indent=1))
@@ -202,6 +210,8 @@ class Sweep:
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=self.worker_env(slot), start_new_session=True)
         self.running[slot] = Task(composition, slot, proc, events, log, time.time())
+        append_jsonl(self.out_dir / "workers" / "pids.jsonl", {"pid": proc.pid, "composition": composition,
+                                                               "task": str(task_file), "time": time.time()})
         gpu = f" on GPU {self.gpus[slot % len(self.gpus)]}" if self.gpus else ""
         self.progress.event(f"start {composition} at round {round_ + 1}: {len(rows)} row(s){gpu}")
 
@@ -288,11 +298,8 @@ class Sweep:
                 self.row_done(self.by_id[event["row"]], event["round"], event["result"])
 
     def row_done(self, state: RowState, round_: int, result: dict) -> None:
-        state.absorb(result)
+        self.record_result(state, round_, result)
         r = state.row
-        append_jsonl(self.out_dir / "results.jsonl", {
-            "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
-            "round": round_, "seed": round_seed(self.seed, r.id, round_), **result})
         if result["ok"]:
             ratio = "" if result["worst_error"] is None else \
                 f", worst {result['worst_error'] / result['bound']:.2f} of bound"
@@ -301,6 +308,53 @@ class Sweep:
             return
         self.finding(state, "failure", result["failure"], result["case_file"], str(r.composition), round_,
                      batch_size=result.get("batch_size"), num_tokens=result.get("num_tokens"))
+
+    def record_result(self, state: RowState, round_: int, result: dict) -> None:
+        state.absorb(result)
+        r = state.row
+        append_jsonl(self.out_dir / "results.jsonl", {
+            "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
+            "round": round_, "seed": round_seed(self.seed, r.id, round_), **result})
+
+    def adopt_orphans(self, since: float) -> int:
+        """Record what workers finished but the sweep never read (it was killed first): ``done`` events missing
+        from ``results.jsonl``, and case files under ``cases/`` that no finding names. Only files written
+        since ``since`` (when this sweep began) count: older ones belong to a sweep moved aside. Returns how
+        many results and findings were adopted."""
+        have = {(r.get("row"), r.get("round")) for r in read_jsonl(self.out_dir / "results.jsonl")}
+        adopted = 0
+        for events in sorted((self.out_dir / "workers").glob("*.events.jsonl")):
+            if events.stat().st_mtime < since:
+                continue
+            for event in read_jsonl(events):
+                state = self.by_id.get(event.get("row"))
+                if event.get("event") != "done" or state is None or (state.row.id, event["round"]) in have:
+                    continue
+                have.add((state.row.id, event["round"]))
+                result = event["result"]
+                self.record_result(state, event["round"], result)
+                adopted += 1
+                if not result["ok"] and state.finding is None:
+                    self.finding(state, result.get("finding_kind") or "failure", result["failure"],
+                                 result["case_file"], str(state.row.composition), event["round"],
+                                 batch_size=result.get("batch_size"), num_tokens=result.get("num_tokens"),
+                                 adopted=f"from {events.name}")
+                    adopted += 1
+        named = {Path(f["case_file"]).name for f in read_jsonl(self.out_dir / "findings.jsonl") if f.get("case_file")}
+        for path in sorted((self.out_dir / "cases").glob("*.json")):
+            if path.name in named or path.stat().st_mtime < since:
+                continue
+            try:
+                case = CaseFile.read(path)
+            except Exception:  # noqa: BLE001 - not a case file this harness can read: not a finding of its own
+                continue
+            state = self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
+            if state is None or state.finding is not None:
+                continue  # a row outside this sweep, or one whose finding is already recorded
+            reason = (case.verdict or {}).get("reason") or "a case file without a recorded finding"
+            self.finding(state, "failure", reason, str(path), case.composition, None, adopted=f"from {path.name}")
+            adopted += 1
+        return adopted
 
     def exited(self, task: Task, code: int) -> None:
         if task.stopping or code == 0:
@@ -411,16 +465,42 @@ class Sweep:
         return f"worker {task.slot}: {task.current or task.composition} round {task.current_round + 1}"
 
 
-def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed: int | None = None) -> dict:
-    """The sweep's metadata: the resumed sweep's, or a new sweep's (a previous sweep's files moved aside)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def selection_flags(selection: dict) -> str:
+    """The command line's row selection, as flags: '--backends torch_native --modes decode'."""
+    flags = [f"--{k} {' '.join(v) if isinstance(v, list) else v}" for k, v in selection.items() if v]
+    return " ".join(flags) or "no --backends, --properties, --modes or --shard"
+
+
+def same_selection(selection: dict) -> dict:
+    """A selection compared up to order and spelling: [] and None are both 'all'."""
+    return {k: (tuple(sorted(v)) if isinstance(v, list) else v) or None for k, v in selection.items()}
+
+
+def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed: int | None = None,
+                    mutant: str | None = None, rows: list[str] | None = None,
+                    selection: dict | None = None) -> dict:
+    """The sweep's metadata: the resumed sweep's (which must be the same sweep: profile, device, mutant and
+    row selection), or a new sweep's (a previous sweep's files moved aside)."""
     meta_path = out_dir / "sweep.json"
-    if resume and meta_path.exists():
+    if resume and not meta_path.exists():
+        raise UsageError(f"--resume: {out_dir} holds no sweep to resume (no sweep.json); "
+                          f"drop --resume to start one there")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if resume:
         meta = json.loads(meta_path.read_text())
         for key, now in (("profile", profile), ("device", device)):
             if meta.get(key) != now:
                 raise UsageError(f"--resume: {out_dir} holds a sweep with {key} {meta.get(key)}; "
                                   f"pass --{key} {meta.get(key)} or choose another --out")
+        if "mutant" in meta and meta["mutant"] != mutant:  # (sweeps before this check recorded none)
+            what = f"pass --mutant {meta['mutant']}" if meta["mutant"] else "drop --mutant"
+            held = f"with mutant {meta['mutant']}" if meta["mutant"] else "without a mutant"
+            raise UsageError(f"--resume: {out_dir} holds a sweep {held}; {what} or choose another --out")
+        # The selection, not the row ids: a resumed nightly sweep goes on when a new backend adds rows.
+        if selection is not None and "selection" in meta and same_selection(meta["selection"]) != same_selection(
+                selection):
+            raise UsageError(f"--resume: {out_dir} holds a sweep of other rows (selected by "
+                              f"{selection_flags(meta['selection'])}); pass the same selection or choose another --out")
     else:
         old = [out_dir / n for n in STATE_FILES if (out_dir / n).exists()]
         if old:
@@ -430,7 +510,8 @@ def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed
             for p in old:
                 p.replace(keep / p.name)
         meta = {"seed": random.SystemRandom().getrandbits(32) if seed is None else seed, "profile": profile, "device": device,
-                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+                "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "started": time.time(), "mutant": mutant, "selection": selection or {}, "rows": sorted(rows or [])}
         meta_path.write_text(json.dumps(meta, indent=1))
     for stale in (out_dir / "pending").glob("*.json"):  # cases of a sweep that was stopped, not findings
         stale.unlink()
@@ -439,8 +520,6 @@ def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed
 
 def cmd_sweep(args) -> int:
     from harness.mutants.catalogue import MUTANTS
-    from harness.progress import make_progress
-    from harness.report import write_reports
     from harness.sweep_worker import example_database
     from properties import PROPERTIES
     from search.matrix import matrix_rows
@@ -464,12 +543,62 @@ def cmd_sweep(args) -> int:
         raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
     rows = shard_rows(rows, shard)
     out_dir = Path(args.out)
-    db = None if args.redis else str(Path(args.db) if args.db else out_dir / "examples")
+    db = None if args.redis else str((Path(args.db) if args.db else out_dir / "examples").absolute())
     try:
         example_database(db, args.redis)  # a bad --redis fails here, once, not in every worker
     except ValueError as e:
         raise UsageError(str(e)) from None
-    meta = prepare_out_dir(out_dir, args.resume, profile.name, device, args.seed)
+    if args.resume and not (out_dir / "sweep.json").exists():  # before the lock creates the folder
+        prepare_out_dir(out_dir, True, profile.name, device)  # raises: nothing to resume
+    lock = OutFolderLock(out_dir).acquire()  # one sweep writes here at a time; the kernel frees it on death
+    try:
+        return _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir, db)
+    finally:
+        lock.release()
+
+
+def sweep_began(meta: dict) -> float:
+    """When the sweep in ``meta`` began (its first session), as a timestamp."""
+    if meta.get("started") is not None:
+        return float(meta["started"])
+    try:  # a sweep.json of a sweep that did not record it: its creation, to the second
+        return datetime.datetime.fromisoformat(meta["created"]).timestamp() - 1.0
+    except (KeyError, TypeError, ValueError):
+        return 0.0
+
+
+class _Terminated:
+    """SIGTERM (what CI timeouts and ``kill`` send) stops the sweep as Ctrl-C does: the first one raises
+    KeyboardInterrupt; while the report is written, further ones are ignored."""
+
+    def __enter__(self):
+        self.previous = None
+        try:
+            self.previous = signal.signal(signal.SIGTERM, self.handle)
+        except ValueError:  # not the main thread (the sweep called from a test's thread): leave signals alone
+            pass
+        return self
+
+    def handle(self, signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def wrap_up(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: Path, db) -> int:
+    from harness.progress import make_progress
+    from harness.report import write_reports
+
+    selection = {"backends": args.backends, "properties": args.properties, "modes": args.modes, "shard": args.shard}
+    meta = prepare_out_dir(out_dir, args.resume, profile.name, device, args.seed, mutant=args.mutant,
+                           rows=[r.id for r in rows], selection=selection)
     states = {r.id: RowState(r) for r in rows}
     for result in read_jsonl(out_dir / "results.jsonl"):
         if result.get("row") in states:
@@ -485,6 +614,13 @@ def cmd_sweep(args) -> int:
                   args.case_timeout or (600.0 if device == "cuda" else 300.0), meta["seed"], db, args.redis,
                   args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
                   args.compile_timeout or COMPILE_TIMEOUT_S)
+    began = sweep_began(meta)
+    if args.resume:
+        adopted = sweep.adopt_orphans(began)
+        if adopted:
+            progress.event(f"adopted {adopted} result(s) and finding(s) that workers wrote after their sweep "
+                           f"stopped reading")
+    cases_before = sum(s.cases for s in sweep.rows)  # the cases/s below is this session's
     resumed = sum(1 for s in sweep.rows if s.rounds or s.finding)
     notes = [f"shard {shard[0]}/{shard[1]}"] if shard else []
     notes += [f"{resumed} row(s) resumed"] if resumed else []
@@ -492,33 +628,38 @@ def cmd_sweep(args) -> int:
     progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.compositions)} composition(s) on {device}, profile "
                    f"{profile.name}, budget {duration(budget)}, {workers} worker(s)" + "".join(f", {n}" for n in notes))
     interrupted = False
-    try:
-        sweep.run()
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        progress.close()
-    elapsed = time.time() - start
+    with _Terminated() as terminated:
+        try:
+            sweep.run()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            terminated.wrap_up()
+            progress.close()
+        elapsed = time.time() - start
+        sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
 
-    findings = read_jsonl(out_dir / "findings.jsonl")
-    records = [s.record() for s in sweep.rows]
-    searched = [s for s in sweep.rows if s.finding is None and s.rounds]
-    rounds = (min(s.rounds for s in searched), max(s.rounds for s in searched)) if searched else (0, 0)
-    settings = {"budget_s": budget, "elapsed_s": round(elapsed, 1), "shard": args.shard, "workers": workers,
-                "seed": meta["seed"], "mutant": args.mutant, "rounds": list(rounds), "database": args.redis or db,
-                "interrupted": interrupted}
-    paths = write_reports(records, skipped, out_dir, device, profile.name, findings=findings,
-                          extra={"sweep": settings})
-    cases = sum(r["cases"] for r in records)
-    unreached = sum(r["status"] == "not run" for r in records)
-    print(f"sweep: {len(records)} rows{f' ({unreached} not reached)' if unreached else ''}, rounds "
-          f"{rounds[0]}-{rounds[1]}, {cases} cases in {duration(elapsed)} "
-          f"({cases / elapsed if elapsed else 0:.1f} cases/s), {len(findings)} finding(s)")
-    for f in findings:
-        print(f"FINDING ({f['kind']}) {f.get('row') or f['composition']}: {f['reason']}")
-        if f.get("case_file"):
-            print(f"  reproduce: python -m harness repro {f['case_file']}")
-    print(f"report: {', '.join(str(p) for p in paths)}")
+        findings = read_jsonl(out_dir / "findings.jsonl")
+        records = [s.record() for s in sweep.rows]
+        searched = [s for s in sweep.rows if s.finding is None and s.rounds]
+        rounds = (min(s.rounds for s in searched), max(s.rounds for s in searched)) if searched else (0, 0)
+        settings = {"budget_s": budget, "elapsed_s": round(elapsed, 1), "shard": args.shard, "workers": workers,
+                    "seed": meta["seed"], "mutant": args.mutant, "rounds": list(rounds),
+                    "database": args.redis or db, "interrupted": interrupted}
+        paths = write_reports(records, skipped, out_dir, device, profile.name, findings=findings,
+                              extra={"sweep": settings})
+        cases = sum(r["cases"] for r in records)
+        session = cases - cases_before
+        counted = f"{cases} cases ({session} this session)" if cases_before else f"{cases} cases"
+        unreached = sum(r["status"] == "not run" for r in records)
+        print(f"sweep: {len(records)} rows{f' ({unreached} not reached)' if unreached else ''}, rounds "
+              f"{rounds[0]}-{rounds[1]}, {counted} in {duration(elapsed)} "
+              f"({session / elapsed if elapsed else 0:.1f} cases/s), {len(findings)} finding(s)")
+        for f in findings:
+            print(f"FINDING ({f['kind']}) {f.get('row') or f['composition']}: {f['reason']}")
+            if f.get("case_file"):
+                print(f"  reproduce: python -m harness repro {f['case_file']}")
+        print(f"report: {', '.join(str(p) for p in paths)}", flush=True)
     if interrupted:
         raise KeyboardInterrupt
     return 1 if findings else 0

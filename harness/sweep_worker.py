@@ -7,6 +7,11 @@ its slot, it keeps its process rather than paying for a fresh one each round). E
 event is one JSON line appended to the task's events file: ``start`` before a row's search, ``done`` with
 its result after it, so the sweep knows which row was running when this process died or stalled (the
 row's pending case file, written by ``search_row`` before every example, is the reproducer).
+
+A worker never outlives the sweep that started it (``parent`` in the task file): the kernel kills it when
+its parent dies (``PR_SET_PDEATHSIG``, Linux), and a watchdog thread checks ``os.getppid()`` every second
+where that is not available. Whatever it had finished is on disk (its ``done`` events, its case files), and
+the sweep adopts it on ``--resume``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -56,7 +62,37 @@ def example_database(db: str | None, redis_url: str | None):
     return DirectoryBasedExampleDatabase(db)
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_POLL_S = 1.0
+
+
+def die_with_parent(parent: int | None) -> None:
+    """Be killed when the sweep (pid ``parent``) dies, even by SIGKILL: the kernel's parent-death signal where
+    there is one, and a thread polling ``os.getppid()`` in any case (it also covers a parent that died before
+    the signal was set up)."""
+    if parent is None:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the watchdog below does it
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(PARENT_POLL_S)
+
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
 def run_task(task: dict) -> int:
+    die_with_parent(task.get("parent"))
     device = task["device"]
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
@@ -79,7 +115,7 @@ def run_task(task: dict) -> int:
             events.write(json.dumps(fields | {"time": time.time()}) + "\n")
             events.flush()
 
-        emit(event="ready")
+        emit(event="ready", pid=os.getpid())
         with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
             while rounds:
                 round_ = min(rounds.values())

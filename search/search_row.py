@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 from hypothesis import given
-from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import HypothesisException
 
 from batch.spec import BatchSpec
@@ -66,7 +65,11 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     # One database key per row, so replays of saved failures stay with their row.
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = row.id.encode()
     if seed is not None:
-        probe = hypothesis_seed(seed)(probe)
+        # Not ``hypothesis.seed(seed)``: it also sets ``database=None``, so a seeded search (every sweep round)
+        # would neither save its failures nor replay saved ones. This attribute is what ``seed()`` sets for
+        # generation; with the database left in place, saved failures of this row are replayed first
+        # (Hypothesis's reuse phase), then the search goes on from the seed.
+        probe._hypothesis_internal_use_seed = seed
     try:
         probe()
     except PropertyFailed:
