@@ -12,3 +12,8 @@ if [ "${HARNESS_SKIP_TORCH:-0}" != "1" ]; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
 .venv/bin/python -m pip install -q -e .
+# The SGLang extra (its real attention backends as sglang.* rows); HARNESS_NO_SGLANG=1 leaves it out, and its
+# rows are then listed as unavailable with the install command.
+if [ "${HARNESS_NO_SGLANG:-0}" != "1" ]; then
+  bash ci/install-sglang.sh
+fi
