@@ -82,7 +82,14 @@ class RowOutcome:
                 "batch_size": None if spec is None else spec.batch_size,
                 "num_tokens": None if spec is None else spec.num_tokens,
                 "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
-                "headline": self.headline()}
+                "headline": self.headline(), "failure_at": failure_at(self.failure)}
+
+
+def failure_at(failure: Verdict | str | None) -> dict | None:
+    """The failing case's own worst error, bound and place (the row's ``worst_error`` is over all its cases)."""
+    if not isinstance(failure, Verdict):
+        return None
+    return {"worst_error": failure.worst_error, "bound": failure.bound, "where": failure.where}
 
 
 def failure_headline(failure: Verdict | str | None) -> str:
