@@ -36,7 +36,7 @@ class Profile:
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("ci", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
-            max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4,
+            max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4, shrink_seconds=10.0,
             description="CPU CI: float32, tiny heads, few examples per row"),
     Profile("dev", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
             max_requests=6, max_prefix=80, max_extend=40, max_layers=4, max_examples=25,

@@ -70,21 +70,22 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
             # The shrink budget is spent: every further candidate passes without running (so the shrinker gives
             # up at once), but the failing examples still fail, so Hypothesis's last replay of the smallest
             # one found so far reports it.
-            for failed, verdict in reversed(failures):
-                if failed == spec:
-                    raise PropertyFailed(verdict)
-            return
-        CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
-        verdict = row.property.run(row.composition, spec, device)
-        result.cases += 1
-        result.keep_worst(verdict.worst_error, verdict.bound)
-        if not verdict.ok:
+            verdict = next((v for failed, v in reversed(failures) if failed == spec), None)
+            if verdict is None:
+                return
+        else:
+            CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
+            verdict = row.property.run(row.composition, spec, device)
+            result.cases += 1
+            result.keep_worst(verdict.worst_error, verdict.bound)
+            if verdict.ok:
+                return
             if result.first_failure_seconds is None:
                 result.first_failure_seconds = time.perf_counter() - start
                 result.case_file = failing_case(row, profile, device, spec, verdict).write(
                     out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
             failures.append((spec, verdict))
-            raise PropertyFailed(verdict)
+        raise PropertyFailed(verdict)  # from this line only: Hypothesis tells failures apart by where they rose
 
     # One database key per row, so replays of saved failures stay with their row.
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = row.id.encode()
