@@ -256,8 +256,8 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
                     help="with isolation: seconds one case may run before it counts as a hang (default 600 on a "
                          "GPU, 300 on a CPU); time while a JIT compiler runs is not counted")
     sp.add_argument("--shrink-seconds", type=float,
-                    help="seconds to spend shrinking one row's failure (default: the profile's, 10 for ci, 30 for the others), and four "
-                         "times that over the run; 0 reports failures as found")
+                    help="seconds to spend shrinking one row's failure (default: the profile's, 10 for ci, 30 for "
+                         "the others), and four times that over the run; 0 reports failures as found")
     sp.set_defaults(fn=cmd_run)
 
     sp = sub.add_parser("mutants", help="run the catalogue of injected bugs and report which are caught")
