@@ -13,6 +13,7 @@ from pathlib import Path
 from hypothesis import given
 from hypothesis import seed as hypothesis_seed
 from hypothesis.errors import HypothesisException
+from hypothesis.reporting import with_reporter
 
 from batch.spec import BatchSpec
 from properties.verdict import Verdict
@@ -23,6 +24,12 @@ from search.profiles import Profile, hypothesis_settings
 from search.strategies import batch_specs
 
 DEFAULT_OUT = Path("harness-out")
+
+
+class ShrinkBudgetSpent(BaseException):
+    """Raised from the test once the time for shrinking is spent. Not an ``Exception``, so Hypothesis does not
+    take it for a failure but stops at once (as on Ctrl-C); the last failure found, the smallest so far (the
+    shrinker only tries smaller cases), is the row's result."""
 
 
 class PropertyFailed(AssertionError):
@@ -67,33 +74,32 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     @given(row_strategy(row, profile))
     def probe(spec: BatchSpec) -> None:
         if shrink_time_spent():
-            # The shrink budget is spent: every further candidate passes without running (so the shrinker gives
-            # up at once), but the failing examples still fail, so Hypothesis's last replay of the smallest
-            # one found so far reports it.
-            verdict = next((v for failed, v in reversed(failures) if failed == spec), None)
-            if verdict is None:
-                return
-        else:
-            CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
-            verdict = row.property.run(row.composition, spec, device)
-            result.cases += 1
-            result.keep_worst(verdict.worst_error, verdict.bound)
-            if verdict.ok:
-                return
+            raise ShrinkBudgetSpent
+        CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
+        verdict = row.property.run(row.composition, spec, device)
+        result.cases += 1
+        result.keep_worst(verdict.worst_error, verdict.bound)
+        if not verdict.ok:
             if result.first_failure_seconds is None:
                 result.first_failure_seconds = time.perf_counter() - start
                 result.case_file = failing_case(row, profile, device, spec, verdict).write(
                     out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
             failures.append((spec, verdict))
-        raise PropertyFailed(verdict)  # from this line only: Hypothesis tells failures apart by where they rose
+            raise PropertyFailed(verdict)
 
     # One database key per row, so replays of saved failures stay with their row.
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = row.id.encode()
     if seed is not None:
         probe = hypothesis_seed(seed)(probe)
+    # Hypothesis's notes, held back: after a stop (the shrink budget, Ctrl-C) they would offer a @seed to
+    # "reproduce this failure", which misleads.
+    reported: list[str] = []
+    stopped = False
     try:
-        probe()
-    except PropertyFailed:
+        with with_reporter(reported.append):
+            probe()
+    except (PropertyFailed, ShrinkBudgetSpent) as e:
+        stopped = isinstance(e, ShrinkBudgetSpent)
         spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
         result.ok, result.failure, result.spec = False, verdict, spec
         result.shrink_seconds = time.perf_counter() - start - result.first_failure_seconds
@@ -105,7 +111,13 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     except HypothesisException as e:
         result.ok = False
         result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+        stopped = True
+        raise
     finally:
+        if not stopped:
+            for line in reported:
+                print(line)
         pending.unlink(missing_ok=True)
         result.seconds = time.perf_counter() - start
     return result
