@@ -93,8 +93,7 @@ def worst_error_figure(Figure, rows: list[dict], comps: list[str]):
     positive = grid[np.isfinite(grid) & (grid > 0)]
     decades = max([1] + [math.ceil(abs(math.log10(v))) for v in positive])
     norm = LogNorm(10.0 ** -decades, 10.0 ** decades)  # symmetric in decades: 1 sits in the middle
-    cmap = colormaps["RdYlGn_r"].copy()
-    cmap.set_bad(BLANK)
+    cmap = colormaps["RdYlGn_r"].with_extremes(bad=BLANK)
     shown = np.where(np.isnan(grid) | (grid > 0), grid, norm.vmin)  # an exact match (0) takes the scale's lowest colour
     fig = Figure(figsize=(max(6.0, 3.5 + 0.9 * len(modes)), 2.3 + 0.32 * len(comps)), layout="constrained")
     ax = fig.add_subplot()
