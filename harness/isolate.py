@@ -27,13 +27,11 @@ from pathlib import Path
 
 from harness.mutants.run import exit_description
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running
+from harness.sweep_worker import EXIT_CONTEXT_POISONED  # a sticky CUDA error: the rows left need a fresh process
 from search.casefile import CaseFile, case_name, safe_name
 from search.outcome import RowOutcome
 from search.profiles import SHRINK_ROWS_PER_RUN, Profile
 from search.search_row import search_row
-
-EXIT_CONTEXT_POISONED = 3  # a sticky CUDA error: the rows left need a fresh process
-
 
 def default_case_timeout(device: str) -> float:
     """As the sweep's: a GPU's first case may JIT-compile, the CPU interprets Triton kernels slowly."""
