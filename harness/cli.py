@@ -82,13 +82,19 @@ def cmd_run(args) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {args.max_examples}")
     check_positive("--stall-seconds", args.stall_seconds)
+    check_positive("--case-timeout", args.case_timeout)
+    if args.shrink_seconds is not None and args.shrink_seconds < 0:
+        raise UsageError(f"--shrink-seconds must be >= 0, got {args.shrink_seconds}")
     shard = parse_shard(args.shard) if args.shard else None
     check_out_folder("--out", args.out)
 
+    from harness.isolate import search_rows_isolated
+    from harness.mutants.catalogue import MUTANTS
     from harness.report import print_summary, write_json_report, write_reports
     from search.matrix import matrix
-    from search.search_row import search_row
 
+    if args.mutant and args.mutant not in MUTANTS:
+        raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
     device = resolve_device(args.device)
     profile = profile_named(args.profile)
     m = matrix(device, profile, args.backends, args.properties, args.modes)
@@ -100,23 +106,36 @@ def cmd_run(args) -> int:
 
         rows = shard_rows(rows, shard)  # the sweep's split: a stable hash of the row id
     out_dir = make_out_folder("--out", args.out)
-    db = _database(args.db)
+    for stale in (out_dir / "pending").glob("*.json"):  # a stopped run's cases, not this run's crashes
+        stale.unlink()
+    mutant = MUTANTS[args.mutant] if args.mutant else None
+    if mutant and mutant.needs_device and mutant.needs_device != device:
+        print(f"note: mutant {mutant.name} only has an effect on {mutant.needs_device}", file=sys.stderr)
+    # A child process runs the rows where a crash or a hang is likely or costly: on a GPU (a device-side
+    # assert is sticky, an illegal address kills the process), with a mutant that kills the process, or asked.
+    isolate = args.isolate or device == "cuda" or bool(mutant and mutant.crashes)
+    shrink_seconds = profile.shrink_seconds if args.shrink_seconds is None else args.shrink_seconds
+    if isolate:
+        events = search_rows_isolated(rows, profile, device, db=args.db or ".hypothesis/examples",
+                                      max_examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
+                                      mutant=args.mutant, case_timeout_s=args.case_timeout,
+                                      stall_seconds=args.stall_seconds)
+    else:
+        events = _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant)
     results = []
     start = time.perf_counter()
-    for n, row in enumerate(rows, 1):
-        print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
-        # A row that stalls (a hung kernel, a compile) prints every thread's stack, so a hang is never silent.
-        faulthandler.dump_traceback_later(args.stall_seconds, repeat=True, file=sys.stderr)
-        try:
-            result = search_row(row, profile, device, database=db, max_examples=args.max_examples, out_dir=out_dir)
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+    n = 0
+    for kind, row, result in events:
+        if kind == "start":
+            n += 1
+            print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
+            continue
         results.append(result)
         print(f"{result.summary()} {result.seconds:.1f}s", flush=True)
         if not result.ok and result.case_file:
             print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
         write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
-        if device == "cuda" and not result.ok and "CUDA error" in str(result.failure):
+        if not isolate and device == "cuda" and not result.ok and "CUDA error" in str(result.failure):
             # A device-side assert is sticky: every later row in this process would fail with it.
             print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh process "
                   f"(`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
@@ -124,6 +143,25 @@ def cmd_run(args) -> int:
     print_summary(results, skipped, time.perf_counter() - start)
     write_reports(results, skipped, out_dir, device, profile.name)  # report.json again, report.md, plots
     return 0 if all(r.ok for r in results) else 1
+
+
+def _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant):
+    """The rows searched in this process; a row that stalls (a hung kernel, a compile) prints every thread's
+    stack, so a hang is never silent."""
+    import contextlib
+
+    from harness.isolate import search_rows
+
+    with mutant.patch() if mutant else contextlib.nullcontext():
+        for kind, row, result in search_rows(rows, profile, device, database=_database(args.db),
+                                             max_examples=args.max_examples, out_dir=out_dir,
+                                             shrink_seconds=shrink_seconds):
+            if kind == "start":
+                faulthandler.dump_traceback_later(args.stall_seconds, repeat=True, file=sys.stderr)
+            else:
+                faulthandler.cancel_dump_traceback_later()
+            yield kind, row, result
+    faulthandler.cancel_dump_traceback_later()
 
 
 def cmd_repro(args) -> int:
@@ -210,6 +248,16 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")
     sp.add_argument("--stall-seconds", type=float, default=180.0,
                     help="print every thread's stack when one row runs this long (and again each period)")
+    sp.add_argument("--mutant", help="inject this bug from the catalogue (`python -m harness mutants --list`)")
+    sp.add_argument("--isolate", action="store_true",
+                    help="search the rows in a child process, so a crash or a hang is a finding with its case file "
+                         "and the other rows still run (always on a GPU, and with a mutant that crashes)")
+    sp.add_argument("--case-timeout", type=float,
+                    help="with isolation: seconds one case may run before it counts as a hang (default 600 on a "
+                         "GPU, 300 on a CPU); time while a JIT compiler runs is not counted")
+    sp.add_argument("--shrink-seconds", type=float,
+                    help="seconds to spend shrinking one row's failure (default: the profile's, 10 for ci, 30 for "
+                         "the others), and four times that over the run; 0 reports failures as found")
     sp.set_defaults(fn=cmd_run)
 
     sp = sub.add_parser("mutants", help="run the catalogue of injected bugs and report which are caught")

@@ -7,6 +7,9 @@ import sys
 from pathlib import Path
 
 GREEN, RED, GREY, BLANK = (0.55, 0.80, 0.55), (0.90, 0.35, 0.30), (0.80, 0.80, 0.80), (0.97, 0.97, 0.97)
+PALE_GREEN = (0.80, 0.91, 0.80)  # every row that ran passed, but some did not run
+LEGEND = ((GREEN, "ok: every row ran and passed"), (PALE_GREEN, "ok where run; some rows not run"),
+          (RED, "a finding (failed, crashed, hung)"), (GREY, "not run"), (BLANK, "no such row (not applicable)"))
 
 
 def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
@@ -25,10 +28,6 @@ def write_plots(rows: list[dict], out_dir: Path) -> list[Path]:
             cases_per_second(Figure, rows, comps, out_dir / "cases_per_second.png")]
 
 
-def _grid_figure(Figure, n_rows: int, n_cols: int):
-    return Figure(figsize=(3.5 + 0.9 * n_cols, 1.4 + 0.32 * n_rows), layout="constrained")
-
-
 def _labels(ax, comps: list[str], cols: list[str]) -> None:
     ax.set_yticks(range(len(comps)), comps, fontsize=8)
     ax.set_xticks(range(len(cols)), cols, fontsize=8, rotation=35, ha="right")
@@ -36,38 +35,54 @@ def _labels(ax, comps: list[str], cols: list[str]) -> None:
 
 
 def _verdict(cell: list[dict]) -> tuple[tuple, str]:
-    """The colour and label of one composition x property cell (its rows over modes)."""
-    bad = [r for r in cell if not r["ok"]]
+    """The colour and label of one composition x property cell (its rows over modes): counts over the rows
+    that ran, and the rows that did not run apart."""
     if not cell:
         return BLANK, ""
-    if bad:
-        return RED, bad[0]["status"]
-    if all(r["status"] == "not run" for r in cell):
+    ran = [r for r in cell if r["status"] != "not run"]
+    not_run = len(cell) - len(ran)
+    if not ran:
         return GREY, "not run"
-    return GREEN, "ok"
+    tail = f"\n{not_run} not run" if not_run else ""
+    bad = [r for r in ran if not r["ok"]]
+    if bad:
+        return RED, f"{bad[0]['status']} {len(bad)}/{len(ran)}{tail}"
+    return (PALE_GREEN if not_run else GREEN), f"ok {len(ran)}{tail}"
 
 
-def pass_fail(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
+def pass_fail_figure(Figure, rows: list[dict], comps: list[str]):
+    from matplotlib.patches import Patch
+
     props = list(dict.fromkeys(r["property"] for r in rows))
     cells = [[_verdict([r for r in rows if r["composition"] == c and r["property"] == p]) for p in props]
              for c in comps]
     colour = [[colour for colour, _ in line] for line in cells]
     text = [[label for _, label in line] for line in cells]
-    fig = _grid_figure(Figure, len(comps), len(props))
+    fig = Figure(figsize=(max(6.0, 3.5 + 0.9 * len(props)), 2.2 + 0.32 * len(comps)), layout="constrained")
     ax = fig.add_subplot()
     ax.imshow(colour, aspect="auto")
     for i, line in enumerate(text):
         for j, t in enumerate(line):
-            ax.text(j, i, t, ha="center", va="center", fontsize=7)
+            ax.text(j, i, t, ha="center", va="center", fontsize=6 if "\n" in t else 7)
     _labels(ax, comps, props)
-    ax.set_title("pass/fail: composition x property (over modes)", fontsize=9)
-    fig.savefig(path, dpi=110)
+    ax.set_title("pass/fail: composition x property (over modes; counts: rows that ran)", fontsize=9)
+    fig.legend(handles=[Patch(facecolor=c, edgecolor=(0.5, 0.5, 0.5), label=label) for c, label in LEGEND],
+               loc="outside lower center", ncols=2, fontsize=7, frameon=False)
+    return fig
+
+
+def pass_fail(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
+    pass_fail_figure(Figure, rows, comps).savefig(path, dpi=110)
     return path
 
 
-def worst_error(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
+def worst_error_figure(Figure, rows: list[dict], comps: list[str]):
+    """Ratios on a log scale centred on 1 (where a row fails), so 1.01 and 9e5 look different."""
+    import math
+
     import numpy as np
     from matplotlib import colormaps
+    from matplotlib.colors import LogNorm
 
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     grid = np.full((len(comps), len(modes)), np.nan)
@@ -75,19 +90,29 @@ def worst_error(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
         if r["worst_error"] is not None and r["bound"]:
             i, j = comps.index(r["composition"]), modes.index(r["mode"])
             grid[i, j] = np.fmax(grid[i, j], r["worst_error"] / r["bound"])
-    cmap = colormaps["RdYlGn_r"].copy()
-    cmap.set_bad(BLANK)
-    fig = _grid_figure(Figure, len(comps), len(modes) + 1)
+    positive = grid[np.isfinite(grid) & (grid > 0)]
+    decades = max([1] + [math.ceil(abs(math.log10(v))) for v in positive])
+    norm = LogNorm(10.0 ** -decades, 10.0 ** decades)  # symmetric in decades: 1 sits in the middle
+    cmap = colormaps["RdYlGn_r"].with_extremes(bad=BLANK)
+    shown = np.where(np.isnan(grid) | (grid > 0), grid, norm.vmin)  # an exact match (0) takes the scale's lowest colour
+    fig = Figure(figsize=(max(6.0, 3.5 + 0.9 * len(modes)), 2.3 + 0.32 * len(comps)), layout="constrained")
     ax = fig.add_subplot()
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+    image = ax.imshow(np.ma.masked_invalid(shown), cmap=cmap, norm=norm, aspect="auto")
     for (i, j), v in np.ndenumerate(grid):
         if not np.isnan(v):
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
-                    color="white" if v > 0.9 or v < 0.1 else "black")  # readable on the darkest colours
+            level = norm(max(v, norm.vmin))
+            ax.text(j, i, f"{v:.3g}", ha="center", va="center", fontsize=7,
+                    color="white" if level > 0.85 or level < 0.15 else "black")  # readable on the darkest colours
     _labels(ax, comps, modes)
-    fig.colorbar(image, ax=ax, label="worst error / bound (over 1 fails)", shrink=0.8)
+    bar = fig.colorbar(image, ax=ax, location="bottom", shrink=0.8, aspect=40)
+    bar.set_label("worst error / bound (log scale; above 1 fails; white: nothing compared)", fontsize=8)
+    bar.ax.tick_params(labelsize=7)
     ax.set_title("worst error relative to its bound: composition x mode", fontsize=9)
-    fig.savefig(path, dpi=110)
+    return fig
+
+
+def worst_error(Figure, rows: list[dict], comps: list[str], path: Path) -> Path:
+    worst_error_figure(Figure, rows, comps).savefig(path, dpi=110)
     return path
 
 

@@ -55,12 +55,27 @@ def _ratio(r: dict) -> float | None:
 
 
 def _cell(rows: list[dict]) -> str:
+    """A composition x property cell: counts over the rows that ran, and how many did not run."""
     if not rows:
         return "-"
-    bad = [r["status"] for r in rows if not r["ok"]]
+    ran = [r for r in rows if r["status"] != "not run"]
+    not_run = len(rows) - len(ran)
+    if not ran:
+        return "not run" + (f" ({not_run})" if not_run > 1 else "")
+    tail = f", {not_run} not run" if not_run else ""
+    bad = [r["status"] for r in ran if not r["ok"]]
     if bad:
-        return f"**{bad[0].upper()}**" + (f" ({len(bad)}/{len(rows)})" if len(rows) > 1 else "")
-    return "not run" if all(r["status"] == "not run" for r in rows) else f"ok ({len(rows)})"
+        return f"**{bad[0].upper()}**" + (f" ({len(bad)}/{len(ran)})" if len(ran) > 1 else "") + tail
+    return f"ok ({len(ran)})" + tail
+
+
+def how_badly(r: dict | None) -> str:
+    """'0.21 / 6.6e-07 (×3.2e+05) at layer 0: request 0, token 1, head 3' for a row's failing case, else '-'."""
+    at = (r or {}).get("failure_at") or {}
+    err, bound, where = at.get("worst_error"), at.get("bound"), at.get("where")
+    if err is None or not bound:
+        return f"at {where}" if where else "-"
+    return f"{err:.3g} / {bound:.3g} (×{err / bound:.3g})" + (f" at {where}" if where else "")
 
 
 def markdown(data: dict, plot_names: list[str]) -> str:
@@ -89,11 +104,14 @@ def markdown(data: dict, plot_names: list[str]) -> str:
                     for r in failed]
     out += ["## Findings", ""]
     if findings:
-        out += ["| kind | row | reason | reproduce |", "|---|---|---|---|"]
+        by_id = {r["row"]: r for r in rows}
+        out += ["| kind | row | worst / bound (×ratio) at | reason (with the tolerance applied) | reproduce |",
+                "|---|---|---|---|---|"]
         for f in findings:
             repro = f"`python -m harness repro {f['case_file']}`" if f.get("case_file") else "-"
             reason = (f.get("reason") or "").replace("|", "\\|").replace("\n", " ")
-            out.append(f"| {f['kind']} | {f.get('row') or f.get('composition')} | {reason} | {repro} |")
+            badly = how_badly(by_id.get(f.get("row"))).replace("|", "\\|")
+            out.append(f"| {f['kind']} | {f.get('row') or f.get('composition')} | {badly} | {reason} | {repro} |")
     else:
         out.append("none")
     by_prop, by_mode = defaultdict(list), defaultdict(list)
@@ -101,6 +119,9 @@ def markdown(data: dict, plot_names: list[str]) -> str:
         by_prop[r["composition"], r["property"]].append(r)
         by_mode[r["composition"], r["mode"]].append(r)
     out += ["", "## Pass/fail: composition x property (over modes)", "",
+            "Each cell counts the rows (one per mode) that ran: `ok (N)` all N passed, `**FAILED** (F/N)` F of N "
+            "had a finding; rows that did not run (a stopped or short run) are counted apart as `not run`; "
+            "`-`: no such row.", "",
             "| composition | " + " | ".join(props) + " |", "|---|" + "---|" * len(props)]
     out += [f"| {c} | " + " | ".join(_cell(by_prop[c, p]) for p in props) + " |" for c in comps]
     if "pass_fail.png" in plot_names:
@@ -132,7 +153,7 @@ def print_summary(results, skipped, seconds: float) -> None:
     for r in results:
         ratio = "-" if r.worst_error is None else f"{r.worst_error / r.bound:.3f}"
         print(f"{r.composition:<{comp_w}} {r.mode:<13} {r.property:<20} {r.cases:>5} {ratio:>11}  "
-              f"{'ok' if r.ok else 'FAILED'}")
+              f"{'ok' if r.ok else r.status.upper()}")
     for comp, why in skipped:
         print(f"{comp:<{comp_w}} unavailable: {why}")
     failed = [r for r in results if not r.ok]
@@ -140,6 +161,6 @@ def print_summary(results, skipped, seconds: float) -> None:
     print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed, {len(skipped)} unavailable: "
           f"{cases} cases in {seconds:.1f}s")
     for r in failed:
-        print(f"FAILED {r.row_id}: {r.failure}")
+        print(f"FAILED {r.row_id}: {r.headline()}")  # the full reason, tolerance included: report.md
         if r.case_file:
             print(f"  reproduce: python -m harness repro {r.case_file}")

@@ -42,6 +42,7 @@ class RowOutcome:
     spec: BatchSpec | None = None
     case_file: Path | str | None = None
     first_failure_seconds: float | None = None
+    shrink_seconds: float | None = None  # spent shrinking the failure to the reported case
     known: dict[str, int] = field(default_factory=dict)  # ledger id -> cases that failed as it describes
 
     @property
@@ -63,7 +64,14 @@ class RowOutcome:
             err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
             known = "".join(f", {n} known failure(s) {k}" for k, n in self.known.items())
             return f"ok ({self.cases} cases{err}{known})"
-        return f"FAILED: {self.failure}"
+        return f"FAILED: {self.headline()}"
+
+    def headline(self) -> str | None:
+        """A failure in one line, how badly and where first: ``0.38 / bound 8.6e-07 (×4.4e+05) at layer 0:
+        request 0, token 0, head 7: outputs: ...``; the tolerance's formula is left to report.md."""
+        if self.ok:
+            return None
+        return failure_headline(self.failure)
 
     def record(self) -> dict:
         """The row as JSON: what ``results.jsonl``, a worker's events and ``report.json`` hold."""
@@ -75,7 +83,32 @@ class RowOutcome:
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "batch_size": None if spec is None else spec.batch_size,
                 "num_tokens": None if spec is None else spec.num_tokens,
-                "first_failure_seconds": self.first_failure_seconds, "known": dict(self.known)}
+                "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
+                "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known)}
+
+
+def failure_at(failure: Verdict | str | None) -> dict | None:
+    """The failing case's own worst error, bound and place (the row's ``worst_error`` is over all its cases)."""
+    if not isinstance(failure, Verdict):
+        return None
+    return {"worst_error": failure.worst_error, "bound": failure.bound, "where": failure.where}
+
+
+def failure_headline(failure: Verdict | str | None) -> str:
+    """See :meth:`RowOutcome.headline`; a failure given as text (a crash, a hang) is its own headline."""
+    if not isinstance(failure, Verdict):
+        return str(failure)
+    reason = failure.reason
+    bound = failure.details.get("bound")
+    formula = getattr(bound, "reason", None)
+    if formula:
+        reason = reason.replace(f" ({formula})", "")
+    if failure.worst_error is None or not failure.bound:
+        return f"{failure.property}: {reason}" + (f" at {failure.where}" if failure.where else "")
+    ratio = failure.worst_error / failure.bound
+    where = f" at {failure.where}" if failure.where else ""
+    return (f"{failure.worst_error:.3g} / bound {failure.bound:.3g} (×{ratio:.3g}){where}: "
+            f"{failure.property}: {reason}")
 
 
 def throughput(records: list[dict]) -> list[tuple[str, int, float]]:

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
+
+
+SHRINK_ROWS_PER_RUN = 4
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,15 @@ class Profile:
     max_layers: int
     max_examples: int  # per matrix row
     description: str
+    # Shrinking a failure takes at most this long per row, and SHRINK_ROWS_PER_RUN times it over a whole
+    # ``harness run`` (failures found after that are reported as found), so a failing run ends about as fast
+    # as a passing one.
+    shrink_seconds: float = 30.0
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("ci", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
-            max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4,
+            max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4, shrink_seconds=10.0,
             description="CPU CI: float32, tiny heads, few examples per row"),
     Profile("dev", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
             max_requests=6, max_prefix=80, max_extend=40, max_layers=4, max_examples=25,
@@ -43,8 +50,11 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
 ]}
 
 
-def hypothesis_settings(profile: Profile, *, database=None, max_examples: int | None = None) -> settings:
+def hypothesis_settings(profile: Profile, *, database=None, max_examples: int | None = None,
+                        shrink: bool = True) -> settings:
+    """``shrink=False`` reports a failure as found (no shrink phase)."""
     return settings(
+        phases=tuple(Phase) if shrink else tuple(p for p in Phase if p != Phase.shrink),
         max_examples=max_examples or profile.max_examples,
         deadline=None,  # kernels compile on first use; speed belongs in benchmarks
         database=database,

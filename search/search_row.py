@@ -12,6 +12,7 @@ from pathlib import Path
 
 from hypothesis import given
 from hypothesis.errors import HypothesisException
+from hypothesis.reporting import with_reporter
 
 from batch.spec import BatchSpec
 from properties.verdict import Verdict
@@ -25,6 +26,12 @@ from search.strategies import batch_specs
 DEFAULT_OUT = Path("harness-out")
 
 
+class ShrinkBudgetSpent(BaseException):
+    """Raised from the test once the time for shrinking is spent. Not an ``Exception``, so Hypothesis does not
+    take it for a failure but stops at once (as on Ctrl-C); the last failure found, the smallest so far (the
+    shrinker only tries smaller cases), is the row's result."""
+
+
 class PropertyFailed(AssertionError):
     def __init__(self, verdict: Verdict) -> None:
         super().__init__(str(verdict))
@@ -36,17 +43,38 @@ def row_strategy(row: Row, profile: Profile):
     return batch_specs(profile, row.mode, row.composition.attention_kinds(), **options)
 
 
+def failing_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdict: Verdict) -> CaseFile:
+    """The case file of a failing example: its spec, the verdict, and the bound that verdict enforced."""
+    bound = verdict.details.get("bound")  # the bound the verdict enforced (None: an exact check)
+    return CaseFile(str(row.composition), row.property.name, spec, device, profile.name,
+                    verdict={"reason": verdict.reason, "worst_error": verdict.worst_error,
+                             "bound": verdict.bound, "where": verdict.where},
+                    tolerances=None if bound is None else {
+                        "rel_l2": bound.rel_l2, "element": bound.element, "reason": bound.reason})
+
+
 def search_row(row: Row, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
-               out_dir: Path = DEFAULT_OUT, seed: int | None = None) -> RowOutcome:
-    """Search one row; ``seed`` fixes Hypothesis's random choices (a sweep gives each round its own)."""
+               out_dir: Path = DEFAULT_OUT, seed: int | None = None,
+               shrink_seconds: float | None = None) -> RowOutcome:
+    """Search one row; ``seed`` fixes Hypothesis's random choices (a sweep gives each round its own).
+
+    ``shrink_seconds`` bounds the time spent shrinking a failure (None: no limit; 0: no shrinking). The first
+    failing example's case file is written at once, and replaced by the shrunk one when shrinking ends, so a
+    run stopped while it shrinks still leaves its reproducer."""
     result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
     start = time.perf_counter()
 
-    @hypothesis_settings(profile, database=database, max_examples=max_examples)
+    def shrink_time_spent() -> bool:
+        return (shrink_seconds is not None and result.first_failure_seconds is not None
+                and time.perf_counter() - start - result.first_failure_seconds > shrink_seconds)
+
+    @hypothesis_settings(profile, database=database, max_examples=max_examples, shrink=shrink_seconds != 0)
     @given(row_strategy(row, profile))
     def probe(spec: BatchSpec) -> None:
+        if shrink_time_spent():
+            raise ShrinkBudgetSpent
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
         result.cases += 1
@@ -59,6 +87,8 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         if not verdict.ok:
             if result.first_failure_seconds is None:
                 result.first_failure_seconds = time.perf_counter() - start
+                result.case_file = failing_case(row, profile, device, spec, verdict).write(
+                    out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
             failures.append((spec, verdict))
             raise PropertyFailed(verdict)
 
@@ -70,23 +100,33 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         # generation; with the database left in place, saved failures of this row are replayed first
         # (Hypothesis's reuse phase), then the search goes on from the seed.
         probe._hypothesis_internal_use_seed = seed
+    # Hypothesis's notes, held back: after a stop (the shrink budget, Ctrl-C) they would offer a @seed to
+    # "reproduce this failure", which misleads.
+    reported: list[str] = []
+    stopped = False
     try:
-        probe()
-    except PropertyFailed:
+        with with_reporter(reported.append):
+            probe()
+    except (PropertyFailed, ShrinkBudgetSpent) as e:
+        stopped = isinstance(e, ShrinkBudgetSpent)
         spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
         result.ok, result.failure, result.spec = False, verdict, spec
-        bound = verdict.details.get("bound")  # the bound the verdict enforced (None: an exact check)
-        result.case_file = CaseFile(str(row.composition), row.property.name, spec, device, profile.name,
-                                    verdict={"reason": verdict.reason, "worst_error": verdict.worst_error,
-                                             "bound": verdict.bound, "where": verdict.where},
-                                    tolerances=None if bound is None else {
-                                        "rel_l2": bound.rel_l2, "element": bound.element, "reason": bound.reason},
-                                    ).write(out_dir / "cases" / case_name(str(row.composition), row.property.name,
-                                                                          row.mode.value, spec))
+        result.shrink_seconds = time.perf_counter() - start - result.first_failure_seconds
+        first = result.case_file  # the first failing example's, written when it failed
+        result.case_file = failing_case(row, profile, device, spec, verdict).write(
+            out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
+        if first is not None and Path(first) != Path(result.case_file):
+            Path(first).unlink(missing_ok=True)  # the shrunk case replaces it
     except HypothesisException as e:
         result.ok = False
         result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+        stopped = True
+        raise
     finally:
+        if not stopped:
+            for line in reported:
+                print(line)
         pending.unlink(missing_ok=True)
         result.seconds = time.perf_counter() - start
     return result

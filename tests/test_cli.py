@@ -27,6 +27,9 @@ def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     (["run", "--profile", "fast"], "unknown profile 'fast'"),
     (["list", "--backends", "hybrid(torch_native)"], "hybrid() takes 2 argument(s)"),
     (["mutants", "--only", "nosuch"], "unknown mutant(s) nosuch"),
+    (["run", "--mutant", "nosuch"], "unknown mutant 'nosuch'"),
+    (["run", "--shrink-seconds", "-1"], "--shrink-seconds must be >= 0"),
+    (["run", "--case-timeout", "0"], "--case-timeout must be positive"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message, capsys):
     assert main(args) == 2
