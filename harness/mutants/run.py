@@ -39,14 +39,18 @@ def default_case_timeout(device: str) -> float:
 
 
 def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float,
-               case_timeout_s: float | None = None) -> MutantResult:
-    """Search the mutant's rows until one fails; a mutant that ``crashes`` the process runs in a child."""
+               case_timeout_s: float | None = None, shrink_seconds: float | None = None) -> MutantResult:
+    """Search the mutant's rows until one fails; a mutant that ``crashes`` the process runs in a child.
+
+    ``shrink_seconds`` bounds shrinking the killing case (0: the kill is the first failing example, as the
+    CI test wants it; None: shrink fully, for the table's case sizes)."""
     if mutant.crashes and not (mutant.needs_device and mutant.needs_device != device):
         return run_mutant_isolated(mutant, profile, device, out_dir, budget_s, case_timeout_s)
-    return _search_mutant(mutant, profile, device, out_dir, budget_s)
+    return _search_mutant(mutant, profile, device, out_dir, budget_s, shrink_seconds)
 
 
-def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float) -> MutantResult:
+def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float,
+                   shrink_seconds: float | None = None) -> MutantResult:
     if mutant.needs_device and mutant.needs_device != device:
         return MutantResult(mutant.name, "unavailable",
                             reason=f"the fault exists only on {mutant.needs_device} (this run uses {device})")
@@ -69,7 +73,7 @@ def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
                 seed = zlib.crc32(f"{mutant.name}/{row.id}/{n}".encode())
                 row_start = time.perf_counter()
                 result = search_row(row, profile, device, database=None, max_examples=max_examples,
-                                    out_dir=out_dir / mutant.name, seed=seed)
+                                    out_dir=out_dir / mutant.name, seed=seed, shrink_seconds=shrink_seconds)
                 if not result.ok:
                     spec, now = result.spec, time.perf_counter()
                     first = row_start - start + (result.first_failure_seconds or now - row_start)
