@@ -70,6 +70,9 @@ class Capabilities:
     cpu_dtypes: frozenset[str] | None = None  # where the CPU path supports fewer dtypes (None: all of dtypes)
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
+    # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
+    # whose symptom would take the process down instead of failing a check)
+    wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
     # Unit roundoff of the kernel's matrix products for float32 inputs (TF32 tensor cores: 2**-11).
     fp32_matmul_roundoff: float = 2.0**-24
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from backends.base import AttentionBackend, Capabilities, Support
-from batch.spec import BatchSpec
+from batch.spec import BatchSpec, ForwardMode
 
 LEAVES: dict[str, str] = {
     "torch_native": "backends.torch_native:TorchNativeBackend",
@@ -75,12 +75,24 @@ class Composition:
     def attention_kinds(self) -> frozenset[str]:
         return frozenset().union(*(leaf_capabilities(n).attention_kinds for n in self.leaves()))
 
+    @property
+    def engine(self) -> str:
+        """Whose classes run: "harness", or the engine whose backends (and wrappers) these are."""
+        return leaf_capabilities(self.leaves()[0]).engine
+
     def support(self) -> Support:
         """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures."""
         support = Support.of([leaf_capabilities(n) for n in self.leaves()])
         if "graph" in self.wrappers():
             support = dataclasses.replace(support, modes=support.modes & support.cuda_graph_modes)
-        return support
+        gapped = {mode for _, mode, _ in self.wrapped_gaps()}
+        return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support
+
+    def wrapped_gaps(self) -> list[tuple[str, ForwardMode, str]]:
+        """The (wrapper, mode, why) declarations of this composition's leaves that its wrappers trigger."""
+        wrappers = self.wrappers()
+        return [(w, m, why) for n in self.leaves() for w, m, why in leaf_capabilities(n).wrapped_gaps
+                if w in wrappers]
 
     def unavailable_reason(self, device: str) -> str | None:
         for n in self.leaves():
@@ -111,6 +123,9 @@ class Composition:
             full, linear = self.children
             return HybridLinearAttnBackend(full.build(spec, model_runner), linear.build(spec, model_runner),
                                            list(hybrid_full_attn_layers(spec)))
+        if self.name == "tbo" and self.engine != "harness":
+            from backends.sglang.adapter import SglangTbo  # SGLang's TboAttnBackend and its own splitter
+            return SglangTbo(leaf_class(self.children[0].name), model_runner)
         if self.name == "tbo":
             from backends.tbo import TboAttnBackend
             (inner,) = self.children
@@ -164,9 +179,11 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     if len(children) != arity:
         raise CompositionError(f"{name}() takes {arity} argument(s), got {len(children)} in {whole!r}")
     engines = {leaf_capabilities(n).engine for c in children for n in c.leaves()}
-    if engines != {"harness"}:
-        raise CompositionError(f"{name}() wraps the harness's own backends; the wrappers of "
-                               f"{', '.join(sorted(engines - {'harness'}))} are not adapted yet, in {whole!r}")
+    if len(engines) > 1:
+        raise CompositionError(f"{name}() cannot mix the harness's backends with an engine's in {whole!r}")
+    if engines != {"harness"} and not (name == "tbo" and children[0].is_leaf):
+        raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends: only tbo() over one of its "
+                               f"backends is adapted so far, in {whole!r}")
     if name == "hybrid":
         full, linear = children
         if "linear" in full.attention_kinds() or full.attention_kinds() - {"mha", "mla"}:
@@ -195,4 +212,5 @@ def all_compositions() -> list[Composition]:
     out = base + [Composition("tbo", (c,)) for c in base]
     out += [Composition("graph", (c,)) for c in out
             if c.support().cuda_graph_modes and c.attention_kinds() & {"mha", "mla"}]
-    return out + [Composition(n) for n in LEAVES if n not in ours]
+    theirs = [Composition(n) for n in LEAVES if n not in ours]
+    return out + theirs + [Composition("tbo", (c,)) for c in theirs]

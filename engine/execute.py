@@ -25,8 +25,10 @@ def execute(composition: Composition, case: Case, backend: AttentionBackend | No
     """Build the composition (unless given), split the batch if it is a TBO composition, run every layer."""
     backend = backend or composition.build(case.spec, ModelRunner.of(case.forward_batch, case.spec.layers))
     split = None
-    if composition.name == "tbo":
+    if composition.name == "tbo" and composition.engine == "harness":
         split = attach_tbo_children(case.forward_batch)
     outputs = run_layers(backend, case.forward_batch, case.spec.layers, case.inputs, case.weights,
                          case.spec.mrope_sections)
+    if composition.name == "tbo" and composition.engine != "harness":
+        split = backend.split  # an engine's TBO wrapper splits with the engine's own splitter while planning
     return Execution(backend, outputs, split)

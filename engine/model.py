@@ -108,7 +108,9 @@ def run_layers(backend: Any, fb: ForwardBatch, layer_specs, inputs: list[LayerIn
             parts, start = [], 0
             for child_fb, child_backend in zip(fb.tbo_children, children):
                 end = start + child_fb.extend_num_tokens
-                parts.append(run_layer(child_backend, spec, inp.slice_tokens(start, end), w, child_fb, mrope_sections))
+                if end > start:  # a half without tokens skips attention, as SGLang's model layers do
+                    parts.append(run_layer(child_backend, spec, inp.slice_tokens(start, end), w, child_fb,
+                                           mrope_sections))
                 start = end
             outs.append(torch.cat(parts, dim=0))
         return outs

@@ -19,7 +19,8 @@ from functools import cache
 from pathlib import Path
 from typing import Callable
 
-from batch.spec import BatchSpec
+from batch.spec import BatchSpec, ForwardMode
+from batch.tbo_split import two_chunk_split_enabled
 from properties.verdict import Verdict
 
 LEDGER = Path(__file__).resolve().parents[1] / "docs" / "findings" / "known-failures.toml"
@@ -39,8 +40,14 @@ def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
             and max(spec.kv_lens, default=0) > layer.sliding_window)
 
 
+def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A MIXED batch whose extend lengths make SGLang's splitter choose a two-chunk cut."""
+    return spec.mode is ForwardMode.MIXED and spec.batch_size > 1 and two_chunk_split_enabled(list(spec.extend_lens))
+
+
 CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "window_cuts_keys": _window_cuts_keys,
+    "mixed_two_chunk": _mixed_two_chunk,
 }
 
 

@@ -65,6 +65,9 @@ def mode_reason(c: Composition, mode: ForwardMode) -> str:
             return f"{n} does not declare {mode.value}"
         if mode is ForwardMode.TARGET_VERIFY and not caps.custom_mask:
             return f"{n} has no custom (tree) mask"
+    for wrapper, gapped, why in c.wrapped_gaps():
+        if gapped is mode:
+            return f"under {wrapper}(): {why}"
     for n in c.leaves():
         if mode not in leaf_capabilities(n).cuda_graph_modes:
             return f"{n} captures no {mode.value} graph"

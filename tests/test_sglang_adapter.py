@@ -18,13 +18,16 @@ def test_retrieve_links_follow_the_tree():
     assert retrieve_links([-1, 0, 1]) == ([1, 2, -1], [-1, -1, -1])  # a chain has no siblings
 
 
-def test_sglang_leaves_parse_and_stand_alone():
+def test_sglang_terms_are_sglangs_own_classes_only():
     assert str(parse("sglang.triton")) == "sglang.triton"
-    with pytest.raises(CompositionError, match="not adapted yet"):
-        parse("tbo(sglang.triton)")
+    assert parse("tbo(sglang.triton)").engine == "sglang"  # SGLang's TboAttnBackend, not the harness's
+    with pytest.raises(CompositionError, match="cannot mix"):
+        parse("hybrid(sglang.triton,linear_torch)")
+    with pytest.raises(CompositionError, match="only tbo"):
+        parse("graph(sglang.triton)")
     terms = {str(c) for c in all_compositions()}
-    assert {"sglang.torch_native", "sglang.triton"} <= terms
-    assert not any("sglang" in t and "(" in t for t in terms)
+    assert {"sglang.torch_native", "sglang.triton", "tbo(sglang.triton)", "tbo(sglang.torch_native)"} <= terms
+    assert not any("sglang" in t and t.startswith(("hybrid", "graph")) for t in terms)
 
 
 def test_unavailable_reason_names_the_install_command_or_the_version(monkeypatch):

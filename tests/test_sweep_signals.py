@@ -105,15 +105,17 @@ def test_a_stopped_sweep_loses_nothing(sig, tmp_path, capsys):
     else:  # stopped as by Ctrl-C: workers stopped, what they finished recorded, the report and the summary
         assert rc == 130, output
         assert "sweep: 4 rows" in output and "FINDING (failure) torch_native-extend-outputs" in output, output
-        assert [f["row"] for f in jsonl(out / "findings.jsonl")] == ["torch_native-extend-outputs"]
+        assert [f["row"] for f in jsonl(out / "findings.jsonl")].count("torch_native-extend-outputs") == 1
         assert "torch_native-extend-outputs" in (out / "report.md").read_text()
 
     # The lock died with its holder; --resume sees the finding (adopting it after a SIGKILL), once.
     again = subprocess.run(sweep_cmd(out, "--budget", "2s", "--resume"), cwd=ROOT, capture_output=True, text=True,
                            timeout=300)
     assert again.returncode == 1, again.stdout + again.stderr
-    findings = jsonl(out / "findings.jsonl")
-    assert [f["row"] for f in findings] == ["torch_native-extend-outputs"], findings
+    # The resumed sweep may go on to find the mutant in the decode row as well; the stopped one's finding is
+    # recorded exactly once either way.
+    findings = [f for f in jsonl(out / "findings.jsonl") if f["row"] == "torch_native-extend-outputs"]
+    assert len(findings) == 1, jsonl(out / "findings.jsonl")
     assert Path(findings[0]["case_file"]).exists()
     assert "FINDING (failure) torch_native-extend-outputs" in again.stdout
     assert "torch_native-extend-outputs" in (out / "report.md").read_text()

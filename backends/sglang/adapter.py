@@ -12,6 +12,7 @@ Mode names: the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2; the others a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar
 
 import torch
@@ -19,6 +20,7 @@ import torch
 from backends.base import AttentionBackend, Capabilities, PlannedMetadata
 from backends.sglang import runtime
 from batch.spec import ForwardMode
+from batch.tbo_split import TboSplit, slice_spec_info
 
 # The modes whose batches this adapter translates into SGLang's today. DRAFT_EXTEND needs SGLang's
 # EagleDraftExtendInput (not built yet). IDLE is left out until triaged: an empty batch planned eagerly makes
@@ -28,6 +30,11 @@ ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.M
 _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", ForwardMode.MIXED: "MIXED",
                 ForwardMode.TARGET_VERIFY: "TARGET_VERIFY", ForwardMode.DRAFT_EXTEND: "DRAFT_EXTEND_V2",
                 ForwardMode.IDLE: "IDLE"}
+# SGLang's TBO splitter cuts a MIXED batch's tokens with the two-chunk rule but its requests without it
+# (docs/findings/sglang-tbo-mixed-two-chunk.md): Triton kernels then read and write past the halves' buffers,
+# which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
+TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
+                                           "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
 GAPS = (("conformance", "checks the harness's protocol; SGLang's own (its base class) is not introspected yet"),)
 
 
@@ -94,6 +101,7 @@ class SglangBackend(AttentionBackend):
             req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int32),
             seq_lens_cpu=fb.seq_lens_cpu.to(torch.int32), out_cache_loc=fb.out_cache_loc,
             seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
+        out.mrope_positions = fb.mrope_positions  # [3, T]: SGLang's TBO splitter cuts it on dim 1
         self.sgl_runner.kv_index_translator.bind_own_plan(out)  # as every batch of SGLang's scheduler
         if mode.is_extend(include_draft_extend_v2=True):
             out.extend_prefix_lens = fb.extend_prefix_lens
@@ -162,7 +170,7 @@ class SglangBackend(AttentionBackend):
         meta = getattr(self.inner, "forward_metadata", None)
         if meta is None:
             return PlannedMetadata()
-        decode = next(iter(self.batches.values())).forward_mode.is_decode()
+        decode = next(iter(self.batches.values())).forward_mode.is_decode_or_idle()
         return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
                                kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
                                custom_mask=getattr(meta, "custom_mask", None),
@@ -197,4 +205,120 @@ class SglangTriton(SglangBackend):
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
         engine="sglang",
         gaps=GAPS,
+        wrapped_gaps=(TBO_MIXED_GAP,),
     )
+
+
+class _TboChild(SglangBackend):
+    """One of SGLang's TBO child backends, as the engine sees it: it runs a child batch's layers under a
+    forward context whose backend is that child (``batch_overlap/operations.py``)."""
+
+    def __init__(self, parent: "SglangTbo", index: int) -> None:  # noqa: D107 - shares the parent's runner
+        self.model_runner, self.sgl, self.sgl_runner = parent.model_runner, parent.sgl, parent.primary.sgl_runner
+        self.inner = parent.inner.children[index]
+        self.radix = parent.primary.radix  # the model's layer objects are the same for both halves
+        self.batches = {}
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        raise RuntimeError("a TBO child is planned by its wrapper (TboAttnBackend.init_forward_metadata)")
+
+
+class SglangTbo(AttentionBackend):
+    """SGLang's ``TboAttnBackend`` over one SGLang backend, with SGLang's own splitter
+    (``compute_split_seq_index`` + ``TboForwardBatchPreparer.prepare``).
+
+    Planning splits the batch as SGLang's scheduler and model runner do, then hands the engine harness-side
+    child batches that carry SGLang's split (its token counts, positions and mrope rows, per-request fields),
+    so each half's layers run on exactly what SGLang's preparer made of it.
+    """
+
+    is_wrapper = True
+
+    def __init__(self, leaf: type[SglangBackend], model_runner) -> None:
+        self.model_runner = model_runner
+        self.leaf = leaf
+        self.primary = leaf(model_runner)
+        self.sgl = self.primary.sgl
+        self.inner = None
+        self.children: list[_TboChild] = []
+        self.split: TboSplit | None = None
+
+    def _ensure_built(self, fb) -> None:
+        before = self.primary.inner
+        self.primary._ensure_built(fb)
+        if self.inner is None or self.primary.inner is not before:
+            make = lambda: self.sgl.ATTENTION_BACKENDS[self.leaf.sglang_name](self.primary.sgl_runner)  # noqa: E731
+            self.inner = self.sgl.TboAttnBackend(primary=self.primary.inner, children=[make(), make()])
+            self.children = [_TboChild(self, 0), _TboChild(self, 1)]
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        fb, sgl = forward_batch, self.sgl
+        self._ensure_built(fb)
+        sfb = self.primary.translate(fb)
+        tbo = sgl.two_batch_overlap
+        sfb.tbo_split_seq_index = tbo.compute_split_seq_index(
+            forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens,
+            extend_lens=sfb.extend_seq_lens_cpu if sfb.forward_mode.is_extend() else None,
+            token_num_per_seq=tbo.get_token_num_per_seq(sfb.forward_mode, sfb.spec_info))
+        with sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+            tbo.TboForwardBatchPreparer.prepare(sfb)  # asserts the active backend is a TboAttnBackend
+            self.inner.init_forward_metadata(sfb)
+        self.primary.batches = {id(fb): sfb}
+        fb.tbo_children, self.split = None, None
+        if not sfb.tbo_children:
+            return
+        kids = []
+        for child, schild in zip(self.children, sfb.tbo_children):
+            n = schild.batch_size
+            # The halves overlap in one request when SGLang cuts it in two (a two-chunk split).
+            start = 0 if child is self.children[0] else fb.batch_size - n
+            kid = self._harness_child(fb, schild, slice(start, start + n))
+            child.batches = {id(kid): schild}
+            kids.append(kid)
+        fb.tbo_children = kids
+        t0 = kids[0].extend_num_tokens
+        self.split = TboSplit(sfb.tbo_split_seq_index, t0,
+                              two_chunk=kids[0].batch_size + kids[1].batch_size > fb.batch_size)
+
+    @staticmethod
+    def _harness_child(fb, schild, req: slice):
+        """The harness's view of one of SGLang's child batches (what the engine and the properties read)."""
+        def cpu_list(x):
+            return None if x is None else (list(x) if not isinstance(x, torch.Tensor) else x.tolist())
+        T = int(schild.out_cache_loc.shape[0])
+        extend = cpu_list(schild.extend_seq_lens_cpu) or [1] * schild.batch_size
+        prefix = cpu_list(schild.extend_prefix_lens_cpu) or [int(s) - 1 for s in schild.seq_lens_cpu.tolist()]
+        return dataclasses.replace(
+            fb, batch_size=schild.batch_size, req_pool_indices=schild.req_pool_indices,
+            seq_lens=schild.seq_lens.to(fb.seq_lens.dtype), seq_lens_cpu=schild.seq_lens_cpu.to(torch.int64),
+            seq_lens_sum=int(schild.seq_lens_cpu.sum()),
+            extend_seq_lens=torch.tensor(extend, dtype=torch.int32, device=fb.device),
+            extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=fb.device),
+            extend_start_loc=torch.tensor([sum(extend[:i]) for i in range(len(extend))], dtype=torch.int32,
+                                          device=fb.device),
+            extend_seq_lens_cpu=extend, extend_prefix_lens_cpu=prefix, extend_num_tokens=T,
+            positions=schild.positions, mrope_positions=schild.mrope_positions, out_cache_loc=schild.out_cache_loc,
+            state_slots=fb.state_slots[req],
+            spec_info=None if fb.spec_info is None else slice_spec_info(fb.spec_info, fb.seq_lens_cpu.tolist(), req),
+            num_token_non_padded=T, tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
+        return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
+
+    def get_verify_buffers_to_fill_after_draft(self):
+        return None
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
+
+    def planned_metadata(self) -> PlannedMetadata:
+        return self.primary.planned_metadata()

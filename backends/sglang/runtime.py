@@ -123,6 +123,8 @@ def load() -> SimpleNamespace:
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.model_runner import ModelRunner as SglModelRunner
     from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.batch_overlap import two_batch_overlap
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
