@@ -1,9 +1,31 @@
-"""The backend protocol (DESIGN.md section 2), the capability declaration and the planned metadata.
+"""The backend protocol (SGLang 0.5.23's ``AttentionBackend``), the capability declaration and the planned
+metadata.
 
-Every backend and wrapper implements the methods of :class:`AttentionBackend` under these names and
-argument names. The base raises :class:`NotImplementedError` naming the class and the method, except for
-``forward``, which dispatches by mode as SGLang's base does; a *wrapper* must still define ``forward``
-itself (linear-attention layers call it with keywords only), and the conformance property checks that.
+Every backend and wrapper implements the methods of :class:`AttentionBackend` under SGLang 0.5.23's names and
+argument names; :data:`PROTOCOL_METHODS` is the one list of them, with the call SGLang makes to each. Metadata
+follows SGLang's three-method contract:
+
+* ``init_forward_metadata(forward_batch)``: eager planning. The base calls
+  ``init_forward_metadata_out_graph(forward_batch)`` then ``init_forward_metadata_in_graph(forward_batch)``;
+  a backend may override it with its own eager body (ours do).
+* ``init_forward_metadata_out_graph(forward_batch, in_capture=False)``: host-side planning that runs outside
+  graph capture: at capture (``in_capture=True``, over the padded static batch), before every replay
+  (``in_capture=False``, the static batch now holding the real one) and, through the base's
+  ``init_forward_metadata``, in eager mode. The base's is a no-op.
+* ``init_forward_metadata_in_graph(forward_batch)``: static-shape device ops recorded into the graph at
+  capture and re-run by every replay (no ``.item()``, ``.cpu()``, ``.tolist()`` or dynamic shapes). The base's
+  is a no-op.
+
+The legacy ``init_forward_metadata_capture_cuda_graph`` / ``..._replay_cuda_graph`` hooks are gone, as in
+SGLang; so is ``get_verify_buffers_to_fill_after_draft``, replaced by the :attr:`AttentionBackend.verify_mask`
+property (the tree mask the draft stage fills in place, or None). ``update_verify_buffers_to_fill_after_draft``
+stays; the base raises there, so a backend the overlap plan stream can reach must define it.
+
+Elsewhere the base raises :class:`NotImplementedError` naming the class and the method, except for ``forward``,
+which dispatches by mode as SGLang's base does (MIXED goes to ``forward_extend``: SGLang sends it to
+``forward_mixed`` only on NPUs). A *wrapper* must still define every protocol member itself (linear-attention
+layers call ``forward`` with keywords only; an inherited default does not delegate), and the conformance
+property checks that.
 """
 
 from __future__ import annotations
@@ -27,19 +49,28 @@ SERVING_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.M
 def env_flag(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0", "false", "False")
 
-# Methods every backend and wrapper must provide (init_mha_chunk_metadata is optional: callers use hasattr).
-PROTOCOL_METHODS = (
-    "init_forward_metadata",
-    "forward",
-    "forward_extend",
-    "forward_decode",
-    "init_cuda_graph_state",
-    "init_forward_metadata_capture_cuda_graph",
-    "init_forward_metadata_replay_cuda_graph",
-    "get_cuda_graph_seq_len_fill_value",
-    "get_verify_buffers_to_fill_after_draft",
-    "update_verify_buffers_to_fill_after_draft",
-)
+# The protocol, in one place: every method a backend and a wrapper must provide, each with the call SGLang
+# 0.5.23 makes to it (positional arguments, keywords). The values are placeholders: conformance binds the call
+# to each implementation's signature, and its spies take exactly these signatures.
+PROTOCOL_METHODS: dict[str, tuple[tuple, dict]] = {
+    "init_forward_metadata": (("forward_batch",), {}),
+    "init_forward_metadata_out_graph": (("forward_batch",), {"in_capture": True}),
+    "init_forward_metadata_in_graph": (("forward_batch",), {}),
+    "forward": (("q", "k", "v", "layer", "forward_batch"), {"save_kv_cache": True}),
+    "forward_extend": (("q", "k", "v", "layer", "forward_batch"), {"save_kv_cache": True}),
+    "forward_decode": (("q", "k", "v", "layer", "forward_batch"), {"save_kv_cache": True}),
+    "init_cuda_graph_state": ((), {"max_bs": 4, "max_num_tokens": 4}),
+    "get_cuda_graph_seq_len_fill_value": ((), {}),
+    "update_verify_buffers_to_fill_after_draft": ((), {"spec_info": None, "cuda_graph_bs": 4}),
+}
+# Properties of the protocol (read, never called).
+PROTOCOL_PROPERTIES = ("verify_mask",)
+# Members whose base implementation a backend (not a wrapper) may keep: the base's mode dispatch, the eager
+# entry that runs out_graph then in_graph, the empty in-graph step, and "no verify mask".
+BASE_DEFAULTS = frozenset({"forward", "init_forward_metadata", "init_forward_metadata_in_graph", "verify_mask"})
+# Optional members: callers check ``hasattr`` (init_mha_chunk_metadata) or, like SGLang off NPUs, never call
+# them (forward_mixed).
+OPTIONAL_METHODS = ("init_mha_chunk_metadata", "forward_mixed")
 
 
 def call_accepting(fn, *args, **kwargs):
@@ -63,7 +94,7 @@ class Capabilities:
     sliding_window: bool = True
     logit_cap: bool = True
     mrope: bool = True
-    cuda_graph_modes: frozenset[ForwardMode] = frozenset()  # modes whose capture/replay hooks it implements
+    cuda_graph_modes: frozenset[ForwardMode] = frozenset()  # modes it plans graphs for (out_graph/in_graph)
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     requires: tuple[str, ...] = ()  # importable module names
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
@@ -183,7 +214,7 @@ class PlannedMetadata:
 
 
 class AttentionBackend:
-    """Base of every backend and wrapper; see DESIGN.md section 2 for when each method is called."""
+    """Base of every backend and wrapper: SGLang 0.5.23's ``AttentionBackend`` (see the module docstring)."""
 
     capabilities: ClassVar[Capabilities]
     is_wrapper: ClassVar[bool] = False
@@ -193,7 +224,17 @@ class AttentionBackend:
 
     # ---- per batch ----
     def init_forward_metadata(self, forward_batch) -> None:
-        raise self._missing("init_forward_metadata")
+        """Eager entry point: ``out_graph`` then ``in_graph``, as SGLang's base. Backends may override it."""
+        self.init_forward_metadata_out_graph(forward_batch)
+        self.init_forward_metadata_in_graph(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Host-side planning outside graph capture: at capture (``in_capture=True``), before each replay and
+        in eager mode (``in_capture=False``). Default: nothing."""
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """Static-shape device ops, recorded into the graph at capture and re-run by each replay (no host
+        syncs, no dynamic shapes). Default: nothing."""
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
         """Run one layer. q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]``."""
@@ -210,26 +251,26 @@ class AttentionBackend:
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         raise self._missing("forward_decode")
 
+    def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True):
+        """SGLang's MIXED path on NPUs; elsewhere (and in :meth:`forward` here) MIXED runs ``forward_extend``."""
+        raise self._missing("forward_mixed")
+
     # ---- CUDA graphs ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise self._missing("init_cuda_graph_state")
-
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        raise self._missing("init_forward_metadata_capture_cuda_graph")
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        raise self._missing("init_forward_metadata_replay_cuda_graph")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         raise self._missing("get_cuda_graph_seq_len_fill_value")
 
     # ---- speculative decoding (overlap plan stream) ----
-    def get_verify_buffers_to_fill_after_draft(self):
-        raise self._missing("get_verify_buffers_to_fill_after_draft")
+    @property
+    def verify_mask(self):
+        """The tree mask the draft stage fills in place, if this backend has one (SGLang: ``VerifyMask``;
+        ours: the planned flat custom mask). Default: None."""
+        return None
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Redo the metadata that depends on the tree mask and positions after drafting."""
         raise self._missing("update_verify_buffers_to_fill_after_draft")
 
     # ---- inspection (harness only) ----

@@ -110,7 +110,7 @@ class FlaBackend(AttentionBackend):
         attention_kinds=frozenset({"linear"}),
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
         devices=frozenset({"cpu", "cuda"}),
         requires=("fla", "einops", "triton"),  # fla.ops imports einops
         cpu_needs_env="TRITON_INTERPRET",
@@ -251,7 +251,7 @@ class FlaBackend(AttentionBackend):
             pool.conv_states[layer_id][slots] = inter_conv[slots, pos].to(pool.conv_states[layer_id].dtype)
 
     # ---- CUDA graphs: fla's kernels plan on the host (cu_seqlens, chunk indices), so linear layers run eagerly
-    # between captured segments; the hooks plan the padded batch's state slots from the request rows ----
+    # between captured segments; out_graph plans the padded batch's state slots from the request rows ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         return None
 
@@ -266,19 +266,13 @@ class FlaBackend(AttentionBackend):
         if self.model_runner is not None:
             self.mamba_pool = self.model_runner.mamba_pool
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        self._plan_graph(bs, req_pool_indices)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        self._plan_graph(bs, req_pool_indices)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Graph planning (decode), at capture and before every replay alike: the padded batch's state slots
+        from its request rows. Eager batches plan in init_forward_metadata."""
+        self._plan_graph(forward_batch.batch_size, forward_batch.req_pool_indices)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
-
-    def get_verify_buffers_to_fill_after_draft(self):
-        return [None, None]
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         return None

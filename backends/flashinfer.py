@@ -22,9 +22,9 @@ planned on its first call in this batch (each wrapper records the plan generatio
 
 CUDA graphs (DECODE): ``init_cuda_graph_state`` allocates fixed ``kv_indptr``/``kv_indices``/``kv_last_page_len``
 buffers; graph decode wrappers (``use_cuda_graph=True``) are built over them on the warm-up call that precedes
-capture and re-planned by the replay hook, which reads ``req_to_token`` from the ``model_runner`` the backend
-was built with (or, without one, from ``self.req_to_token``, which ``init_forward_metadata`` keeps from the
-last batch and a runner may set).
+capture and re-planned by ``init_forward_metadata_out_graph`` before each replay, which reads ``req_to_token``
+from the ``model_runner`` the backend was built with (or, without one, from ``self.req_to_token``, which
+``init_forward_metadata`` keeps from the last batch and a runner may set).
 
 flashinfer is imported lazily, so this module imports on machines without it.
 """
@@ -102,7 +102,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
 
 
 def req_to_token_of(backend) -> torch.Tensor:
-    """The ``req_to_token`` table for planning without a batch (CUDA-graph hooks)."""
+    """The ``req_to_token`` table for CUDA-graph planning (``init_forward_metadata_out_graph``)."""
     mr = getattr(backend, "model_runner", None)
     if mr is not None and getattr(mr, "req_to_token", None) is not None:
         return mr.req_to_token
@@ -212,7 +212,7 @@ class FlashInferBackend(AttentionBackend):
         sliding_window=True,
         logit_cap=True,
         mrope=True,  # RoPE is applied by the model before attention
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
         devices=frozenset({"cuda"}),
         requires=("flashinfer",),
     )
@@ -391,20 +391,21 @@ class FlashInferBackend(AttentionBackend):
         self.cache.replan(lambda name: name[0] == "decode_graph" and name[2] == bs,
                           lambda name, w: self._plan_role(w, "decode", name[1]))
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        self._plan_graph(bs, req_pool_indices, seq_lens, forward_mode)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        self._plan_graph(bs, req_pool_indices, seq_lens, forward_mode)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Graph planning (decode), at capture and before every replay alike: ``plan()`` runs on the host, so
+        all of it is here (``init_forward_metadata_in_graph`` records nothing). Eager batches plan in
+        init_forward_metadata."""
+        fb = forward_batch
+        self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens, fb.forward_mode)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
     # ---- speculative decoding ----
-    def get_verify_buffers_to_fill_after_draft(self):
-        return [None, None]  # the verify plan (indices and tree mask) is complete after init_forward_metadata
+    @property
+    def verify_mask(self):
+        """The planned tree mask (complete after init_forward_metadata), or None."""
+        return None if self.plan is None else self.plan.custom_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
-        return None
+        return None  # the verify plan (indices and tree mask) is complete after init_forward_metadata

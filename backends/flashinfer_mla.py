@@ -23,8 +23,9 @@ prefill per chunk (non-causal) with log-sum-exp, and merges with ``flashinfer.me
 stale chunk plan is a RuntimeError, as in torch_native.
 
 CUDA graphs: DECODE, with an MLA wrapper built with ``use_cuda_graph=True`` over fixed ``qo_indptr``,
-``kv_indptr``, ``kv_indices`` and ``kv_len_arr`` buffers, re-planned by the replay hook from ``req_to_token``
-(the ``model_runner``'s, or ``self.req_to_token``: see :mod:`backends.flashinfer`).
+``kv_indptr``, ``kv_indices`` and ``kv_len_arr`` buffers, re-planned by ``init_forward_metadata_out_graph``
+before each replay from ``req_to_token`` (the ``model_runner``'s, or ``self.req_to_token``: see
+:mod:`backends.flashinfer`).
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ class FlashInferMLABackend(AttentionBackend):
         page_sizes=None,  # page_size is a plan() argument of the MLA kernel
         custom_mask=True,  # non-chain trees run as one-query rows (see the module docstring)
         mrope=True,  # RoPE is applied by the model
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
         devices=frozenset({"cuda"}),
         requires=("flashinfer",),
     )
@@ -345,7 +346,7 @@ class FlashInferMLABackend(AttentionBackend):
             return self.model_runner.page_size
         if self.plan is None:
             raise RuntimeError("FlashInferMLABackend without a model_runner learns the page size from a batch: "
-                               "run init_forward_metadata once before CUDA-graph hooks")
+                               "run init_forward_metadata once before CUDA-graph planning")
         return self.plan.page_size
 
     def _plan_graph(self, bs: int, req_pool_indices, seq_lens, forward_mode) -> None:
@@ -358,20 +359,17 @@ class FlashInferMLABackend(AttentionBackend):
         self.cache.replan(lambda name: name[0] == "decode_graph" and name[2] == bs,
                           lambda name, w: self._plan_wrapper(w, "decode_graph", name[1]))
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        self._plan_graph(bs, req_pool_indices, seq_lens, forward_mode)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        self._plan_graph(bs, req_pool_indices, seq_lens, forward_mode)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Graph planning (decode), at capture and before every replay alike: ``plan()`` runs on the host, so
+        all of it is here (``init_forward_metadata_in_graph`` records nothing). Eager batches plan in
+        init_forward_metadata."""
+        fb = forward_batch
+        self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens, fb.forward_mode)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # padded rows read one valid slot (SGLang's MLA backend pads with 0 keys instead)
 
     # ---- speculative decoding ----
-    def get_verify_buffers_to_fill_after_draft(self):
-        return [None, None]  # the verify plan is complete after init_forward_metadata
-
+    # verify_mask: the base's None (the MLA kernel takes no custom mask; non-chain trees run per row).
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         return None

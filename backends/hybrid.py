@@ -47,23 +47,20 @@ class HybridLinearAttnBackend(AttentionBackend):
         for child in self.children:
             child.init_cuda_graph_state(max_bs, max_num_tokens)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         for child in self.children:
-            child.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens,
-                                                           encoder_lens, forward_mode, spec_info)
+            child.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
         for child in self.children:
-            child.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum,
-                                                          encoder_lens, forward_mode, spec_info, seq_lens_cpu)
+            child.init_forward_metadata_in_graph(forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.full_attn_backend.get_cuda_graph_seq_len_fill_value()
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        return self.full_attn_backend.get_verify_buffers_to_fill_after_draft()
+    @property
+    def verify_mask(self):
+        return self.full_attn_backend.verify_mask  # the linear side reads no mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         for child in self.children:

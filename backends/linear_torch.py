@@ -77,7 +77,7 @@ class LinearTorchBackend(AttentionBackend):
         attention_kinds=frozenset({"linear"}),
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -145,8 +145,8 @@ class LinearTorchBackend(AttentionBackend):
                 pool.ssm_states[layer_id][slot] = pool.intermediate_ssm_states[layer_id][slot, n - 1]
                 pool.conv_states[layer_id][slot] = pool.intermediate_conv_states[layer_id][slot, n - 1]
 
-    # ---- CUDA graphs: the kernels plan on the host, so they run eagerly between captured segments; the
-    # hooks plan the padded batch from the request rows like any other batch ----
+    # ---- CUDA graphs: the kernels plan on the host, so they run eagerly between captured segments;
+    # init_forward_metadata_out_graph plans the padded batch from the request rows like any other batch ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         return None
 
@@ -155,19 +155,13 @@ class LinearTorchBackend(AttentionBackend):
         qo = torch.arange(bs + 1, dtype=torch.int32, device=slots.device)
         self.forward_metadata = PlannedMetadata(qo_indptr=qo, state_slots=slots)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        self._plan_graph(bs, req_pool_indices)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        self._plan_graph(bs, req_pool_indices)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Graph planning (decode), at capture and before every replay alike: the padded batch's state slots
+        from its request rows. Eager batches plan in init_forward_metadata."""
+        self._plan_graph(forward_batch.batch_size, forward_batch.req_pool_indices)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
-
-    def get_verify_buffers_to_fill_after_draft(self):
-        return [None, None]
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         return None

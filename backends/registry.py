@@ -133,7 +133,7 @@ class Composition:
                                   [inner.build(spec, model_runner), inner.build(spec, model_runner)])
         if self.name == "graph":
             (inner,) = self.children
-            return inner.build(spec, model_runner)  # the graph runner drives its capture/replay hooks
+            return inner.build(spec, model_runner)  # the graph runner drives its out_graph/in_graph planning
         raise CompositionError(f"unknown wrapper {self.name!r}")
 
 
@@ -198,8 +198,8 @@ def all_compositions() -> list[Composition]:
 
     Full-attention backends alone, linear backends alone, hybrid(full, linear) for pairs sharing a device,
     tbo() over each of those, and graph() over each composition with full attention whose backends all
-    implement the CUDA-graph hooks. The wrappers are the harness's own, so they wrap its own leaves; an
-    engine's leaves (``sglang.*``) stand alone until its own wrappers are adapted.
+    plan graph batches (``init_forward_metadata_out_graph``). The wrappers are the harness's own, so they wrap
+    its own leaves; an engine's leaves (``sglang.*``) stand alone until its own wrappers are adapted.
     """
     ours = [n for n in LEAVES if leaf_capabilities(n).engine == "harness"]
     full = [n for n in ours if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]

@@ -1,10 +1,14 @@
 """Two-batch-overlap wrapper: a primary backend for the whole batch and two children for its halves.
 
 Every protocol method goes to the primary (``forward`` included: layers that do not overlap run on the
-whole batch); batch metadata and CUDA-graph metadata are also planned for each child on its half.
+whole batch); batch metadata and CUDA-graph metadata are also planned for each child on its half. Graph
+metadata (``init_forward_metadata_out_graph`` / ``_in_graph``) is split from the padded static batch the graph
+runner gives: each child gets a view of its requests' rows of the static buffers.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from backends.base import AttentionBackend, PlannedMetadata, call_accepting
 from batch.tbo_split import compute_split, slice_spec_info
@@ -50,32 +54,44 @@ class TboAttnBackend(AttentionBackend):
         split = compute_split(forward_mode, [D] * bs, D)
         return None if split is None else split.split_seq
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        self.primary.init_forward_metadata_capture_cuda_graph(bs, num_tokens, req_pool_indices, seq_lens,
-                                                              encoder_lens, forward_mode, spec_info)
-        s = self._graph_split(bs, forward_mode, spec_info)
+    def _graph_children(self, forward_batch) -> list:
+        """(child backend, child batch) for the two halves of the padded graph batch, or [] when it does not
+        split. A child batch views its requests' rows (and their tokens) of the parent's static buffers."""
+        fb = forward_batch
+        bs, mode = fb.batch_size, fb.forward_mode
+        s = self._graph_split(bs, mode, fb.spec_info)
         if s is None:
-            return
-        per_req = num_tokens // bs
+            return []
+        per_req = fb.spec_info.draft_token_num if fb.spec_info is not None and mode.is_target_verify() else 1
+        lens_cpu = fb.seq_lens_cpu
+        out = []
         for child, req in zip(self.children, (slice(0, s), slice(s, bs))):
             n = req.stop - req.start
-            child.init_forward_metadata_capture_cuda_graph(
-                n, n * per_req, req_pool_indices[req], seq_lens[req], None, forward_mode,
-                slice_spec_info(spec_info, seq_lens.tolist(), req))
+            tok = slice(req.start * per_req, req.stop * per_req)
+            child_fb = dataclasses.replace(
+                fb, batch_size=n, req_pool_indices=fb.req_pool_indices[req], seq_lens=fb.seq_lens[req],
+                seq_lens_cpu=lens_cpu[req], seq_lens_sum=int(lens_cpu[req].sum()),
+                extend_seq_lens=fb.extend_seq_lens[req], extend_prefix_lens=fb.extend_prefix_lens[req],
+                extend_start_loc=fb.extend_start_loc[req] - fb.extend_start_loc[req][:1],
+                extend_seq_lens_cpu=list(fb.extend_seq_lens_cpu[req]),
+                extend_prefix_lens_cpu=list(fb.extend_prefix_lens_cpu[req]), extend_num_tokens=n * per_req,
+                positions=fb.positions[tok],
+                mrope_positions=None if fb.mrope_positions is None else fb.mrope_positions[:, tok],
+                out_cache_loc=fb.out_cache_loc[tok], state_slots=fb.state_slots[req],
+                spec_info=slice_spec_info(fb.spec_info, lens_cpu.tolist(), req), num_token_non_padded=n * per_req,
+                tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
+            out.append((child, child_fb))
+        return out
 
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        self.primary.init_forward_metadata_replay_cuda_graph(bs, req_pool_indices, seq_lens, seq_lens_sum,
-                                                             encoder_lens, forward_mode, spec_info, seq_lens_cpu)
-        s = self._graph_split(bs, forward_mode, spec_info)
-        if s is None:
-            return
-        for child, req in zip(self.children, (slice(0, s), slice(s, bs))):
-            lens_cpu = seq_lens_cpu[req]
-            child.init_forward_metadata_replay_cuda_graph(
-                req.stop - req.start, req_pool_indices[req], seq_lens[req], int(lens_cpu.sum()), None,
-                forward_mode, slice_spec_info(spec_info, seq_lens_cpu.tolist(), req), lens_cpu)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        self.primary.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+        for child, child_fb in self._graph_children(forward_batch):
+            child.init_forward_metadata_out_graph(child_fb, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        self.primary.init_forward_metadata_in_graph(forward_batch)
+        for child, child_fb in self._graph_children(forward_batch):
+            child.init_forward_metadata_in_graph(child_fb)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         value = self.primary.get_cuda_graph_seq_len_fill_value()
@@ -84,8 +100,9 @@ class TboAttnBackend(AttentionBackend):
             raise RuntimeError(f"TBO children pad seq_lens with {children}, the primary with {value}")
         return value
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        return self.primary.get_verify_buffers_to_fill_after_draft()
+    @property
+    def verify_mask(self):
+        return self.primary.verify_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.primary.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)

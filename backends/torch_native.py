@@ -148,19 +148,16 @@ class TorchNativeBackend(AttentionBackend):
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        return [None, None]  # the verify plan needs no fix-up after drafting
+    @property
+    def verify_mask(self):
+        """The planned tree mask (complete after init_forward_metadata), or None."""
+        return None if self.forward_metadata is None else self.forward_metadata.custom_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
-        return None
+        return None  # the verify plan needs no fix-up after drafting

@@ -1,5 +1,5 @@
 """Triton backend: our own kernels for MHA extend (paged prefix + causal new tokens, custom masks) and
-paged decode, with CUDA-graph hooks for decode.
+paged decode, with CUDA-graph planning for decode (``init_forward_metadata_out_graph``).
 
 On a GPU the kernels compile; on the CPU they run in Triton's interpreter (``TRITON_INTERPRET=1`` set
 before triton is imported), which is how CI exercises them.
@@ -21,7 +21,7 @@ class TritonBackend(AttentionBackend):
         attention_kinds=frozenset({"mha"}),
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # capture/replay hooks for decode batches
+        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
         requires=("triton",),
         cpu_needs_env="TRITON_INTERPRET",
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.
@@ -101,21 +101,24 @@ class TritonBackend(AttentionBackend):
         self.forward_metadata = PlannedMetadata(qo_indptr=buf["qo_indptr"], kv_indptr=buf["kv_indptr"],
                                                 kv_indices=buf["kv_indices"], kv_includes_new_tokens=True)
 
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info) -> None:
-        if forward_mode not in self.capabilities.cuda_graph_modes:
-            raise NotImplementedError(f"triton captures CUDA graphs for decode only, not {forward_mode.value}")
-        self._plan_graph(bs, req_pool_indices, seq_lens)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu) -> None:
-        self._plan_graph(bs, req_pool_indices, seq_lens)
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Graph planning (decode), at capture and before every replay alike: the padded batch's plan into the
+        static buffers. Host-side (lengths, row gathers of dynamic size), so all of it runs here and
+        ``init_forward_metadata_in_graph`` has nothing to record. Eager batches plan in init_forward_metadata."""
+        fb = forward_batch
+        if fb.forward_mode not in self.capabilities.cuda_graph_modes:
+            raise NotImplementedError(f"triton captures CUDA graphs for decode only, not {fb.forward_mode.value}")
+        if self.graph_buffers is None:
+            raise RuntimeError("TritonBackend: init_cuda_graph_state must run before graph planning")
+        self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        return [None, None]  # the verify plan is complete after init_forward_metadata
+    @property
+    def verify_mask(self):
+        """The planned tree mask (complete after init_forward_metadata), or None."""
+        return None if self.forward_metadata is None else self.forward_metadata.custom_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
-        return None
+        return None  # the verify plan is complete after init_forward_metadata

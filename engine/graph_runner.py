@@ -1,18 +1,22 @@
-"""CUDA-graph capture and replay of a backend composition, as a serving engine's graph runner does it.
+"""CUDA-graph capture and replay of a backend composition, as SGLang 0.5.23's graph runner does it.
 
-Capture happens once per padded batch size with dummy lengths (the fill value), through the capture hook;
-each replay copies the real batch into the static buffers, pads the rest, calls the replay hook (which must
-refresh every buffer the graph reads) and replays. Piecewise: full-attention layers are captured, one graph
-per layer, while linear-attention layers run eagerly between them (their kernels plan on the host and
-must not be frozen into a graph).
+Capture happens once per padded batch size over a static ForwardBatch with dummy lengths (the fill value):
+``init_forward_metadata_out_graph(fb, in_capture=True)`` outside the graph, then, inside the capture,
+``init_forward_metadata_in_graph(fb)`` and the layers. Each replay copies the real batch into the static
+buffers, pads the rest, calls ``init_forward_metadata_out_graph(fb, in_capture=False)`` (which must refresh
+every host-planned buffer the graph reads) and replays (the recorded in-graph metadata ops first). Piecewise:
+full-attention layers are captured, one graph per layer, while linear-attention layers run eagerly between
+them (their kernels plan on the host and must not be frozen into a graph); the in-graph metadata step is its
+own graph, replayed before the layers.
 
-On the CPU there are no graphs: the same capture and replay hooks run, and "replay" re-runs the captured
-function over the static buffers. That exercises the hooks' logic (a buffer the replay hook forgets to
+On the CPU there are no graphs: the same out_graph calls run, and "replay" calls ``in_graph`` and re-runs the
+captured functions over the static buffers. That exercises the planning logic (a buffer out_graph forgets to
 refresh gives a wrong answer there too); only host-side values frozen by a real capture need the GPU.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import torch
@@ -65,6 +69,7 @@ class GraphRunner:
                           extend_num_tokens=bs, positions=self.positions, mrope_positions=self.mrope_positions,
                           out_cache_loc=self.out_cache_loc, state_slots=self.state_slots, spec_info=None,
                           num_token_non_padded=bs, tbo_children=None)
+        self.metadata_graph: torch.cuda.CUDAGraph | None = None  # init_forward_metadata_in_graph, recorded
         self.graphs: list[torch.cuda.CUDAGraph | None] = []
         self.outputs: list[torch.Tensor | None] = []
 
@@ -75,24 +80,34 @@ class GraphRunner:
         return lambda: run_layer(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i], self.fb,
                                  self.mrope_sections)
 
+    def _capture_graph(self, fn):
+        """Warm ``fn`` up on a side stream (kernels compile and allocate outside the graph), then capture it."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with warnings.catch_warnings():  # a composition with no in-graph metadata ops records an empty graph
+            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+            with torch.cuda.graph(graph):
+                out = fn()
+        return graph, out
+
+    def _in_graph(self) -> None:
+        self.backend.init_forward_metadata_in_graph(self.fb)
+
     def capture(self) -> None:
         self.backend.init_cuda_graph_state(self.bs, self.bs)
-        self.backend.init_forward_metadata_capture_cuda_graph(self.bs, self.bs, self.req_pool_indices,
-                                                              self.seq_lens, None, ForwardMode.DECODE, None)
+        self.backend.init_forward_metadata_out_graph(self.fb, in_capture=True)
+        if self.use_cuda_graph:
+            self.metadata_graph, _ = self._capture_graph(self._in_graph)
         for i, spec in enumerate(self.layer_specs):
             if not (self.use_cuda_graph and self._captured(spec)):
                 self.graphs.append(None)
                 self.outputs.append(None)
                 continue
-            fn = self._layer_fn(i)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                fn()  # warm-up: compiles kernels and allocates outside the graph
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = fn()
+            graph, out = self._capture_graph(self._layer_fn(i))
             self.graphs.append(graph)
             self.outputs.append(out)
 
@@ -121,9 +136,11 @@ class GraphRunner:
         self.fb.seq_lens_sum = int(seq_cpu.sum())
         self.fb.extend_prefix_lens.copy_((self.seq_lens - 1).to(torch.int32))
         self.fb.extend_prefix_lens_cpu = (seq_cpu - 1).tolist()
-        self.backend.init_forward_metadata_replay_cuda_graph(self.bs, self.req_pool_indices, self.seq_lens,
-                                                             int(seq_cpu.sum()), None, ForwardMode.DECODE, None,
-                                                             seq_cpu)
+        self.backend.init_forward_metadata_out_graph(self.fb, in_capture=False)
+        if self.metadata_graph is not None:
+            self.metadata_graph.replay()
+        else:
+            self._in_graph()  # no graphs (CPU): run what capture would have recorded
         outs = []
         for i, spec in enumerate(self.layer_specs):
             graph = self.graphs[i]

@@ -1,8 +1,10 @@
 """Conformance and dispatch (DESIGN.md section 5).
 
-Conformance: every backend and wrapper exposes every protocol method with a signature that accepts the
-canonical call; a wrapper defines each method itself (an inherited base method does not delegate) and the
-call reaches the child that owns it, with arguments that child accepts. Children are replaced by strict
+Conformance: every backend and wrapper exposes every protocol method (``backends.base.PROTOCOL_METHODS``,
+SGLang 0.5.23's names) with a signature that accepts SGLang's call, and every protocol property; a backend
+keeps a base implementation only where the base has a real default (``BASE_DEFAULTS``); a wrapper defines each
+member itself (an inherited base method does not delegate) and the call reaches the child that owns it, with
+arguments that child accepts. Children are replaced by strict
 spies whose signatures are exactly the protocol's, so a wrapper that swallows a call, answers ``hasattr``
 with False, or passes an unexpected keyword, fails.
 
@@ -14,9 +16,7 @@ from __future__ import annotations
 
 import inspect
 
-import torch
-
-from backends.base import PROTOCOL_METHODS, AttentionBackend
+from backends.base import BASE_DEFAULTS, PROTOCOL_METHODS, PROTOCOL_PROPERTIES, AttentionBackend
 from backends.registry import Composition
 from batch.forward_batch import ModelRunner
 from batch.layers import make_layer
@@ -59,24 +59,23 @@ class Spy(AttentionBackend):
         self._rec("forward_decode", layer=layer)
         return self.label
 
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        self._rec("init_forward_metadata_out_graph", forward_batch, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        self._rec("init_forward_metadata_in_graph", forward_batch)
+
     def init_cuda_graph_state(self, max_bs, max_num_tokens):
         self._rec("init_cuda_graph_state")
-
-    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices, seq_lens, encoder_lens,
-                                                 forward_mode, spec_info):
-        self._rec("init_forward_metadata_capture_cuda_graph", bs=bs)
-
-    def init_forward_metadata_replay_cuda_graph(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens,
-                                                forward_mode, spec_info, seq_lens_cpu):
-        self._rec("init_forward_metadata_replay_cuda_graph", bs=bs)
 
     def get_cuda_graph_seq_len_fill_value(self):
         self._rec("get_cuda_graph_seq_len_fill_value")
         return 1
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        self._rec("get_verify_buffers_to_fill_after_draft")
-        return [None, None]
+    @property
+    def verify_mask(self):
+        self._rec("verify_mask")
+        return None
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
         self._rec("update_verify_buffers_to_fill_after_draft")
@@ -85,21 +84,6 @@ class Spy(AttentionBackend):
         self._rec("update_mamba_state_after_mtp_verify")
 
 
-CANONICAL_CALLS = {
-    "init_forward_metadata": (("fb",), {}),
-    "forward": (("q", "k", "v", "layer", "fb"), {"save_kv_cache": True}),
-    "forward_extend": (("q", "k", "v", "layer", "fb"), {"save_kv_cache": True}),
-    "forward_decode": (("q", "k", "v", "layer", "fb"), {"save_kv_cache": True}),
-    "init_cuda_graph_state": ((), {"max_bs": 4, "max_num_tokens": 4}),
-    "init_forward_metadata_capture_cuda_graph": ((), dict(bs=4, num_tokens=4, req_pool_indices=None, seq_lens=None,
-                                                         encoder_lens=None, forward_mode=None, spec_info=None)),
-    "init_forward_metadata_replay_cuda_graph": ((), dict(bs=4, req_pool_indices=None, seq_lens=None, seq_lens_sum=0,
-                                                        encoder_lens=None, forward_mode=None, spec_info=None,
-                                                        seq_lens_cpu=None)),
-    "get_cuda_graph_seq_len_fill_value": ((), {}),
-    "get_verify_buffers_to_fill_after_draft": ((), {}),
-    "update_verify_buffers_to_fill_after_draft": ((), {"spec_info": None, "cuda_graph_bs": 4}),
-}
 LINEAR_FORWARD = ((), {"layer": None, "forward_batch": None, "mixed_qkv": None, "a": None, "b": None})
 
 
@@ -116,18 +100,31 @@ def _nodes(backend) -> list:
 def _surface_problem(node) -> str | None:
     cls = type(node)
     is_wrapper = getattr(node, "is_wrapper", False)
-    for m in PROTOCOL_METHODS:
+
+    def kept_base(member: str, inherited: bool) -> str | None:
+        if inherited and (is_wrapper or member not in BASE_DEFAULTS):
+            why = "a wrapper must delegate it" if is_wrapper else "not implemented"
+            return f"{cls.__name__}.{member} is the base's ({why})"
+        return None
+
+    for m, (args, kwargs) in PROTOCOL_METHODS.items():
         fn = getattr(node, m, None)
         if not callable(fn):
             return f"{cls.__name__} lacks {m}()"
-        inherited = getattr(cls, m) is getattr(AttentionBackend, m)
-        if inherited and (is_wrapper or m != "forward"):
-            return f"{cls.__name__}.{m} is the base's ({'a wrapper must delegate it' if is_wrapper else 'not implemented'})"
-        args, kwargs = CANONICAL_CALLS[m]
+        problem = kept_base(m, getattr(cls, m) is getattr(AttentionBackend, m))
+        if problem:
+            return problem
         try:
             inspect.signature(fn).bind(*args, **kwargs)
         except TypeError as e:
             return f"{cls.__name__}.{m} does not accept the canonical call: {e}"
+    for p in PROTOCOL_PROPERTIES:
+        attr = inspect.getattr_static(cls, p, None)
+        if not isinstance(attr, property):
+            return f"{cls.__name__}.{p} is not a property"
+        problem = kept_base(p, attr is inspect.getattr_static(AttentionBackend, p))
+        if problem:
+            return problem
     kinds = node.capabilities.attention_kinds if hasattr(node, "capabilities") else {"linear"}
     if "linear" in kinds or is_wrapper:
         try:
@@ -135,11 +132,15 @@ def _surface_problem(node) -> str | None:
         except TypeError as e:
             return f"{cls.__name__}.forward does not accept the linear-attention call: {e}"
     if not is_wrapper:
-        for m in ("get_cuda_graph_seq_len_fill_value", "get_verify_buffers_to_fill_after_draft"):
+        try:
+            node.get_cuda_graph_seq_len_fill_value()
+        except NotImplementedError as e:
+            return f"{cls.__name__}.get_cuda_graph_seq_len_fill_value() raises: {e}"
+        for p in PROTOCOL_PROPERTIES:
             try:
-                getattr(node, m)()
+                getattr(node, p)
             except NotImplementedError as e:
-                return f"{cls.__name__}.{m}() raises: {e}"
+                return f"{cls.__name__}.{p} raises: {e}"
         try:
             node.update_verify_buffers_to_fill_after_draft(None, 1)
         except NotImplementedError as e:
@@ -187,10 +188,10 @@ def _hybrid_delegation(node, spec: BatchSpec, device: str) -> str | None:
     checks = [
         ("init_forward_metadata", both, lambda: node.init_forward_metadata(fb)),
         ("init_cuda_graph_state", both, lambda: node.init_cuda_graph_state(4, 4)),
-        ("init_forward_metadata_capture_cuda_graph", both, lambda: _call(node, "init_forward_metadata_capture_cuda_graph")),
-        ("init_forward_metadata_replay_cuda_graph", both, lambda: _call(node, "init_forward_metadata_replay_cuda_graph")),
+        ("init_forward_metadata_out_graph", both, lambda: _call(node, "init_forward_metadata_out_graph", fb)),
+        ("init_forward_metadata_in_graph", both, lambda: _call(node, "init_forward_metadata_in_graph", fb)),
         ("get_cuda_graph_seq_len_fill_value", {"full"}, node.get_cuda_graph_seq_len_fill_value),
-        ("get_verify_buffers_to_fill_after_draft", {"full"}, node.get_verify_buffers_to_fill_after_draft),
+        ("verify_mask", {"full"}, lambda: node.verify_mask),
         ("update_verify_buffers_to_fill_after_draft", {"full"}, lambda: node.update_verify_buffers_to_fill_after_draft(None, 4)),
     ]
     try:
@@ -235,12 +236,10 @@ def _tbo_delegation(node, spec: BatchSpec, device: str) -> str | None:
         ("forward_extend", {"primary"}, lambda: node.forward_extend(None, None, None, _layer(0, "mha"), fb)),
         ("forward_decode", {"primary"}, lambda: node.forward_decode(None, None, None, _layer(0, "mha"), fb)),
         ("init_cuda_graph_state", everyone, lambda: node.init_cuda_graph_state(4, 4)),
-        ("init_forward_metadata_capture_cuda_graph", everyone,
-         lambda: _call(node, "init_forward_metadata_capture_cuda_graph", fb)),
-        ("init_forward_metadata_replay_cuda_graph", everyone,
-         lambda: _call(node, "init_forward_metadata_replay_cuda_graph", fb)),
+        ("init_forward_metadata_out_graph", everyone, lambda: _call(node, "init_forward_metadata_out_graph", fb)),
+        ("init_forward_metadata_in_graph", everyone, lambda: _call(node, "init_forward_metadata_in_graph", fb)),
         ("get_cuda_graph_seq_len_fill_value", {"primary"}, node.get_cuda_graph_seq_len_fill_value),
-        ("get_verify_buffers_to_fill_after_draft", {"primary"}, node.get_verify_buffers_to_fill_after_draft),
+        ("verify_mask", {"primary"}, lambda: node.verify_mask),
         ("update_verify_buffers_to_fill_after_draft", {"primary"},
          lambda: node.update_verify_buffers_to_fill_after_draft(None, 4)),
     ]
@@ -256,15 +255,10 @@ def _tbo_delegation(node, spec: BatchSpec, device: str) -> str | None:
     return None
 
 
-def _call(node, method: str, fb=None) -> None:
-    bs = 4 if fb is None else fb.batch_size
-    rpi = torch.arange(bs) if fb is None else fb.req_pool_indices
-    seq = torch.full((bs,), 3) if fb is None else fb.seq_lens
-    mode = ForwardMode.DECODE
-    if method == "init_forward_metadata_capture_cuda_graph":
-        node.init_forward_metadata_capture_cuda_graph(bs, bs, rpi, seq, None, mode, None)
-    else:
-        node.init_forward_metadata_replay_cuda_graph(bs, rpi, seq, int(seq.sum()), None, mode, None, seq.cpu())
+def _call(node, method: str, fb) -> None:
+    """``method``'s canonical call (``PROTOCOL_METHODS``) on ``node``, with ``fb`` as the batch."""
+    args, kwargs = PROTOCOL_METHODS[method]
+    getattr(node, method)(*(fb if a == "forward_batch" else a for a in args), **kwargs)
 
 
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:

@@ -211,10 +211,13 @@ def draft_positions_by_index():
 
 def stale_graph_replay():
     from backends.triton import TritonBackend
+    original = TritonBackend.init_forward_metadata_out_graph
 
-    def replay(self, bs, req_pool_indices, seq_lens, seq_lens_sum, encoder_lens, forward_mode, spec_info, seq_lens_cpu):
-        return None  # keeps the capture-time plan
-    return _replace(TritonBackend, "init_forward_metadata_replay_cuda_graph", replay)
+    def out_graph(self, forward_batch, in_capture=False):
+        if in_capture:
+            return original(self, forward_batch, in_capture=True)
+        return None  # before a replay: keeps the capture-time plan
+    return _replace(TritonBackend, "init_forward_metadata_out_graph", out_graph)
 
 
 def decode_ignores_sliding_window():
@@ -382,7 +385,8 @@ CATALOGUE: list[Mutant] = [
            "speculative acceptance collapses", ("torch_native", "triton")),
     Mutant("draft_positions_by_index", "draft-token positions use the token index instead of its tree depth; "
            "RoPE of sibling drafts is wrong", ("torch_native",)),
-    Mutant("stale_graph_replay", "the replay hook keeps the capture-time plan; graph replays read stale "
+    Mutant("stale_graph_replay", "init_forward_metadata_out_graph plans only at capture (in_capture=True) and "
+           "keeps that plan before replays; graph replays read stale "
            "indptrs and indices", ("graph(triton)",)),
     Mutant("decode_ignores_sliding_window", "decode kernel launched without the layer's sliding window; "
            "long contexts attend too far", ("triton",)),
