@@ -125,7 +125,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 if draw(st.booleans()):
                     prefix[i], extend[i] = max(prefix[i], 1), 1
     mrope_layout = None
-    if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()) and draw(st.booleans()):
+    if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
     return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=profile.dtype,
                      seed=draw(st.integers(0, 2**31 - 1)), spec=spec_input, mrope=mrope_layout,

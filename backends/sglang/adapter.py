@@ -158,8 +158,9 @@ class SglangBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        return None
+    @property
+    def verify_mask(self):
+        return None if self.inner is None else self.inner.verify_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
@@ -314,8 +315,9 @@ class SglangTbo(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
 
-    def get_verify_buffers_to_fill_after_draft(self):
-        return None
+    @property
+    def verify_mask(self):
+        return None if self.inner is None else self.inner.verify_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
