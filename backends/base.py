@@ -47,6 +47,7 @@ SERVING_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.M
 
 
 def env_flag(name: str) -> bool:
+    """Whether environment variable ``name`` is set to anything but empty, ``0``, ``false`` or ``False``."""
     return os.environ.get(name, "") not in ("", "0", "false", "False")
 
 # The protocol, in one place: every method a backend and a wrapper must provide, each with the call SGLang
@@ -151,9 +152,13 @@ class Support:
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
+        """The support of a composition whose leaves declare ``caps`` (see the class docstring for which
+        fields must hold for every leaf and which for the full-attention ones only); TARGET_VERIFY is dropped
+        unless every leaf takes custom masks."""
         full = [c for c in caps if c.attention_kinds & {"mha", "mla"}]
 
         def meet(values):  # None (any) is the identity
+            """Intersection of the sets that are not None; None (any) when every one is None."""
             values = [v for v in values if v is not None]
             return frozenset.intersection(*values) if values else None
 
@@ -246,9 +251,17 @@ class AttentionBackend:
         return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Run one layer over the new tokens of an extend-like batch (EXTEND, MIXED, DRAFT_EXTEND,
+        TARGET_VERIFY): each request's queries over its cached prefix and its new keys, causal (with the layer's
+        window) or under the draft tree's mask. With ``save_kv_cache`` the new k/v are first written to the pool at
+        ``out_cache_loc[T]``. MHA: q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` in
+        q's dtype, ``T = extend_num_tokens`` (MLA layers: see :mod:`backends.flashinfer_mla`)."""
         raise self._missing("forward_extend")
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Run one layer for a DECODE batch: each request's one new token over all its ``seq_lens`` keys, the
+        new key included (written to the pool at ``out_cache_loc[B]`` first when ``save_kv_cache``). MHA: q
+        ``[B, Hq, D]``, k ``[B, Hk, D]``, v ``[B, Hk, Dv]`` -> o ``[B, Hq, Dv]`` in q's dtype."""
         raise self._missing("forward_decode")
 
     def forward_mixed(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True):
@@ -257,9 +270,12 @@ class AttentionBackend:
 
     # ---- CUDA graphs ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate, once before capture, the static buffers that CUDA-graph batches of up to ``max_bs``
+        requests (``max_num_tokens`` tokens) are planned into."""
         raise self._missing("init_cuda_graph_state")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The ``seq_lens`` value the graph runner gives the padding rows of a captured batch."""
         raise self._missing("get_cuda_graph_seq_len_fill_value")
 
     # ---- speculative decoding (overlap plan stream) ----
@@ -275,4 +291,6 @@ class AttentionBackend:
 
     # ---- inspection (harness only) ----
     def planned_metadata(self) -> PlannedMetadata:
+        """The current batch's plan as one :class:`PlannedMetadata`, which the metadata properties check
+        against the batch (harness only; not in SGLang's protocol)."""
         raise self._missing("planned_metadata")

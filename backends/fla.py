@@ -65,10 +65,13 @@ def install_interpreter_shims() -> None:
     original_fn = getattr(original, "func", None) or getattr(original, "fget", None)
     if original_fn is not None:
         def do_bench(self):
+            """``Autotuner.do_bench`` (a property): the original benchmarker, or :func:`run_once` where asking the
+            driver for one fails (no GPU)."""
             try:
                 return original_fn(self)
             except RuntimeError:  # "0 active drivers": nothing to time on a CPU-only host
                 def run_once(kernel_call, quantiles=None, **kwargs):
+                    """Run the config once and report 1.0 (per quantile): every config times equal."""
                     kernel_call()
                     return [1.0] * len(quantiles) if quantiles else 1.0
                 return run_once
@@ -76,6 +79,7 @@ def install_interpreter_shims() -> None:
         autotuner.Autotuner.do_bench = property(do_bench)
 
     def tensor_range(*args):
+        """``range`` yielding int32 interpreter scalars (``tl.full``), as compiled Triton's loop variables are."""
         for i in builtins.range(*(int(a) for a in args)):
             yield tl.full((), i, tl.int32)
 
@@ -125,6 +129,8 @@ class FlaBackend(AttentionBackend):
 
     # ---- planning ----
     def init_forward_metadata(self, forward_batch) -> None:
+        """Plan ``qo_indptr[B+1]`` int32 (the kernels' ``cu_seqlens``) and ``state_slots[B]`` int64, and keep
+        the batch's mamba pool and ``req_to_state_slot`` (for the verify commit and graph planning)."""
         fb = forward_batch
         qo = (torch.zeros(1, dtype=torch.int32, device=fb.device) if fb.forward_mode.is_idle()
               else exclusive_cumsum(fb.extend_seq_lens))
@@ -133,6 +139,7 @@ class FlaBackend(AttentionBackend):
         self.req_to_state_slot = fb.req_to_state_slot
 
     def planned_metadata(self) -> PlannedMetadata:
+        """``qo_indptr`` and ``state_slots`` only (linear layers read no KV cache)."""
         return self.forward_metadata
 
     # ---- per layer ----
@@ -152,9 +159,11 @@ class FlaBackend(AttentionBackend):
             return self._extend(layer, fb, mixed_qkv, a, b)
 
     def forward_extend(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        """:meth:`forward`, which serves every mode."""
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        """:meth:`forward`, which serves every mode."""
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def _pools(self, layer, fb):
@@ -253,6 +262,7 @@ class FlaBackend(AttentionBackend):
     # ---- CUDA graphs: fla's kernels plan on the host (cu_seqlens, chunk indices), so linear layers run eagerly
     # between captured segments; out_graph plans the padded batch's state slots from the request rows ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Nothing to allocate: linear layers run eagerly between captured segments."""
         return None
 
     def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor) -> None:
@@ -272,7 +282,9 @@ class FlaBackend(AttentionBackend):
         self._plan_graph(forward_batch.batch_size, forward_batch.req_pool_indices)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """1 (linear layers do not read ``seq_lens``)."""
         return 1
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: the plan (state slots) does not depend on the draft tree."""
         return None

@@ -65,9 +65,12 @@ class WrapperCache:
         self.generation = 0
 
     def new_batch(self) -> None:
+        """Start a new plan generation: each wrapper is planned again on its next :meth:`get`."""
         self.generation += 1
 
     def get(self, name: Hashable, make: Callable[[], Any], plan: Callable[[Any], None]) -> Any:
+        """The wrapper ``name``, made with ``make()`` on first use and planned with ``plan(wrapper)`` unless
+        already planned in this generation."""
         wrapper = self.wrappers.get(name)
         if wrapper is None:
             wrapper = self.wrappers[name] = make()
@@ -113,6 +116,7 @@ def req_to_token_of(backend) -> torch.Tensor:
 
 
 def layer_kv_dtype(forward_batch, layer_id: int) -> torch.dtype:
+    """The dtype of layer ``layer_id``'s key buffer in the batch's KV pool."""
     return forward_batch.token_to_kv_pool.get_key_buffer(layer_id).dtype
 
 
@@ -287,6 +291,8 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- planning ----
     def init_forward_metadata(self, forward_batch) -> None:
+        """Start a plan generation with the batch's page plans (:func:`plan_batch`) and plan the wrappers of every
+        MHA layer of the ``model_runner`` for this mode (without a runner, layers plan on their first call)."""
         fb = forward_batch
         self.req_to_token = fb.req_to_token
         self.graph_bs = None
@@ -308,6 +314,8 @@ class FlashInferBackend(AttentionBackend):
                 self._wrapper(role, key, fb.device)
 
     def planned_metadata(self) -> PlannedMetadata:
+        """The page plan: every key (new tokens included) for decode and verify, the prefix pages for the other
+        extend-like modes; the tree mask in TARGET_VERIFY."""
         p = self.plan
         new_tokens = p.mode.is_decode() or p.mode.is_target_verify()
         kv_indptr, kv_indices, last = p.full if new_tokens else p.prefix
@@ -352,6 +360,8 @@ class FlashInferBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static decode page plan the graph wrappers are built over: ``kv_indptr[max_bs+1]``,
+        ``kv_indices[max_bs * max_pages]`` and ``kv_last_page_len[max_bs]``, all int32."""
         rt = req_to_token_of(self)
         ps = self.model_runner.page_size if self.model_runner is not None else self._page_size_hint()
         max_pages = math.ceil(rt.shape[1] / ps)
@@ -399,6 +409,7 @@ class FlashInferBackend(AttentionBackend):
         self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens, fb.forward_mode)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """1: padding rows of a graph batch have one key."""
         return 1
 
     # ---- speculative decoding ----
@@ -408,4 +419,5 @@ class FlashInferBackend(AttentionBackend):
         return None if self.plan is None else self.plan.custom_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: the verify plan is complete after init_forward_metadata."""
         return None  # the verify plan (indices and tree mask) is complete after init_forward_metadata

@@ -81,6 +81,7 @@ def mla_key(layer, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> MLAKey:
 
 
 def ragged_key(layer, dtype: torch.dtype) -> RaggedKey:
+    """Key of the expanded (MHA) ragged plan of MLA ``layer`` whose q, k, v have ``dtype``."""
     return RaggedKey(layer.tp_q_head_num, layer.head_dim, layer.v_head_dim, float(layer.scaling), dtype)
 
 
@@ -154,6 +155,9 @@ class FlashInferMLABackend(AttentionBackend):
 
     # ---- planning ----
     def init_forward_metadata(self, forward_batch) -> None:
+        """Start a plan generation: the batch's page plan, keys per request ``kv_len[B]`` int32, causal for
+        extend-like modes, the per-row plan of a non-chain verify tree, and the absorbed wrappers of the runner's
+        MLA layers (the expanded path plans in :meth:`init_mha_chunk_metadata`)."""
         fb = forward_batch
         self.req_to_token = fb.req_to_token
         self.graph_bs = None
@@ -260,6 +264,8 @@ class FlashInferMLABackend(AttentionBackend):
         kv_indptr = qo if c < 0 else chunk["chunks"][c][0]
 
         def plan(w):
+            """Plan ``w``: queries at ``qo_indptr``, keys at chunk ``c``'s ``kv_indptr`` (``c = -1``: the new
+            tokens, causal)."""
             w.plan(qo, kv_indptr, key.num_heads, key.num_heads, key.qk_head_dim, head_dim_vo=key.v_head_dim,
                    causal=c < 0, sm_scale=key.sm_scale, q_data_type=key.dtype, kv_data_type=key.dtype)
 
@@ -267,6 +273,8 @@ class FlashInferMLABackend(AttentionBackend):
             self._workspace(device), "NHD", backend=self.ragged_backend), plan)
 
     def planned_metadata(self) -> PlannedMetadata:
+        """The chunk plan for the expanded path; otherwise the page plan over every key (new tokens included),
+        with the tree mask, and a non-chain tree's per-row plan under ``chunk["verify_rows"]``."""
         p = self.plan
         if self.mha_chunk is not None and not (p.mode.is_decode() or p.mode.is_target_verify()
                                                or p.mode.is_draft_extend()):
@@ -284,11 +292,14 @@ class FlashInferMLABackend(AttentionBackend):
 
     # ---- per layer ----
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """The chunked ragged prefill (expanded path) for a layer not absorbed (EXTEND, MIXED), else the
+        absorbed MLA kernel."""
         if not layer.absorbed:
             return self._mla_expanded(q, k, v, layer, forward_batch)
         return self._absorbed(q, k, layer, forward_batch, save_kv_cache)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """The absorbed MLA kernel, non-causal over ``seq_lens`` keys (the new latent rows written first)."""
         return self._absorbed(q, k, layer, forward_batch, save_kv_cache)
 
     def _absorbed(self, q, k, layer, forward_batch, save_kv_cache: bool):
@@ -331,6 +342,8 @@ class FlashInferMLABackend(AttentionBackend):
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static decode plan the graph wrapper is built over: ``qo_indptr[max_bs+1]`` (``arange``),
+        ``kv_indptr[max_bs+1]``, ``kv_indices[max_bs * max_pages]`` and ``kv_len[max_bs]``, all int32."""
         rt = req_to_token_of(self)
         ps = self._page_size()
         dev = rt.device
@@ -367,9 +380,11 @@ class FlashInferMLABackend(AttentionBackend):
         self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens, fb.forward_mode)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """1: padding rows of a graph batch have one key."""
         return 1  # padded rows read one valid slot (SGLang's MLA backend pads with 0 keys instead)
 
     # ---- speculative decoding ----
     # verify_mask: the base's None (the MLA kernel takes no custom mask; non-chain trees run per row).
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: the verify plans are complete after init_forward_metadata."""
         return None

@@ -20,6 +20,7 @@ L2NORM_EPS = 1e-6  # as fla's l2norm: x * rsqrt(sum(x^2) + eps)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """``x * rsqrt(sum(x^2) + eps)`` over the last dim, as fla's l2norm; ``x``'s shape and dtype."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
@@ -86,6 +87,8 @@ class LinearTorchBackend(AttentionBackend):
         self._fb = None
 
     def init_forward_metadata(self, forward_batch) -> None:
+        """Plan ``qo_indptr[B+1]`` int32 and the requests' ``state_slots[B]`` int64 (no KV plan: linear layers
+        read no KV cache), and keep the batch for :meth:`update_mamba_state_after_mtp_verify`."""
         fb = forward_batch
         qo = exclusive_cumsum(fb.extend_seq_lens) if not fb.forward_mode.is_idle() else \
             torch.zeros(1, dtype=torch.int32, device=fb.device)
@@ -93,6 +96,7 @@ class LinearTorchBackend(AttentionBackend):
         self._fb = fb
 
     def planned_metadata(self) -> PlannedMetadata:
+        """``qo_indptr`` and ``state_slots`` only."""
         return self.forward_metadata
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
@@ -131,9 +135,11 @@ class LinearTorchBackend(AttentionBackend):
         return out
 
     def forward_extend(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        """:meth:`forward`, which serves every mode."""
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True, **kwargs):
+        """:meth:`forward`, which serves every mode."""
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
@@ -148,6 +154,7 @@ class LinearTorchBackend(AttentionBackend):
     # ---- CUDA graphs: the kernels plan on the host, so they run eagerly between captured segments;
     # init_forward_metadata_out_graph plans the padded batch from the request rows like any other batch ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Nothing to allocate: graph batches plan their state slots from the request rows (out_graph)."""
         return None
 
     def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor) -> None:
@@ -161,7 +168,9 @@ class LinearTorchBackend(AttentionBackend):
         self._plan_graph(forward_batch.batch_size, forward_batch.req_pool_indices)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """1 (linear layers do not read ``seq_lens``)."""
         return 1
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: the plan (state slots) does not depend on the draft tree."""
         return None

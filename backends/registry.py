@@ -36,6 +36,8 @@ class CompositionError(ValueError):
 
 @cache
 def leaf_class(name: str) -> type[AttentionBackend]:
+    """The backend class registered as ``name`` in :data:`LEAVES`, imported on first use (cached);
+    :class:`CompositionError` for an unknown name."""
     if name not in LEAVES:
         raise CompositionError(f"unknown backend {name!r}; known: {', '.join(LEAVES)}")
     module, cls = LEAVES[name].split(":")
@@ -43,6 +45,7 @@ def leaf_class(name: str) -> type[AttentionBackend]:
 
 
 def leaf_capabilities(name: str) -> Capabilities:
+    """The :class:`Capabilities` that leaf ``name`` declares."""
     return leaf_class(name).capabilities
 
 
@@ -60,19 +63,23 @@ class Composition:
 
     @property
     def is_leaf(self) -> bool:
+        """True for a single backend (a term without children)."""
         return not self.children
 
     def leaves(self) -> list[str]:
+        """The leaf backend names of the term, left to right."""
         if self.is_leaf:
             return [self.name]
         return [leaf for c in self.children for leaf in c.leaves()]
 
     def wrappers(self) -> set[str]:
+        """The wrapper names used anywhere in the term."""
         if self.is_leaf:
             return set()
         return {self.name} | set().union(*(c.wrappers() for c in self.children))
 
     def attention_kinds(self) -> frozenset[str]:
+        """The layer kinds (``mha``, ``mla``, ``linear``) some leaf serves."""
         return frozenset().union(*(leaf_capabilities(n).attention_kinds for n in self.leaves()))
 
     @property
@@ -95,6 +102,7 @@ class Composition:
                 if w in wrappers]
 
     def unavailable_reason(self, device: str) -> str | None:
+        """``"leaf: why"`` for the first leaf that cannot run on ``device`` here, or None."""
         for n in self.leaves():
             reason = leaf_capabilities(n).unavailable_reason(device)
             if reason:

@@ -24,27 +24,33 @@ class TboAttnBackend(AttentionBackend):
         self.children = children
 
     def init_forward_metadata(self, forward_batch) -> None:
+        """The primary plans the whole batch; each child its half (``tbo_children``), if not empty."""
         self.primary.init_forward_metadata(forward_batch)
         for child, child_fb in zip(self.children, forward_batch.tbo_children or ()):
             if child_fb.batch_size > 0:
                 child.init_forward_metadata(child_fb)
 
     def init_mha_chunk_metadata(self, forward_batch, **kwargs) -> None:
+        """The chunk plan of the primary (whole batch) and each child (its half), where they have one."""
         pairs = [(self.primary, forward_batch)] + list(zip(self.children, forward_batch.tbo_children or ()))
         for backend, fb in pairs:
             if hasattr(backend, "init_mha_chunk_metadata") and fb.batch_size > 0:
                 call_accepting(backend.init_mha_chunk_metadata, fb, **kwargs)
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
+        """The primary, on the whole batch."""
         return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """The primary, on the whole batch."""
         return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """The primary, on the whole batch."""
         return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """The primary and both children, each for the full ``max_bs``."""
         self.primary.init_cuda_graph_state(max_bs, max_num_tokens)
         for child in self.children:
             child.init_cuda_graph_state(max_bs, max_num_tokens)
@@ -84,16 +90,20 @@ class TboAttnBackend(AttentionBackend):
         return out
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """The primary plans the padded static batch; each child its half, viewing its rows of the static
+        buffers (no child when the batch does not split)."""
         self.primary.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
         for child, child_fb in self._graph_children(forward_batch):
             child.init_forward_metadata_out_graph(child_fb, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        """As :meth:`init_forward_metadata_out_graph`: the primary on the whole batch, each child on its half."""
         self.primary.init_forward_metadata_in_graph(forward_batch)
         for child, child_fb in self._graph_children(forward_batch):
             child.init_forward_metadata_in_graph(child_fb)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The primary's value; RuntimeError if a child pads differently."""
         value = self.primary.get_cuda_graph_seq_len_fill_value()
         children = {c.get_cuda_graph_seq_len_fill_value() for c in self.children}
         if children != {value}:
@@ -102,13 +112,17 @@ class TboAttnBackend(AttentionBackend):
 
     @property
     def verify_mask(self):
+        """The primary's."""
         return self.primary.verify_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """The primary's."""
         self.primary.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
     def update_mamba_state_after_mtp_verify(self, accepted_length, model=None) -> None:
+        """The primary's."""
         self.primary.update_mamba_state_after_mtp_verify(accepted_length, model)
 
     def planned_metadata(self) -> PlannedMetadata:
+        """The primary's plan of the whole batch."""
         return self.primary.planned_metadata()

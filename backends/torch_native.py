@@ -61,6 +61,8 @@ class TorchNativeBackend(AttentionBackend):
 
     # ---- planning ----
     def init_forward_metadata(self, forward_batch) -> None:
+        """Token-level plan (:func:`backends.planner.plan_token_level`): prefix slots for extend-like modes, all
+        ``seq_lens`` slots for decode, and the tree mask for TARGET_VERIFY."""
         self.forward_metadata = plan_token_level(forward_batch)
 
     def init_mha_chunk_metadata(self, forward_batch) -> None:
@@ -78,6 +80,7 @@ class TorchNativeBackend(AttentionBackend):
                           "chunk_size": MLA_PREFIX_CHUNK}
 
     def planned_metadata(self) -> PlannedMetadata:
+        """The token-level plan, with the MLA chunk plan under ``chunk`` once ``init_mha_chunk_metadata`` ran."""
         meta = self.forward_metadata
         if self.mha_chunk is not None:
             meta.chunk = self.mha_chunk
@@ -85,6 +88,8 @@ class TorchNativeBackend(AttentionBackend):
 
     # ---- per layer ----
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Per request, :func:`sdpa` of the new tokens over the cached prefix then themselves (causal with the
+        window, or the tree mask); an MLA layer in expanded form takes the chunked MHA path instead."""
         if layer.kind == "mla" and not layer.absorbed:
             return self._mla_expanded(q, k, v, layer, forward_batch)
         fb, meta = forward_batch, self.forward_metadata
@@ -106,6 +111,7 @@ class TorchNativeBackend(AttentionBackend):
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Per request, :func:`sdpa` of the new token over its ``seq_lens`` cached slots, with the layer's window."""
         fb, meta = forward_batch, self.forward_metadata
         if save_kv_cache:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None)
@@ -146,12 +152,15 @@ class TorchNativeBackend(AttentionBackend):
 
     # ---- CUDA graphs: not supported (declared), but the protocol surface exists ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Raises: torch_native captures no CUDA graphs."""
         raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """Raises: torch_native captures no CUDA graphs."""
         raise NotImplementedError("torch_native does not support CUDA graphs (its capabilities declare no cuda_graph_modes)")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """1 (torch_native captures no CUDA graphs)."""
         return 1
 
     @property
@@ -160,4 +169,5 @@ class TorchNativeBackend(AttentionBackend):
         return None if self.forward_metadata is None else self.forward_metadata.custom_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: the verify plan is complete after init_forward_metadata."""
         return None  # the verify plan needs no fix-up after drafting

@@ -35,9 +35,12 @@ class TritonBackend(AttentionBackend):
 
     # ---- planning ----
     def init_forward_metadata(self, forward_batch) -> None:
+        """Token-level plan (:func:`backends.planner.plan_token_level`) for the extend and decode kernels."""
         self.forward_metadata = plan_token_level(forward_batch)
 
     def planned_metadata(self) -> PlannedMetadata:
+        """The current plan; once CUDA-graph buffers exist, cut to the ``bs`` rows last planned into them
+        (the buffers are sized for ``max_bs``)."""
         meta = self.forward_metadata
         if self.graph_buffers is not None and meta.kv_indptr is not None:
             # Graph buffers are sized for the largest batch; expose the part the kernels read.
@@ -49,6 +52,8 @@ class TritonBackend(AttentionBackend):
 
     # ---- per layer ----
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Writes k/v to the pool, then :func:`~backends.triton_kernels.extend_attention.extend_attention_fwd`
+        over the prefix slots and the new tokens (causal, or the tree mask in TARGET_VERIFY)."""
         from backends.triton_kernels.extend_attention import extend_attention_fwd
 
         fb, meta = forward_batch, self.forward_metadata
@@ -63,6 +68,8 @@ class TritonBackend(AttentionBackend):
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        """Writes k/v to the pool, then :func:`~backends.triton_kernels.decode_attention.decode_attention_fwd`
+        over all ``seq_lens`` slots, split ``DECODE_KV_SPLITS`` ways."""
         from backends.triton_kernels.decode_attention import decode_attention_fwd
 
         fb, meta = forward_batch, self.forward_metadata
@@ -79,6 +86,8 @@ class TritonBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the static decode plan: ``kv_indptr[max_bs+1]`` int32, ``kv_indices[max_bs * context_len]``
+        int64 and ``qo_indptr[max_bs+1]`` int32 (``arange``)."""
         mr = self.model_runner
         self.graph_buffers = {
             "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=mr.device),
@@ -113,6 +122,7 @@ class TritonBackend(AttentionBackend):
         self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """1: padding rows of a graph batch have one key."""
         return 1
 
     @property
@@ -121,4 +131,5 @@ class TritonBackend(AttentionBackend):
         return None if self.forward_metadata is None else self.forward_metadata.custom_mask
 
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        """Nothing to redo: the verify plan is complete after init_forward_metadata."""
         return None  # the verify plan is complete after init_forward_metadata

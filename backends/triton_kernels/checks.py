@@ -6,6 +6,7 @@ import torch
 
 
 def require(ok: bool, message: str) -> None:
+    """Raise ``ValueError(message)`` unless ``ok``."""
     if not ok:
         raise ValueError(message)
 
