@@ -100,6 +100,9 @@ class Capabilities:
     requires: tuple[str, ...] = ()  # importable module names
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
     cpu_dtypes: frozenset[str] | None = None  # where the CPU path supports fewer dtypes (None: all of dtypes)
+    # The soft-cap's tanh is computed as 2*sigmoid(2x) - 1, which cancels for small scores: the capped score
+    # carries an absolute error of about 2*cap*u(float32) (properties/tolerances.py counts it).
+    softcap_via_sigmoid: bool = False
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
@@ -149,6 +152,7 @@ class Support:
     fp32_matmul_roundoff: float
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
+    softcap_via_sigmoid: bool
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -173,7 +177,8 @@ class Support:
                    cuda_graph_modes=frozenset.intersection(*(c.cuda_graph_modes for c in caps)),
                    fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
-                   gaps={prop: why for c in caps for prop, why in c.gaps})
+                   gaps={prop: why for c in caps for prop, why in c.gaps},
+                   softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""

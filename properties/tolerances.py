@@ -17,6 +17,14 @@ size 2**-22) declares 2**-21, and we use the larger of the two.
   term float32 cases with one key failed by a hair (3.7e-7 against 3.0e-7) though every step rounded
   correctly: at u = 2**-24 the accumulation is the whole budget, so it must be counted in full. Measured on an H100 with bf16 inputs, correct
   kernels stay at 1.9e-3 .. 3.3e-3 (DESIGN.md), well inside 4u = 1.6e-2.
+* A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
+  ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
+  ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
+  ``cap * tanh(s / cap)`` carries an absolute score error of about ``2 * cap * 2**-24``, and the output,
+  a softmax average, inherits it as relative error. That term is added for soft-capped layers. It matters
+  only for float32 inputs (cap 50: 6e-6 against 4u = 1.9e-6); in bf16 it is 600 times below u. Seen:
+  SGLang's Triton at 2.5e-6 on a verify batch with cap 50, where TorchNative-style float32 attention is at
+  1e-7.
 * Largest element-wise error <= ``ELEMENT_FACTOR * u * max|reference| + sqrt(L) * 2**-24 * max|reference|``:
   the same roundings bound each element relative to the largest value it averages; the factor 16 leaves
   room for the amplification of score rounding by exp() for scores of magnitude up to ~3.
@@ -63,9 +71,15 @@ def output_bound(dtype: str, reduction_len: int, fp32_matmul_roundoff: float = 2
 
 def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Bound:
     """The output bound of one layer: its dtype, the longest reduction, the kernels' matmul precision."""
-    roundoff = composition.support().fp32_matmul_roundoff
+    support = composition.support()
     reduction = max(spec.kv_lens, default=1)
-    return output_bound(spec.dtype, reduction, roundoff, inner_dim=score_dot_len(layer))
+    bound = output_bound(spec.dtype, reduction, support.fp32_matmul_roundoff, inner_dim=score_dot_len(layer))
+    cap = getattr(layer, "logit_cap", None)
+    if cap and support.softcap_via_sigmoid:
+        extra = 2 * cap * ACCUMULATION_ROUNDOFF
+        bound = Bound(bound.rel_l2 + extra, bound.element + extra,
+                      f"{bound.reason}; + 2*cap*2^-24 = {extra:.2g} (soft-cap tanh via sigmoid, cap {cap:g})")
+    return bound
 
 
 def score_dot_len(layer: Layer) -> int:

@@ -42,7 +42,7 @@ def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
 
 def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     """A MIXED batch whose extend lengths make SGLang's splitter choose a two-chunk cut."""
-    return spec.mode is ForwardMode.MIXED and spec.batch_size > 1 and two_chunk_split_enabled(list(spec.extend_lens))
+    return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
 
 
 CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {

@@ -203,6 +203,8 @@ class SglangTriton(SglangBackend):
         cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken (error ~1e10)
         requires=("sglang", "triton"),
         cpu_needs_env="TRITON_INTERPRET",
+        # tanh as 2*sigmoid(2x) - 1 (kernels/ops/attention/extend_attention.py:208, decode_attention.py:229)
+        softcap_via_sigmoid=True,
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
         engine="sglang",
         gaps=GAPS,
@@ -222,6 +224,13 @@ class _TboChild(SglangBackend):
 
     def init_forward_metadata(self, forward_batch) -> None:
         raise RuntimeError("a TBO child is planned by its wrapper (TboAttnBackend.init_forward_metadata)")
+
+    def planned_metadata(self) -> PlannedMetadata:
+        """An empty half is neither planned (TboAttnBackend skips it) nor run: whatever its backend kept
+        from an earlier batch is no plan of this one."""
+        if not self.batches or next(iter(self.batches.values())).batch_size == 0:
+            return PlannedMetadata()
+        return super().planned_metadata()
 
 
 class SglangTbo(AttentionBackend):
