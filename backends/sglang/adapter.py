@@ -296,8 +296,13 @@ class SglangTbo(AttentionBackend):
         def cpu_list(x):
             return None if x is None else (list(x) if not isinstance(x, torch.Tensor) else x.tolist())
         T = int(schild.out_cache_loc.shape[0])
-        extend = cpu_list(schild.extend_seq_lens_cpu) or [1] * schild.batch_size
-        prefix = cpu_list(schild.extend_prefix_lens_cpu) or [int(s) - 1 for s in schild.seq_lens_cpu.tolist()]
+        seq = schild.seq_lens_cpu.tolist()
+        if fb.forward_mode.is_target_verify():  # SGLang drops a verify child's extend_* fields
+            D = fb.spec_info.draft_token_num
+            extend, prefix = [D] * schild.batch_size, [int(s) for s in seq]
+        else:  # a decode child has none either: one new token after seq_len - 1 cached ones
+            extend = cpu_list(schild.extend_seq_lens_cpu) or [1] * schild.batch_size
+            prefix = cpu_list(schild.extend_prefix_lens_cpu) or [int(s) - 1 for s in seq]
         return dataclasses.replace(
             fb, batch_size=schild.batch_size, req_pool_indices=schild.req_pool_indices,
             seq_lens=schild.seq_lens.to(fb.seq_lens.dtype), seq_lens_cpu=schild.seq_lens_cpu.to(torch.int64),
