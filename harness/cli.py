@@ -203,11 +203,12 @@ def cmd_mutants(args) -> int:
     unknown = [n for n in args.only or [] if n not in MUTANTS]
     if unknown:
         raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see `python -m harness mutants --list`")
+    catalogue = [m for m in CATALOGUE if m.engine == args.engine]
     if args.list:
-        for m in CATALOGUE:
+        for m in catalogue:
             print(f"{m.name}: {m.doc}")
         return 0
-    chosen = [MUTANTS[n] for n in args.only] if args.only else CATALOGUE
+    chosen = [MUTANTS[n] for n in args.only] if args.only else catalogue
     out_dir = make_out_folder("--out", args.out)
     results = []
     for m in chosen:
@@ -264,6 +265,9 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
     sp.add_argument("--profile", default="ci", help="ci, dev, nightly or gpu")
     sp.add_argument("--only", nargs="*", help="mutant names")
+    sp.add_argument("--engine", default="harness", choices=["harness", "sglang"],
+                    help="whose code the faults go into: the harness's own backends (default) or SGLang's real "
+                         "classes (the bugs of the SGLang PRs this project started from)")
     sp.add_argument("--list", action="store_true", help="list the catalogue and exit")
     sp.add_argument("--budget", default="300s",
                     help="time per mutant before it counts as survived, e.g. 90s, 5m or plain seconds (default 300s)")

@@ -261,8 +261,63 @@ def _call(node, method: str, fb) -> None:
     getattr(node, method)(*(fb if a == "forward_batch" else a for a in args), **kwargs)
 
 
+def engine_protocol(base: type) -> list[str]:
+    """The protocol of an engine, read from its installed base class: every public member it defines."""
+    return sorted(n for n, _ in inspect.getmembers(base) if not n.startswith("_"))
+
+
+def hidden_overrides(wrapper, children: list, base: type) -> list[tuple[str, str]]:
+    """(member, child class) for each member a child overrides that the wrapper does not make reachable.
+
+    A wrapper that delegates through ``__getattr__`` still answers a name its base class defines with the base's
+    default (``__getattr__`` is never consulted for it): that counts as not reachable, as a missing method does.
+    A member the wrapper copies onto the instance counts as reachable.
+    """
+    hidden = []
+    for name in engine_protocol(base):
+        default = inspect.getattr_static(base, name, None)
+        reachable = inspect.getattr_static(type(wrapper), name, None) is not default or name in vars(wrapper)
+        for child in children:
+            if inspect.getattr_static(type(child), name, None) is not default and not reachable:
+                hidden.append((name, type(child).__name__))
+                break
+    return hidden
+
+
+def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    """An engine's own classes against the protocol of its installed base class (SGLang's AttentionBackend)."""
+    name = "conformance"
+    case = materialize(spec, device)
+    backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
+    backend.init_forward_metadata(case.forward_batch)  # builds the engine's objects over the runner
+    wrapper, children, base = backend.engine_objects()
+    members = engine_protocol(base)
+    if wrapper is None:
+        leaf = children[0]
+        # SGLang's overlap plan stream calls this on every speculative verify (eagle_worker_common.py:618); the
+        # base raises, so a backend that serves target_verify must define it (a no-op where nothing needs fixing).
+        method = "update_verify_buffers_to_fill_after_draft"
+        if ForwardMode.TARGET_VERIFY in composition.support().modes and \
+                inspect.getattr_static(type(leaf), method, None) is inspect.getattr_static(base, method, None):
+            return Verdict(name, False, f"{type(leaf).__name__} serves target_verify but leaves {method} to "
+                                        f"{base.__name__}, which raises NotImplementedError",
+                           details={"hidden": [method]})
+        return Verdict(name, True, f"{type(leaf).__name__}: a leaf, {len(members)} protocol members "
+                                   f"of {base.__name__}, nothing to delegate")
+    hidden = hidden_overrides(wrapper, children, base)
+    if hidden:
+        listed = ", ".join(f"{m} (overridden by {c})" for m, c in hidden)
+        return Verdict(name, False, f"{type(wrapper).__name__} does not make reachable what its children override: "
+                                    f"{listed}; the {base.__name__} default answers instead",
+                       details={"hidden": [m for m, _ in hidden]})
+    return Verdict(name, True, f"{type(wrapper).__name__} reaches every one of the {len(members)} members of "
+                               f"{base.__name__} that its children override")
+
+
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     name = "conformance"
+    if composition.engine != "harness":
+        return engine_conformance(composition, spec, device)
     backend = composition.build(spec, ModelRunner.of(materialize(spec, device).forward_batch, spec.layers))
     nodes = _nodes(backend)
     for node in nodes:

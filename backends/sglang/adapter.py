@@ -35,7 +35,7 @@ _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", Forw
 # which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
 TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
                                            "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
-GAPS = (("conformance", "checks the harness's protocol; SGLang's own (its base class) is not introspected yet"),)
+GAPS = ()
 
 
 def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -166,6 +166,10 @@ class SglangBackend(AttentionBackend):
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
     # ---- inspection ----
+    def engine_objects(self) -> tuple[object | None, list[object], type]:
+        """(SGLang wrapper or None, the SGLang backends under it, SGLang's base class): what conformance reads."""
+        return None, [self.inner], self.sgl.AttentionBackend
+
     def planned_metadata(self) -> PlannedMetadata:
         """SGLang's ``forward_metadata`` where it keeps one (Triton: token-level indptrs and slots)."""
         meta = getattr(self.inner, "forward_metadata", None)
@@ -338,3 +342,6 @@ class SglangTbo(AttentionBackend):
 
     def planned_metadata(self) -> PlannedMetadata:
         return self.primary.planned_metadata()
+
+    def engine_objects(self) -> tuple[object | None, list[object], type]:
+        return self.inner, [self.inner.primary, *self.inner.children], self.sgl.AttentionBackend

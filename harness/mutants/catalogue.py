@@ -31,6 +31,7 @@ class Mutant:
     properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
     needs_device: str | None = None  # the fault only exists on this device type (e.g. real graph capture)
     crashes: bool = False  # kills or hangs the process: run only in a child process (see harness.mutants.run)
+    engine: str = "harness"  # whose code the fault is patched into: ours, or an engine's real classes
 
     def patch(self) -> ContextManager:
         """The fault, active inside the returned context: the module function named after the mutant."""
@@ -343,10 +344,44 @@ def graph_drops_mrope():
     return _replace(gr.GraphRunner, "__init__", __init__)
 
 
+# ---- SGLang's own classes (harness mutants --engine sglang): bugs of the PRs this project started from ----
+def sglang_tbo_mrope_dim0():
+    from backends.sglang.runtime import load
+    load()  # SGLang imported the adapter's way (an inert torchvision where the real one is absent)
+    from sglang.srt.batch_overlap.two_batch_overlap import TboForwardBatchPreparer as preparer
+    original = preparer.filter_batch.__func__
+
+    def filter_batch(cls, batch, *, start_token_index, end_token_index, **kwargs):
+        child = original(cls, batch, start_token_index=start_token_index, end_token_index=end_token_index, **kwargs)
+        if batch.mrope_positions is not None:  # sliced on dim 0 (the 3 rotary rows), not the token dim 1
+            child.mrope_positions = batch.mrope_positions[start_token_index:end_token_index]
+        return child
+    return _replace(preparer, "filter_batch", classmethod(filter_batch))
+
+
+def sglang_triton_lacks_update_verify():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as base
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    return _replace(TritonAttnBackend, "update_verify_buffers_to_fill_after_draft",
+                    base.update_verify_buffers_to_fill_after_draft)
+
+
 def graph_captures_linear():
     import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
 
+
+SGLANG_CATALOGUE: list[Mutant] = [
+    Mutant("sglang_tbo_mrope_dim0", "SGLang's TboForwardBatchPreparer.filter_batch slices mrope_positions on "
+           "dim 0 (sgl-project/sglang#20114 review); multimodal halves rotate by garbage positions",
+           ("tbo(sglang.torch_native)",), ("outputs",), engine="sglang"),
+    Mutant("sglang_triton_lacks_update_verify", "SGLang's TritonAttnBackend without "
+           "update_verify_buffers_to_fill_after_draft (sgl-project/sglang#25925); the overlap plan stream's "
+           "call raises NotImplementedError on the first verify", ("sglang.triton",), ("conformance",),
+           engine="sglang"),
+]
 
 CATALOGUE: list[Mutant] = [
     Mutant("tbo_lacks_forward", "TBO wrapper defines only forward_extend/forward_decode; linear layers' "
@@ -408,5 +443,5 @@ CATALOGUE: list[Mutant] = [
     Mutant("extend_hangs_past_two_pages", "the extend kernel waits on a barrier that batches spanning more than "
            "two KV pages never reach; the process hangs (a deadlocked kernel) and the run never ends",
            ("torch_native",), properties=("outputs",), crashes=True),
-]
+] + SGLANG_CATALOGUE
 MUTANTS = {m.name: m for m in CATALOGUE}
