@@ -12,9 +12,20 @@ import sys
 import time
 from pathlib import Path
 
-from harness.options import (UsageError, check_device_name, check_modes, check_out_folder, check_positive,
-                             check_properties, make_out_folder, parse_budget, parse_shard, profile_named,
-                             resolve_device)
+from harness.options import (
+    UsageError,
+    check_device_name,
+    check_modes,
+    check_out_folder,
+    check_positive,
+    check_properties,
+    make_out_folder,
+    parse_budget,
+    parse_shard,
+    profile_named,
+    resolve_device,
+)
+from harness.procs import poisons_cuda_context
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
@@ -135,7 +146,7 @@ def cmd_run(args) -> int:
         if not result.ok and result.case_file:
             print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
         write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
-        if not isolate and device == "cuda" and not result.ok and "CUDA error" in str(result.failure):
+        if not isolate and device == "cuda" and not result.ok and poisons_cuda_context(result.failure):
             # A device-side assert is sticky: every later row in this process would fail with it.
             print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh process "
                   f"(`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
@@ -255,7 +266,7 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
                          "and the other rows still run (always on a GPU, and with a mutant that crashes)")
     sp.add_argument("--case-timeout", type=float,
                     help="with isolation: seconds one case may run before it counts as a hang (default 600 on a "
-                         "GPU, 300 on a CPU); time while a JIT compiler runs is not counted")
+                         "GPU, 120 on a CPU); time while a JIT compiler runs is not counted")
     sp.add_argument("--shrink-seconds", type=float,
                     help="seconds to spend shrinking one row's failure (default: the profile's, 10 for ci, 30 for "
                          "the others), and four times that over the run; 0 reports failures as found")
@@ -274,7 +285,7 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--out", default="harness-out", help="folder for the table (mutants.json) and case files")
     sp.add_argument("--case-timeout", type=float,
                     help="seconds one case may run before the mutant counts as a hang (default 600 on a GPU, where "
-                         "the first case may compile, 60 on a CPU)")
+                         "the first case may compile, 120 on a CPU)")
     sp.add_argument("--isolate", action="store_true",
                     help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)

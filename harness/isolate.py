@@ -26,17 +26,12 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.mutants.run import exit_description
-from harness.procs import COMPILE_TIMEOUT_S, compiler_running
+from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout, poisons_cuda_context
 from harness.sweep_worker import EXIT_CONTEXT_POISONED  # a sticky CUDA error: the rows left need a fresh process
 from search.casefile import CaseFile, case_name, safe_name
 from search.outcome import RowOutcome
 from search.profiles import SHRINK_ROWS_PER_RUN, Profile
 from search.search_row import search_row
-
-def default_case_timeout(device: str) -> float:
-    """As the sweep's: a GPU's first case may JIT-compile, the CPU interprets Triton kernels slowly."""
-    return 600.0 if device == "cuda" else 300.0
-
 
 def mutant_patch(mutant: str | None):
     if not mutant:
@@ -105,7 +100,7 @@ def _child(task: dict, conn) -> None:
                 continue
             faulthandler.cancel_dump_traceback_later()
             conn.send(("done", row.id, _picklable(result)))
-            if device == "cuda" and not result.ok and "CUDA error" in str(result.failure):
+            if device == "cuda" and not result.ok and poisons_cuda_context(result.failure):
                 conn.close()
                 os._exit(EXIT_CONTEXT_POISONED)
     conn.close()

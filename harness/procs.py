@@ -52,3 +52,18 @@ def compiler_running(roots: Iterable[int]) -> bool:
             return True
         stack.extend(children.get(pid, []))
     return False
+
+
+def default_case_timeout(device: str) -> float:
+    """Seconds one example may run before its process counts as hung, for run, sweep and mutants alike.
+
+    On a GPU the first case of a kernel configuration may JIT-compile for minutes (compiler time is not
+    counted at all, see ``compiler_running``); on a CPU one case takes well under a second, up to tens of
+    seconds when Triton kernels run interpreted, so two minutes is far outside a healthy case.
+    """
+    return 600.0 if device == "cuda" else 120.0
+
+
+def poisons_cuda_context(failure) -> bool:
+    """A device-side assert is sticky: every later case in the process would fail with it."""
+    return "CUDA error" in str(failure)

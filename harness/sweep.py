@@ -42,7 +42,7 @@ from pathlib import Path
 
 from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
 from harness.outlock import OutFolderLock
-from harness.procs import COMPILE_TIMEOUT_S, compiler_running
+from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import shard_rows
@@ -611,7 +611,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     progress = make_progress(start, budget)
     workers = args.workers or default_workers(device)
     sweep = Sweep(list(states.values()), device, profile.name, out_dir, start + budget, workers,
-                  args.case_timeout or (600.0 if device == "cuda" else 300.0), meta["seed"], db, args.redis,
+                  args.case_timeout or default_case_timeout(device), meta["seed"], db, args.redis,
                   args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
                   args.compile_timeout or COMPILE_TIMEOUT_S)
     began = sweep_began(meta)
@@ -686,7 +686,7 @@ def add_parser(sub) -> None:
                     help="worker processes at a time, pinned to the visible GPUs in turn (default: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
     sp.add_argument("--case-timeout", type=float,
-                    help="seconds one case may run before it counts as a hang (default 600 on a GPU, 300 on a CPU); "
+                    help="seconds one case may run before it counts as a hang (default 600 on a GPU, 120 on a CPU); "
                          "time while a worker's JIT compiler (nvcc, ninja, ptxas) runs is not counted")
     sp.add_argument("--compile-timeout", type=float,
                     help=f"seconds one case may wait in all, compiles included (default {COMPILE_TIMEOUT_S:.0f})")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from backends.registry import parse
 from harness.mutants.catalogue import Mutant
-from harness.procs import COMPILE_TIMEOUT_S, compiler_running
+from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
 from search.matrix import matrix_rows
 from search.profiles import Profile
 from search.search_row import search_row
@@ -31,11 +31,6 @@ class MutantResult:
     reason: str = ""
     case_file: str | None = None
     shrink_seconds: float | None = None  # after the first failure: shrinking it to the reported case
-
-
-def default_case_timeout(device: str) -> float:
-    """Seconds one example may run before its process counts as hung (a GPU's first case may JIT-compile)."""
-    return 600.0 if device == "cuda" else 60.0
 
 
 def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float,
