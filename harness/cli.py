@@ -25,7 +25,8 @@ from harness.options import (
     profile_named,
     resolve_device,
 )
-from harness.procs import poisons_cuda_context
+from harness.outlock import OutFolderLock
+from harness.procs import Terminated, poisons_cuda_context
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
@@ -117,6 +118,7 @@ def cmd_run(args) -> int:
 
         rows = shard_rows(rows, shard)  # the sweep's split: a stable hash of the row id
     out_dir = make_out_folder("--out", args.out)
+    _lock = OutFolderLock(out_dir).acquire()  # held until the run returns: one writer per output folder
     for stale in (out_dir / "pending").glob("*.json"):  # a stopped run's cases, not this run's crashes
         stale.unlink()
     mutant = MUTANTS[args.mutant] if args.mutant else None
@@ -136,23 +138,33 @@ def cmd_run(args) -> int:
     results = []
     start = time.perf_counter()
     n = 0
-    for kind, row, result in events:
-        if kind == "start":
-            n += 1
-            print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
-            continue
-        results.append(result)
-        print(f"{result.summary()} {result.seconds:.1f}s", flush=True)
-        if not result.ok and result.case_file:
-            print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
-        write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
-        if not isolate and device == "cuda" and not result.ok and poisons_cuda_context(result.failure):
-            # A device-side assert is sticky: every later row in this process would fail with it.
-            print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh process "
-                  f"(`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
-            break
-    print_summary(results, skipped, time.perf_counter() - start)
-    write_reports(results, skipped, out_dir, device, profile.name)  # report.json again, report.md, plots
+    interrupted = False
+    with Terminated() as terminated:  # SIGTERM (a CI timeout) stops the run as Ctrl-C does
+        try:
+            for kind, row, result in events:
+                if kind == "start":
+                    n += 1
+                    print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
+                    continue
+                results.append(result)
+                print(f"{result.summary()} {result.seconds:.1f}s", flush=True)
+                if not result.ok and result.case_file:
+                    print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
+                write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
+                if not isolate and device == "cuda" and not result.ok and poisons_cuda_context(result.failure):
+                    # A device-side assert is sticky: every later row in this process would fail with it.
+                    print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh "
+                          f"process (`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
+                    break
+        except KeyboardInterrupt:
+            interrupted = True
+            terminated.wrap_up()
+            print(f"\ninterrupted after {len(results)} of {len(rows)} rows: writing the report of the rows that "
+                  f"ended", file=sys.stderr)
+        print_summary(results, skipped, time.perf_counter() - start)
+        write_reports(results, skipped, out_dir, device, profile.name)  # report.json again, report.md, plots
+    if interrupted:
+        return 130
     return 0 if all(r.ok for r in results) else 1
 
 

@@ -9,6 +9,7 @@ their processes has a compiler running, up to ``COMPILE_TIMEOUT_S`` in all.
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterable
 
 COMPILE_TIMEOUT_S = 1800.0
@@ -67,3 +68,28 @@ def default_case_timeout(device: str) -> float:
 def poisons_cuda_context(failure) -> bool:
     """A device-side assert is sticky: every later case in the process would fail with it."""
     return "CUDA error" in str(failure)
+
+
+class Terminated:
+    """SIGTERM (what CI timeouts and ``kill`` send) stops a run or a sweep as Ctrl-C does: the first one raises
+    KeyboardInterrupt; while the report is written, further ones are ignored."""
+
+    def __enter__(self):
+        self.previous = None
+        try:
+            self.previous = signal.signal(signal.SIGTERM, self.handle)
+        except ValueError:  # not the main thread (called from a test's thread): leave signals alone
+            pass
+        return self
+
+    def handle(self, signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def wrap_up(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
 from harness.outlock import OutFolderLock
-from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
+from harness.procs import COMPILE_TIMEOUT_S, Terminated, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import shard_rows
@@ -567,31 +567,6 @@ def sweep_began(meta: dict) -> float:
         return 0.0
 
 
-class _Terminated:
-    """SIGTERM (what CI timeouts and ``kill`` send) stops the sweep as Ctrl-C does: the first one raises
-    KeyboardInterrupt; while the report is written, further ones are ignored."""
-
-    def __enter__(self):
-        self.previous = None
-        try:
-            self.previous = signal.signal(signal.SIGTERM, self.handle)
-        except ValueError:  # not the main thread (the sweep called from a test's thread): leave signals alone
-            pass
-        return self
-
-    def handle(self, signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    def wrap_up(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-    def __exit__(self, *exc) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-
 def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: Path, db) -> int:
     from harness.progress import make_progress
     from harness.report import write_reports
@@ -628,7 +603,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.compositions)} composition(s) on {device}, profile "
                    f"{profile.name}, budget {duration(budget)}, {workers} worker(s)" + "".join(f", {n}" for n in notes))
     interrupted = False
-    with _Terminated() as terminated:
+    with Terminated() as terminated:
         try:
             sweep.run()
         except KeyboardInterrupt:
