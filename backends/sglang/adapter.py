@@ -53,7 +53,23 @@ def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
     return first_child, next_sibling
 
 
-class SglangBackend(AttentionBackend):
+class _SglangObject(AttentionBackend):
+    """What an adapter answers straight from the SGLang object it holds (``inner``): SGLang's own answers."""
+
+    inner = None
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
+
+    @property
+    def verify_mask(self):
+        return None if self.inner is None else self.inner.verify_mask
+
+    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
+        self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
+
+
+class SglangBackend(_SglangObject):
     """One SGLang attention backend, built over the harness runner's pools on the first batch it plans
     (SGLang sizes speculative buffers from the draft token count, which a runner does not know)."""
 
@@ -155,16 +171,6 @@ class SglangBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
-
-    @property
-    def verify_mask(self):
-        return None if self.inner is None else self.inner.verify_mask
-
-    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
-        self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
-
     # ---- inspection ----
     def engine_objects(self) -> tuple[object | None, list[object], type]:
         """(SGLang wrapper or None, the SGLang backends under it, SGLang's base class): what conformance reads."""
@@ -237,7 +243,7 @@ class _TboChild(SglangBackend):
         return super().planned_metadata()
 
 
-class SglangTbo(AttentionBackend):
+class SglangTbo(_SglangObject):
     """SGLang's ``TboAttnBackend`` over one SGLang backend, with SGLang's own splitter
     (``compute_split_seq_index`` + ``TboForwardBatchPreparer.prepare``).
 
@@ -329,16 +335,6 @@ class SglangTbo(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-
-    def get_cuda_graph_seq_len_fill_value(self) -> int:
-        return self.inner.get_cuda_graph_seq_len_fill_value() if self.inner is not None else 1
-
-    @property
-    def verify_mask(self):
-        return None if self.inner is None else self.inner.verify_mask
-
-    def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
-        self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
     def planned_metadata(self) -> PlannedMetadata:
         return self.primary.planned_metadata()
