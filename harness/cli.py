@@ -75,21 +75,6 @@ def _database(path: str | None):
     return DirectoryBasedExampleDatabase(path or ".hypothesis/examples")
 
 
-def no_rows_reason(m) -> str:
-    """Why a selection gave no matrix row, in one line: the selected compositions' unavailable reasons, or
-    the rows that were left out and why."""
-    head = "no matrix row matches the selection"
-    if m.unavailable and not m.excluded:
-        reasons = list(dict.fromkeys(why for _, why in m.unavailable))
-        names = ", ".join(name for name, _ in m.unavailable[:3]) + (" ..." if len(m.unavailable) > 3 else "")
-        return f"{head}: {names} cannot run here: {'; '.join(reasons[:3])}"
-    if m.excluded:
-        shown = "; ".join(f"{what}: {why}" for what, why in m.excluded[:3])
-        more = f" (and {len(m.excluded) - 3} more)" if len(m.excluded) > 3 else ""
-        return f"{head}: left out: {shown}{more} (see `python -m harness list --why`)"
-    return f"{head} (see `python -m harness list`)"
-
-
 def cmd_run(args) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {args.max_examples}")
@@ -112,7 +97,7 @@ def cmd_run(args) -> int:
     m = matrix(device, profile, args.backends, args.properties, args.modes)
     rows, skipped = m.rows, m.unavailable
     if not rows:
-        raise UsageError(no_rows_reason(m))
+        raise UsageError(m.why_empty())
     if shard:
         from search.matrix import shard_rows
 

@@ -522,7 +522,7 @@ def cmd_sweep(args) -> int:
     from harness.mutants.catalogue import MUTANTS
     from harness.sweep_worker import example_database
     from properties import PROPERTIES
-    from search.matrix import matrix_rows
+    from search.matrix import matrix
 
     budget = parse_budget(args.budget)
     shard = parse_shard(args.shard) if args.shard else None
@@ -538,9 +538,10 @@ def cmd_sweep(args) -> int:
                         ("--compile-timeout", args.compile_timeout), ("--rounds", args.rounds)):
         if value is not None and value <= 0:
             raise UsageError(f"{name} must be positive, got {value}")
-    rows, skipped = matrix_rows(device, profile, args.backends, args.properties, args.modes)
+    selected = matrix(device, profile, args.backends, args.properties, args.modes)
+    rows, skipped = selected.rows, selected.unavailable
     if not rows:
-        raise UsageError("no matrix row matches the selection (see `python -m harness list`)")
+        raise UsageError(selected.why_empty())
     rows = shard_rows(rows, shard)
     out_dir = Path(args.out)
     db = None if args.redis else str((Path(args.db) if args.db else out_dir / "examples").absolute())

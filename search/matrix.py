@@ -93,6 +93,20 @@ class Matrix:
     unavailable: list[tuple[str, str]]  # (composition, reason)
     excluded: list[tuple[str, str]]  # (row id or "composition-mode", reason)
 
+    def why_empty(self) -> str:
+        """Why a selection gave no row, in one line: the selected compositions' unavailable reasons, or the
+        rows that were left out and why."""
+        head = "no matrix row matches the selection"
+        if self.unavailable and not self.excluded:
+            reasons = list(dict.fromkeys(why for _, why in self.unavailable))
+            names = ", ".join(name for name, _ in self.unavailable[:3]) + (" ..." if len(self.unavailable) > 3 else "")
+            return f"{head}: {names} cannot run here: {'; '.join(reasons[:3])}"
+        if self.excluded:
+            shown = "; ".join(f"{what}: {why}" for what, why in self.excluded[:3])
+            more = f" (and {len(self.excluded) - 3} more)" if len(self.excluded) > 3 else ""
+            return f"{head}: left out: {shown}{more} (see `python -m harness list --why`)"
+        return f"{head} (see `python -m harness list`)"
+
 
 def matrix(device: str, profile: Profile, backends: list[str] | None = None, properties: list[str] | None = None,
            modes: list[str] | None = None) -> Matrix:
