@@ -11,7 +11,7 @@ fi
 if [ "${HARNESS_SKIP_TORCH:-0}" != "1" ]; then
   .venv/bin/python -m pip install -q torch==2.13.0
 fi
-.venv/bin/python -m pip install -q -e .
+.venv/bin/python -m pip install -q -e '.[redis]'  # redis: sweep --redis, and its test
 # The SGLang extra (its real attention backends as sglang.* rows); HARNESS_NO_SGLANG=1 leaves it out, and its
 # rows are then listed as unavailable with the install command.
 if [ "${HARNESS_NO_SGLANG:-0}" != "1" ]; then
