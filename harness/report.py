@@ -118,6 +118,12 @@ def markdown(data: dict, plot_names: list[str]) -> str:
     for r in rows:
         by_prop[r["composition"], r["property"]].append(r)
         by_mode[r["composition"], r["mode"]].append(r)
+    known = [(r["row"], k, n) for r in rows for k, n in (r.get("known") or {}).items()]
+    if known:
+        out += ["", "## Known failures (docs/findings/known-failures.toml)", "",
+                "Cases that failed exactly as a ledger entry describes: triaged and reported upstream, so not findings.",
+                "", "| row | ledger entry | cases |", "|---|---|---:|"]
+        out += [f"| {row} | `{k}` | {n} |" for row, k, n in known]
     out += ["", "## Pass/fail: composition x property (over modes)", "",
             "Each cell counts the rows (one per mode) that ran: `ok (N)` all N passed, `**FAILED** (F/N)` F of N "
             "had a finding; rows that did not run (a stopped or short run) are counted apart as `not run`; "

@@ -105,11 +105,14 @@ class RowState:
     worst_error: float | None = None
     bound: float | None = None
     finding: dict | None = None
+    known: dict = field(default_factory=dict)  # ledger id -> cases that failed as it describes, all rounds
 
     def absorb(self, result: dict) -> None:
         self.rounds += 1
         self.cases += result.get("cases", 0)
         self.seconds += result.get("seconds", 0.0)
+        for known_id, n in (result.get("known") or {}).items():
+            self.known[known_id] = self.known.get(known_id, 0) + n
         err, bound = result.get("worst_error"), result.get("bound")
         if is_worse(err, bound, self.worst_error, self.bound):
             self.worst_error, self.bound = err, bound
@@ -120,7 +123,7 @@ class RowState:
         return RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, self.cases, self.seconds,
                           self.rounds, ok=f is None, worst_error=self.worst_error, bound=self.bound,
                           failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
-                          case_file=None if f is None else f.get("case_file")).record()
+                          case_file=None if f is None else f.get("case_file"), known=dict(self.known)).record()
 
 
 @dataclass

@@ -91,3 +91,13 @@ def test_the_failed_line_leads_with_how_badly_and_where(capsys, tmp_path):
 def test_plots_are_written(tmp_path):
     paths = write_plots(ONE_RAN, Path(tmp_path))
     assert [p.name for p in paths] == ["pass_fail.png", "worst_error.png", "cases_per_second.png"]
+
+
+def test_known_failures_are_listed_apart(tmp_path):
+    from harness.report import markdown
+    row = {"row": "sglang.triton-decode-outputs", "composition": "sglang.triton", "mode": "decode",
+           "property": "outputs", "ok": True, "status": "passed", "rounds": 1, "cases": 4, "seconds": 1.0,
+           "worst_error": None, "bound": None, "failure": None, "case_file": None,
+           "known": {"sglang-triton-swa-decode-one-key-short": 2}}
+    text = markdown({"device": "cpu", "profile": "ci", "rows": [row], "unavailable": []}, [])
+    assert "## Known failures" in text and "| sglang.triton-decode-outputs | `sglang-triton-swa-decode-one-key-short` | 2 |" in text
