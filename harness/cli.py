@@ -26,7 +26,7 @@ from harness.options import (
     resolve_device,
 )
 from harness.outlock import OutFolderLock
-from harness.procs import Terminated, poisons_cuda_context
+from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated, poisons_cuda_context
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
@@ -262,8 +262,8 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
                     help="search the rows in a child process, so a crash or a hang is a finding with its case file "
                          "and the other rows still run (always on a GPU, and with a mutant that crashes)")
     sp.add_argument("--case-timeout", type=float,
-                    help="with isolation: seconds one case may run before it counts as a hang (default 600 on a "
-                         "GPU, 120 on a CPU); time while a JIT compiler runs is not counted")
+                    help=f"with isolation: seconds one case may run before it counts as a hang "
+                         f"({CASE_TIMEOUT_DEFAULTS}); time while a JIT compiler runs is not counted")
     sp.add_argument("--shrink-seconds", type=float,
                     help="seconds to spend shrinking one row's failure (default: the profile's, 10 for ci, 30 for "
                          "the others), and four times that over the run; 0 reports failures as found")
@@ -281,8 +281,8 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
                     help="time per mutant before it counts as survived, e.g. 90s, 5m or plain seconds (default 300s)")
     sp.add_argument("--out", default="harness-out", help="folder for the table (mutants.json) and case files")
     sp.add_argument("--case-timeout", type=float,
-                    help="seconds one case may run before the mutant counts as a hang (default 600 on a GPU, where "
-                         "the first case may compile, 120 on a CPU)")
+                    help=f"seconds one case may run before the mutant counts as a hang ({CASE_TIMEOUT_DEFAULTS}; a "
+                         f"GPU's first case may compile)")
     sp.add_argument("--isolate", action="store_true",
                     help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)

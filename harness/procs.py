@@ -65,6 +65,10 @@ def default_case_timeout(device: str) -> float:
     return 600.0 if device == "cuda" else 120.0
 
 
+# The default as the command lines state it, derived from the function so the help never goes stale.
+CASE_TIMEOUT_DEFAULTS = f"default {default_case_timeout('cuda'):.0f} on a GPU, {default_case_timeout('cpu'):.0f} on a CPU"
+
+
 def poisons_cuda_context(failure) -> bool:
     """A device-side assert is sticky: every later case in the process would fail with it."""
     return "CUDA error" in str(failure)

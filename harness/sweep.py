@@ -42,7 +42,7 @@ from pathlib import Path
 
 from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
 from harness.outlock import OutFolderLock
-from harness.procs import COMPILE_TIMEOUT_S, Terminated, compiler_running, default_case_timeout
+from harness.procs import CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, Terminated, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import shard_rows
@@ -665,7 +665,7 @@ def add_parser(sub) -> None:
                     help="worker processes at a time, pinned to the visible GPUs in turn (default: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
     sp.add_argument("--case-timeout", type=float,
-                    help="seconds one case may run before it counts as a hang (default 600 on a GPU, 120 on a CPU); "
+                    help=f"seconds one case may run before it counts as a hang ({CASE_TIMEOUT_DEFAULTS}); "
                          "time while a worker's JIT compiler (nvcc, ninja, ptxas) runs is not counted")
     sp.add_argument("--compile-timeout", type=float,
                     help=f"seconds one case may wait in all, compiles included (default {COMPILE_TIMEOUT_S:.0f})")

@@ -35,7 +35,6 @@ _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", Forw
 # which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
 TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
                                            "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
-GAPS = ()
 
 
 def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -200,7 +199,6 @@ class SglangTorchNative(SglangBackend):
         logit_cap=False,  # it never reads layer.logit_cap
         requires=("sglang",),
         engine="sglang",
-        gaps=GAPS,
     )
 
 
@@ -217,7 +215,6 @@ class SglangTriton(SglangBackend):
         softcap_via_sigmoid=True,
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
         engine="sglang",
-        gaps=GAPS,
         wrapped_gaps=(TBO_MIXED_GAP,),
     )
 
