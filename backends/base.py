@@ -103,6 +103,10 @@ class Capabilities:
     # The soft-cap's tanh is computed as 2*sigmoid(2x) - 1, which cancels for small scores: the capped score
     # carries an absolute error of about 2*cap*u(float32) (properties/tolerances.py counts it).
     softcap_via_sigmoid: bool = False
+    # Linear attention: TARGET_VERIFY leaves the committed conv state holding the window after the last draft
+    # token (SGLang's GDN updates it in place); the commit after verify then writes the last accepted step's
+    # window over it. False: verify changes only the intermediate (per-step) pools.
+    verify_advances_conv_state: bool = False
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
@@ -153,6 +157,7 @@ class Support:
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
+    verify_advances_conv_state: bool = False
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -178,7 +183,8 @@ class Support:
                    fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
-                   softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full))
+                   softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
+                   verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""

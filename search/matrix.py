@@ -30,11 +30,21 @@ def composition_modes(c: Composition) -> frozenset[ForwardMode]:
     return c.support().modes
 
 
-def strategy_options(c: Composition, profile: Profile) -> dict:
+def row_dtype(c: Composition, profile: Profile, device: str = "cuda") -> str | None:
+    """The dtype ``c``'s batches are drawn in: the profile's, else its fallback, whichever ``c`` runs here."""
+    support = c.support()
+    for dtype in (profile.dtype, profile.fallback_dtype):
+        if dtype in support.dtypes and (device != "cpu" or dtype in support.cpu_dtypes):
+            return dtype
+    return None
+
+
+def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> dict:
     """Keyword arguments of ``batch_specs`` that keep drawn batches inside what ``c`` declares."""
     support = c.support()
     pages = set(profile.page_sizes) if support.page_sizes is None else set(profile.page_sizes) & support.page_sizes
     return {
+        "dtype": row_dtype(c, profile, device) or profile.dtype,
         "page_sizes": tuple(sorted(pages)),
         "sliding_window": support.sliding_window,
         "logit_cap": support.logit_cap,
@@ -48,10 +58,10 @@ def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> st
     support = c.support()
     if not strategy_options(c, profile)["page_sizes"]:
         return f"declares none of the profile's page sizes {profile.page_sizes}"
-    if profile.dtype not in support.dtypes:
-        return f"does not support the profile's dtype {profile.dtype}"
-    if device == "cpu" and profile.dtype not in support.cpu_dtypes:
-        return f"does not support the profile's dtype {profile.dtype} on the CPU"
+    if row_dtype(c, profile, device) is None:
+        wanted = " or ".join(d for d in (profile.dtype, profile.fallback_dtype) if d)
+        where = " on the CPU" if device == "cpu" and wanted.split(" or ")[0] in support.dtypes else ""
+        return f"does not support the profile's dtype {wanted}{where}"
     if "mha" in support.attention_kinds and support.head_dims is not None and profile.mha[2] not in support.head_dims:
         return f"does not support the profile's head_dim {profile.mha[2]} (declares {sorted(support.head_dims)})"
     return None

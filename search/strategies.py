@@ -61,12 +61,13 @@ def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | 
 @st.composite
 def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str], *,
                 page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
-                mrope: bool = True, hybrid: bool = False, chain: bool = False) -> BatchSpec:
+                mrope: bool = True, hybrid: bool = False, chain: bool = False, dtype: str | None = None) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
     ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
-    ``chain`` makes every draft tree a chain (topk 1).
+    ``chain`` makes every draft tree a chain (topk 1); ``dtype`` overrides the profile's.
     """
+    dtype = dtype or profile.dtype
     page_size = draw(st.sampled_from(page_sizes or profile.page_sizes))
     full_kinds = sorted(kinds & {"mha", "mla"})
     draft_worker = hybrid and bool(full_kinds) and mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and \
@@ -90,7 +91,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
 
     # Requests: how many, then their lengths.
     if mode is ForwardMode.IDLE:
-        return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=profile.dtype,
+        return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=dtype,
                          seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker)
     B = draw(st.integers(1, profile.max_requests))
     spec_input = None
@@ -127,7 +128,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     mrope_layout = None
     if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
-    return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=profile.dtype,
+    return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=dtype,
                      seed=draw(st.integers(0, 2**31 - 1)), spec=spec_input, mrope=mrope_layout,
                      draft_worker=draft_worker)
 

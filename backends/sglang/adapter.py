@@ -67,30 +67,66 @@ class _SglangObject(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
+    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
+        """The harness's call (accepted draft counts ``[B]``) made as SGLang's verify commit makes it: the index
+        of each request's last accepted step, no radix tracking (spec_utils / eagle worker); then the
+        committed states come back into the harness's pools."""
+        planned = self.planned_sglang_batch()
+        # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords.
+        if hasattr(self.inner, "update_mamba_state_after_mtp_verify"):
+            with torch.no_grad():
+                self.inner.update_mamba_state_after_mtp_verify(
+                    last_correct_step_indices=accepted_length.to(torch.int64) - 1, mamba_track_indices=None,
+                    mamba_steps_to_track=None, model=model,
+                    req_pool_indices=None if planned is None else planned.req_pool_indices[:planned.batch_size])
+        states = self.state_sync()
+        for layer_id in (states.harness.conv_states if states is not None and states.harness is not None else ()):
+            states.pull(layer_id)
+
+    def state_sync(self) -> "runtime.StateSync | None":
+        """Where this adapter's linear-attention states are copied between the harness and SGLang."""
+        return None
+
+    def planned_sglang_batch(self):
+        """The SGLang ForwardBatch this adapter planned last (None before the first)."""
+        batches = getattr(self, "batches", None)
+        return next(iter(batches.values())) if batches else None
+
 
 class SglangBackend(_SglangObject):
     """One SGLang attention backend, built over the harness runner's pools on the first batch it plans
     (SGLang sizes speculative buffers from the draft token count, which a runner does not know)."""
 
     sglang_name: ClassVar[str]
+    hybrid: runtime.HybridModel | None = None  # set for SGLang's hybrid wrapper (SglangHybrid)
 
     def __init__(self, model_runner) -> None:
         self.model_runner = model_runner
         self.sgl = runtime.load()
         self.inner = None  # the SGLang backend
         self.sgl_runner = None
+        self.states: runtime.StateSync | None = None
         self.draft_tokens = 0
         self.batches: dict[int, object] = {}  # id(harness batch) -> its SGLang ForwardBatch
         self.radix: dict[int, object] = {}
 
+    def state_sync(self) -> "runtime.StateSync | None":
+        return self.states
+
     # ---- building ----
+    def make_inner(self, sgl_runner):
+        """A new SGLang backend object over ``sgl_runner`` (a TBO wrapper asks for its children this way)."""
+        return self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner)
+
     def _ensure_built(self, fb) -> None:
         draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
         if self.inner is not None and draft <= self.draft_tokens:
             return
         topk = fb.spec_info.topk if fb.spec_info is not None else 0
-        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk)
-        self.inner = self.sgl.ATTENTION_BACKENDS[self.sglang_name](self.sgl_runner)
+        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid)
+        if self.hybrid is not None:
+            self.states = runtime.StateSync(self.sgl_runner, self.model_runner)
+        self.inner = self.make_inner(self.sgl_runner)
         self.draft_tokens = draft
         self.radix.clear()
 
@@ -102,6 +138,19 @@ class SglangBackend(_SglangObject):
                 num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
                 num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
                 v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
+            self.radix[layer.layer_id] = radix
+        return radix
+
+    def _linear_layer(self, layer):
+        """SGLang's RadixLinearAttention for a harness linear layer (cached per layer id)."""
+        radix = self.radix.get(layer.layer_id)
+        if radix is None:
+            s, w = layer.spec, layer.weights
+            radix = self.sgl.RadixLinearAttention(
+                layer_id=layer.layer_id, num_q_heads=s.num_k_heads, num_k_heads=s.num_k_heads,
+                num_v_heads=s.num_v_heads, head_q_dim=s.head_k_dim, head_k_dim=s.head_k_dim,
+                head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"], bias=None, activation="silu",
+                A_log=w["A_log"], dt_bias=w["dt_bias"])
             self.radix[layer.layer_id] = radix
         return radix
 
@@ -146,6 +195,8 @@ class SglangBackend(_SglangObject):
         self._ensure_built(forward_batch)
         sfb = self.translate(forward_batch)
         self.batches = {id(forward_batch): sfb}
+        if self.states is not None:
+            self.states.push(forward_batch)
         with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
             self.inner.init_forward_metadata(sfb)
 
@@ -161,14 +212,31 @@ class SglangBackend(_SglangObject):
                                    v.reshape(T, layer.tp_v_head_num * layer.v_head_dim), sfb, save_kv_cache=save_kv_cache)
         return o.reshape(T, layer.tp_q_head_num, layer.v_head_dim)
 
-    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
+    def _run_linear(self, layer, forward_batch, mixed_qkv, a, b) -> torch.Tensor:
+        """mixed_qkv ``[T, conv_dim]``, a, b ``[T, Hv]`` -> o ``[T, Hv, V]`` through SGLang's linear layer, whose
+        states then come back into the harness's pools."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        T, s = mixed_qkv.shape[0], layer.spec
+        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            o = self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b)
+        self.states.pull(layer.layer_id, forward_batch.state_slots.tolist(),
+                         verify=forward_batch.forward_mode.is_target_verify())
+        return o.reshape(T, s.num_v_heads, s.head_v_dim)
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
+                mixed_qkv=None, a=None, b=None, **kwargs):
+        if layer.kind == "linear":  # the model calls its RadixLinearAttention, which SGLang's hybrid dispatches
+            return self._run_linear(layer, forward_batch, mixed_qkv, a, b)
         return self._run(q, k, v, layer, forward_batch, save_kv_cache)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
 
     # ---- inspection ----
     def engine_objects(self) -> tuple[object | None, list[object], type]:
@@ -219,12 +287,75 @@ class SglangTriton(SglangBackend):
     )
 
 
+class SglangGdn(SglangBackend):
+    """SGLang's GDN linear-attention backend (``GDNAttnBackend``). SGLang builds it only inside its hybrid
+    wrapper (``attn_backend_wrapper``), and its base-class ``forward`` cannot take the linear layer's keyword
+    call, so it runs as the second argument of ``hybrid(sglang.X, sglang.gdn)``, never alone."""
+
+    sglang_name = "gdn"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"linear"}),
+        modes=ADAPTED_MODES,
+        # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
+        dtypes=frozenset({"bfloat16", "float16"}),
+        cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken
+        requires=("sglang", "triton"),
+        cpu_needs_env="TRITON_INTERPRET",
+        # The verify conv kernel advances the request's conv state through the draft tokens in place
+        # (kernels/ops/mamba/causal_conv1d_triton.py, _causal_conv1d_update_kernel); the commit rewrites it.
+        verify_advances_conv_state=True,
+        engine="sglang",
+    )
+
+    def make_inner(self, sgl_runner):
+        raise RuntimeError("SGLang builds its GDN backend inside the hybrid wrapper: use hybrid(sglang.X,sglang.gdn)")
+
+
+class SglangHybrid(SglangBackend):
+    """SGLang's ``HybridLinearAttnBackend`` over one of its full-attention backends and ``GDNAttnBackend``,
+    built as SGLang builds it: ``attn_backend_wrapper(runner, full)`` on a runner whose model is a GDN hybrid
+    (Qwen3-Next-shaped config with the drawn layer layout). SGLang picks the full-attention layer ids itself:
+    the config's, or ``[0]`` on a draft worker's runner."""
+
+    is_wrapper = True
+
+    def __init__(self, full: type[SglangBackend], model_runner, draft_worker: bool = False) -> None:
+        super().__init__(model_runner)
+        self.sglang_name = full.sglang_name
+        self.hybrid = runtime.HybridModel.of(model_runner, draft_worker)
+
+    def make_inner(self, sgl_runner):
+        inner = self.sgl.attn_backend_wrapper(sgl_runner, self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner))
+        if not isinstance(inner, self.sgl.HybridLinearAttnBackend):
+            raise RuntimeError(f"SGLang built {type(inner).__name__} for a GDN hybrid model")
+        return inner
+
+    @property
+    def children(self) -> tuple:
+        return tuple(self.inner.attn_backend_list) if self.inner is not None else ()
+
+    def engine_objects(self) -> tuple[object | None, list[object], type]:
+        return self.inner, list(self.inner.attn_backend_list), self.sgl.AttentionBackend
+
+    def planned_metadata(self) -> PlannedMetadata:
+        """The full-attention child's plan (SGLang's hybrid keeps none of its own)."""
+        meta = getattr(self.inner.full_attn_backend, "forward_metadata", None)
+        if meta is None or not hasattr(meta, "kv_indptr"):
+            return PlannedMetadata()
+        decode = next(iter(self.batches.values())).forward_mode.is_decode_or_idle()
+        return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
+                               kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
+                               custom_mask=getattr(meta, "custom_mask", None),
+                               mask_indptr=getattr(meta, "mask_indptr", None))
+
+
 class _TboChild(SglangBackend):
     """One of SGLang's TBO child backends, as the engine sees it: it runs a child batch's layers under a
     forward context whose backend is that child (``batch_overlap/operations.py``)."""
 
     def __init__(self, parent: "SglangTbo", index: int) -> None:  # noqa: D107 - shares the parent's runner
         self.model_runner, self.sgl, self.sgl_runner = parent.model_runner, parent.sgl, parent.primary.sgl_runner
+        self.states = parent.primary.states
         self.inner = parent.inner.children[index]
         self.radix = parent.primary.radix  # the model's layer objects are the same for both halves
         self.batches = {}
@@ -251,10 +382,9 @@ class SglangTbo(_SglangObject):
 
     is_wrapper = True
 
-    def __init__(self, leaf: type[SglangBackend], model_runner) -> None:
+    def __init__(self, primary: SglangBackend, model_runner) -> None:
         self.model_runner = model_runner
-        self.leaf = leaf
-        self.primary = leaf(model_runner)
+        self.primary = primary  # the adapter of the wrapped composition (a leaf, or SGLang's hybrid)
         self.sgl = self.primary.sgl
         self.inner = None
         self.children: list[_TboChild] = []
@@ -264,14 +394,18 @@ class SglangTbo(_SglangObject):
         before = self.primary.inner
         self.primary._ensure_built(fb)
         if self.inner is None or self.primary.inner is not before:
-            make = lambda: self.sgl.ATTENTION_BACKENDS[self.leaf.sglang_name](self.primary.sgl_runner)  # noqa: E731
-            self.inner = self.sgl.TboAttnBackend(primary=self.primary.inner, children=[make(), make()])
+            runner = self.primary.sgl_runner
+            self.inner = self.sgl.TboAttnBackend(primary=self.primary.inner,
+                                                 children=[self.primary.make_inner(runner),
+                                                           self.primary.make_inner(runner)])
             self.children = [_TboChild(self, 0), _TboChild(self, 1)]
 
     def init_forward_metadata(self, forward_batch) -> None:
         fb, sgl = forward_batch, self.sgl
         self._ensure_built(fb)
         sfb = self.primary.translate(fb)
+        if self.primary.states is not None:
+            self.primary.states.push(fb)
         tbo = sgl.two_batch_overlap
         sfb.tbo_split_seq_index = tbo.compute_split_seq_index(
             forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens,
@@ -335,6 +469,12 @@ class SglangTbo(_SglangObject):
 
     def planned_metadata(self) -> PlannedMetadata:
         return self.primary.planned_metadata()
+
+    def state_sync(self) -> "runtime.StateSync | None":
+        return self.primary.states
+
+    def planned_sglang_batch(self):
+        return self.primary.planned_sglang_batch()
 
     def engine_objects(self) -> tuple[object | None, list[object], type]:
         return self.inner, [self.inner.primary, *self.inner.children], self.sgl.AttentionBackend

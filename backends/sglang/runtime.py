@@ -16,8 +16,10 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import types
+from dataclasses import dataclass
 from functools import cache
 from types import SimpleNamespace
 
@@ -128,10 +130,22 @@ def load() -> SimpleNamespace:
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+    from sglang.srt.layers.attention.attention_registry import attn_backend_wrapper
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
     # One attention rank, no torch.distributed. The override must stay entered for the whole process:
     # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").
     parallel = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
     parallel.__enter__()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from backends.sglang import fla_interpret
+
+        fla_interpret.apply()
     return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("warnings", "reason")})
 
 
@@ -175,31 +189,102 @@ def model_window(runner: ModelRunner) -> int | None:
     return windows.pop() if windows else None
 
 
-def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0):
-    """An SGLang model runner over the harness runner's pools (storage shared, not copied).
+# A GDN layer shape for hybrid models whose batch runs no linear layer (a draft worker's, or a batch of full
+# layers only): SGLang still builds the GDN child and its state pool from the model's config.
+_IDLE_GDN_SHAPE = (2, 4, 16, 16, 4)  # key heads, value heads, key dim, value dim, conv kernel
+# The KV pool shape a model without MHA layers still hands the full-attention child (which never runs).
+_IDLE_MHA_SHAPE = (1, 1, 16, 16)
+
+
+@dataclass(frozen=True)
+class HybridModel:
+    """What SGLang's hybrid wrapper is built from: the model's layer types by id and its GDN shape, and
+    whether this runner is an MTP draft worker."""
+
+    layer_types: tuple[str, ...]  # "attention" / "linear_attention", as Qwen3-Next's layers_block_type
+    gdn_shape: tuple[int, int, int, int, int]
+    draft_worker: bool
+
+    @classmethod
+    def of(cls, runner: ModelRunner, draft_worker: bool) -> "HybridModel":
+        linear = [l for l in runner.layers if l.kind == "linear"]
+        shape = (_IDLE_GDN_SHAPE if not linear else
+                 (linear[0].num_k_heads, linear[0].num_v_heads, linear[0].head_k_dim, linear[0].head_v_dim,
+                  linear[0].conv_kernel))
+        if draft_worker:
+            # An MTP draft runs one full layer, id 0, but its runner carries the target model's config
+            # (Qwen3-Next: every fourth layer is full, ids 3, 7, ...); SGLang builds the draft's hybrid wrapper
+            # with full_attn_layers=[0] (attention_registry.py, attn_backend_wrapper).
+            return cls(("linear_attention",) * 3 + ("attention",), shape, True)
+        ids = {l.layer_id for l in linear}
+        n = max((l.layer_id for l in runner.layers), default=0) + 1
+        types = ["linear_attention" if i in ids else "attention" for i in range(n)]
+        if not ids:  # a hybrid model has linear layers even when this batch's layers are all full
+            types.append("linear_attention")
+        return cls(tuple(types), shape, False)
+
+
+@cache
+def _hybrid_config_class():
+    sgl = load()
+
+    class HarnessHybridConfig(sgl.Qwen3NextConfig):
+        """Qwen3-Next's config, so that SGLang builds its GDN hybrid for it, with the harness's layer layout
+        instead of Qwen3-Next's every-fourth-layer rule."""
+
+        @property
+        def layers_block_type(self):
+            return list(self.harness_layer_types)
+
+    return HarnessHybridConfig
+
+
+def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
+    hk_lin, hv, k, v, w = hybrid.gdn_shape
+    cfg = _hybrid_config_class()(
+        num_hidden_layers=len(hybrid.layer_types), hidden_size=hq * d, num_attention_heads=hq,
+        num_key_value_heads=hk, head_dim=d, linear_num_key_heads=hk_lin, linear_num_value_heads=hv,
+        linear_key_head_dim=k, linear_value_head_dim=v, linear_conv_kernel_dim=w)
+    cfg.harness_layer_types = hybrid.layer_types
+    return cfg
+
+
+def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
+                hybrid: HybridModel | None = None):
+    """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
+    states are copied, see :class:`StateSync`).
 
     SGLang's ``ModelRunner.__init__`` loads a model; like the engine's own unit-test kit, this skips it and
-    sets only what attention backends read.
+    sets only what attention backends read. ``hybrid``: the model is a GDN hybrid (Qwen3-Next-shaped config,
+    hybrid request pool with state pools), so ``attn_backend_wrapper`` builds SGLang's hybrid wrapper.
     """
     sgl = load()
     mha = [layer for layer in runner.layers if layer.kind == "mha"]
-    if not mha:
-        raise ValueError("the SGLang adapter runs MHA layers only (MLA and linear layers are not adapted yet)")
-    shapes = {(l.num_q_heads, l.num_kv_heads, l.head_dim, l.v_head_dim) for l in mha}
+    if any(layer.kind == "mla" for layer in runner.layers):
+        raise ValueError("the SGLang adapter runs MHA and linear layers only (MLA is not adapted yet)")
+    if not mha and hybrid is None:
+        raise ValueError("a model without MHA layers runs through SGLang's hybrid wrapper only")
+    shapes = {(l.num_q_heads, l.num_kv_heads, l.head_dim, l.v_head_dim) for l in mha} or {_IDLE_MHA_SHAPE}
     if len(shapes) > 1:
         raise ValueError(f"one KV pool shape per model, got {sorted(shapes)}")
     (hq, hk, d, dv), = shapes
     window = model_window(runner)
     page_size = runner.page_size
     pool = runner.token_to_kv_pool
-    slots = next(iter(pool.k_buffers.values())).shape[0]
-    dtype = next(iter(pool.k_buffers.values())).dtype
+    if pool.k_buffers:
+        slots = next(iter(pool.k_buffers.values())).shape[0]
+        dtype = next(iter(pool.k_buffers.values())).dtype
+    else:  # linear layers only: a placeholder KV pool the full child is built over and never reads
+        slots, dtype = 2 * page_size, next(iter(runner.mamba_pool.conv_states.values())).dtype
     device = str(runner.device)
 
     class Runner(sgl.SglModelRunner):
         # Derived from hf_config in SGLang; a dense model has none of them.
-        hybrid_gdn_config = hybrid_lightning_config = kimi_linear_config = property(lambda self: None)
-        linear_attn_model_spec = mamba2_config = mambaish_config = property(lambda self: None)
+        hybrid_lightning_config = kimi_linear_config = linear_attn_model_spec = mamba2_config = \
+            property(lambda self: None)
+        # A GDN hybrid's config is its hf_config (a Qwen3NextConfig); a dense model has none.
+        hybrid_gdn_config = mambaish_config = property(
+            lambda self: self.model_config.hf_config if self.harness_hybrid is not None else None)
 
         def __init__(self) -> None:  # noqa: D107 - no super().__init__: it would load a model
             pass
@@ -210,7 +295,10 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
     r.model_config = _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, window)
-    r.is_draft_worker = False
+    r.harness_hybrid = hybrid
+    if hybrid is not None:
+        r.model_config.hf_config = r.model_config.hf_text_config = _hybrid_config(hybrid, hq, hk, d)
+    r.is_draft_worker = hybrid is not None and hybrid.draft_worker
     r.max_running_requests = runner.req_to_token.shape[0]
     r.model = torch.nn.Module()
     r.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE if max_draft_tokens else sgl.SpeculativeAlgorithm.NONE
@@ -230,10 +318,15 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         linear_attn_backend="triton", linear_attn_decode_backend=None, linear_attn_prefill_backend=None,
         _mamba_cache_chunk_size=64)
     r.server_args = r._server_args_override.install()
-    r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)
+    rows = runner.req_to_token.shape[0]
+    if hybrid is None:
+        r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)
+    else:
+        r.req_to_token_pool = _hybrid_request_pool(sgl, r.model_config.hf_config, runner, dtype, device,
+                                                   max_draft_tokens, topk)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
-    r.req_to_token_pool.size = runner.req_to_token.shape[0]
-    layer_num = max(l.layer_id for l in mha) + 1
+    r.req_to_token_pool.size = rows
+    layer_num = max((l.layer_id for l in mha), default=0) + 1
     kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
                               v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
                               enable_alt_stream=False)
@@ -255,3 +348,75 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.sliding_window_size = window
     r.use_mla_backend = False
     return r
+
+
+def _hybrid_request_pool(sgl, config, runner: ModelRunner, dtype: torch.dtype, device: str, max_draft_tokens: int,
+                         topk: int):
+    """SGLang's request pool of a hybrid model: request rows plus the GDN state pools, one state slot per row
+    of the harness's pools (slot 0 reserved in both).
+
+    Conv states are kept in the model's dtype, as ``SGLANG_MAMBA_CONV_DTYPE=<model dtype>`` makes SGLang do (its
+    default is bfloat16 whatever the model's dtype; bf16 serving models see no difference), SSM states in
+    float32 (SGLang's default, and the harness's).
+    """
+    params = config.mamba2_cache_params
+    params = sgl.Mamba2CacheParams(shape=params.shape, layers=params.layers,
+                                   dtype=sgl.Mamba2StateDType(conv=dtype, temporal=torch.float32))
+    rows = runner.req_to_token.shape[0]
+    state_slots = rows if runner.mamba_pool is None else \
+        next(iter(runner.mamba_pool.ssm_states.values())).shape[0]
+    return sgl.HybridReqToTokenPool(
+        size=rows - 1, mamba_size=state_slots - 1, mamba_spec_state_size=state_slots - 1, max_context_len=1,
+        device=device, enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(params.layers),
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=max_draft_tokens or None,
+        speculative_eagle_topk=topk or None, enable_overlap_schedule=False)
+
+
+class StateSync:
+    """Copies the linear-attention states between the harness's pools and SGLang's, which differ in layout:
+    SGLang keeps one tensor per kind over all linear layers, ``conv[L, slots, conv_dim, W-1]`` and
+    ``temporal[L, slots, Hv, V, K]`` (value before key), the harness ``conv_states[id][slots, conv_dim, W-1]``
+    and ``ssm_states[id][slots, Hv, K, V]``. Speculative steps: SGLang's ``intermediate_ssm[L, slots, D, Hv, V, K]``
+    and ``intermediate_conv_window[0][L, slots, D, conv_dim, W-1]``. States go in before a batch is planned and
+    come back after each linear layer runs, every slot both ways, so a write to a wrong slot is seen."""
+
+    def __init__(self, sgl_runner, runner: ModelRunner) -> None:
+        self.pool = sgl_runner.req_to_token_pool
+        self.harness = runner.mamba_pool
+        self.runner = runner
+
+    def push(self, fb) -> None:
+        """The harness's states and request->slot map into SGLang's pools, then what SGLang's scheduler does
+        before such a batch: a request without a cached prefix got a fresh state slot, which it clears
+        (``ScheduleBatch.mamba_clear_indices``; the GDN kernels read the slot's SSM state whatever the prefix)."""
+        mapping = self.pool.req_index_to_mamba_index_mapping
+        mapping.copy_(self.runner.req_to_state_slot.to(mapping.dtype))
+        if self.harness is None:
+            return
+        for layer_id, conv in self.harness.conv_states.items():
+            cache = self.pool.mamba2_layer_cache(layer_id)
+            cache.conv[0].copy_(conv)
+            cache.temporal.copy_(self.harness.ssm_states[layer_id].transpose(-1, -2))
+        mode = fb.forward_mode
+        if mode.is_decode() or mode.is_idle() or mode.is_target_verify():
+            return
+        fresh = [slot for slot, prefix in zip(fb.state_slots.tolist(), fb.extend_prefix_lens_cpu) if prefix == 0]
+        if fresh:
+            self.pool.mamba_pool.clear_slots(torch.tensor(fresh, dtype=torch.int64, device=mapping.device))
+
+    def pull(self, layer_id: int, state_slots: list[int] | None = None, verify: bool = False) -> None:
+        """SGLang's states of one linear layer back into the harness's pools; after a verify, also its
+        per-draft-step states, which SGLang keeps by batch row (request i owns scratch row i,
+        ``linear/utils.py`` build_verify_intermediate_state_indices) and the harness by state slot."""
+        if self.harness is None or layer_id not in self.harness.conv_states:
+            return
+        cache = self.pool.mamba2_layer_cache(layer_id)
+        self.harness.conv_states[layer_id].copy_(cache.conv[0])
+        self.harness.ssm_states[layer_id].copy_(cache.temporal.transpose(-1, -2))
+        if verify and layer_id in self.harness.intermediate_ssm_states:
+            ours_ssm = self.harness.intermediate_ssm_states[layer_id]
+            ours_conv = self.harness.intermediate_conv_states[layer_id]
+            d = ours_ssm.shape[1]
+            for row, slot in enumerate(state_slots):
+                ours_ssm[slot] = cache.intermediate_ssm[row, :d].transpose(-1, -2)
+                ours_conv[slot] = cache.intermediate_conv_window[0][row, :d]
