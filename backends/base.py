@@ -107,6 +107,8 @@ class Capabilities:
     # token (SGLang's GDN updates it in place); the commit after verify then writes the last accepted step's
     # window over it. False: verify changes only the intermediate (per-step) pools.
     verify_advances_conv_state: bool = False
+    # Why one case takes seconds on a CPU (e.g. kernels interpreted by Triton); profiles draw fewer examples
+    slow_on_cpu: str | None = None
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
@@ -158,6 +160,7 @@ class Support:
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
     verify_advances_conv_state: bool = False
+    slow_on_cpu: str | None = None
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -184,7 +187,8 @@ class Support:
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
-                   verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps))
+                   verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
+                   slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""

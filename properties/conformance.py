@@ -304,14 +304,24 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
                            details={"hidden": [method]})
         return Verdict(name, True, f"{type(leaf).__name__}: a leaf, {len(members)} protocol members "
                                    f"of {base.__name__}, nothing to delegate")
-    hidden = hidden_overrides(wrapper, children, base)
-    if hidden:
-        listed = ", ".join(f"{m} (overridden by {c})" for m, c in hidden)
-        return Verdict(name, False, f"{type(wrapper).__name__} does not make reachable what its children override: "
-                                    f"{listed}; the {base.__name__} default answers instead",
-                       details={"hidden": [m for m, _ in hidden]})
-    return Verdict(name, True, f"{type(wrapper).__name__} reaches every one of the {len(members)} members of "
-                               f"{base.__name__} that its children override")
+    # Wrappers nest (SGLang's TBO over its hybrid): each wrapper is checked against its own children, which a
+    # wrapper of the engine lists in ``attn_backend_list``.
+    pairs, todo = [], [(wrapper, children)]
+    while todo:
+        w, kids = todo.pop(0)
+        pairs.append((w, kids))
+        todo += [(k, list(k.attn_backend_list)) for k in kids if getattr(k, "attn_backend_list", None)
+                 and not any(k is p for p, _ in pairs)]
+    for w, kids in pairs:
+        hidden = hidden_overrides(w, kids, base)
+        if hidden:
+            listed = ", ".join(f"{m} (overridden by {c})" for m, c in hidden)
+            return Verdict(name, False, f"{type(w).__name__} does not make reachable what its children override: "
+                                        f"{listed}; the {base.__name__} default answers instead",
+                           details={"hidden": [m for m, _ in hidden]})
+    names = " and ".join(dict.fromkeys(type(w).__name__ for w, _ in pairs))
+    return Verdict(name, True, f"{names} reach every one of the {len(members)} members of "
+                               f"{base.__name__} that their children override")
 
 
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
@@ -353,7 +363,12 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     name = "dispatch"
     case = materialize(spec, device)
     backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
-    hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
+    if composition.engine != "harness":
+        # An engine's hybrid objects exist once its adapter has planned a batch; the recorders go on them.
+        backend.init_forward_metadata(case.forward_batch)
+        hybrids = [n.inner for n in _nodes(backend) if hasattr(getattr(n, "inner", None), "full_attn_backend")]
+    else:
+        hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
     if not hybrids:
         return Verdict(name, True, "no hybrid wrapper in this composition")
     full_seen, linear_seen = set(), set()

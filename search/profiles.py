@@ -35,12 +35,15 @@ class Profile:
     # Rows whose backends refuse ``dtype`` run in this one instead (SGLang's GDN kernels refuse float32: the
     # CPU profiles run them in float16, with float16's bounds); None: such rows do not run.
     fallback_dtype: str | None = None
+    # Rows that declare a slow CPU path (Capabilities.slow_on_cpu) draw at most this many examples on a CPU
+    # (None: the profile's max_examples), so one interpreted engine does not take over a CI run.
+    slow_row_examples: int | None = None
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("ci", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
             max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4, shrink_seconds=10.0,
-            fallback_dtype="float16", description="CPU CI: float32, tiny heads, few examples per row"),
+            fallback_dtype="float16", slow_row_examples=1, description="CPU CI: float32, tiny heads, few examples per row"),
     Profile("dev", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
             max_requests=6, max_prefix=80, max_extend=40, max_layers=4, max_examples=25, fallback_dtype="float16",
             description="a developer's machine: the ci shapes, more examples"),

@@ -23,11 +23,14 @@ def test_sglang_terms_are_sglangs_own_classes_only():
     assert parse("tbo(sglang.triton)").engine == "sglang"  # SGLang's TboAttnBackend, not the harness's
     with pytest.raises(CompositionError, match="cannot mix"):
         parse("hybrid(sglang.triton,linear_torch)")
-    with pytest.raises(CompositionError, match="only tbo"):
+    with pytest.raises(CompositionError, match="not adapted yet"):
         parse("graph(sglang.triton)")
+    assert parse("tbo(hybrid(sglang.triton,sglang.gdn))").engine == "sglang"
     terms = {str(c) for c in all_compositions()}
-    assert {"sglang.torch_native", "sglang.triton", "tbo(sglang.triton)", "tbo(sglang.torch_native)"} <= terms
-    assert not any("sglang" in t and t.startswith(("hybrid", "graph")) for t in terms)
+    assert {"sglang.torch_native", "sglang.triton", "tbo(sglang.triton)", "tbo(sglang.torch_native)",
+            "hybrid(sglang.triton,sglang.gdn)", "tbo(hybrid(sglang.triton,sglang.gdn))"} <= terms
+    assert "sglang.gdn" not in terms  # SGLang builds its GDN backend inside its hybrid wrapper only
+    assert not any("sglang" in t and t.startswith("graph") for t in terms)
 
 
 def test_unavailable_reason_names_the_install_command_or_the_version(monkeypatch):

@@ -200,36 +200,37 @@ class SglangBackend(_SglangObject):
         with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
             self.inner.init_forward_metadata(sfb)
 
-    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer."""
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer, under a
+        forward context whose backend is ``via`` (a wrapper the layer reaches this backend through) or this one."""
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         T = q.shape[0]
-        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
             o = self._layer(layer)(q.reshape(T, layer.tp_q_head_num * layer.head_dim),
                                    k.reshape(T, layer.tp_k_head_num * layer.head_dim),
                                    v.reshape(T, layer.tp_v_head_num * layer.v_head_dim), sfb, save_kv_cache=save_kv_cache)
         return o.reshape(T, layer.tp_q_head_num, layer.v_head_dim)
 
-    def _run_linear(self, layer, forward_batch, mixed_qkv, a, b) -> torch.Tensor:
+    def _run_linear(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
         """mixed_qkv ``[T, conv_dim]``, a, b ``[T, Hv]`` -> o ``[T, Hv, V]`` through SGLang's linear layer, whose
         states then come back into the harness's pools."""
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         T, s = mixed_qkv.shape[0], layer.spec
-        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
             o = self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b)
         self.states.pull(layer.layer_id, forward_batch.state_slots.tolist(),
                          verify=forward_batch.forward_mode.is_target_verify())
         return o.reshape(T, s.num_v_heads, s.head_v_dim)
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
-                mixed_qkv=None, a=None, b=None, **kwargs):
+                mixed_qkv=None, a=None, b=None, via=None, **kwargs):
         if layer.kind == "linear":  # the model calls its RadixLinearAttention, which SGLang's hybrid dispatches
-            return self._run_linear(layer, forward_batch, mixed_qkv, a, b)
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+            return self._run_linear(layer, forward_batch, mixed_qkv, a, b, via)
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, via)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -304,6 +305,7 @@ class SglangGdn(SglangBackend):
         # The verify conv kernel advances the request's conv state through the draft tokens in place
         # (kernels/ops/mamba/causal_conv1d_triton.py, _causal_conv1d_update_kernel); the commit rewrites it.
         verify_advances_conv_state=True,
+        slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
         engine="sglang",
     )
 
@@ -325,7 +327,9 @@ class SglangHybrid(SglangBackend):
         self.hybrid = runtime.HybridModel.of(model_runner, draft_worker)
 
     def make_inner(self, sgl_runner):
-        inner = self.sgl.attn_backend_wrapper(sgl_runner, self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner))
+        # Looked up on SGLang's module at call time, as SGLang's own runner setup does.
+        wrap = self.sgl.attention_registry.attn_backend_wrapper
+        inner = wrap(sgl_runner, self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner))
         if not isinstance(inner, self.sgl.HybridLinearAttnBackend):
             raise RuntimeError(f"SGLang built {type(inner).__name__} for a GDN hybrid model")
         return inner
@@ -458,14 +462,16 @@ class SglangTbo(_SglangObject):
             spec_info=None if fb.spec_info is None else slice_spec_info(fb.spec_info, fb.seq_lens_cpu.tolist(), req),
             num_token_non_padded=T, tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
 
+    # A batch SGLang did not split runs its layers under a forward context whose backend is the TboAttnBackend
+    # itself (its forward goes to the primary): warm-up, graph capture and batches too small to split.
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
-        return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache, via=self.inner, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def planned_metadata(self) -> PlannedMetadata:
         return self.primary.planned_metadata()

@@ -132,7 +132,7 @@ def load() -> SimpleNamespace:
 
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
     from sglang.srt.configs.qwen3_next import Qwen3NextConfig
-    from sglang.srt.layers.attention.attention_registry import attn_backend_wrapper
+    from sglang.srt.layers.attention import attention_registry
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
     from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
     from sglang.srt.layers.radix_linear_attention import RadixLinearAttention

@@ -368,6 +368,29 @@ def sglang_triton_lacks_update_verify():
                     base.update_verify_buffers_to_fill_after_draft)
 
 
+def sglang_tbo_lacks_forward():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as base
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    return _replace(TboAttnBackend, "forward", base.forward)
+
+
+def sglang_draft_target_layout():
+    from backends.sglang.runtime import load
+    sgl = load()
+    registry = sgl.attention_registry
+    original = registry.attn_backend_wrapper
+
+    def attn_backend_wrapper(runner, full_attn_backend):
+        backend = original(runner, full_attn_backend)
+        if runner.is_draft_worker and isinstance(backend, sgl.HybridLinearAttnBackend):
+            # the draft worker keeps the target model's full-attention layer ids (before #27120)
+            backend.full_attn_layers = registry.mambaish_config(runner.model_config).full_attention_layer_ids
+        return backend
+    return _replace(registry, "attn_backend_wrapper", attn_backend_wrapper)
+
+
 def graph_captures_linear():
     import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
@@ -380,6 +403,13 @@ SGLANG_CATALOGUE: list[Mutant] = [
     Mutant("sglang_triton_lacks_update_verify", "SGLang's TritonAttnBackend without "
            "update_verify_buffers_to_fill_after_draft (sgl-project/sglang#25925); the overlap plan stream's "
            "call raises NotImplementedError on the first verify", ("sglang.triton",), ("conformance",),
+           engine="sglang"),
+    Mutant("sglang_tbo_lacks_forward", "SGLang's TboAttnBackend without forward (sgl-project/sglang#20109, fixed "
+           "by #20114): a linear layer's keyword call reaches the base dispatch and crashes ('missing q, k, v')",
+           ("tbo(hybrid(sglang.torch_native,sglang.gdn))",), ("outputs",), engine="sglang"),
+    Mutant("sglang_draft_target_layout", "SGLang's MTP draft worker builds its HybridLinearAttnBackend with the "
+           "target model's full-attention layer ids (before sgl-project/sglang#27120): the draft's layer 0 goes "
+           "to the GDN backend", ("hybrid(sglang.torch_native,sglang.gdn)",), ("dispatch", "outputs"),
            engine="sglang"),
 ]
 
