@@ -312,13 +312,36 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
         pairs.append((w, kids))
         todo += [(k, list(k.attn_backend_list)) for k in kids if getattr(k, "attn_backend_list", None)
                  and not any(k is p for p, _ in pairs)]
+    # Every problem is reported, not the first: a known one (the ledger) must not mask a new one beside it.
+    problems, hidden_all, call_problems = [], [], 0
     for w, kids in pairs:
         hidden = hidden_overrides(w, kids, base)
         if hidden:
             listed = ", ".join(f"{m} (overridden by {c})" for m, c in hidden)
-            return Verdict(name, False, f"{type(w).__name__} does not make reachable what its children override: "
-                                        f"{listed}; the {base.__name__} default answers instead",
-                           details={"hidden": [m for m, _ in hidden]})
+            problems.append(f"{type(w).__name__} does not make reachable what its children override: {listed}; "
+                            f"the {base.__name__} default answers instead")
+            hidden_all += [m for m, _ in hidden]
+    # Protocol the base class does not define: what SGLang's callers probe for with hasattr. A wrapper must
+    # answer it wherever a child does (a missing one is silently skipped by the caller), and take the call
+    # the caller makes: init_mha_chunk_metadata(forward_batch) (models/deepseek_common/.../forward_mha.py).
+    for member in backend.engine_probed_members():
+        for w, kids in pairs:
+            owner = next((type(k).__name__ for k in kids if hasattr(k, member)), None)
+            if owner and not hasattr(w, member):
+                problems.append(f"{type(w).__name__} has no {member}, which its child {owner} has: SGLang's "
+                                f"hasattr-guarded call skips it")
+                hidden_all.append(member)
+    top = wrapper if wrapper is not None else children[0]
+    if hasattr(top, "init_mha_chunk_metadata"):
+        try:
+            top.init_mha_chunk_metadata(backend.planned_sglang_batch())
+        except Exception as e:  # noqa: BLE001 - the caller's own call form failing is the finding
+            problems.append(f"{type(top).__name__}.init_mha_chunk_metadata(forward_batch), as SGLang's model code "
+                            f"calls it, raised {type(e).__name__}: {e}")
+            call_problems += 1
+    if problems:
+        return Verdict(name, False, "; ".join(problems),
+                       details={"hidden": list(dict.fromkeys(hidden_all)), "other_problems": call_problems})
     names = " and ".join(dict.fromkeys(type(w).__name__ for w, _ in pairs))
     return Verdict(name, True, f"{names} reach every one of the {len(members)} members of "
                                f"{base.__name__} that their children override")

@@ -87,6 +87,10 @@ class _SglangObject(AttentionBackend):
         """Where this adapter's linear-attention states are copied between the harness and SGLang."""
         return None
 
+    def engine_probed_members(self) -> tuple[str, ...]:
+        """Protocol beyond the base class: the members SGLang's callers probe for with ``hasattr``."""
+        return runtime.probed_members()
+
     def planned_sglang_batch(self):
         """The SGLang ForwardBatch this adapter planned last (None before the first)."""
         batches = getattr(self, "batches", None)

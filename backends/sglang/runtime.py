@@ -149,6 +149,23 @@ def load() -> SimpleNamespace:
     return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("warnings", "reason")})
 
 
+@cache
+def probed_members() -> tuple[str, ...]:
+    """Members SGLang's callers look for on an attention backend with ``hasattr`` (``init_mha_chunk_metadata``,
+    ``update_mamba_state_after_mtp_verify``, ...): protocol the base class does not define, read from the
+    installed SGLang's source so it follows the version a user has."""
+    import re
+    from pathlib import Path
+
+    import sglang
+
+    probe = re.compile(r"hasattr\(\s*[\w.()]*attn_backend[\w.()]*\s*,\s*\"(\w+)\"")
+    names = set()
+    for path in Path(sglang.__file__).parent.joinpath("srt").rglob("*.py"):
+        names.update(probe.findall(path.read_text(encoding="utf-8", errors="replace")))
+    return tuple(sorted(names))
+
+
 class _ModelConfig:
     """The ``model_config`` surface SGLang's dense backends read at construction (head counts, lengths)."""
 

@@ -391,6 +391,39 @@ def sglang_draft_target_layout():
     return _replace(registry, "attn_backend_wrapper", attn_backend_wrapper)
 
 
+@contextlib.contextmanager
+def _without(cls, name):
+    """``cls`` without its own ``name`` (hasattr turns False, unlike patching it to None)."""
+    original = cls.__dict__[name]
+    delattr(cls, name)
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
+def _cpu_full_child_with_mha_chunk(method):
+    """SGLang's CPU backends plan no chunked prefix; the seeds' CPU form gives TorchNative the method that
+    FlashInferMLA / TRT-LLM MLA have (the GPU form needs an MLA hybrid)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    return mock.patch.object(TorchNativeAttnBackend, "init_mha_chunk_metadata", method, create=True)
+
+
+@contextlib.contextmanager
+def sglang_hybrid_lacks_mha_chunk():
+    from backends.sglang.runtime import load
+    sgl = load()
+    with _cpu_full_child_with_mha_chunk(lambda self, forward_batch, disable_flashinfer_ragged=False: None), \
+            _without(sgl.HybridLinearAttnBackend, "init_mha_chunk_metadata"):
+        yield
+
+
+def sglang_one_arg_mha_chunk():
+    from backends.sglang.runtime import load
+    load()
+    return _cpu_full_child_with_mha_chunk(lambda self, forward_batch: None)
+
+
 def graph_captures_linear():
     import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
@@ -411,6 +444,14 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "target model's full-attention layer ids (before sgl-project/sglang#27120): the draft's layer 0 goes "
            "to the GDN backend", ("hybrid(sglang.torch_native,sglang.gdn)",), ("dispatch", "outputs"),
            engine="sglang"),
+    Mutant("sglang_hybrid_lacks_mha_chunk", "SGLang's HybridLinearAttnBackend without init_mha_chunk_metadata "
+           "(fixed by sgl-project/sglang#27316; CPU form: the full child given the method MLA backends have); "
+           "the hasattr-guarded caller skips planning and the next prefix extend runs on a stale plan",
+           ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
+    Mutant("sglang_one_arg_mha_chunk", "a full-attention child whose init_mha_chunk_metadata takes only the batch "
+           "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
+           "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
+           ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
 ]
 
 CATALOGUE: list[Mutant] = [
