@@ -111,6 +111,7 @@ class Capabilities:
     slow_on_cpu: str | None = None
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
+    cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
     # whose symptom would take the process down instead of failing a check)
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
@@ -161,6 +162,7 @@ class Support:
     softcap_via_sigmoid: bool
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
+    cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -186,6 +188,7 @@ class Support:
                    fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
+                   cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
                    slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None))

@@ -135,7 +135,8 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
                 excluded.append((f"{c}-{mode.value}", mode_reason(c, mode)))
                 continue
             for prop in wanted_props:
-                why = prop.applies(c, mode) or c.support().gaps.get(prop.name)
+                why = prop.applies(c, mode) or c.support().gaps.get(prop.name) or \
+                    (c.support().cpu_gaps.get(prop.name) if device == "cpu" else None)
                 if why is None:
                     rows.append(Row(c, mode, prop))
                 else:

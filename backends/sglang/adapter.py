@@ -310,6 +310,9 @@ class SglangGdn(SglangBackend):
         # (kernels/ops/mamba/causal_conv1d_triton.py, _causal_conv1d_update_kernel); the commit rewrites it.
         verify_advances_conv_state=True,
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
+        # SGLang's commit after verify (fused_mamba_state_scatter_with_mask, kernels/ops/mamba/
+        # mamba_state_scatter_triton.py) refuses CPU tensors; the gpu profile runs it.
+        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),),
         engine="sglang",
     )
 
