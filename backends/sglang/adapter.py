@@ -248,10 +248,14 @@ class SglangBackend(_SglangObject):
         """(SGLang wrapper or None, the SGLang backends under it, SGLang's base class): what conformance reads."""
         return None, [self.inner], self.sgl.AttentionBackend
 
+    def _planner(self):
+        """The SGLang object whose ``forward_metadata`` is this adapter's plan."""
+        return self.inner
+
     def planned_metadata(self) -> PlannedMetadata:
         """SGLang's ``forward_metadata`` where it keeps one (Triton: token-level indptrs and slots)."""
-        meta = getattr(self.inner, "forward_metadata", None)
-        if meta is None:
+        meta = getattr(self._planner(), "forward_metadata", None)
+        if meta is None or not hasattr(meta, "kv_indptr"):
             return PlannedMetadata()
         decode = next(iter(self.batches.values())).forward_mode.is_decode_or_idle()
         return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
@@ -348,16 +352,9 @@ class SglangHybrid(SglangBackend):
     def engine_objects(self) -> tuple[object | None, list[object], type]:
         return self.inner, list(self.inner.attn_backend_list), self.sgl.AttentionBackend
 
-    def planned_metadata(self) -> PlannedMetadata:
-        """The full-attention child's plan (SGLang's hybrid keeps none of its own)."""
-        meta = getattr(self.inner.full_attn_backend, "forward_metadata", None)
-        if meta is None or not hasattr(meta, "kv_indptr"):
-            return PlannedMetadata()
-        decode = next(iter(self.batches.values())).forward_mode.is_decode_or_idle()
-        return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
-                               kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
-                               custom_mask=getattr(meta, "custom_mask", None),
-                               mask_indptr=getattr(meta, "mask_indptr", None))
+    def _planner(self):
+        """The full-attention child (SGLang's hybrid keeps no plan of its own)."""
+        return self.inner.full_attn_backend
 
 
 class _TboChild(SglangBackend):
