@@ -45,6 +45,17 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
 
 
+def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
+    """An extend batch with linear layers that SGLang's splitter cuts between requests (not two-chunk), and the
+    failure is in a linear layer: an out-of-bounds read by its conv kernel, or its outputs."""
+    if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
+        return False
+    if not any(layer.kind == "linear" for layer in spec.layers) or two_chunk_split_enabled(list(spec.extend_lens)):
+        return False
+    layer = _failing_layer(spec, verdict)
+    return "OutOfBounds" in verdict.reason or (layer is not None and layer.kind == "linear")
+
+
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
 TBO_HIDDEN = {"update_verify_buffers_to_fill_after_draft", "needs_cpu_seq_lens", "support_triton",
               # and over SGLang's hybrid wrapper (docs/findings/sglang-tbo-hides-update-verify-buffers.md)
@@ -73,6 +84,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "mixed_two_chunk": _mixed_two_chunk,
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,
     "hybrid_hides_known_overrides": _hybrid_hides_known_overrides,
+    "tbo_linear_plain_split": _tbo_linear_plain_split,
 }
 
 

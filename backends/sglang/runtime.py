@@ -143,9 +143,9 @@ def load() -> SimpleNamespace:
     parallel = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
     parallel.__enter__()
     if os.environ.get("TRITON_INTERPRET") == "1":
-        from backends.sglang import fla_interpret
+        from backends.sglang import interpreter_shims
 
-        fla_interpret.apply()
+        interpreter_shims.apply()
     return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("warnings", "reason")})
 
 
