@@ -1,6 +1,7 @@
 """Running the kernels SGLang ships (its Triton attention, and the fla kernels it vendors in
-``sglang.kernels.ops.attention.fla``) under Triton's CPU interpreter (``TRITON_INTERPRET=1``). Applied by :func:`backends.sglang.runtime.load` only when the
-interpreter is on; nothing is edited on disk and compiled (GPU) runs never see these.
+``sglang.kernels.ops.attention.fla``) under Triton's CPU interpreter (``TRITON_INTERPRET=1``). Applied by
+:func:`backends.sglang.runtime.load` only when the interpreter is on; nothing is edited on disk and compiled
+(GPU) runs never see these.
 
 1. fla binds ``exp``/``exp2``/``log``/``log2`` as module-level aliases of ``tl.exp`` etc. (``fla/op.py``). The
    interpreter swaps ``triton.language``'s functions while it interprets a kernel, so an alias taken at import
