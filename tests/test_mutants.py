@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.mutants.catalogue import CATALOGUE, SGLANG_CATALOGUE
+from harness.mutants.catalogue import CATALOGUE
 from harness.mutants.run import run_mutant
 from search.profiles import PROFILES
 
 
-@pytest.mark.parametrize("mutant", CATALOGUE + SGLANG_CATALOGUE, ids=[m.name for m in CATALOGUE + SGLANG_CATALOGUE])
+@pytest.mark.parametrize("mutant", CATALOGUE, ids=[m.name for m in CATALOGUE])
 def test_mutant_is_killed(mutant, device, tmp_path):
     # A crashing mutant's hang is detected after case_timeout_s without progress; 10 s is ample for a
     # ci-profile case, which takes well under a second. The kill is the first failing example: shrinking it

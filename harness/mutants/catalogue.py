@@ -438,10 +438,10 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "call raises NotImplementedError on the first verify", ("sglang.triton",), ("conformance",),
            engine="sglang"),
     Mutant("sglang_tbo_lacks_forward", "SGLang's TboAttnBackend without forward (sgl-project/sglang#20109, fixed "
-           "by #20114): a linear layer's keyword call reaches the base dispatch and crashes ('missing q, k, v')",
+           "by #20114); a linear layer's keyword call reaches the base dispatch and crashes ('missing q, k, v')",
            ("tbo(hybrid(sglang.torch_native,sglang.gdn))",), ("outputs",), engine="sglang"),
     Mutant("sglang_draft_target_layout", "SGLang's MTP draft worker builds its HybridLinearAttnBackend with the "
-           "target model's full-attention layer ids (before sgl-project/sglang#27120): the draft's layer 0 goes "
+           "target model's full-attention layer ids (before sgl-project/sglang#27120); the draft's layer 0 goes "
            "to the GDN backend", ("hybrid(sglang.torch_native,sglang.gdn)",), ("dispatch", "outputs"),
            engine="sglang"),
     Mutant("sglang_hybrid_lacks_mha_chunk", "SGLang's HybridLinearAttnBackend without init_mha_chunk_metadata "
