@@ -189,9 +189,9 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     engines = {leaf_capabilities(n).engine for c in children for n in c.leaves()}
     if len(engines) > 1:
         raise CompositionError(f"{name}() cannot mix the harness's backends with an engine's in {whole!r}")
-    if engines != {"harness"} and not (name == "tbo" and children[0].is_leaf):
+    if engines != {"harness"} and not _engine_term_adapted(name, children[0]):
         raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends: only tbo() over one of its "
-                               f"backends is adapted so far, in {whole!r}")
+                               f"backends and graph() over those are adapted so far, in {whole!r}")
     if name == "hybrid":
         full, linear = children
         if "linear" in full.attention_kinds() or full.attention_kinds() - {"mha", "mla"}:
@@ -201,13 +201,22 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     return Composition(name, tuple(children)), rest
 
 
+def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
+    """Whether ``wrapper(child)`` over an engine's backends is adapted: tbo() over one of its backends, and
+    graph() (the harness's runner driving the engine's three-method contract) over that or a backend."""
+    if wrapper == "tbo":
+        return child.is_leaf
+    return wrapper == "graph" and (child.is_leaf or (child.name == "tbo" and child.children[0].is_leaf))
+
+
 def all_compositions() -> list[Composition]:
     """Every composition the declarations allow, whether or not it can run here.
 
     Full-attention backends alone, linear backends alone, hybrid(full, linear) for pairs sharing a device,
     tbo() over each of those, and graph() over each composition with full attention whose backends all
-    plan graph batches (``init_forward_metadata_out_graph``). The wrappers are the harness's own, so they wrap
-    its own leaves; an engine's leaves (``sglang.*``) stand alone until its own wrappers are adapted.
+    plan graph batches (``init_forward_metadata_out_graph``). The harness's wrappers wrap its own leaves; an
+    engine's leaves (``sglang.*``) stand alone, under the engine's own TBO wrapper, and under graph() over
+    either where they capture graphs.
     """
     ours = [n for n in LEAVES if leaf_capabilities(n).engine == "harness"]
     full = [n for n in ours if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
@@ -221,4 +230,6 @@ def all_compositions() -> list[Composition]:
     out += [Composition("graph", (c,)) for c in out
             if c.support().cuda_graph_modes and c.attention_kinds() & {"mha", "mla"}]
     theirs = [Composition(n) for n in LEAVES if n not in ours]
-    return out + theirs + [Composition("tbo", (c,)) for c in theirs]
+    theirs += [Composition("tbo", (c,)) for c in theirs]
+    theirs += [Composition("graph", (c,)) for c in theirs if c.support().cuda_graph_modes]
+    return out + theirs

@@ -125,7 +125,7 @@ def load() -> SimpleNamespace:
     from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.batch_overlap import two_batch_overlap
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
-    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     # One attention rank, no torch.distributed. The override must stay entered for the whole process:
