@@ -15,6 +15,8 @@ from backends.sglang.adapter import retrieve_links
 from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
 from engine.materialize import materialize
 from properties import PROPERTIES
+from search.matrix import matrix
+from search.profiles import PROFILES
 
 
 def test_retrieve_links_follow_the_tree():
@@ -39,6 +41,10 @@ def test_sglang_terms_are_sglangs_own_classes_only():
     # TorchNativeAttnBackend captures no graph (the base's init_cuda_graph_state raises): declared, so no row
     assert not any(t.startswith("graph") and "sglang.torch_native" in t for t in terms)
     assert not any("sglang" in t and t.startswith("hybrid") for t in terms)
+    # asked for by name, the row that cannot exist says why
+    m = matrix("cpu", PROFILES["ci"], ["graph(sglang.torch_native)"])
+    assert m.unavailable == [("graph(sglang.torch_native)",
+                              "sglang.torch_native captures no CUDA graph (declares no cuda_graph_modes)")]
 
 
 def test_sglang_graph_modes_are_declared_from_sglangs_graph_runners():
