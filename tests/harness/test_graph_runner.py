@@ -92,18 +92,6 @@ def test_idle_batch_replays_the_decode_graph_all_padding():
     assert runner.fb.req_pool_indices.tolist() == [0] and runner.fb.state_slots.tolist() == [0]
 
 
-@pytest.mark.parametrize("term, spec", [
-    ("graph(tbo(triton))", VERIFY),
-    ("graph(hybrid(triton,linear_torch))", BatchSpec(ForwardMode.TARGET_VERIFY, (4, 2), (3, 3), (LIN, MHA),
-                                                     spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 2, (2, 3)), seed=7)),
-    ("graph(hybrid(triton,linear_torch))", BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 2), (2, 2, 2), (LIN, MHA),
-                                                     spec=SpecInput(2, 1, 1, ((-1, 0),) * 3, (2, 2, 2)), seed=8)),
-], ids=["tbo-verify", "hybrid-verify", "hybrid-draft_extend"])
-def test_graph_replay_beyond_decode_holds(term, spec, device):
-    verdict = PROPERTIES["graph_replay"].run(parse(term), spec, device)
-    assert verdict.ok, str(verdict)
-
-
 def test_tbo_graph_runs_the_halves_through_the_children(device):
     from backends.tbo import TboAttnBackend
     from backends.triton import TritonBackend
