@@ -78,7 +78,9 @@ class LinearTorchBackend(AttentionBackend):
         attention_kinds=frozenset({"linear"}),
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
+        # Graph planning (out_graph) for these; its kernels run eagerly between captured segments (piecewise).
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE}),
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -157,15 +159,21 @@ class LinearTorchBackend(AttentionBackend):
         """Nothing to allocate: graph batches plan their state slots from the request rows (out_graph)."""
         return None
 
-    def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor) -> None:
-        slots = self.model_runner.req_to_state_slot[req_pool_indices[:bs]]
-        qo = torch.arange(bs + 1, dtype=torch.int32, device=slots.device)
+    def _plan_graph(self, fb) -> None:
+        width = 1 if fb.forward_mode.is_decode() else fb.spec_info.draft_token_num
+        bs = fb.batch_size
+        slots = self.model_runner.req_to_state_slot[fb.req_pool_indices[:bs]]
+        qo = torch.arange(bs + 1, dtype=torch.int32, device=slots.device) * width
         self.forward_metadata = PlannedMetadata(qo_indptr=qo, state_slots=slots)
+        self._fb = fb
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Graph planning (decode), at capture and before every replay alike: the padded batch's state slots
-        from its request rows. Eager batches plan in init_forward_metadata."""
-        self._plan_graph(forward_batch.batch_size, forward_batch.req_pool_indices)
+        """Graph planning, at capture and before every replay alike: the padded batch's state slots from its
+        request rows, and its fixed number of tokens per request (1 in decode, the draft token count in verify
+        and draft extend). Eager batches plan in init_forward_metadata."""
+        if forward_batch.forward_mode not in self.capabilities.cuda_graph_modes or forward_batch.forward_mode.is_idle():
+            raise NotImplementedError(f"linear_torch plans no {forward_batch.forward_mode.value} graph")
+        self._plan_graph(forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """1 (linear layers do not read ``seq_lens``)."""

@@ -194,10 +194,9 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     engines = {leaf_capabilities(n).engine for c in children for n in c.leaves()}
     if len(engines) > 1:
         raise CompositionError(f"{name}() cannot mix the harness's backends with an engine's in {whole!r}")
-    if engines != {"harness"} and name == "graph":
-        raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends is not adapted yet, in {whole!r}")
-    if engines != {"harness"} and name == "tbo" and "tbo" in children[0].wrappers():
-        raise CompositionError(f"tbo() over tbo() is no composition an engine builds, in {whole!r}")
+    if engines != {"harness"} and not _engine_term_adapted(name, children[0]):
+        raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends: only its own hybrid and tbo() "
+                               f"wrappers, and graph() over a backend or tbo() of one, are adapted so far, in {whole!r}")
     if name == "hybrid":
         full, linear = children
         if "linear" in full.attention_kinds() or full.attention_kinds() - {"mha", "mla"}:
@@ -207,13 +206,25 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     return Composition(name, tuple(children)), rest
 
 
+def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
+    """Whether ``wrapper(child)`` over an engine's backends is adapted: its own hybrid() over two of its
+    backends, its tbo() over one of them or over its hybrid, and graph() (the harness's runner driving the
+    engine's three-method contract) over one of its backends or tbo() of one."""
+    if wrapper == "hybrid":
+        return True
+    if wrapper == "tbo":
+        return child.is_leaf or child.name == "hybrid"
+    return wrapper == "graph" and (child.is_leaf or (child.name == "tbo" and child.children[0].is_leaf))
+
+
 def all_compositions() -> list[Composition]:
     """Every composition the declarations allow, whether or not it can run here.
 
     Full-attention backends alone, linear backends alone, hybrid(full, linear) for pairs sharing a device,
     tbo() over each of those, and graph() over each composition with full attention whose backends all
-    plan graph batches (``init_forward_metadata_out_graph``). The wrappers are the harness's own, so they wrap
-    its own leaves; an engine's leaves (``sglang.*``) stand alone until its own wrappers are adapted.
+    plan graph batches (``init_forward_metadata_out_graph``). The harness's wrappers wrap its own leaves; an
+    engine's leaves (``sglang.*``) stand alone, under the engine's own TBO wrapper, and under graph() over
+    either where they capture graphs.
     """
     ours = [n for n in LEAVES if leaf_capabilities(n).engine == "harness"]
     full = [n for n in ours if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
@@ -235,4 +246,7 @@ def all_compositions() -> list[Composition]:
                if leaf_capabilities(f).engine == leaf_capabilities(lin).engine
                and leaf_capabilities(f).attention_kinds == {"mha"}
                and leaf_capabilities(f).devices & leaf_capabilities(lin).devices]
-    return out + theirs + [Composition("tbo", (c,)) for c in theirs]
+    theirs += [Composition("tbo", (c,)) for c in theirs]
+    theirs += [Composition("graph", (c,)) for c in theirs
+               if _engine_term_adapted("graph", c) and c.support().cuda_graph_modes]
+    return out + theirs

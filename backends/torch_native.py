@@ -52,6 +52,9 @@ class TorchNativeBackend(AttentionBackend):
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
         logit_cap=False,  # scaled_dot_product_attention has no soft-cap
+        # No CUDA graphs: its forward walks the requests on the host (.tolist(), one SDPA per request), which a
+        # graph capture cannot record; declaring graph modes would claim what a GPU run could not do.
+        cuda_graph_modes=frozenset(),
     )
 
     def __init__(self, model_runner=None) -> None:

@@ -101,17 +101,22 @@ def run_layers(backend: Any, fb: ForwardBatch, layer_specs, inputs: list[LayerIn
     slice of every per-token input, goes through the wrapper's child backend, and the halves are joined.
     """
     prepare_batch(backend, fb, layer_specs)  # a TBO wrapper plans its children's halves here too
-    if fb.tbo_children:
-        children = backend.children
-        outs = []
-        for spec, inp, w in zip(layer_specs, inputs, weights):
-            parts, start = [], 0
-            for child_fb, child_backend in zip(fb.tbo_children, children):
-                end = start + child_fb.extend_num_tokens
-                if end > start:  # a half without tokens skips attention, as SGLang's model layers do
-                    parts.append(run_layer(child_backend, spec, inp.slice_tokens(start, end), w, child_fb,
-                                           mrope_sections))
-                start = end
-            outs.append(torch.cat(parts, dim=0))
-        return outs
-    return [run_layer(backend, spec, inp, w, fb, mrope_sections) for spec, inp, w in zip(layer_specs, inputs, weights)]
+    return [run_layer_overlapped(backend, spec, inp, w, fb, mrope_sections)
+            for spec, inp, w in zip(layer_specs, inputs, weights)]
+
+
+def run_layer_overlapped(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeights,
+                         fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """:func:`run_layer`, or, for a batch carrying ``tbo_children``, the layer as two-batch overlap runs it:
+    each child batch, with its slice of the layer's per-token inputs, through the wrapper's child backend,
+    and the halves joined (the eager runner and the CUDA-graph runner alike)."""
+    if not fb.tbo_children:
+        return run_layer(backend, spec, inputs, weights, fb, mrope_sections)
+    parts, start = [], 0
+    for child_fb, child_backend in zip(fb.tbo_children, backend.children):
+        end = start + child_fb.extend_num_tokens
+        if end > start:  # a half without tokens skips attention, as SGLang's model layers do
+            parts.append(run_layer(child_backend, spec, inputs.slice_tokens(start, end), weights, child_fb,
+                                   mrope_sections))
+        start = end
+    return torch.cat(parts, dim=0) if parts else run_layer(backend, spec, inputs, weights, fb, mrope_sections)

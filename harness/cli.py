@@ -50,6 +50,10 @@ def cmd_list(args) -> int:
     print(f"device: {device}   profile: {profile.name} ({profile.description})")
     print("rows = modes x properties; under each available composition, the rows left out and why")
     width = max(len(str(c)) for c in all_compositions())
+    derived = {str(c) for c in all_compositions()}
+    for name, why in m.unavailable:  # terms named on the command line that no declaration derives
+        if name not in derived:
+            print(f"  {name:<{width}}  unavailable: {why}")
     for c in all_compositions():
         name = str(c)
         if args.backends and name not in {str(r.composition) for r in m.rows} and name not in unavailable \

@@ -21,6 +21,7 @@ from properties.equivalence import (
     tbo_split_equals_unsplit,
     verify_chain_equals_extend,
 )
+from engine.graph_runner import GRAPH_MODES
 from properties.graph import graph_replay_equals_eager
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
@@ -88,6 +89,8 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
              strategy_options=(("chain", True),)),
     Property("graph_replay", graph_replay_equals_eager,
-             "CUDA-graph replay equals eager on real rows, pools end identical, new inputs give new outputs",
-             modes=frozenset({ForwardMode.DECODE}), needs_wrapper="graph"),
+             "CUDA-graph replay equals eager on real rows (padding poisoned), pools end identical, new inputs "
+             "give new outputs", modes=GRAPH_MODES, needs_wrapper="graph",
+             # A graph holds a fixed number of tokens per request: draft extends of the whole draft window.
+             strategy_options=(("fixed_width", True),)),
 ]}

@@ -84,6 +84,15 @@ def mode_reason(c: Composition, mode: ForwardMode) -> str:
     return "not declared"
 
 
+def not_derived_reason(c: Composition) -> str:
+    """Why a well-formed term is not among the compositions the declarations allow."""
+    if "graph" in c.wrappers():
+        missing = [n for n in c.leaves() if not leaf_capabilities(n).cuda_graph_modes]
+        if missing:
+            return f"{', '.join(missing)} captures no CUDA graph (declares no cuda_graph_modes)"
+    return "not a composition the backends' declarations allow"
+
+
 def select(term_or_names: list[str] | None, compositions: list[Composition]) -> list[Composition]:
     """Compositions named by term, or containing only the named leaf backends."""
     if not term_or_names:
@@ -122,7 +131,11 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
            modes: list[str] | None = None) -> Matrix:
     rows, unavailable, excluded = [], [], []
     wanted_props = [PROPERTIES[p] for p in (properties or PROPERTIES)]
-    for c in select(backends, all_compositions()):
+    compositions = all_compositions()
+    known = {str(c) for c in compositions}
+    for term in [t for t in backends or () if "(" in t and str(parse(t)) not in known]:
+        unavailable.append((str(parse(t := term)), not_derived_reason(parse(t))))
+    for c in select(backends, compositions):
         reason = c.unavailable_reason(device) or profile_reason(c, profile, device)
         if reason:
             unavailable.append((str(c), reason))

@@ -61,11 +61,14 @@ def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | 
 @st.composite
 def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str], *,
                 page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
-                mrope: bool = True, hybrid: bool = False, chain: bool = False, dtype: str | None = None) -> BatchSpec:
+                mrope: bool = True, hybrid: bool = False, chain: bool = False, fixed_width: bool = False,
+                dtype: str | None = None) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
     ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
-    ``chain`` makes every draft tree a chain (topk 1); ``dtype`` overrides the profile's.
+    ``chain`` makes every draft tree a chain (topk 1); ``fixed_width`` makes every draft extend cover the
+    whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run it);
+    ``dtype`` overrides the profile's.
     """
     dtype = dtype or profile.dtype
     page_size = draw(st.sampled_from(page_sizes or profile.page_sizes))
@@ -115,7 +118,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     elif mode is ForwardMode.DRAFT_EXTEND:
         steps = draw(st.integers(1, 4))
         prefix = [draw(lengths(0, profile.max_prefix, page_size)) for _ in range(B)]
-        extend = [draw(st.integers(1, steps + 1)) for _ in range(B)]
+        extend = [steps + 1 if fixed_width else draw(st.integers(1, steps + 1)) for _ in range(B)]
         spec_input = SpecInput(steps + 1, 1, steps, tuple(tuple(range(-1, steps)) for _ in range(B)), tuple(extend))
     else:
         prefix = [draw(st.one_of(st.just(0), lengths(0, profile.max_prefix, page_size))) for _ in range(B)]

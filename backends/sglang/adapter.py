@@ -7,7 +7,12 @@ layer as SGLang's ``RadixAttention`` runs it (``layer(q, k, v, forward_batch)`` 
 which dispatches to ``get_attn_backend().forward``). What SGLang planned is exposed in the harness's
 inspectable form (:class:`backends.base.PlannedMetadata`).
 
-Mode names: the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2; the others are the same.
+Mode names: the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2 (with an ``EagleDraftExtendInput``); the
+others are the same. An IDLE batch without requests is never planned: SGLang's eager runner drops the
+backend's plan instead (``runner/eager_runner.py:445-456``, ``_execute_idle``), and every layer returns an empty
+output (``base_attn_backend.py:332``). A graph() term drives SGLang's own three-method contract
+(``init_cuda_graph_state``, ``init_forward_metadata_out_graph(fb, in_capture)``, ``init_forward_metadata_in_graph``)
+from the harness's graph runner, over SGLang ForwardBatches that view the runner's static buffers.
 """
 
 from __future__ import annotations
@@ -22,11 +27,9 @@ from backends.sglang import runtime
 from batch.spec import ForwardMode
 from batch.tbo_split import TboSplit, slice_spec_info
 
-# The modes whose batches this adapter translates into SGLang's today. DRAFT_EXTEND needs SGLang's
-# EagleDraftExtendInput (not built yet). IDLE is left out until triaged: an empty batch planned eagerly makes
-# Triton divide by the batch size (triton_backend.py:441, get_num_kv_splits); whether SGLang's own runner
-# ever plans an empty IDLE batch that way is the open question.
-ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY})
+# The modes whose batches this adapter translates into SGLang's: all that a backend serves.
+ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                           ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})
 _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", ForwardMode.MIXED: "MIXED",
                 ForwardMode.TARGET_VERIFY: "TARGET_VERIFY", ForwardMode.DRAFT_EXTEND: "DRAFT_EXTEND_V2",
                 ForwardMode.IDLE: "IDLE"}
@@ -35,6 +38,11 @@ _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", Forw
 # which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
 TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
                                            "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
+# SGLang plans a draft extend on the draft worker with its own draft-extend backend
+# (speculative/draft_utils.py, DraftBackendFactory.create_draft_extend_backend), never a TboAttnBackend, and
+# TboForwardBatchPreparer.prepare skips draft workers: no TBO composition of SGLang's serves DRAFT_EXTEND_V2.
+TBO_DRAFT_EXTEND_GAP = ("tbo", ForwardMode.DRAFT_EXTEND, "SGLang's draft worker plans draft extends with its own "
+                                                         "backend, never under TboAttnBackend")
 
 
 def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -158,19 +166,24 @@ class SglangBackend(_SglangObject):
             self.radix[layer.layer_id] = radix
         return radix
 
-    def translate(self, fb):
-        """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree)."""
+    def translate(self, fb, graph: bool = False):
+        """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree). ``graph``: the
+        graph runner's static batch, translated as SGLang's graph runners build theirs (int64 ``seq_lens``
+        viewing the static buffer, the runner's own write slots)."""
         sgl = self.sgl
         mode = getattr(sgl.ForwardMode, _SGLANG_MODE[fb.forward_mode])
         T = fb.extend_num_tokens
         dev = fb.device
+        seq_dtype = fb.seq_lens.dtype if graph else torch.int32
         out = sgl.ForwardBatch(
             forward_mode=mode, batch_size=fb.batch_size, input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
-            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int32),
-            seq_lens_cpu=fb.seq_lens_cpu.to(torch.int32), out_cache_loc=fb.out_cache_loc,
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(seq_dtype),
+            seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=fb.out_cache_loc,
             seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
         out.mrope_positions = fb.mrope_positions  # [3, T]: SGLang's TBO splitter cuts it on dim 1
-        self.sgl_runner.kv_index_translator.bind_own_plan(out)  # as every batch of SGLang's scheduler
+        translator = self.sgl_runner.kv_index_translator
+        # As every batch of SGLang's scheduler; a graph runner binds its own buffers (bind_runner_slots).
+        (translator.bind_runner_slots if graph else translator.bind_own_plan)(out)
         if mode.is_extend(include_draft_extend_v2=True):
             out.extend_prefix_lens = fb.extend_prefix_lens
             out.extend_prefix_lens_cpu = list(fb.extend_prefix_lens_cpu)
@@ -192,7 +205,26 @@ class SglangBackend(_SglangObject):
                 capture_hidden_mode=sgl.CaptureHiddenMode.FULL, seq_lens_sum=out.seq_lens_sum,
                 seq_lens_cpu=out.seq_lens_cpu)
             out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
+        if fb.forward_mode.is_draft_extend():
+            out.spec_info = self._draft_extend_input(fb, out)
+            out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
         return out
+
+    def _draft_extend_input(self, fb, out):
+        """SGLang's ``EagleDraftExtendInput`` for a draft extend of ``extend_seq_lens`` accepted tokens per
+        request (``seq_lens`` already counts them), built as SGLang's kit builds it
+        (speculative_draft_extend_runner.py:119-146) and its graph runner at capture (one fixed width)."""
+        accept = fb.extend_seq_lens.to(torch.int32)
+        accept_cpu = [int(a) for a in fb.extend_seq_lens_cpu]
+        info = self.sgl.EagleDraftExtendInput(
+            hidden_states=None, num_correct_drafts=accept - 1, num_accept_tokens=accept,
+            num_accept_tokens_cpu=accept_cpu, input_ids=out.input_ids, seq_lens=out.seq_lens,
+            seq_lens_cpu=out.seq_lens_cpu, req_pool_indices=fb.req_pool_indices, positions=fb.positions,
+            capture_hidden_mode=self.sgl.CaptureHiddenMode.LAST, num_tokens_per_req=max(accept_cpu, default=0),
+            num_tokens_for_logprob_per_req=1)
+        info.extend_seq_lens_tensor = accept
+        info.extend_seq_lens_cpu = accept_cpu
+        return info
 
     # ---- the protocol ----
     def init_forward_metadata(self, forward_batch) -> None:
@@ -201,8 +233,47 @@ class SglangBackend(_SglangObject):
         self.batches = {id(forward_batch): sfb}
         if self.states is not None:
             self.states.push(forward_batch)
+        if sfb.forward_mode.is_idle() and sfb.batch_size == 0:
+            # SGLang's eager runner never plans an empty idle batch: it drops the stale plan instead
+            # (runner/eager_runner.py:451-456), and every layer then returns an empty output.
+            self.inner.forward_metadata = None
+            return
         with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
             self.inner.init_forward_metadata(sfb)
+
+    # ---- CUDA graphs: SGLang's three-method contract, over the graph runner's static batch ----
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Kept until the first graph batch builds SGLang's backend (its speculative buffers are sized from the
+        draft token count, which only the batch tells), then passed to SGLang's ``init_cuda_graph_state``."""
+        self.graph_state = (max_bs, max_num_tokens)
+        self.graph_inner = None
+
+    def _graph_batch(self, forward_batch, in_capture: bool):
+        """SGLang's view of the static batch; at capture, SGLang's backend built and its graph state allocated
+        first (once: a graph keeps the backend it was captured with)."""
+        if in_capture:
+            self._ensure_built(forward_batch)
+            max_bs, max_num_tokens = self.graph_state
+            self.inner.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_num_tokens)
+            self.graph_inner = self.inner
+        elif getattr(self, "graph_inner", None) is None or self.inner is not self.graph_inner:
+            raise RuntimeError("graph replay before capture: init_forward_metadata_out_graph(in_capture=True) "
+                               "must plan the static batch first")
+        sfb = self.translate(forward_batch, graph=True)
+        self.batches = {id(forward_batch): sfb}
+        return sfb
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        sfb = self._graph_batch(forward_batch, in_capture)
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata_out_graph(sfb, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("init_forward_metadata_in_graph before init_forward_metadata_out_graph")
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata_in_graph(sfb)
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
         """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer, under a
@@ -274,8 +345,12 @@ class SglangTorchNative(SglangBackend):
         # (torch_native_backend.py, _run_sdpa_forward_extend). Declared, so the rows skip with this reason.
         custom_mask=False,
         logit_cap=False,  # it never reads layer.logit_cap
+        # No CUDA graphs: TorchNativeAttnBackend keeps the base's init_cuda_graph_state and
+        # get_cuda_graph_seq_len_fill_value, which raise NotImplementedError (base_attn_backend.py:256-288).
+        cuda_graph_modes=frozenset(),
         requires=("sglang",),
         engine="sglang",
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
     )
 
 
@@ -291,8 +366,12 @@ class SglangTriton(SglangBackend):
         # tanh as 2*sigmoid(2x) - 1 (kernels/ops/attention/extend_attention.py:208, decode_attention.py:229)
         softcap_via_sigmoid=True,
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
+        # TritonAttnBackend's out_graph plans decode (and idle, which replays the decode graph), target_verify
+        # and draft_extend_v2 (triton_backend.py:1396-1438, _apply_cuda_graph_metadata).
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE}),
         engine="sglang",
-        wrapped_gaps=(TBO_MIXED_GAP,),
+        wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
     )
 
 
@@ -304,7 +383,9 @@ class SglangGdn(SglangBackend):
     sglang_name = "gdn"
     capabilities = Capabilities(
         attention_kinds=frozenset({"linear"}),
-        modes=ADAPTED_MODES,
+        # An MTP draft model runs full-attention layers only: SGLang's hybrid plans no linear metadata for
+        # DRAFT_EXTEND_V2 (hybrid_linear_attn_backend.py, init_forward_metadata), so no linear layer runs there.
+        modes=ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND},
         # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
         dtypes=frozenset({"bfloat16", "float16"}),
         cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken
@@ -411,6 +492,10 @@ class SglangTbo(_SglangObject):
     def init_forward_metadata(self, forward_batch) -> None:
         fb, sgl = forward_batch, self.sgl
         self._ensure_built(fb)
+        fb.tbo_children, self.split = None, None
+        if fb.forward_mode.is_idle() and fb.batch_size == 0:
+            self.primary.init_forward_metadata(fb)  # not planned: SGLang's eager runner drops the plan
+            return
         sfb = self.primary.translate(fb)
         if self.primary.states is not None:
             self.primary.states.push(fb)
@@ -423,7 +508,10 @@ class SglangTbo(_SglangObject):
             tbo.TboForwardBatchPreparer.prepare(sfb)  # asserts the active backend is a TboAttnBackend
             self.inner.init_forward_metadata(sfb)
         self.primary.batches = {id(fb): sfb}
-        fb.tbo_children, self.split = None, None
+        self._attach_children(fb, sfb)
+
+    def _attach_children(self, fb, sfb) -> None:
+        """Hand the engine harness-side views of SGLang's child batches ``sfb.tbo_children`` (if it split)."""
         if not sfb.tbo_children:
             return
         kids = []
@@ -438,6 +526,52 @@ class SglangTbo(_SglangObject):
         t0 = kids[0].extend_num_tokens
         self.split = TboSplit(sfb.tbo_split_seq_index, t0,
                               two_chunk=kids[0].batch_size + kids[1].batch_size > fb.batch_size)
+
+    # ---- CUDA graphs: SGLang's TboAttnBackend under its decode graph runner's TBO plugin ----
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Kept until the first graph batch builds SGLang's backends (as the leaf adapter does)."""
+        self.graph_state = (max_bs, max_num_tokens)
+        self.graph_inner, self.graph_children = None, None
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """At capture: SGLang's ``TboCudaGraphRunnerPlugin.capture_one_batch_size`` (split index, then
+        ``TboForwardBatchPreparer.prepare_raw`` over the static batch), then ``TboAttnBackend``'s out_graph,
+        which plans the primary and each child half. At replay: SGLang's replay view carries no children, and
+        ``TboAttnBackend`` splits the padded batch itself; the layers run the halves captured."""
+        fb, sgl = forward_batch, self.sgl
+        tbo = sgl.two_batch_overlap
+        if in_capture:
+            self._ensure_built(fb)
+            max_bs, max_num_tokens = self.graph_state
+            self.inner.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_num_tokens)
+            self.graph_inner = self.inner
+        elif getattr(self, "graph_inner", None) is None or self.inner is not self.graph_inner:
+            raise RuntimeError("graph replay before capture: init_forward_metadata_out_graph(in_capture=True) "
+                               "must plan the static batch first")
+        sfb = self.primary.translate(fb, graph=True)
+        self.primary.batches = {id(fb): sfb}
+        with sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+            if in_capture:
+                sfb.tbo_split_seq_index = tbo.compute_split_seq_index(
+                    forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens, extend_lens=None,
+                    token_num_per_seq=tbo.get_token_num_per_seq(sfb.forward_mode, sfb.spec_info))
+                non_padded = torch.zeros(2, dtype=torch.int32, device=fb.device)
+                non_padded[...] = tbo.TboForwardBatchPreparer.compute_tbo_children_num_token_non_padded(sfb)
+                tbo.TboForwardBatchPreparer.prepare_raw(sfb, tbo_children_num_token_non_padded=non_padded)
+            self.inner.init_forward_metadata_out_graph(sfb, in_capture=in_capture)
+        if in_capture:
+            fb.tbo_children = None
+            self._attach_children(fb, sfb)
+            self.graph_children = (fb.tbo_children, [dict(c.batches) for c in self.children])
+        else:  # the captured halves: the same static rows (their plans just refreshed by SGLang's split)
+            fb.tbo_children = self.graph_children[0]
+            for child, batches in zip(self.children, self.graph_children[1]):
+                child.batches = batches
+        self.graph_sfb = sfb
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata_in_graph(self.graph_sfb)
 
     @staticmethod
     def _harness_child(fb, schild, req: slice):

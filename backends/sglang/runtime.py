@@ -127,7 +127,7 @@ def load() -> SimpleNamespace:
     from sglang.srt.runtime_context import get_context, get_parallel
     from sglang.srt.batch_overlap import two_batch_overlap
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
-    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape

@@ -191,7 +191,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                          custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None, *,
                          sm_scale: float, logit_cap: float = 0.0, sliding_window: int = -1,
-                         causal: bool = True) -> None:
+                         causal: bool = True, max_extend_len: int | None = None) -> None:
     """Attention of each request's new tokens over its cached prefix, then its new tokens; writes
     ``o_extend`` in place.
 
@@ -213,11 +213,13 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     logit_cap : > 0 applies ``logit_cap * tanh(s / logit_cap)`` after scaling; 0 is off.
     sliding_window : window_left: a query at position ``p`` sees no key before ``p - window_left``; -1 is off.
     causal : without a custom mask, new token ``j`` sees new tokens ``0..j`` (False: all of them).
+    max_extend_len : the most new tokens of any request, when the caller knows it (a CUDA graph's fixed width:
+        reading it from ``qo_indptr`` is a device sync, which graph capture forbids); None reads it.
 
     GQA: query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``. A query row that sees no
     key outputs zeros. Accumulation is float32; P is rounded to v's dtype before the PV product; float32
     inputs use IEEE dots in the interpreter and three-pass TF32 (float32-accurate) on NVIDIA GPUs.
-    Reads ``max(qo_indptr diffs)`` on the host to size the grid (one device sync).
+    Without ``max_extend_len``, reads ``max(qo_indptr diffs)`` on the host to size the grid (one device sync).
     """
     require(q_extend.dim() == k_extend.dim() == v_extend.dim() == 3,
              "q_extend, k_extend and v_extend must be 3-D (tokens, heads, dim)")
@@ -257,7 +259,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     if B <= 0 or T == 0:
         return
 
-    max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    max_q = max_extend_len if max_extend_len is not None else int((qo_indptr[1:] - qo_indptr[:-1]).max())
     if max_q <= 0:
         return
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))

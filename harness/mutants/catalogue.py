@@ -221,6 +221,20 @@ def stale_graph_replay():
     return _replace(TritonBackend, "init_forward_metadata_out_graph", out_graph)
 
 
+def graph_verify_mask_stale():
+    from backends.triton import TritonBackend
+    original = TritonBackend._plan_graph
+
+    def _plan_graph(self, fb):
+        buffers = self.graph_buffers
+        mask = buffers["custom_mask"].clone() if buffers.get("mask_planned") else None
+        original(self, fb)
+        if mask is not None:  # a replay: the tree mask (a verify-only buffer) keeps what the capture planned
+            buffers["custom_mask"].copy_(mask)
+        buffers["mask_planned"] = fb.forward_mode.is_target_verify()
+    return _replace(TritonBackend, "_plan_graph", _plan_graph)
+
+
 def decode_ignores_sliding_window():
     import backends.triton_kernels.decode_attention as dec
     original = dec.decode_attention_fwd
@@ -494,6 +508,9 @@ CATALOGUE: list[Mutant] = [
     Mutant("stale_graph_replay", "init_forward_metadata_out_graph plans only at capture (in_capture=True) and "
            "keeps that plan before replays; graph replays read stale "
            "indptrs and indices", ("graph(triton)",)),
+    Mutant("graph_verify_mask_stale", "the verify graph's planning copies the draft tree's mask into its static "
+           "buffer at capture only, so replays read the capture's dummy mask; every verified draft sees all the "
+           "others and acceptance collapses under CUDA graphs only", ("graph(triton)",), ("graph_replay",)),
     Mutant("decode_ignores_sliding_window", "decode kernel launched without the layer's sliding window; "
            "long contexts attend too far", ("triton",)),
     Mutant("extend_drops_logit_cap", "extend kernel launched without the logit soft-cap; Gemma-style "
