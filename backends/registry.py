@@ -26,6 +26,8 @@ LEAVES: dict[str, str] = {
     # SGLang's own classes, through the adapter (the extra: bash ci/install-sglang.sh)
     "sglang.torch_native": "backends.sglang.adapter:SglangTorchNative",
     "sglang.triton": "backends.sglang.adapter:SglangTriton",
+    "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
+    "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
 }
 WRAPPERS = ("hybrid", "tbo", "graph")
 
