@@ -45,8 +45,34 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
 
 
+def _layer_has_logit_cap(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The worst element is in a layer with a logit soft-cap."""
+    layer = _failing_layer(spec, verdict)
+    return layer is not None and getattr(layer, "logit_cap", None) is not None
+
+
+def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The worst element is in a sliding-window layer and some request's new tokens reach further back than
+    the window (a query at offset j of an extend sees new keys j - window .. j only if j > window)."""
+    layer = _failing_layer(spec, verdict)
+    window = getattr(layer, "sliding_window", None) if layer is not None else None
+    return window is not None and max(spec.extend_lens, default=0) - 1 > window
+
+
+def _tree_not_chain(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A verify batch with a draft tree that is not a chain (some node is not its predecessor's child)."""
+    return spec.spec is not None and any(list(tree) != list(range(-1, len(tree) - 1)) for tree in spec.spec.parents)
+
+
+def _leaf_lacks_verify_refresh(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on a leaf only because it leaves update_verify_buffers_to_fill_after_draft to the
+    base class."""
+    return list(verdict.details.get("hidden", ())) == ["update_verify_buffers_to_fill_after_draft"]
+
+
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
-TBO_HIDDEN = {"update_verify_buffers_to_fill_after_draft", "needs_cpu_seq_lens", "support_triton"}
+TBO_HIDDEN = {"update_verify_buffers_to_fill_after_draft", "needs_cpu_seq_lens", "support_triton",
+              "supports_ragged_verify_graph"}
 
 
 def _tbo_hides_known_overrides(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -59,6 +85,10 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "window_cuts_keys": _window_cuts_keys,
     "mixed_two_chunk": _mixed_two_chunk,
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,
+    "layer_has_logit_cap": _layer_has_logit_cap,
+    "window_inside_extend": _window_inside_extend,
+    "tree_not_chain": _tree_not_chain,
+    "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
 }
 
 

@@ -101,3 +101,35 @@ def test_sgl_kernel_stand_in_answers_with_sglangs_own_and_is_inert_elsewhere():
     with pytest.raises(RuntimeError, match="inert stub"):
         top.merge_state_v2()  # a kernel nobody adapted fails loudly
 
+
+def test_flashinfer_ledger_conditions_are_narrow():
+    from batch.spec import MHALayer, SpecInput
+    from properties.verdict import Verdict
+    from search import ledger
+
+    capped = (MHALayer(0, 8, 2, 128, 128), MHALayer(1, 8, 2, 128, 128, logit_cap=5.0))
+    spec = BatchSpec(ForwardMode.DECODE, (30,), (1,), capped, dtype="bfloat16")
+    fail = lambda where, **d: Verdict("outputs", False, "out of bounds", 1.0, 1e-2, where, details=d)  # noqa: E731
+    known = lambda comp, sp, v, mode="decode", prop="outputs": ledger.match(comp, mode, prop, sp, v)  # noqa: E731
+    assert known("sglang.flashinfer", spec, fail("layer 1: request 0")).id == "sglang-flashinfer-softcap-dropped"
+    assert known("sglang.flashinfer", spec, fail("layer 0: request 0")) is None  # an uncapped layer: a finding
+    assert known("sglang.triton", spec, fail("layer 1: request 0")) is None
+    windowed = (MHALayer(0, 8, 2, 128, 128, sliding_window=2),)
+    long_extend = BatchSpec(ForwardMode.EXTEND, (0,), (4,), windowed, dtype="bfloat16")
+    short_extend = BatchSpec(ForwardMode.EXTEND, (9,), (3,), windowed, dtype="bfloat16")
+    assert known("sglang.flashinfer", long_extend, fail("layer 0: request 0"), "extend").id == \
+        "sglang-flashinfer-ragged-window-dropped"
+    assert known("sglang.flashinfer", short_extend, fail("layer 0: request 0"), "extend") is None
+    mla = (MLALayer(0, 4, 16, 8, 32, 16),)
+    tree = BatchSpec(ForwardMode.TARGET_VERIFY, (5,), (3,), mla, dtype="bfloat16",
+                     spec=SpecInput(3, 2, 1, ((-1, 0, 0),), (1,)))
+    chain = BatchSpec(ForwardMode.TARGET_VERIFY, (5,), (3,), mla, dtype="bfloat16",
+                      spec=SpecInput(3, 1, 2, ((-1, 0, 1),), (1,)))
+    assert known("sglang.flashinfer_mla", tree, fail("layer 0"), "target_verify").id == \
+        "sglang-flashinfer-mla-verify-ignores-tree"
+    assert known("sglang.flashinfer_mla", chain, fail("layer 0"), "target_verify") is None
+    refresh = ["update_verify_buffers_to_fill_after_draft"]
+    conf = lambda hidden: Verdict("conformance", False, "hidden", details={"hidden": hidden})  # noqa: E731
+    assert known("sglang.flashinfer_mla", spec, conf(refresh), "extend", "conformance").id == \
+        "sglang-flashinfer-no-verify-refresh"
+    assert known("sglang.flashinfer", spec, conf(refresh + ["forward"]), "extend", "conformance") is None
