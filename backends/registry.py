@@ -27,6 +27,8 @@ LEAVES: dict[str, str] = {
     "sglang.torch_native": "backends.sglang.adapter:SglangTorchNative",
     "sglang.triton": "backends.sglang.adapter:SglangTriton",
     "sglang.gdn": "backends.sglang.adapter:SglangGdn",
+    "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
+    "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
 }
 WRAPPERS = ("hybrid", "tbo", "graph")
 

@@ -56,6 +56,31 @@ def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
     return "OutOfBounds" in verdict.reason or (layer is not None and layer.kind == "linear")
 
 
+def _layer_has_logit_cap(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The worst element is in a layer with a logit soft-cap."""
+    layer = _failing_layer(spec, verdict)
+    return layer is not None and getattr(layer, "logit_cap", None) is not None
+
+
+def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The worst element is in a sliding-window layer and some request's new tokens reach further back than
+    the window (a query at offset j of an extend sees new keys j - window .. j only if j > window)."""
+    layer = _failing_layer(spec, verdict)
+    window = getattr(layer, "sliding_window", None) if layer is not None else None
+    return window is not None and max(spec.extend_lens, default=0) - 1 > window
+
+
+def _tree_not_chain(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A verify batch with a draft tree that is not a chain (some node is not its predecessor's child)."""
+    return spec.spec is not None and any(list(tree) != list(range(-1, len(tree) - 1)) for tree in spec.spec.parents)
+
+
+def _leaf_lacks_verify_refresh(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on a leaf only because it leaves update_verify_buffers_to_fill_after_draft to the
+    base class."""
+    return list(verdict.details.get("hidden", ())) == ["update_verify_buffers_to_fill_after_draft"]
+
+
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
 TBO_HIDDEN = {"update_verify_buffers_to_fill_after_draft", "needs_cpu_seq_lens", "support_triton",
               # and over SGLang's hybrid wrapper (docs/findings/sglang-tbo-hides-update-verify-buffers.md)
@@ -85,6 +110,10 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,
     "hybrid_hides_known_overrides": _hybrid_hides_known_overrides,
     "tbo_linear_plain_split": _tbo_linear_plain_split,
+    "layer_has_logit_cap": _layer_has_logit_cap,
+    "window_inside_extend": _window_inside_extend,
+    "tree_not_chain": _tree_not_chain,
+    "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
 }
 
 

@@ -448,16 +448,20 @@ class _TboChild(SglangBackend):
         self.inner = parent.inner.children[index]
         self.radix = parent.primary.radix  # the model's layer objects are the same for both halves
         self.batches = {}
+        self.leaf = type(parent.primary)  # the wrapped adapter's class: how its layers are called, its plans read
 
     def init_forward_metadata(self, forward_batch) -> None:
         raise RuntimeError("a TBO child is planned by its wrapper (TboAttnBackend.init_forward_metadata)")
+
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
+        return self.leaf._run(self, q, k, v, layer, forward_batch, save_kv_cache, via)
 
     def planned_metadata(self) -> PlannedMetadata:
         """An empty half is neither planned (TboAttnBackend skips it) nor run: whatever its backend kept
         from an earlier batch is no plan of this one."""
         if not self.batches or next(iter(self.batches.values())).batch_size == 0:
             return PlannedMetadata()
-        return super().planned_metadata()
+        return self.leaf.planned_metadata(self)
 
 
 class SglangTbo(_SglangObject):

@@ -6,8 +6,11 @@ pools (so the harness's cache and state checks see exactly what SGLang wrote), a
 SGLang publishes before it builds a backend. The facts behind each attribute come from SGLang's own unit-test
 kit (``sglang/test/kits/attention_unittest/``) and are noted where they are not obvious.
 
-Shims are applied only when needed: an inert ``torchvision`` when the real one is absent (SGLang imports it
-at import time; it cannot be installed beside a CPU torch). Nothing is edited in site-packages.
+Shims are applied only when needed, each only where the real package is absent: an inert ``torchvision``
+(SGLang imports it at import time; it cannot be installed beside a CPU torch), ``IPython`` and ``sniffio``
+(imported at import time, never called by attention; the GPU image lacks them), and on a CUDA machine
+``sgl_kernel`` (SGLang imports it unguarded there; see :data:`_SGL_KERNEL_SHIMS`). Nothing is edited in
+site-packages.
 """
 
 from __future__ import annotations
@@ -74,10 +77,12 @@ class _Inert:
 
 class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves ``root`` and every ``root.*`` submodule as an inert module (transformers reaches into
-    ``torchvision.transforms`` once it finds the package, so one module is not enough)."""
+    ``torchvision.transforms`` once it finds the package, so one module is not enough). ``real`` names
+    attributes that must be the real thing rather than inert: ``{module: {attr: callable}}``."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, real: dict[str, dict[str, object]] | None = None) -> None:
         self.root = root
+        self.real = real or {}
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == self.root or fullname.startswith(self.root + "."):
@@ -95,10 +100,44 @@ class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return _Inert(f"{_name}.{attr}")
 
         module.__getattr__ = __getattr__
+        for attr, value in self.real.get(spec.name, {}).items():
+            setattr(module, attr, value)
         return module
 
     def exec_module(self, module) -> None:
         pass
+
+
+def _is_arch_support_pdl() -> bool:
+    """SGLang's own answer (``sglang.kernels.jit.utils``) to the question its Triton backend asks
+    ``sgl_kernel.utils`` at construction on CUDA (triton_backend.py:340): whether the GPU launches with PDL."""
+    from sglang.kernels.jit.utils import is_arch_support_pdl
+
+    return is_arch_support_pdl()
+
+
+# sgl_kernel (SGLang's compiled kernels, a CUDA wheel tied to SGLang's torch) is imported unguarded on CUDA by
+# modules the attention backends import. The adapted backends call none of its kernels on the paths they run;
+# the one function called at construction is answered by SGLang's own equivalent. Every other attribute is
+# inert: calling it raises, naming the stub, so a path that does need sgl_kernel fails loudly, never silently.
+_SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl}}
+# Imported at import time by SGLang or its dependencies, never on an attention path. opentelemetry is not
+# stubbed: SGLang's one importer (srt/observability/trace.py) catches the ImportError, which a stub would turn
+# into a RuntimeError at import.
+_INERT_WHEN_ABSENT = ("torchvision", "IPython", "sniffio")
+
+
+def _install_shims() -> list[str]:
+    """Install an inert stand-in for each package SGLang imports that is absent here; returns their names."""
+    installed = []
+    for name in _INERT_WHEN_ABSENT:
+        if importlib.util.find_spec(name) is None:
+            sys.meta_path.insert(0, _StubPackage(name))
+            installed.append(name)
+    if torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is None:
+        sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
+        installed.append("sgl_kernel")
+    return installed
 
 
 @cache
@@ -110,8 +149,7 @@ def load() -> SimpleNamespace:
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(reason)
-    if importlib.util.find_spec("torchvision") is None:
-        sys.meta_path.insert(0, _StubPackage("torchvision"))
+    shims = _install_shims()
     import warnings
 
     warnings.filterwarnings("ignore", module="sglang")
@@ -119,12 +157,15 @@ def load() -> SimpleNamespace:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_flashinfer
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
     from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.model_runner import ModelRunner as SglModelRunner
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context, get_exec, get_parallel, get_schedule
+    from sglang.srt.environ import envs
     from sglang.srt.batch_overlap import two_batch_overlap
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleVerifyInput
@@ -198,6 +239,25 @@ class _ModelConfig:
         return self.num_key_value_heads // (tp // dcp)
 
 
+class _MLAModelConfig(_ModelConfig):
+    """What SGLang's ``ModelConfig`` holds for a DeepSeek-style MLA model (model_config.py, the
+    ``AttentionArch.MLA`` branch): the latent widths, the MHA-path ``v_head_dim`` and the softmax ``scaling``
+    (``1/sqrt(qk_nope + qk_rope)`` without rope scaling), one latent "KV head"."""
+
+    def __init__(self, sgl, layer, context_len: int) -> None:
+        super().__init__(sgl, layer.num_heads, 1, 256, layer.v_head_dim, context_len, None)
+        self.attention_arch = sgl.AttentionArch.MLA
+        self.kv_lora_rank, self.qk_nope_head_dim = layer.kv_lora_rank, layer.qk_nope_head_dim
+        self.qk_rope_head_dim = layer.qk_rope_head_dim
+        self.swa_kv_lora_rank, self.swa_qk_rope_head_dim = layer.kv_lora_rank, layer.qk_rope_head_dim
+        self.index_head_dim = None
+        self.scaling = layer.sm_scale
+        hf = self.hf_config
+        hf.architectures = ["HarnessMLAForCausalLM"]
+        hf.kv_lora_rank, hf.qk_nope_head_dim = layer.kv_lora_rank, layer.qk_nope_head_dim
+        hf.qk_rope_head_dim, hf.v_head_dim = layer.qk_rope_head_dim, layer.v_head_dim
+
+
 def model_window(runner: ModelRunner) -> int | None:
     """SGLang has one sliding window per model (``runner.sliding_window_size``); a window of 0 means none."""
     windows = {layer.sliding_window for layer in runner.layers if layer.kind == "mha" and layer.sliding_window}
@@ -266,34 +326,79 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
     return cfg
 
 
+def _one_shape(layers, fields: tuple[str, ...]):
+    """The one value of ``fields`` every layer shares (SGLang models have one KV pool shape)."""
+    shapes = {tuple(getattr(l, f) for f in fields) for l in layers}
+    if len(shapes) > 1:
+        raise ValueError(f"one KV pool shape per model, got {sorted(shapes)}")
+    return shapes.pop()
+
+
+def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
+    """SGLang's ``MHATokenToKVPool`` over the harness's buffers (shared storage); the model config. A hybrid
+    model whose batch has no MHA layer gets a placeholder pool its full child is built over and never reads."""
+    hq, hk, d, dv = _one_shape(layers, ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")) if layers \
+        else _IDLE_MHA_SHAPE
+    page_size, pool = runner.page_size, runner.token_to_kv_pool
+    slots = next(iter(pool.k_buffers.values())).shape[0] if pool.k_buffers else 2 * page_size
+    layer_num = max((l.layer_id for l in layers), default=0) + 1
+    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
+                              v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
+                              enable_alt_stream=False)
+    # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
+    kv.size = slots - page_size
+    kv.k_buffer = [pool.k_buffers.get(i, torch.zeros(slots, hk, d, dtype=dtype, device=device))
+                   for i in range(layer_num)]
+    kv.v_buffer = [pool.v_buffers.get(i, torch.zeros(slots, hk, dv, dtype=dtype, device=device))
+                   for i in range(layer_num)]
+    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
+    kv._init_data_ptrs_and_strides()
+    return kv, _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, model_window(runner))
+
+
+def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
+    """SGLang's ``MLATokenToKVPool`` over the harness's latent buffers (``[slots, 1, kv_lora_rank + rope]``,
+    the same layout; shared storage); the model config."""
+    _one_shape(layers, ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim"))
+    page_size, pool = runner.page_size, runner.token_to_kv_pool
+    slots = next(iter(pool.k_buffers.values())).shape[0]
+    layer_num = max(l.layer_id for l in layers) + 1
+    C, R = layers[0].kv_lora_rank, layers[0].qk_rope_head_dim
+    kv = sgl.MLATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, kv_lora_rank=C,
+                              qk_rope_head_dim=R, layer_num=layer_num, device=device, enable_memory_saver=False)
+    kv.size = slots - page_size
+    kv.kv_buffer = [pool.k_buffers.get(i, torch.zeros(slots, 1, C + R, dtype=dtype, device=device))
+                    for i in range(layer_num)]
+    kv.data_ptrs = torch.tensor([x.data_ptr() for x in kv.kv_buffer], dtype=torch.uint64, device=device)
+    return kv, _MLAModelConfig(sgl, layers[0], runner.context_len)
+
+
 def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
                 hybrid: HybridModel | None = None):
     """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
     states are copied, see :class:`StateSync`).
 
     SGLang's ``ModelRunner.__init__`` loads a model; like the engine's own unit-test kit, this skips it and
-    sets only what attention backends read. ``hybrid``: the model is a GDN hybrid (Qwen3-Next-shaped config,
-    hybrid request pool with state pools), so ``attn_backend_wrapper`` builds SGLang's hybrid wrapper.
+    sets only what attention backends read. A model of MLA layers gets SGLang's MLA pool and model config
+    and ``use_mla_backend`` (which is how SGLang's registry picks, e.g., FlashInfer's MLA backend for
+    "flashinfer"); a model of MHA layers the MHA ones. ``hybrid``: the model is a GDN hybrid (Qwen3-Next-shaped
+    config, hybrid request pool with state pools, MHA full layers), so ``attn_backend_wrapper`` builds SGLang's
+    hybrid wrapper.
     """
     sgl = load()
-    mha = [layer for layer in runner.layers if layer.kind == "mha"]
-    if any(layer.kind == "mla" for layer in runner.layers):
-        raise ValueError("the SGLang adapter runs MHA and linear layers only (MLA is not adapted yet)")
-    if not mha and hybrid is None:
-        raise ValueError("a model without MHA layers runs through SGLang's hybrid wrapper only")
-    shapes = {(l.num_q_heads, l.num_kv_heads, l.head_dim, l.v_head_dim) for l in mha} or {_IDLE_MHA_SHAPE}
-    if len(shapes) > 1:
-        raise ValueError(f"one KV pool shape per model, got {sorted(shapes)}")
-    (hq, hk, d, dv), = shapes
-    window = model_window(runner)
+    kinds = {layer.kind for layer in runner.layers} - {"linear"}
+    if hybrid is None and kinds not in ({"mha"}, {"mla"}):
+        raise ValueError(f"the SGLang adapter runs a model of MHA or of MLA layers, not {sorted(kinds) or 'neither'}")
+    if hybrid is not None and kinds - {"mha"}:
+        raise ValueError("SGLang's GDN hybrid is adapted over MHA full-attention layers only")
+    use_mla = kinds == {"mla"}
+    layers = [layer for layer in runner.layers if layer.kind in kinds]
     page_size = runner.page_size
     pool = runner.token_to_kv_pool
-    if pool.k_buffers:
-        slots = next(iter(pool.k_buffers.values())).shape[0]
-        dtype = next(iter(pool.k_buffers.values())).dtype
-    else:  # linear layers only: a placeholder KV pool the full child is built over and never reads
-        slots, dtype = 2 * page_size, next(iter(runner.mamba_pool.conv_states.values())).dtype
+    dtype = next(iter(pool.k_buffers.values())).dtype if pool.k_buffers else \
+        next(iter(runner.mamba_pool.conv_states.values())).dtype  # linear layers only
     device = str(runner.device)
+    window = None if use_mla else model_window(runner)
 
     class Runner(sgl.SglModelRunner):
         # Derived from hf_config in SGLang; a dense model has none of them.
@@ -311,16 +416,14 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.prefill_attention_backend_str = r.decode_attention_backend_str = backend_name
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
-    r.model_config = _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, window)
     r.harness_hybrid = hybrid
-    if hybrid is not None:
-        r.model_config.hf_config = r.model_config.hf_text_config = _hybrid_config(hybrid, hq, hk, d)
     r.is_draft_worker = hybrid is not None and hybrid.draft_worker
     r.max_running_requests = runner.req_to_token.shape[0]
     r.model = torch.nn.Module()
     r.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE if max_draft_tokens else sgl.SpeculativeAlgorithm.NONE
     r._kernel_warmed_up = True
-    # Backends read the published server args at construction (draft token counts, KV splits).
+    # Backends read the published server args at construction (draft token counts, KV splits). The MLA
+    # prefill settings are the server's defaults: ragged (MHA) prefill on, chunked prefix cache on.
     r._server_args_override = sgl.get_context().override_server_args(
         attention_backend=backend_name, chunked_prefill_size=-1,
         cuda_graph_config=sgl.CudaGraphConfig(decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
@@ -333,28 +436,23 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         speculative_num_steps=max(0, max_draft_tokens - 1), tp_size=1,
         triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,
         linear_attn_backend="triton", linear_attn_decode_backend=None, linear_attn_prefill_backend=None,
-        _mamba_cache_chunk_size=64)
+        _mamba_cache_chunk_size=64, disaggregation_mode=None, disable_chunked_prefix_cache=False,
+        flashinfer_mla_disable_ragged=False,
+        # A server resolves its device ("cuda"); SGLang's TBO splitter moves rebuilt lengths there
+        # (two_batch_overlap.py:192): left unset, they stay on the CPU and its Triton kernels reject them.
+        **({"device": "cuda"} if runner.device.type == "cuda" else {}))
     r.server_args = r._server_args_override.install()
+    kv, r.model_config = (_mla_pool if use_mla else _mha_pool)(sgl, runner, layers, dtype, device)
     rows = runner.req_to_token.shape[0]
     if hybrid is None:
         r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)
     else:
-        r.req_to_token_pool = _hybrid_request_pool(sgl, r.model_config.hf_config, runner, dtype, device,
-                                                   max_draft_tokens, topk)
+        mc = r.model_config
+        mc.hf_config = mc.hf_text_config = _hybrid_config(hybrid, mc.num_attention_heads, mc.num_key_value_heads,
+                                                          mc.head_dim)
+        r.req_to_token_pool = _hybrid_request_pool(sgl, mc.hf_config, runner, dtype, device, max_draft_tokens, topk)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
     r.req_to_token_pool.size = rows
-    layer_num = max((l.layer_id for l in mha), default=0) + 1
-    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
-                              v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
-                              enable_alt_stream=False)
-    # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
-    kv.size = slots - page_size
-    kv.k_buffer = [pool.k_buffers.get(i, torch.zeros(slots, hk, d, dtype=dtype, device=device))
-                   for i in range(layer_num)]
-    kv.v_buffer = [pool.v_buffers.get(i, torch.zeros(slots, hk, dv, dtype=dtype, device=device))
-                   for i in range(layer_num)]
-    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
-    kv._init_data_ptrs_and_strides()
     r.token_to_kv_pool = kv
     r.token_to_kv_pool_allocator = SimpleNamespace(page_size=page_size, get_kvcache=lambda: kv)
     r.init_kv_index_translator()  # after req_to_token is ours: the translator keeps a reference to it
@@ -363,7 +461,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.init_new_workspace = False
     r.is_hybrid_swa = window is not None
     r.sliding_window_size = window
-    r.use_mla_backend = False
+    r.use_mla_backend = use_mla
     return r
 
 
