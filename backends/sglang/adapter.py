@@ -142,6 +142,12 @@ class SglangBackend(_SglangObject):
                 num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
                 num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
                 v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
+            if self.sgl_runner.kv_cache_dtype == torch.float8_e4m3fn:
+                # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
+                # (layers/quantization/kv_cache.py, process_weights_after_loading).
+                radix.k_scale = torch.nn.Parameter(torch.tensor(float(layer.k_scale)), requires_grad=False)
+                radix.v_scale = torch.nn.Parameter(torch.tensor(float(layer.v_scale)), requires_grad=False)
+                radix.k_scale_float, radix.v_scale_float = float(layer.k_scale), float(layer.v_scale)
             self.radix[layer.layer_id] = radix
         return radix
 
@@ -274,6 +280,11 @@ class SglangTorchNative(SglangBackend):
         # (torch_native_backend.py, _run_sdpa_forward_extend). Declared, so the rows skip with this reason.
         custom_mask=False,
         logit_cap=False,  # it never reads layer.logit_cap
+        # An fp8 e4m3 cache works with unit scales only: TorchNativeAttnBackend never reads layer.k_scale /
+        # v_scale; it stores k unscaled (set_kv_buffer without scales, torch_native_backend.py:299, :367) and reads
+        # the e4m3 rows back cast, not descaled (:143-146, :244-247).
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        kv_scales=False,
         requires=("sglang",),
         engine="sglang",
     )
@@ -291,6 +302,9 @@ class SglangTriton(SglangBackend):
         # tanh as 2*sigmoid(2x) - 1 (kernels/ops/attention/extend_attention.py:208, decode_attention.py:229)
         softcap_via_sigmoid=True,
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
+        # fp8 e4m3 cache: set_kv_buffer divides by layer.k_scale, the kernels multiply by k_scale_float
+        # (triton_backend.py:1720-1745, :1835-1840, :2326-2370)
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
         engine="sglang",
         wrapped_gaps=(TBO_MIXED_GAP,),
     )

@@ -290,9 +290,11 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     pool = runner.token_to_kv_pool
     if pool.k_buffers:
         slots = next(iter(pool.k_buffers.values())).shape[0]
-        dtype = next(iter(pool.k_buffers.values())).dtype
+        kv_dtype = next(iter(pool.k_buffers.values())).dtype  # float8_e4m3fn: SGLang's --kv-cache-dtype fp8_e4m3
     else:  # linear layers only: a placeholder KV pool the full child is built over and never reads
-        slots, dtype = 2 * page_size, next(iter(runner.mamba_pool.conv_states.values())).dtype
+        slots, kv_dtype = 2 * page_size, next(iter(runner.mamba_pool.conv_states.values())).dtype
+    dtype = pool.model_dtype or kv_dtype
+    kv_cache_dtype_str = "fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else "auto"
     device = str(runner.device)
 
     class Runner(sgl.SglModelRunner):
@@ -307,7 +309,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
             pass
 
     r = Runner()
-    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, dtype, "auto"
+    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, kv_dtype, kv_cache_dtype_str
     r.prefill_attention_backend_str = r.decode_attention_backend_str = backend_name
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
@@ -326,7 +328,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         cuda_graph_config=sgl.CudaGraphConfig(decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
                                               prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED)),
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
-        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype="auto",
+        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, pp_size=1, revision=None,
         speculative_algorithm="EAGLE" if max_draft_tokens else None,
         speculative_eagle_topk=topk, speculative_num_draft_tokens=max_draft_tokens,
@@ -344,15 +346,16 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
     r.req_to_token_pool.size = rows
     layer_num = max((l.layer_id for l in mha), default=0) + 1
-    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
+    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=kv_dtype, head_num=hk, head_dim=d,
                               v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
                               enable_alt_stream=False)
     # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
+    # An fp8 pool stores its buffers as uint8 (store_dtype) and views them as float8 on read: ours, viewed so.
     kv.size = slots - page_size
-    kv.k_buffer = [pool.k_buffers.get(i, torch.zeros(slots, hk, d, dtype=dtype, device=device))
-                   for i in range(layer_num)]
-    kv.v_buffer = [pool.v_buffers.get(i, torch.zeros(slots, hk, dv, dtype=dtype, device=device))
-                   for i in range(layer_num)]
+    kv.k_buffer = [pool.k_buffers[i].view(kv.store_dtype) if i in pool.k_buffers
+                   else torch.zeros(slots, hk, d, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
+    kv.v_buffer = [pool.v_buffers[i].view(kv.store_dtype) if i in pool.v_buffers
+                   else torch.zeros(slots, hk, dv, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
     kv._kv_buffer_descs = kv._build_kv_buffer_descs()
     kv._init_data_ptrs_and_strides()
     r.token_to_kv_pool = kv
