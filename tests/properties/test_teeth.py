@@ -37,6 +37,12 @@ CASES = [
     ("chunked_prefill", "conv_state_not_saved", "linear_torch", BatchSpec(ForwardMode.EXTEND, (0, 3), (6, 5), HYBRID_LAYERS[1:])),
     ("prefill_then_decode", "fresh_request_reads_pool", "linear_torch", BatchSpec(ForwardMode.EXTEND, (0,), (4,), HYBRID_LAYERS[1:])),
     ("verify_chain", "commit_wrong_position", HYB, CHAIN_VERIFY),
+    ("verify_commit", "commit_skips_tracked_copy", HYB, CHAIN_VERIFY),
+    ("outputs", "fp8_dequant_ignores_scale", "torch_native",
+     BatchSpec(ForwardMode.DECODE, (9, 4), (1, 1), (MHALayer(0, 4, 2, 32, 32, k_scale=0.5, v_scale=4.0),),
+               kv_cache_dtype="fp8_e4m3")),
+    ("cache", "state_slot_bound_by_request_rows", "linear_torch",
+     BatchSpec(ForwardMode.EXTEND, (2, 3), (2, 2), HYBRID_LAYERS[1:], state_slot_layout="gapped")),
 ]
 
 
