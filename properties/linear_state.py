@@ -15,6 +15,10 @@ goes to a slot no request of the batch owns. After each commit:
 
 The batch's state slots come in every layout (batch.spec.STATE_SLOT_LAYOUTS: shuffled, compact, reversed,
 gapped), so a commit that writes slot ``i + 1`` or the request row instead of the request's slot fails.
+
+Under ``graph()`` the verify is a replay of a graph captured at a padded batch size (linear layers eager
+between captured segments, as the piecewise runner does; on the CPU its CPU path), so the backend's last plan
+is the padded one: the commit must take the real requests' rows of it.
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ from __future__ import annotations
 import torch
 
 from backends.registry import Composition
+from batch.case import Case
+from batch.forward_batch import ModelRunner
 from batch.spec import BatchSpec
+from engine.graph_runner import GraphRunner, padded_size
+from engine.materialize import materialize
 from properties.run import run_case
 from properties.tolerances import layer_bound
 from properties.verdict import Verdict, Worst, compare
+from reference.batch import ReferenceResult, reference_outputs
 
 NAME = "verify_commit"
 
@@ -48,11 +57,28 @@ def commit_plan(r: int, batch_slots: list[int], num_slots: int, D: int
     return steps, track_slots, track_steps
 
 
+def verified(composition: Composition, spec: BatchSpec, device: str) -> tuple[Case, ReferenceResult, object]:
+    """The case after its TARGET_VERIFY forward (eager, or replayed in a graph for ``graph()``), its reference,
+    and the backend that ran it (the one whose plan a commit reads)."""
+    if composition.name != "graph":
+        run = run_case(composition, spec, device)
+        return run.case, run.reference, run.execution.backend
+    case = materialize(spec, device)
+    reference = reference_outputs(case)
+    runner_model = ModelRunner.of(case.forward_batch, spec.layers)
+    backend = composition.children[0].build(spec, runner_model)
+    runner = GraphRunner(backend, runner_model, case.forward_batch, spec.layers, case.weights, case.inputs,
+                         padded_size(spec.batch_size), spec.mrope_sections)
+    runner.capture()
+    runner.replay(case.forward_batch, case.inputs)
+    return case, reference, backend
+
+
 def verify_commits_every_position(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     if "linear" not in spec.attention_kinds:
         return Verdict(NAME, True, "not applicable: no linear-attention layer")
-    run = run_case(composition, spec, device)
-    fb = run.case.forward_batch
+    case, reference, backend = verified(composition, spec, device)
+    fb = case.forward_batch
     pool = fb.mamba_pool
     after_verify = {name: {i: t.clone() for i, t in d.items()} for name, d in _pools(pool).items()}
     batch_slots = fb.state_slots.tolist()
@@ -66,12 +92,12 @@ def verify_commits_every_position(composition: Composition, spec: BatchSpec, dev
                 t.copy_(after_verify[name][i])
         steps, track_slots, track_steps = commit_plan(r, batch_slots, num_slots, D)
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=fb.device)  # noqa: E731
-        run.execution.backend.update_mamba_state_after_mtp_verify(
+        backend.update_mamba_state_after_mtp_verify(
             as_tensor(steps), as_tensor(track_slots), as_tensor(track_steps))
         written: set[int] = set()
         for layer in linear:
             bound = layer_bound(composition, spec, layer)
-            ref = run.reference.linear_states[layer.layer_id]
+            ref = reference.linear_states[layer.layer_id]
             targets = [(slot, i, step, "committed") for i, (slot, step) in enumerate(zip(batch_slots, steps))]
             targets += [(slot, i, step, "tracked") for i, (slot, step) in enumerate(zip(track_slots, track_steps))
                         if step >= 0]
