@@ -67,18 +67,24 @@ class _SglangObject(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
-        """The harness's call (accepted draft counts ``[B]``) made as SGLang's verify commit makes it: the index
-        of each request's last accepted step, no radix tracking (spec_utils / eagle worker); then the
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices: torch.Tensor,
+                                            mamba_track_indices: torch.Tensor | None = None,
+                                            mamba_steps_to_track: torch.Tensor | None = None, model=None,
+                                            req_pool_indices: torch.Tensor | None = None) -> None:
+        """SGLang's verify commit, with its arguments (the harness's backends take the same): each request's last
+        accepted step, the radix cache's tracked copies (the harness's state slots are SGLang's mamba indices:
+        StateSync copies the map), and, as spec_utils passes them, the planned batch's request rows; then the
         committed states come back into the harness's pools."""
         planned = self.planned_sglang_batch()
+        if req_pool_indices is None and planned is not None:
+            req_pool_indices = planned.req_pool_indices[:planned.batch_size]
         # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords.
         if hasattr(self.inner, "update_mamba_state_after_mtp_verify"):
             with torch.no_grad():
                 self.inner.update_mamba_state_after_mtp_verify(
-                    last_correct_step_indices=accepted_length.to(torch.int64) - 1, mamba_track_indices=None,
-                    mamba_steps_to_track=None, model=model,
-                    req_pool_indices=None if planned is None else planned.req_pool_indices[:planned.batch_size])
+                    last_correct_step_indices=last_correct_step_indices.to(torch.int64),
+                    mamba_track_indices=mamba_track_indices, mamba_steps_to_track=mamba_steps_to_track,
+                    model=model, req_pool_indices=req_pool_indices)
         states = self.state_sync()
         for layer_id in (states.harness.conv_states if states is not None and states.harness is not None else ()):
             states.pull(layer_id)
@@ -330,7 +336,8 @@ class SglangGdn(SglangBackend):
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
         # SGLang's commit after verify (fused_mamba_state_scatter_with_mask, kernels/ops/mamba/
         # mamba_state_scatter_triton.py) refuses CPU tensors; the gpu profile runs it.
-        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),),
+        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
+                  ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only")),
         engine="sglang",
     )
 
