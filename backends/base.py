@@ -117,6 +117,10 @@ class Capabilities:
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
     # Unit roundoff of the kernel's matrix products for float32 inputs (TF32 tensor cores: 2**-11).
     fp32_matmul_roundoff: float = 2.0**-24
+    # KV cache storage it reads and writes (batch.spec.KV_CACHE_DTYPES): "auto" (the batch's dtype), "fp8_e4m3";
+    # and whether it honours per-layer KV scales other than 1 (stores k / k_scale, reads back times k_scale).
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    kv_scales: bool = True
 
     def unavailable_reason(self, device: str) -> str | None:
         """Why this backend cannot run on ``device`` here, or None."""
@@ -143,8 +147,9 @@ class Support:
     """What a composition of backends supports: its leaves' declarations combined, read in one place by the
     matrix, the strategies (to draw only batches inside it) and ``repro`` (to refuse a case outside it).
 
-    Modes, dtypes, page sizes and mrope must hold for every leaf; head dims, sliding window and logit cap for
-    the leaves that own full-attention layers (a linear backend never sees those layers).
+    Modes, dtypes, page sizes and mrope must hold for every leaf; head dims, sliding window, logit cap and the KV
+    cache (dtypes, scales) for the leaves that own full-attention layers (a linear backend never sees those
+    layers).
     """
 
     attention_kinds: frozenset[str]
@@ -163,6 +168,8 @@ class Support:
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    kv_scales: bool = True
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -191,7 +198,10 @@ class Support:
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
-                   slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None))
+                   slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),
+                   kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
+                   if full else frozenset({"auto"}),
+                   kv_scales=all(c.kv_scales for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""
@@ -204,6 +214,10 @@ class Support:
             return f"page_size {spec.page_size} not supported"
         if spec.mrope is not None and not self.mrope:
             return "mrope not supported"
+        if spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            return f"kv_cache_dtype {spec.kv_cache_dtype} not supported"
+        if not self.kv_scales and any(l.kind == "mha" and (l.k_scale != 1.0 or l.v_scale != 1.0) for l in spec.layers):
+            return "KV scales other than 1 not supported"
         for layer in spec.layers:
             if layer.kind != "mha":
                 continue

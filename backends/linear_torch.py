@@ -4,7 +4,8 @@ The CPU twin of the fla backend, written independently of ``reference/gdn.py`` (
 through ``torch.nn.functional.conv1d``, float32 state arithmetic) so that comparing the two means something.
 Semantics (DESIGN.md section 3): a request with no prefix starts from zero states, others from its pool
 slot; final states go back to the slot; TARGET_VERIFY keeps the state after each draft position in the
-intermediate pools and leaves the committed states alone until ``update_mamba_state_after_mtp_verify``.
+intermediate pools and leaves the committed states alone until ``update_mamba_state_after_mtp_verify``
+commits the accepted position.
 """
 
 from __future__ import annotations
@@ -144,14 +145,29 @@ class LinearTorchBackend(AttentionBackend):
         """:meth:`forward`, which serves every mode."""
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
-        """Commit, for each request, the states after its last accepted draft token ``[B]`` (1-based count)."""
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices: torch.Tensor,
+                                            mamba_track_indices: torch.Tensor | None = None,
+                                            mamba_steps_to_track: torch.Tensor | None = None, model=None,
+                                            req_pool_indices: torch.Tensor | None = None) -> None:
+        """Commit the verified states (SGLang's ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``).
+
+        Request ``i`` (the first ``len(last_correct_step_indices)`` rows of the last plan; a CUDA-graph plan has
+        padding rows after them) gets, in its own slot, the states after draft position
+        ``last_correct_step_indices[i]`` (0-based: the accept length minus one). With ``mamba_track_indices``, the
+        states after position ``mamba_steps_to_track[i]`` also go to slot ``mamba_track_indices[i]`` (the radix
+        cache's tracked copy), unless that step is -1.
+        """
         pool = self._fb.mamba_pool
-        slots = self.forward_metadata.state_slots.tolist()
+        steps = last_correct_step_indices.tolist()
+        slots = self.forward_metadata.state_slots.tolist()[:len(steps)]
+        copies = list(zip(slots, slots, steps))
+        if mamba_track_indices is not None:
+            copies += [(src, dst, step) for src, dst, step in
+                       zip(slots, mamba_track_indices.tolist(), mamba_steps_to_track.tolist()) if step >= 0]
         for layer_id in pool.ssm_states:
-            for slot, n in zip(slots, accepted_length.tolist()):
-                pool.ssm_states[layer_id][slot] = pool.intermediate_ssm_states[layer_id][slot, n - 1]
-                pool.conv_states[layer_id][slot] = pool.intermediate_conv_states[layer_id][slot, n - 1]
+            for src, dst, step in copies:
+                pool.ssm_states[layer_id][dst] = pool.intermediate_ssm_states[layer_id][src, step]
+                pool.conv_states[layer_id][dst] = pool.intermediate_conv_states[layer_id][src, step]
 
     # ---- CUDA graphs: the kernels plan on the host, so they run eagerly between captured segments;
     # init_forward_metadata_out_graph plans the padded batch from the request rows like any other batch ----

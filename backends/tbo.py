@@ -129,9 +129,11 @@ class TboAttnBackend(AttentionBackend):
         """The primary's."""
         self.primary.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None) -> None:
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices=None,
+                                            mamba_steps_to_track=None, model=None, req_pool_indices=None) -> None:
         """The primary's."""
-        self.primary.update_mamba_state_after_mtp_verify(accepted_length, model)
+        self.primary.update_mamba_state_after_mtp_verify(last_correct_step_indices, mamba_track_indices,
+                                                         mamba_steps_to_track, model, req_pool_indices)
 
     def planned_metadata(self) -> PlannedMetadata:
         """The primary's plan of the whole batch."""

@@ -30,6 +30,7 @@ class TritonBackend(AttentionBackend):
         cpu_needs_env="TRITON_INTERPRET",
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.
         fp32_matmul_roundoff=2.0**-21,
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),  # the kernels dequantize e4m3 rows times the scales
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -61,13 +62,14 @@ class TritonBackend(AttentionBackend):
         fb, meta = forward_batch, self.forward_metadata
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         o = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         extend_attention_fwd(q, k, v, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                              meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.custom_mask, meta.mask_indptr,
                              sm_scale=layer.scaling, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window_size, causal=meta.custom_mask is None,
-                             max_extend_len=self.graph_width)
+                             max_extend_len=self.graph_width, k_descale=layer.k_scale,
+                             v_descale=layer.v_scale)
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
@@ -78,13 +80,13 @@ class TritonBackend(AttentionBackend):
         fb, meta = forward_batch, self.forward_metadata
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         o = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         bs = q.shape[0]
         decode_attention_fwd(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
                              meta.kv_indptr[: bs + 1], meta.kv_indices, sm_scale=layer.scaling,
                              logit_cap=layer.logit_cap, sliding_window=layer.sliding_window_size,
-                             num_kv_splits=DECODE_KV_SPLITS)
+                             num_kv_splits=DECODE_KV_SPLITS, k_descale=layer.k_scale, v_descale=layer.v_scale)
         return o
 
     # ---- CUDA graphs (decode, target_verify, draft_extend; idle batches replay the decode graph) ----

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
-from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights
+from batch.forward_batch import FP8_KV_DTYPE, ForwardBatch, LayerInputs, LayerWeights
 from batch.layers import make_layer, mla_uses_absorbed
 from batch.spec import Layer
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
@@ -52,8 +52,23 @@ def mha_qkv(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=N
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k after RoPE and v, as the backend receives them (k and v are what the cache must hold)."""
     t = inputs.tensors
-    return (rotate(t["q"], fb, spec.head_dim, spec.rope_theta, mrope_sections),
-            rotate(t["k"], fb, spec.head_dim, spec.rope_theta, mrope_sections), t["v"])
+    q = rotate(t["q"], fb, spec.head_dim, spec.rope_theta, mrope_sections)
+    k = rotate(t["k"], fb, spec.head_dim, spec.rope_theta, mrope_sections)
+    v = t["v"]
+    if fb.token_to_kv_pool.is_fp8(spec.layer_id):
+        k, v = on_fp8_grid(k, spec.k_scale), on_fp8_grid(v, spec.v_scale)
+    return q, k, v
+
+
+def on_fp8_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` moved to the nearest value an fp8 cache can hold exactly (``e4m3 * scale``), in x's dtype.
+
+    Under an fp8 KV cache the model hands over K/V already on that grid. Backends legitimately differ in
+    whether they attend a batch's new tokens from the call's k/v (SGLang's Triton extend, FlashInfer's ragged
+    path) or read them back from the cache they just wrote (TorchNative, FlashInfer's paged paths); on the grid
+    both give the same keys, so every correct backend computes one function (properties/tolerances.py).
+    """
+    return (x / scale).to(FP8_KV_DTYPE).to(x.dtype) * scale
 
 
 def mla_latent(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Cache writes land exactly at ``out_cache_loc``; nothing else in the pools changes.
 
 The KV pool after the forward must equal the snapshot taken before it, except that the slots of the new
-tokens hold exactly the K/V the model handed over (MLA: the latent row). Linear-attention pools may change
+tokens hold exactly the K/V the model handed over (MLA: the latent row); an fp8 cache holds them divided by
+the layer's scale, in e4m3, compared bit for bit. Linear-attention pools may change
 only at the batch's state slots (in TARGET_VERIFY only the intermediate pools may change, and only there, unless
 the backend declares that verify advances the conv state to the last draft token's window).
 """
@@ -39,6 +40,8 @@ def cache_writes_exact(composition: Composition, spec: BatchSpec, device: str) -
         if loc.numel():
             if layer.kind == "mha":
                 _, k, v = mha_qkv(layer, inp, fb, spec.mrope_sections)
+                if spec.kv_cache_dtype == "fp8_e4m3":  # the stored value is x / scale, in e4m3
+                    k, v = k / layer.k_scale, v / layer.v_scale
                 expected_k[loc], expected_v[loc] = k.to(expected_k.dtype), v.to(expected_v.dtype)
             else:
                 expected_k[loc] = mla_latent(layer, inp, fb, spec.mrope_sections).to(expected_k.dtype)

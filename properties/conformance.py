@@ -80,7 +80,8 @@ class Spy(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
         self._rec("update_verify_buffers_to_fill_after_draft")
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None):
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices=None,
+                                            mamba_steps_to_track=None, model=None, req_pool_indices=None):
         self._rec("update_mamba_state_after_mtp_verify")
 
 
@@ -223,7 +224,7 @@ def _tbo_delegation(node, spec: BatchSpec, device: str) -> str | None:
     node.primary, node.children = spies["primary"], [spies["child A"], spies["child B"]]
     layers = spec.layers if spec.draft_worker else spec.layers[:1]
     decode_spec = BatchSpec(ForwardMode.DECODE, (3, 5, 2, 4), (1, 1, 1, 1), layers, page_size=spec.page_size,
-                            dtype=spec.dtype, draft_worker=spec.draft_worker)
+                            dtype=spec.dtype, draft_worker=spec.draft_worker, kv_cache_dtype=spec.kv_cache_dtype)
     fb = materialize(decode_spec, device).forward_batch
     attach_tbo_children(fb)
     everyone = set(spies)

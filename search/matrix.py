@@ -50,6 +50,8 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "logit_cap": support.logit_cap,
         "mrope": support.mrope,
         "hybrid": "hybrid" in c.wrappers(),
+        "kv_cache_dtypes": tuple(d for d in profile.kv_cache_dtypes if d in support.kv_cache_dtypes),
+        "kv_scales": support.kv_scales,
     }
 
 

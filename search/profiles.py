@@ -38,6 +38,8 @@ class Profile:
     # Rows that declare a slow CPU path (Capabilities.slow_on_cpu) draw at most this many examples on a CPU
     # (None: the profile's max_examples), so one interpreted engine does not take over a CI run.
     slow_row_examples: int | None = None
+    # KV cache storages drawn where a composition declares them (the first is where shrinking goes).
+    kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3")
 
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [

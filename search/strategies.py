@@ -7,11 +7,13 @@ the composition can run (its declared page sizes, modes and layer kinds).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from hypothesis import strategies as st
 
-from batch.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+from batch.spec import (STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer,
+                        MropeLayout, SpecInput)
 from search.profiles import Profile
 
 
@@ -62,13 +64,15 @@ def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | 
 def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str], *,
                 page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
                 mrope: bool = True, hybrid: bool = False, chain: bool = False, fixed_width: bool = False,
-                dtype: str | None = None) -> BatchSpec:
+                dtype: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",), kv_scales: bool = True,
+                require_kind: str | None = None) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
     ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
     ``chain`` makes every draft tree a chain (topk 1); ``fixed_width`` makes every draft extend cover the
     whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run it);
-    ``dtype`` overrides the profile's.
+    ``dtype`` overrides the profile's; ``require_kind`` ("linear") puts at least one layer of that kind in every
+    batch (for properties about that kind); ``state_slot_layout`` is drawn for batches with linear layers.
     """
     dtype = dtype or profile.dtype
     page_size = draw(st.sampled_from(page_sizes or profile.page_sizes))
@@ -85,17 +89,22 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         n_layers = draw(st.integers(1, profile.max_layers))
         layer_kinds = [draw(st.sampled_from([k for k in (full_kind, "linear" if "linear" in kinds else None) if k]))
                        for _ in range(n_layers)]
+        if require_kind is not None and require_kind not in layer_kinds:
+            layer_kinds[-1] = require_kind
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear" else _full_layer(k, i, profile, draw, window)
                        for i, k in enumerate(layer_kinds))
     sliding_window = sliding_window and not mode.is_target_verify()  # not modelled with tree masks
     if not sliding_window or not logit_cap:
         layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
+    kv_cache_dtype, layers = draw(kv_caches(layers, kv_cache_dtypes, kv_scales))
     has_linear = any(l.kind == "linear" for l in layers)
+    state_slot_layout = draw(st.sampled_from(STATE_SLOT_LAYOUTS)) if has_linear else STATE_SLOT_LAYOUTS[0]
 
     # Requests: how many, then their lengths.
     if mode is ForwardMode.IDLE:
         return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=dtype,
-                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker)
+                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker,
+                         kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
     B = draw(st.integers(1, profile.max_requests))
     spec_input = None
     if mode is ForwardMode.DECODE:
@@ -133,7 +142,23 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
     return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=dtype,
                      seed=draw(st.integers(0, 2**31 - 1)), spec=spec_input, mrope=mrope_layout,
-                     draft_worker=draft_worker)
+                     draft_worker=draft_worker, kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
+
+
+KV_SCALES = (1.0, 0.5, 2.0, 2.0**-6, 2.0**4)  # powers of two: batch.spec.KV_SCALE_RANGE, shrinking toward 1
+
+
+@st.composite
+def kv_caches(draw, layers, kv_cache_dtypes: tuple[str, ...], kv_scales: bool):
+    """The KV cache's storage (one of ``kv_cache_dtypes``; fp8 only for models without MLA layers) and the layers,
+    each MHA layer with its KV scales under an fp8 cache (1 where the composition honours no other)."""
+    options = [d for d in kv_cache_dtypes if d == "auto" or all(l.kind != "mla" for l in layers)] or ["auto"]
+    kv_cache_dtype = draw(st.sampled_from(options))
+    if kv_cache_dtype == "auto" or not kv_scales:
+        return kv_cache_dtype, layers
+    scale = st.sampled_from(KV_SCALES)
+    return kv_cache_dtype, tuple(dataclasses.replace(l, k_scale=draw(scale), v_scale=draw(scale))
+                                 if l.kind == "mha" else l for l in layers)
 
 
 def _strip(layer, sliding_window: bool, logit_cap: bool):

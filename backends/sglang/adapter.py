@@ -75,18 +75,24 @@ class _SglangObject(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
-        """The harness's call (accepted draft counts ``[B]``) made as SGLang's verify commit makes it: the index
-        of each request's last accepted step, no radix tracking (spec_utils / eagle worker); then the
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices: torch.Tensor,
+                                            mamba_track_indices: torch.Tensor | None = None,
+                                            mamba_steps_to_track: torch.Tensor | None = None, model=None,
+                                            req_pool_indices: torch.Tensor | None = None) -> None:
+        """SGLang's verify commit, with its arguments (the harness's backends take the same): each request's last
+        accepted step, the radix cache's tracked copies (the harness's state slots are SGLang's mamba indices:
+        StateSync copies the map), and, as spec_utils passes them, the planned batch's request rows; then the
         committed states come back into the harness's pools."""
         planned = self.planned_sglang_batch()
+        if req_pool_indices is None and planned is not None:
+            req_pool_indices = planned.req_pool_indices[:planned.batch_size]
         # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords.
         if hasattr(self.inner, "update_mamba_state_after_mtp_verify"):
             with torch.no_grad():
                 self.inner.update_mamba_state_after_mtp_verify(
-                    last_correct_step_indices=accepted_length.to(torch.int64) - 1, mamba_track_indices=None,
-                    mamba_steps_to_track=None, model=model,
-                    req_pool_indices=None if planned is None else planned.req_pool_indices[:planned.batch_size])
+                    last_correct_step_indices=last_correct_step_indices.to(torch.int64),
+                    mamba_track_indices=mamba_track_indices, mamba_steps_to_track=mamba_steps_to_track,
+                    model=model, req_pool_indices=req_pool_indices)
         states = self.state_sync()
         for layer_id in (states.harness.conv_states if states is not None and states.harness is not None else ()):
             states.pull(layer_id)
@@ -150,6 +156,12 @@ class SglangBackend(_SglangObject):
                 num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
                 num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
                 v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
+            if self.sgl_runner.kv_cache_dtype == torch.float8_e4m3fn:
+                # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
+                # (layers/quantization/kv_cache.py, process_weights_after_loading).
+                radix.k_scale = torch.nn.Parameter(torch.tensor(float(layer.k_scale)), requires_grad=False)
+                radix.v_scale = torch.nn.Parameter(torch.tensor(float(layer.v_scale)), requires_grad=False)
+                radix.k_scale_float, radix.v_scale_float = float(layer.k_scale), float(layer.v_scale)
             self.radix[layer.layer_id] = radix
         return radix
 
@@ -348,6 +360,11 @@ class SglangTorchNative(SglangBackend):
         # No CUDA graphs: TorchNativeAttnBackend keeps the base's init_cuda_graph_state and
         # get_cuda_graph_seq_len_fill_value, which raise NotImplementedError (base_attn_backend.py:256-288).
         cuda_graph_modes=frozenset(),
+        # An fp8 e4m3 cache works with unit scales only: TorchNativeAttnBackend never reads layer.k_scale /
+        # v_scale; it stores k unscaled (set_kv_buffer without scales, torch_native_backend.py:299, :367) and reads
+        # the e4m3 rows back cast, not descaled (:143-146, :244-247).
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        kv_scales=False,
         requires=("sglang",),
         engine="sglang",
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
@@ -370,6 +387,9 @@ class SglangTriton(SglangBackend):
         # and draft_extend_v2 (triton_backend.py:1396-1438, _apply_cuda_graph_metadata).
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
                                     ForwardMode.IDLE}),
+        # fp8 e4m3 cache: set_kv_buffer divides by layer.k_scale, the kernels multiply by k_scale_float
+        # (triton_backend.py:1720-1745, :1835-1840, :2326-2370)
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
         engine="sglang",
         wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
     )
@@ -397,7 +417,8 @@ class SglangGdn(SglangBackend):
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
         # SGLang's commit after verify (fused_mamba_state_scatter_with_mask, kernels/ops/mamba/
         # mamba_state_scatter_triton.py) refuses CPU tensors; the gpu profile runs it.
-        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),),
+        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
+                  ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only")),
         engine="sglang",
     )
 

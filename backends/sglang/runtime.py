@@ -334,7 +334,7 @@ def _one_shape(layers, fields: tuple[str, ...]):
     return shapes.pop()
 
 
-def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
+def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):  # dtype: the KV cache's (fp8 or the model's)
     """SGLang's ``MHATokenToKVPool`` over the harness's buffers (shared storage); the model config. A hybrid
     model whose batch has no MHA layer gets a placeholder pool its full child is built over and never reads."""
     hq, hk, d, dv = _one_shape(layers, ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")) if layers \
@@ -346,11 +346,12 @@ def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
                               v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
                               enable_alt_stream=False)
     # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
+    # An fp8 pool stores its buffers as uint8 (store_dtype) and views them as float8 on read: ours, viewed so.
     kv.size = slots - page_size
-    kv.k_buffer = [pool.k_buffers.get(i, torch.zeros(slots, hk, d, dtype=dtype, device=device))
-                   for i in range(layer_num)]
-    kv.v_buffer = [pool.v_buffers.get(i, torch.zeros(slots, hk, dv, dtype=dtype, device=device))
-                   for i in range(layer_num)]
+    kv.k_buffer = [pool.k_buffers[i].view(kv.store_dtype) if i in pool.k_buffers
+                   else torch.zeros(slots, hk, d, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
+    kv.v_buffer = [pool.v_buffers[i].view(kv.store_dtype) if i in pool.v_buffers
+                   else torch.zeros(slots, hk, dv, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
     kv._kv_buffer_descs = kv._build_kv_buffer_descs()
     kv._init_data_ptrs_and_strides()
     return kv, _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, model_window(runner))
@@ -395,8 +396,12 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     layers = [layer for layer in runner.layers if layer.kind in kinds]
     page_size = runner.page_size
     pool = runner.token_to_kv_pool
-    dtype = next(iter(pool.k_buffers.values())).dtype if pool.k_buffers else \
-        next(iter(runner.mamba_pool.conv_states.values())).dtype  # linear layers only
+    if pool.k_buffers:
+        kv_dtype = next(iter(pool.k_buffers.values())).dtype  # float8_e4m3fn: SGLang's --kv-cache-dtype fp8_e4m3
+    else:  # linear layers only: a placeholder KV pool the full child is built over and never reads
+        kv_dtype = next(iter(runner.mamba_pool.conv_states.values())).dtype
+    dtype = pool.model_dtype or kv_dtype
+    kv_cache_dtype_str = "fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else "auto"
     device = str(runner.device)
     window = None if use_mla else model_window(runner)
 
@@ -412,7 +417,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
             pass
 
     r = Runner()
-    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, dtype, "auto"
+    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, kv_dtype, kv_cache_dtype_str
     r.prefill_attention_backend_str = r.decode_attention_backend_str = backend_name
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
@@ -429,7 +434,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         cuda_graph_config=sgl.CudaGraphConfig(decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
                                               prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED)),
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
-        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype="auto",
+        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, pp_size=1, revision=None,
         speculative_algorithm="EAGLE" if max_draft_tokens else None,
         speculative_eagle_topk=topk, speculative_num_draft_tokens=max_draft_tokens,
@@ -442,7 +447,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         # (two_batch_overlap.py:192): left unset, they stay on the CPU and its Triton kernels reject them.
         **({"device": "cuda"} if runner.device.type == "cuda" else {}))
     r.server_args = r._server_args_override.install()
-    kv, r.model_config = (_mla_pool if use_mla else _mha_pool)(sgl, runner, layers, dtype, device)
+    kv, r.model_config = (_mla_pool if use_mla else _mha_pool)(sgl, runner, layers, kv_dtype, device)
     rows = runner.req_to_token.shape[0]
     if hybrid is None:
         r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)

@@ -343,9 +343,41 @@ def commit_wrong_position():
     import backends.linear_torch as lt
     original = lt.LinearTorchBackend.update_mamba_state_after_mtp_verify
 
-    def update(self, accepted_length, model=None):
-        return original(self, (accepted_length - 1).clamp(min=1), model)
+    def update(self, last_correct_step_indices, *args, **kwargs):
+        return original(self, (last_correct_step_indices - 1).clamp(min=0), *args, **kwargs)
     return _replace(lt.LinearTorchBackend, "update_mamba_state_after_mtp_verify", update)
+
+
+def state_slot_bound_by_request_rows():
+    import backends.linear_torch as lt
+    original = lt.LinearTorchBackend.init_forward_metadata
+
+    def init_forward_metadata(self, forward_batch):
+        original(self, forward_batch)
+        # Slots are bounds-checked against the request-row count, not the state pool's size: a slot past it is
+        # taken for padding (slot 0), so that request reads and writes the padding slot.
+        slots, rows = self.forward_metadata.state_slots, forward_batch.req_to_token.shape[0]
+        self.forward_metadata.state_slots = torch.where(slots < rows, slots, torch.zeros_like(slots))
+    return _replace(lt.LinearTorchBackend, "init_forward_metadata", init_forward_metadata)
+
+
+def commit_skips_tracked_copy():
+    import backends.linear_torch as lt
+    original = lt.LinearTorchBackend.update_mamba_state_after_mtp_verify
+
+    def update(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None, model=None,
+               req_pool_indices=None):
+        return original(self, last_correct_step_indices, None, None, model, req_pool_indices)
+    return _replace(lt.LinearTorchBackend, "update_mamba_state_after_mtp_verify", update)
+
+
+def fp8_dequant_ignores_scale():
+    import backends.torch_native as tn
+    original = tn.dequantize_kv
+
+    def dequantize_kv(x, dtype, scale=1.0):
+        return original(x, dtype)  # the e4m3 payload taken for the value
+    return _replace(tn, "dequantize_kv", dequantize_kv)
 
 
 def graph_drops_mrope():
@@ -525,6 +557,16 @@ CATALOGUE: list[Mutant] = [
            "of zeros; fresh prompts inherit another request's context", ("linear_torch",)),
     Mutant("commit_wrong_position", "after verify, the state one position before the last accepted token is "
            "committed; every later token of the request decodes from a state one step behind", ("linear_torch",)),
+    Mutant("fp8_dequant_ignores_scale", "with an fp8 KV cache, the cached e4m3 rows are read back without "
+           "multiplying by the layer's k_scale/v_scale; every cached token's key and value are off by the scale",
+           ("torch_native",)),
+    Mutant("state_slot_bound_by_request_rows", "a state slot at or past the number of request rows is taken for "
+           "padding (bounded by the wrong pool's size): that request starts from zero states and its new "
+           "state is dropped; only state pools larger than the request rows (gapped slots) reach it",
+           ("linear_torch",)),
+    Mutant("commit_skips_tracked_copy", "the verify commit never writes the radix cache's tracked copy "
+           "(mamba_track_indices); a later prefix-cache hit resumes from a stale state", ("linear_torch",),
+           ("verify_commit",)),
     Mutant("decode_segfault_past_page_table", "paged decode reads past the end of the page table once the batch "
            "spans more than two KV pages; the process dies with SIGSEGV (an illegal memory access on a GPU)",
            ("torch_native",), properties=("outputs",), crashes=True),

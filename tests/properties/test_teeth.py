@@ -41,6 +41,12 @@ CASES = [
     ("graph_replay", "graph_verify_mask_stale", "graph(triton)",
      BatchSpec(ForwardMode.TARGET_VERIFY, (4, 7), (3, 3), (MHA,),
                spec=SpecInput(3, 2, 2, ((-1, 0, 0), (-1, 0, 1)), (2, 3)), seed=5)),
+    ("verify_commit", "commit_skips_tracked_copy", HYB, CHAIN_VERIFY),
+    ("outputs", "fp8_dequant_ignores_scale", "torch_native",
+     BatchSpec(ForwardMode.DECODE, (9, 4), (1, 1), (MHALayer(0, 4, 2, 32, 32, k_scale=0.5, v_scale=4.0),),
+               kv_cache_dtype="fp8_e4m3")),
+    ("cache", "state_slot_bound_by_request_rows", "linear_torch",
+     BatchSpec(ForwardMode.EXTEND, (2, 3), (2, 2), HYBRID_LAYERS[1:], state_slot_layout="gapped")),
 ]
 
 
