@@ -112,6 +112,7 @@ class Capabilities:
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
+    cuda_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it is not run on CUDA yet)
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
     # whose symptom would take the process down instead of failing a check)
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
@@ -168,6 +169,7 @@ class Support:
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
+    cuda_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it is not run on CUDA yet
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
 
@@ -196,6 +198,7 @@ class Support:
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
+                   cuda_gaps={prop: why for c in caps for prop, why in c.cuda_gaps},
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
                    slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),

@@ -513,16 +513,21 @@ class StateSync:
         mapping.copy_(self.runner.req_to_state_slot.to(mapping.dtype))
         if self.harness is None:
             return
-        for layer_id, conv in self.harness.conv_states.items():
-            cache = self.pool.mamba2_layer_cache(layer_id)
-            cache.conv[0].copy_(conv)
-            cache.temporal.copy_(self.harness.ssm_states[layer_id].transpose(-1, -2))
+        self.push_states()
         mode = fb.forward_mode
         if mode.is_decode() or mode.is_idle() or mode.is_target_verify():
             return
         fresh = [slot for slot, prefix in zip(fb.state_slots.tolist(), fb.extend_prefix_lens_cpu) if prefix == 0]
         if fresh:
             self.pool.mamba_pool.clear_slots(torch.tensor(fresh, dtype=torch.int64, device=mapping.device))
+
+    def push_states(self) -> None:
+        """The harness's committed states into SGLang's pools (they are the state; SGLang's are a copy), e.g.
+        before a verify commit, which a property may repeat from the same verified states."""
+        for layer_id, conv in self.harness.conv_states.items():
+            cache = self.pool.mamba2_layer_cache(layer_id)
+            cache.conv[0].copy_(conv)
+            cache.temporal.copy_(self.harness.ssm_states[layer_id].transpose(-1, -2))
 
     def pull(self, layer_id: int, state_slots: list[int] | None = None, verify: bool = False) -> None:
         """SGLang's states of one linear layer back into the harness's pools; after a verify, also its
