@@ -113,6 +113,9 @@ class Capabilities:
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
     cuda_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it is not run on CUDA yet)
+    # DRAFT_EXTEND batches cover the whole draft window for every request (EAGLE v2: accepted tokens first, the
+    # rest padding), never a ragged accepted count
+    fixed_width_draft_extend: bool = False
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
     # whose symptom would take the process down instead of failing a check)
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
@@ -170,6 +173,7 @@ class Support:
     slow_on_cpu: str | None = None
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     cuda_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it is not run on CUDA yet
+    fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
 
@@ -199,6 +203,7 @@ class Support:
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
                    cuda_gaps={prop: why for c in caps for prop, why in c.cuda_gaps},
+                   fixed_width_draft_extend=any(c.fixed_width_draft_extend for c in caps),
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
                    slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),

@@ -46,6 +46,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
     return {
         "dtype": row_dtype(c, profile, device) or profile.dtype,
         "page_sizes": tuple(sorted(pages)),
+        "fixed_width": support.fixed_width_draft_extend,
         "sliding_window": support.sliding_window,
         "logit_cap": support.logit_cap,
         "mrope": support.mrope,

@@ -368,6 +368,9 @@ class SglangTorchNative(SglangBackend):
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
         kv_scales=False,
         requires=("sglang",),
+        # SGLang's EAGLE v2 draft extend runs every request over the whole draft window (triton_backend.py:700,
+        # num_tokens_per_req = num_draft_tokens): the batches the adapter translates are drawn that way.
+        fixed_width_draft_extend=True,
         engine="sglang",
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
     )
@@ -397,6 +400,9 @@ class SglangTriton(SglangBackend):
         # one ("expanded size ... (12) must match ... (16)", triton_backend.py:526/603/708): the adapter's
         # translation of the padded static batch, not SGLang, until shown otherwise. Not run on CUDA until fixed.
         cuda_gaps=(("graph_replay", "the adapter's CUDA-graph path crashes on real capture (open adapter defect)"),),
+        # SGLang's EAGLE v2 draft extend runs every request over the whole draft window (triton_backend.py:700,
+        # num_tokens_per_req = num_draft_tokens): the batches the adapter translates are drawn that way.
+        fixed_width_draft_extend=True,
         engine="sglang",
         wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
     )
