@@ -103,6 +103,18 @@ class _SglangObject(AttentionBackend):
         """Where this adapter's linear-attention states are copied between the harness and SGLang."""
         return None
 
+    def _capture_or_check(self, forward_batch, in_capture: bool) -> None:
+        """At capture: SGLang's backend built and its graph state allocated (once: a graph keeps the backend it
+        was captured with). At replay: that backend must be the one captured."""
+        if in_capture:
+            self._ensure_built(forward_batch)
+            max_bs, max_num_tokens = self.graph_state
+            self.inner.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_num_tokens)
+            self.graph_inner = self.inner
+        elif getattr(self, "graph_inner", None) is None or self.inner is not self.graph_inner:
+            raise RuntimeError("graph replay before capture: init_forward_metadata_out_graph(in_capture=True) "
+                               "must plan the static batch first")
+
     def engine_probed_members(self) -> tuple[str, ...]:
         """Protocol beyond the base class: the members SGLang's callers probe for with ``hasattr``."""
         return runtime.probed_members()
@@ -265,14 +277,7 @@ class SglangBackend(_SglangObject):
     def _graph_batch(self, forward_batch, in_capture: bool):
         """SGLang's view of the static batch; at capture, SGLang's backend built and its graph state allocated
         first (once: a graph keeps the backend it was captured with)."""
-        if in_capture:
-            self._ensure_built(forward_batch)
-            max_bs, max_num_tokens = self.graph_state
-            self.inner.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_num_tokens)
-            self.graph_inner = self.inner
-        elif getattr(self, "graph_inner", None) is None or self.inner is not self.graph_inner:
-            raise RuntimeError("graph replay before capture: init_forward_metadata_out_graph(in_capture=True) "
-                               "must plan the static batch first")
+        self._capture_or_check(forward_batch, in_capture)
         sfb = self.translate(forward_batch, graph=True)
         self.batches = {id(forward_batch): sfb}
         return sfb
@@ -578,14 +583,7 @@ class SglangTbo(_SglangObject):
         ``TboAttnBackend`` splits the padded batch itself; the layers run the halves captured."""
         fb, sgl = forward_batch, self.sgl
         tbo = sgl.two_batch_overlap
-        if in_capture:
-            self._ensure_built(fb)
-            max_bs, max_num_tokens = self.graph_state
-            self.inner.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_num_tokens)
-            self.graph_inner = self.inner
-        elif getattr(self, "graph_inner", None) is None or self.inner is not self.graph_inner:
-            raise RuntimeError("graph replay before capture: init_forward_metadata_out_graph(in_capture=True) "
-                               "must plan the static batch first")
+        self._capture_or_check(fb, in_capture)
         sfb = self.primary.translate(fb, graph=True)
         self.primary.batches = {id(fb): sfb}
         with sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
