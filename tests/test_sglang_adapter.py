@@ -7,6 +7,7 @@ import contextlib
 from unittest import mock
 
 import pytest
+import torch
 
 from backends.registry import CompositionError, all_compositions, parse
 from batch.forward_batch import ModelRunner
@@ -126,3 +127,29 @@ def test_sglang_graph_replay_runs_sglangs_three_methods(term, spec, device):
     assert names[0] == "init_cuda_graph_state"
     assert ("init_forward_metadata_out_graph", True) in calls and ("init_forward_metadata_out_graph", False) in calls
     assert "init_forward_metadata_in_graph" in names
+
+
+@needs_sglang
+def test_interpreted_kernels_are_bounds_checked():
+    # An out-of-bounds access under Triton's CPU interpreter corrupts the heap and aborts the process far from
+    # the cause; the adapter's shim turns it into an error naming the kernel (it found
+    # docs/findings/sglang-tbo-gdn-child-start-loc.md), and leaves in-bounds kernels alone.
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the shims apply to Triton's CPU interpreter only")
+    runtime.load()
+    import triton
+    import triton.language as tl
+    from triton.runtime.errors import InterpreterError
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(dst + offs, tl.load(src + offs, mask=offs < n), mask=offs < n)
+
+    src, dst = torch.arange(8, dtype=torch.float32), torch.zeros(8)
+    copy[(1,)](src, dst, 8, BLOCK=16)
+    assert torch.equal(dst, src)
+    with pytest.raises(InterpreterError, match="copy loads 4 element"):
+        copy[(1,)](src, dst, 12, BLOCK=16)

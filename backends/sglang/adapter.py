@@ -87,7 +87,9 @@ class _SglangObject(AttentionBackend):
         if req_pool_indices is None and planned is not None:
             req_pool_indices = planned.req_pool_indices[:planned.batch_size]
         states = self.state_sync()
-        if states is not None and states.harness is not None:
+        if states is not None and states.harness is None:
+            states = None  # a model without linear layers: no states to copy
+        if states is not None:
             states.push_states()  # the harness's pools may have been reset to the verified states since
         # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords.
         if hasattr(self.inner, "update_mamba_state_after_mtp_verify"):
@@ -96,7 +98,7 @@ class _SglangObject(AttentionBackend):
                     last_correct_step_indices=last_correct_step_indices.to(torch.int64),
                     mamba_track_indices=mamba_track_indices, mamba_steps_to_track=mamba_steps_to_track,
                     model=model, req_pool_indices=req_pool_indices)
-        for layer_id in (states.harness.conv_states if states is not None and states.harness is not None else ()):
+        for layer_id in (states.harness.conv_states if states is not None else ()):
             states.pull(layer_id)
 
     def state_sync(self) -> "runtime.StateSync | None":
@@ -405,9 +407,7 @@ class SglangTriton(SglangBackend):
         # one ("expanded size ... (12) must match ... (16)", triton_backend.py:526/603/708): the adapter's
         # translation of the padded static batch, not SGLang, until shown otherwise. Not run on CUDA until fixed.
         cuda_gaps=(("graph_replay", "the adapter's CUDA-graph path crashes on real capture (open adapter defect)"),),
-        # SGLang's EAGLE v2 draft extend runs every request over the whole draft window (triton_backend.py:700,
-        # num_tokens_per_req = num_draft_tokens): the batches the adapter translates are drawn that way.
-        fixed_width_draft_extend=True,
+        fixed_width_draft_extend=True,  # EAGLE v2's draft extend, as for SglangTorchNative
         engine="sglang",
         wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
     )

@@ -171,11 +171,10 @@ def load() -> SimpleNamespace:
     from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType
     from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     from sglang.srt.layers.attention import attention_registry
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
-    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
     from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
