@@ -18,6 +18,17 @@ from typing import Any, Union
 
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# Where a batch's KV pages lie in the pool (SGLang's own test kit names the same four, attention_unittest/
+# attention_methods/dense_attention.py make_loc_fn). Token j of a request always sits at offset j % page_size
+# of its (j // page_size)-th page; a layout only decides which physical page that is.
+#   shuffled_pages        every page of the batch drawn at random from the pool (the default; what the harness
+#                         always drew before layouts were an axis, so older case files replay unchanged)
+#   contiguous            each request's pages one ascending run, the requests back to back (a fresh allocator)
+#   interleaved_pages     page k of request i is physical page k * B + i: neighbouring pages belong to
+#                         different requests (requests that grew a page at a time, side by side)
+#   non_monotonic_extend  the prefix's pages ascending; the pages that hold only new tokens in descending
+#                         order, so out_cache_loc goes down inside an extend (at every token when page_size is 1)
+KV_LAYOUTS = ("shuffled_pages", "contiguous", "interleaved_pages", "non_monotonic_extend")
 
 
 class SpecError(ValueError):
@@ -61,6 +72,8 @@ class MHALayer:
     v_head_dim: int
     # window_left: position p sees keys in [p - w, p]. A model has one window (SGLang's
     # runner.sliding_window_size), which each layer uses or not; 0 is not a window (SGLang reads 0 as none).
+    # Positions, not row indices: in TARGET_VERIFY a draft token at tree depth d sits at seq_len + d, and
+    # so do its ancestors at theirs (a sibling's row index is no position).
     sliding_window: int | None = None
     logit_cap: float | None = None
     rope_theta: float = 10000.0
@@ -196,6 +209,11 @@ class BatchSpec:
     ``prefix_lens[i]`` tokens of request i are already cached; ``extend_lens[i]`` new query rows follow.
     DECODE has extend_lens all 1; TARGET_VERIFY has extend_lens all ``spec.draft_token_num`` (the cached
     length is then what SGLang calls ``seq_lens``); DRAFT_EXTEND has extend_lens == ``spec.accept_lens``.
+    EXTEND and MIXED batches may hold requests with an empty extend (``extend_lens[i] == 0`` after a cached
+    prefix): engines' kernels expect them (SGLang's extend kernel counts ``max(0, extend_len)`` query tiles,
+    kernels/ops/attention/extend_attention.py:191; its FlashInfer backend skips ``extend_len == 0`` rows,
+    flashinfer_backend.py:2131), and a backend declares whether it takes them (``Capabilities.empty_extend``).
+    ``kv_layout`` is one of :data:`KV_LAYOUTS`.
     """
 
     mode: ForwardMode
@@ -209,6 +227,7 @@ class BatchSpec:
     spec: SpecInput | None = None
     mrope: MropeLayout | None = None
     draft_worker: bool = False
+    kv_layout: str = "shuffled_pages"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", ForwardMode(self.mode))
@@ -276,9 +295,17 @@ class BatchSpec:
                  f"extend_lens has {len(self.extend_lens)} entries but prefix_lens has {B}")
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        _require(self.kv_layout in KV_LAYOUTS,
+                 f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {_show(self.kv_layout)}")
+        empty_ok = self.mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
         for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
             _require(p >= 0, f"prefix_lens[{i}] must be >= 0, got {p}")
-            _require(e >= 1, f"extend_lens[{i}] must be >= 1, got {e}")
+            if empty_ok:
+                _require(e >= 0, f"extend_lens[{i}] must be >= 0, got {e}")
+                _require(e >= 1 or p >= 1, f"request {i} has neither cached nor new tokens "
+                                           f"(an empty extend needs prefix_lens[{i}] >= 1)")
+            else:
+                _require(e >= 1, f"extend_lens[{i}] must be >= 1 in {self.mode.value} batches, got {e}")
             _require(p + e <= self.context_len,
                      f"request {i}: prefix_lens + extend_lens = {p + e} exceeds context_len={self.context_len}")
         _require(len(self.layers) >= 1, "layers must name at least one layer")
@@ -304,6 +331,7 @@ class BatchSpec:
             _require(B == 0, f"an idle batch has no requests, got {B}")
             return
         _require(B >= 1, f"mode {m.value} needs at least one request")
+        _require(self.num_tokens >= 1, f"a {m.value} batch needs at least one new token (every extend is empty)")
         if m.is_decode():
             _require(all(e == 1 for e in self.extend_lens), "decode batches have extend_lens all 1")
         if m.is_decode() or m.is_target_verify():
@@ -332,8 +360,6 @@ class BatchSpec:
             if m.is_target_verify():
                 _require(a <= max(s.depths(i)) + 1, f"spec.accept_lens[{i}]={a} is longer than the tree is deep")
         if m.is_target_verify():
-            _require(all(l.kind != "mha" or l.sliding_window is None for l in self.layers),
-                     "sliding-window layers are not modelled in target_verify batches (set sliding_window null)")
             _require(all(e == s.draft_token_num for e in self.extend_lens),
                      "target_verify batches have extend_lens all equal to spec.draft_token_num")
             if "linear" in self.attention_kinds:
