@@ -110,6 +110,16 @@ class Capabilities:
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
     # Unit roundoff of the kernel's matrix products for float32 inputs (TF32 tensor cores: 2**-11).
     fp32_matmul_roundoff: float = 2.0**-24
+    # Key or query counts at which the kernels change shape (a new key block, a KV split that becomes
+    # non-empty, a prefix chunk): the strategies draw lengths at and across each (L - 1, L, L + 1), within
+    # the profile's Profile.max_boundary. Compiled and interpreted configurations both listed.
+    length_boundaries: frozenset[int] = frozenset()
+    # Takes EXTEND/MIXED requests with no new tokens after a cached prefix (BatchSpec's docstring: where
+    # engines produce them).
+    empty_extend: bool = False
+    # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
+    # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
+    verify_window: bool = False
 
     def unavailable_reason(self, device: str) -> str | None:
         """Why this backend cannot run on ``device`` here, or None."""
@@ -153,6 +163,9 @@ class Support:
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
+    length_boundaries: frozenset[int]  # every leaf's: a composition runs all its leaves' kernels
+    empty_extend: bool
+    verify_window: bool
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -178,7 +191,10 @@ class Support:
                    fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
-                   softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full))
+                   softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
+                   length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
+                   empty_extend=all(c.empty_extend for c in caps),
+                   verify_window=all(c.verify_window for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""
@@ -191,6 +207,8 @@ class Support:
             return f"page_size {spec.page_size} not supported"
         if spec.mrope is not None and not self.mrope:
             return "mrope not supported"
+        if 0 in spec.extend_lens and not self.empty_extend:
+            return "empty extends (a request with no new tokens) not supported"
         for layer in spec.layers:
             if layer.kind != "mha":
                 continue
@@ -198,6 +216,8 @@ class Support:
                 return f"head_dim {layer.head_dim} not supported"
             if layer.sliding_window is not None and not self.sliding_window:
                 return "sliding window not supported"
+            if layer.sliding_window is not None and spec.mode.is_target_verify() and not self.verify_window:
+                return "sliding window under a tree mask (target_verify) not supported"
             if layer.logit_cap is not None and not self.logit_cap:
                 return "logit cap not supported"
         return None

@@ -14,6 +14,15 @@ from backends.planner import exclusive_cumsum, plan_token_level
 from batch.spec import ForwardMode
 
 DECODE_KV_SPLITS = 4
+# Where the kernels change shape (Capabilities.length_boundaries). Decode splits each request's keys
+# DECODE_KV_SPLITS ways in whole blocks of BLOCK_N keys (16 interpreted; 32 or 64 compiled, see
+# decode_attention._launch_config): a second block past BLOCK_N, the last split non-empty past
+# (splits - 1) * BLOCK_N, every split growing past splits * BLOCK_N. Extend walks BLOCK_M query rows against
+# BLOCK_N keys (16 interpreted; 32, 64, 128 compiled).
+_DECODE_BLOCK_N = (16, 32, 64)
+_EXTEND_BLOCKS = (16, 32, 64, 128)
+LENGTH_BOUNDARIES = frozenset({n * m for n in _DECODE_BLOCK_N for m in (1, DECODE_KV_SPLITS - 1, DECODE_KV_SPLITS)}
+                              | set(_EXTEND_BLOCKS))
 
 
 class TritonBackend(AttentionBackend):
@@ -26,6 +35,9 @@ class TritonBackend(AttentionBackend):
         cpu_needs_env="TRITON_INTERPRET",
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.
         fp32_matmul_roundoff=2.0**-21,
+        length_boundaries=LENGTH_BOUNDARIES,
+        verify_window=True,
+        empty_extend=True,
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -64,7 +76,8 @@ class TritonBackend(AttentionBackend):
         extend_attention_fwd(q, k, v, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                              meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.custom_mask, meta.mask_indptr,
                              sm_scale=layer.scaling, logit_cap=layer.logit_cap,
-                             sliding_window=layer.sliding_window_size, causal=meta.custom_mask is None)
+                             sliding_window=layer.sliding_window_size, causal=meta.custom_mask is None,
+                             positions=fb.positions)
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
