@@ -24,6 +24,7 @@ from properties.equivalence import (
 from properties.graph import graph_replay_equals_eager
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
+from properties.tree import tree_branch_equals_chain
 from properties.verdict import Verdict
 
 EXTEND_MODES = frozenset({ForwardMode.EXTEND})
@@ -87,6 +88,10 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              "verify of a chain equals extend of its tokens; the committed state is the accepted prefix's",
              modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
              strategy_options=(("chain", True),)),
+    Property("tree_branch", tree_branch_equals_chain,
+             "every draft-tree node's output equals its root-to-node branch verified as a chain (no reference)",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
+             strategy_options=(("tree", True),)),
     Property("graph_replay", graph_replay_equals_eager,
              "CUDA-graph replay equals eager on real rows, pools end identical, new inputs give new outputs",
              modes=frozenset({ForwardMode.DECODE}), needs_wrapper="graph"),
