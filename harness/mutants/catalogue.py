@@ -496,7 +496,7 @@ AXIS_CATALOGUE: list[Mutant] = [
            "docs/findings/sglang-triton-verify-window-by-row.md)", ("torch_native",), ("tree_branch", "outputs"),
            modes=("target_verify",)),
     Mutant("empty_extend_shifts_requests", "per-request token counts taken from per-token request ids drop a "
-           "request with no new tokens, and every later request reads the rows of the one before (edge axis: "
+           "request with no new tokens; every later request reads the rows of the one before it (edge axis: "
            "empty extends)", ("torch_native", "triton"), ("outputs",), modes=("extend",)),
 ]
 
