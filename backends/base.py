@@ -103,8 +103,19 @@ class Capabilities:
     # The soft-cap's tanh is computed as 2*sigmoid(2x) - 1, which cancels for small scores: the capped score
     # carries an absolute error of about 2*cap*u(float32) (properties/tolerances.py counts it).
     softcap_via_sigmoid: bool = False
+    # Linear attention: TARGET_VERIFY leaves the committed conv state holding the window after the last draft
+    # token (SGLang's GDN updates it in place); the commit after verify then writes the last accepted step's
+    # window over it. False: verify changes only the intermediate (per-step) pools.
+    verify_advances_conv_state: bool = False
+    # Why one case takes seconds on a CPU (e.g. kernels interpreted by Triton); profiles draw fewer examples
+    slow_on_cpu: str | None = None
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
+    cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
+    cuda_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it is not run on CUDA yet)
+    # DRAFT_EXTEND batches cover the whole draft window for every request (EAGLE v2: accepted tokens first, the
+    # rest padding), never a ragged accepted count
+    fixed_width_draft_extend: bool = False
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
     # whose symptom would take the process down instead of failing a check)
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
@@ -120,6 +131,10 @@ class Capabilities:
     # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
     # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
     verify_window: bool = False
+    # KV cache storage it reads and writes (batch.spec.KV_CACHE_DTYPES): "auto" (the batch's dtype), "fp8_e4m3";
+    # and whether it honours per-layer KV scales other than 1 (stores k / k_scale, reads back times k_scale).
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    kv_scales: bool = True
 
     def unavailable_reason(self, device: str) -> str | None:
         """Why this backend cannot run on ``device`` here, or None."""
@@ -146,8 +161,9 @@ class Support:
     """What a composition of backends supports: its leaves' declarations combined, read in one place by the
     matrix, the strategies (to draw only batches inside it) and ``repro`` (to refuse a case outside it).
 
-    Modes, dtypes, page sizes and mrope must hold for every leaf; head dims, sliding window and logit cap for
-    the leaves that own full-attention layers (a linear backend never sees those layers).
+    Modes, dtypes, page sizes and mrope must hold for every leaf; head dims, sliding window, logit cap and the KV
+    cache (dtypes, scales) for the leaves that own full-attention layers (a linear backend never sees those
+    layers).
     """
 
     attention_kinds: frozenset[str]
@@ -166,6 +182,13 @@ class Support:
     length_boundaries: frozenset[int]  # every leaf's: a composition runs all its leaves' kernels
     empty_extend: bool
     verify_window: bool
+    verify_advances_conv_state: bool = False
+    slow_on_cpu: str | None = None
+    cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
+    cuda_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it is not run on CUDA yet
+    fixed_width_draft_extend: bool = False
+    kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
+    kv_scales: bool = True
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -191,7 +214,15 @@ class Support:
                    fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
+                   cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
+                   cuda_gaps={prop: why for c in caps for prop, why in c.cuda_gaps},
+                   fixed_width_draft_extend=any(c.fixed_width_draft_extend for c in caps),
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
+                   verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
+                   slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),
+                   kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
+                   if full else frozenset({"auto"}),
+                   kv_scales=all(c.kv_scales for c in full),
                    length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
                    empty_extend=all(c.empty_extend for c in caps),
                    verify_window=all(c.verify_window for c in full))
@@ -209,6 +240,10 @@ class Support:
             return "mrope not supported"
         if 0 in spec.extend_lens and not self.empty_extend:
             return "empty extends (a request with no new tokens) not supported"
+        if spec.kv_cache_dtype not in self.kv_cache_dtypes:
+            return f"kv_cache_dtype {spec.kv_cache_dtype} not supported"
+        if not self.kv_scales and any(l.kind == "mha" and (l.k_scale != 1.0 or l.v_scale != 1.0) for l in spec.layers):
+            return "KV scales other than 1 not supported"
         for layer in spec.layers:
             if layer.kind != "mha":
                 continue

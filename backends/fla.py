@@ -22,7 +22,7 @@ Kernels:
   state after each draft position (a window of raw inputs) goes to ``intermediate_conv_states[slot, :D]``; the
   SSM runs ``fused_recurrent_gated_delta_rule`` one position at a time, storing each state in
   ``intermediate_ssm_states[slot, :D]``. The pool's own states are left alone until
-  :meth:`FlaBackend.update_mamba_state_after_mtp_verify` commits position ``accepted_length - 1``.
+  :meth:`FlaBackend.update_mamba_state_after_mtp_verify` commits the last accepted position.
 
 The gating (``g``, ``beta``) is computed in float32 PyTorch, as SGLang's ``fused_gdn_gating`` does in one
 Triton kernel.
@@ -250,16 +250,28 @@ class FlaBackend(AttentionBackend):
             outs.append(o_d)
         return torch.cat(outs, dim=1).reshape(B * D, layer.tp_v_head_num, layer.v_head_dim).to(mixed_qkv.dtype)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
-        """Commit, per request, the states after its last accepted draft token (``accepted_length [B]``,
-        1-based) from the intermediate pools into the pools."""
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices: torch.Tensor,
+                                            mamba_track_indices: torch.Tensor | None = None,
+                                            mamba_steps_to_track: torch.Tensor | None = None, model=None,
+                                            req_pool_indices: torch.Tensor | None = None) -> None:
+        """Commit the verified states, as :meth:`backends.linear_torch.LinearTorchBackend.update_mamba_state_after_mtp_verify`
+        (SGLang's signature): request ``i``'s slot gets the states after draft position
+        ``last_correct_step_indices[i]``; tracked copies go to ``mamba_track_indices`` where
+        ``mamba_steps_to_track >= 0``. Only the first ``len(last_correct_step_indices)`` planned rows are real (a
+        CUDA-graph plan pads)."""
         pool = self.mamba_pool
-        slots = self.forward_metadata.state_slots
-        pos = accepted_length.to(device=slots.device, dtype=torch.int64) - 1
+        steps = last_correct_step_indices.to(device=self.forward_metadata.state_slots.device, dtype=torch.int64)
+        slots = self.forward_metadata.state_slots[:steps.numel()]
+        src, dst = slots, slots
+        if mamba_track_indices is not None:
+            tracked = mamba_steps_to_track.to(steps.device, torch.int64) >= 0
+            src = torch.cat([slots, slots[tracked]])
+            dst = torch.cat([slots, mamba_track_indices.to(steps.device, torch.int64)[tracked]])
+            steps = torch.cat([steps, mamba_steps_to_track.to(steps.device, torch.int64)[tracked]])
         for layer_id, inter_ssm in pool.intermediate_ssm_states.items():
-            pool.ssm_states[layer_id][slots] = inter_ssm[slots, pos].to(pool.ssm_states[layer_id].dtype)
+            pool.ssm_states[layer_id][dst] = inter_ssm[src, steps].to(pool.ssm_states[layer_id].dtype)
             inter_conv = pool.intermediate_conv_states[layer_id]
-            pool.conv_states[layer_id][slots] = inter_conv[slots, pos].to(pool.conv_states[layer_id].dtype)
+            pool.conv_states[layer_id][dst] = inter_conv[src, steps].to(pool.conv_states[layer_id].dtype)
 
     # ---- CUDA graphs: fla's kernels plan on the host (cu_seqlens, chunk indices), so linear layers run eagerly
     # between captured segments; out_graph plans the padded batch's state slots from the request rows ----

@@ -15,6 +15,9 @@ page * page_size + offset):
   (``SpecInfo.custom_mask`` is exactly FlashInfer's flattened ``[qo_len, kv_len]`` boolean layout).
 * IDLE: an empty output.
 
+An fp8 KV cache (``float8_e4m3fn`` buffers) is planned with ``kv_data_type`` fp8 for the paged wrappers (the
+ragged one reads the new tokens in q's dtype) and run with the layer's ``k_scale``/``v_scale``.
+
 Planning is once per batch, running once per layer. FlashInfer bakes the layer's head counts, head dims,
 ``sm_scale``, logit cap and window into ``plan()``, so there is one wrapper per (role, layer key): keys known
 from the ``model_runner``'s layers are planned in ``init_forward_metadata``; a layer with a key not seen there is
@@ -115,6 +118,11 @@ def req_to_token_of(backend) -> torch.Tensor:
                        "model_runner, or set backend.req_to_token (init_forward_metadata keeps the last batch's)")
 
 
+def layers_with_kv(layers) -> int:
+    """The id of the first layer that has KV buffers (MHA or MLA), or -1."""
+    return next((l.layer_id for l in layers if l.kind != "linear"), -1)
+
+
 def layer_kv_dtype(forward_batch, layer_id: int) -> torch.dtype:
     """The dtype of layer ``layer_id``'s key buffer in the batch's KV pool."""
     return forward_batch.token_to_kv_pool.get_key_buffer(layer_id).dtype
@@ -199,6 +207,12 @@ def decode_graph_plan(backend, bs: int, req_pool_indices: torch.Tensor, seq_lens
     return BatchPlan(ForwardMode.DECODE, bs, page_size, qo, bs, full=full)
 
 
+def kv_scales(pool, layer) -> dict[str, float]:
+    """``run()``'s ``k_scale``/``v_scale`` for the layer's paged cache: its scales when the cache is fp8 (FlashInfer
+    multiplies the scores by k_scale and the output by v_scale), else nothing."""
+    return {"k_scale": layer.k_scale, "v_scale": layer.v_scale} if pool.is_fp8(layer.layer_id) else {}
+
+
 def paged_cache(pool, layer_id: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's K and V buffers as FlashInfer's NHD pages ``[num_pages, page_size, Hk, D]`` (views)."""
     k, v = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
@@ -219,6 +233,8 @@ class FlashInferBackend(AttentionBackend):
         cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
         devices=frozenset({"cuda"}),
         requires=("flashinfer",),
+        # fp8 e4m3 paged caches with k_scale/v_scale at run(): wired, and run only by the gpu profile (no CPU path)
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
     )
     ragged_backend = "auto"  # as SGLang: FA3 on Hopper where the head dims allow, else FA2
     paged_backend = "fa2"  # as SGLang's prefill_backend / decode_backend (FA3 has no custom mask)
@@ -265,9 +281,10 @@ class FlashInferBackend(AttentionBackend):
         p = self.plan
         common = dict(logits_soft_cap=key.logit_cap, sm_scale=key.sm_scale, q_data_type=key.q_dtype,
                       kv_data_type=key.kv_dtype)
-        if role == "ragged":
+        if role == "ragged":  # the new tokens' k/v: in q's dtype, whatever the cache stores
             wrapper.plan(p.qo_indptr, p.qo_indptr, key.num_qo_heads, key.num_kv_heads, key.head_dim,
-                         head_dim_vo=key.v_head_dim, causal=True, window_left=-1, **common)
+                         head_dim_vo=key.v_head_dim, causal=True, window_left=-1,
+                         **(common | {"kv_data_type": key.q_dtype}))
         elif role == "decode":
             kv_indptr, kv_indices, last = p.full
             wrapper.plan(kv_indptr, kv_indices, last, key.num_qo_heads, key.num_kv_heads, key.head_dim, p.page_size,
@@ -299,8 +316,8 @@ class FlashInferBackend(AttentionBackend):
         self.cache.new_batch()
         self.plan = plan_batch(fb)
         layers = self.model_runner.layers if self.model_runner is not None else ()
-        if not layers or fb.forward_mode.is_idle():
-            return  # layers plan on their first call
+        if not layers or fb.forward_mode.is_idle() or fb.token_to_kv_pool.is_fp8(layers_with_kv(layers)):
+            return  # layers plan on their first call (an fp8 cache's dtype says nothing of the queries')
         from batch.forward_batch import LayerWeights
         from batch.layers import make_layer
 
@@ -330,33 +347,36 @@ class FlashInferBackend(AttentionBackend):
         fb = forward_batch
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         key = layer_key(layer, q.dtype, layer_kv_dtype(fb, layer.layer_id))
         roles = self._roles(key, fb.forward_mode)
         q = q.contiguous()
+        scales = kv_scales(pool, layer)
         if roles[0] == "ragged":
             ragged = self._wrapper("ragged", key, q.device)
             if len(roles) == 1:
                 return ragged.run(q, k.contiguous(), v.contiguous())
             o_new, lse_new = ragged.run(q, k.contiguous(), v.contiguous(), return_lse=True)
             o_prefix, lse_prefix = self._wrapper("prefix", key, q.device).run(
-                q, paged_cache(pool, layer.layer_id, self.plan.page_size), return_lse=True)
+                q, paged_cache(pool, layer.layer_id, self.plan.page_size), return_lse=True, **scales)
             return merge_states(o_new, lse_new, o_prefix, lse_prefix)[0]
         if not save_kv_cache:
             raise ValueError(f"FlashInfer's {roles[0]!r} path reads the new tokens from the KV cache: "
                              "call it with save_kv_cache=True")
-        return self._wrapper(roles[0], key, q.device).run(q, paged_cache(pool, layer.layer_id, self.plan.page_size))
+        return self._wrapper(roles[0], key, q.device).run(q, paged_cache(pool, layer.layer_id, self.plan.page_size),
+                                                          **scales)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         """q ``[B, Hq, D]`` (one token per request) -> ``[B, Hq, Dv]`` over all ``seq_lens`` keys."""
         fb = forward_batch
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         key = layer_key(layer, q.dtype, layer_kv_dtype(fb, layer.layer_id))
         (role,) = self._roles(key, ForwardMode.DECODE)
         wrapper = self._wrapper(role, key, q.device)
-        return wrapper.run(q.contiguous(), paged_cache(pool, layer.layer_id, self.plan.page_size))
+        return wrapper.run(q.contiguous(), paged_cache(pool, layer.layer_id, self.plan.page_size),
+                           **kv_scales(pool, layer))
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:

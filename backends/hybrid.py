@@ -79,9 +79,12 @@ class HybridLinearAttnBackend(AttentionBackend):
         for child in self.children:
             child.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None) -> None:
-        """The linear child commits the accepted states (``accepted_length[B]``)."""
-        self.linear_attn_backend.update_mamba_state_after_mtp_verify(accepted_length, model)
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices=None,
+                                            mamba_steps_to_track=None, model=None, req_pool_indices=None) -> None:
+        """The linear child commits the verified states (SGLang's signature: the last accepted draft position per
+        request, and the radix cache's tracked copies)."""
+        self.linear_attn_backend.update_mamba_state_after_mtp_verify(
+            last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model, req_pool_indices)
 
     def planned_metadata(self) -> PlannedMetadata:
         """The full-attention child's plan."""

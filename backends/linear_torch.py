@@ -4,7 +4,8 @@ The CPU twin of the fla backend, written independently of ``reference/gdn.py`` (
 through ``torch.nn.functional.conv1d``, float32 state arithmetic) so that comparing the two means something.
 Semantics (DESIGN.md section 3): a request with no prefix starts from zero states, others from its pool
 slot; final states go back to the slot; TARGET_VERIFY keeps the state after each draft position in the
-intermediate pools and leaves the committed states alone until ``update_mamba_state_after_mtp_verify``.
+intermediate pools and leaves the committed states alone until ``update_mamba_state_after_mtp_verify``
+commits the accepted position.
 """
 
 from __future__ import annotations
@@ -78,7 +79,9 @@ class LinearTorchBackend(AttentionBackend):
         attention_kinds=frozenset({"linear"}),
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
+        # Graph planning (out_graph) for these; its kernels run eagerly between captured segments (piecewise).
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE}),
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -142,14 +145,29 @@ class LinearTorchBackend(AttentionBackend):
         """:meth:`forward`, which serves every mode."""
         return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length: torch.Tensor, model=None) -> None:
-        """Commit, for each request, the states after its last accepted draft token ``[B]`` (1-based count)."""
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices: torch.Tensor,
+                                            mamba_track_indices: torch.Tensor | None = None,
+                                            mamba_steps_to_track: torch.Tensor | None = None, model=None,
+                                            req_pool_indices: torch.Tensor | None = None) -> None:
+        """Commit the verified states (SGLang's ``HybridLinearAttnBackend.update_mamba_state_after_mtp_verify``).
+
+        Request ``i`` (the first ``len(last_correct_step_indices)`` rows of the last plan; a CUDA-graph plan has
+        padding rows after them) gets, in its own slot, the states after draft position
+        ``last_correct_step_indices[i]`` (0-based: the accept length minus one). With ``mamba_track_indices``, the
+        states after position ``mamba_steps_to_track[i]`` also go to slot ``mamba_track_indices[i]`` (the radix
+        cache's tracked copy), unless that step is -1.
+        """
         pool = self._fb.mamba_pool
-        slots = self.forward_metadata.state_slots.tolist()
+        steps = last_correct_step_indices.tolist()
+        slots = self.forward_metadata.state_slots.tolist()[:len(steps)]
+        copies = list(zip(slots, slots, steps))
+        if mamba_track_indices is not None:
+            copies += [(src, dst, step) for src, dst, step in
+                       zip(slots, mamba_track_indices.tolist(), mamba_steps_to_track.tolist()) if step >= 0]
         for layer_id in pool.ssm_states:
-            for slot, n in zip(slots, accepted_length.tolist()):
-                pool.ssm_states[layer_id][slot] = pool.intermediate_ssm_states[layer_id][slot, n - 1]
-                pool.conv_states[layer_id][slot] = pool.intermediate_conv_states[layer_id][slot, n - 1]
+            for src, dst, step in copies:
+                pool.ssm_states[layer_id][dst] = pool.intermediate_ssm_states[layer_id][src, step]
+                pool.conv_states[layer_id][dst] = pool.intermediate_conv_states[layer_id][src, step]
 
     # ---- CUDA graphs: the kernels plan on the host, so they run eagerly between captured segments;
     # init_forward_metadata_out_graph plans the padded batch from the request rows like any other batch ----
@@ -157,15 +175,21 @@ class LinearTorchBackend(AttentionBackend):
         """Nothing to allocate: graph batches plan their state slots from the request rows (out_graph)."""
         return None
 
-    def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor) -> None:
-        slots = self.model_runner.req_to_state_slot[req_pool_indices[:bs]]
-        qo = torch.arange(bs + 1, dtype=torch.int32, device=slots.device)
+    def _plan_graph(self, fb) -> None:
+        width = 1 if fb.forward_mode.is_decode() else fb.spec_info.draft_token_num
+        bs = fb.batch_size
+        slots = self.model_runner.req_to_state_slot[fb.req_pool_indices[:bs]]
+        qo = torch.arange(bs + 1, dtype=torch.int32, device=slots.device) * width
         self.forward_metadata = PlannedMetadata(qo_indptr=qo, state_slots=slots)
+        self._fb = fb
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Graph planning (decode), at capture and before every replay alike: the padded batch's state slots
-        from its request rows. Eager batches plan in init_forward_metadata."""
-        self._plan_graph(forward_batch.batch_size, forward_batch.req_pool_indices)
+        """Graph planning, at capture and before every replay alike: the padded batch's state slots from its
+        request rows, and its fixed number of tokens per request (1 in decode, the draft token count in verify
+        and draft extend). Eager batches plan in init_forward_metadata."""
+        if forward_batch.forward_mode not in self.capabilities.cuda_graph_modes or forward_batch.forward_mode.is_idle():
+            raise NotImplementedError(f"linear_torch plans no {forward_batch.forward_mode.value} graph")
+        self._plan_graph(forward_batch)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """1 (linear layers do not read ``seq_lens``)."""

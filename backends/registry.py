@@ -26,6 +26,9 @@ LEAVES: dict[str, str] = {
     # SGLang's own classes, through the adapter (the extra: bash ci/install-sglang.sh)
     "sglang.torch_native": "backends.sglang.adapter:SglangTorchNative",
     "sglang.triton": "backends.sglang.adapter:SglangTriton",
+    "sglang.gdn": "backends.sglang.adapter:SglangGdn",
+    "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
+    "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
 }
 WRAPPERS = ("hybrid", "tbo", "graph")
 
@@ -126,6 +129,10 @@ class Composition:
         comes from the spec)."""
         if self.is_leaf:
             return leaf_class(self.name)(model_runner)
+        if self.name == "hybrid" and self.engine != "harness":
+            from backends.sglang.adapter import SglangHybrid  # SGLang builds its hybrid wrapper itself
+
+            return SglangHybrid(leaf_class(self.children[0].name), model_runner, draft_worker=spec.draft_worker)
         if self.name == "hybrid":
             from backends.hybrid import HybridLinearAttnBackend
             full, linear = self.children
@@ -133,7 +140,7 @@ class Composition:
                                            list(hybrid_full_attn_layers(spec)))
         if self.name == "tbo" and self.engine != "harness":
             from backends.sglang.adapter import SglangTbo  # SGLang's TboAttnBackend and its own splitter
-            return SglangTbo(leaf_class(self.children[0].name), model_runner)
+            return SglangTbo(self.children[0].build(spec, model_runner), model_runner)
         if self.name == "tbo":
             from backends.tbo import TboAttnBackend
             (inner,) = self.children
@@ -189,9 +196,9 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     engines = {leaf_capabilities(n).engine for c in children for n in c.leaves()}
     if len(engines) > 1:
         raise CompositionError(f"{name}() cannot mix the harness's backends with an engine's in {whole!r}")
-    if engines != {"harness"} and not (name == "tbo" and children[0].is_leaf):
-        raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends: only tbo() over one of its "
-                               f"backends is adapted so far, in {whole!r}")
+    if engines != {"harness"} and not _engine_term_adapted(name, children[0]):
+        raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends: only its own hybrid and tbo() "
+                               f"wrappers, and graph() over a backend or tbo() of one, are adapted so far, in {whole!r}")
     if name == "hybrid":
         full, linear = children
         if "linear" in full.attention_kinds() or full.attention_kinds() - {"mha", "mla"}:
@@ -201,13 +208,25 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
     return Composition(name, tuple(children)), rest
 
 
+def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
+    """Whether ``wrapper(child)`` over an engine's backends is adapted: its own hybrid() over two of its
+    backends, its tbo() over one of them or over its hybrid, and graph() (the harness's runner driving the
+    engine's three-method contract) over one of its backends or tbo() of one."""
+    if wrapper == "hybrid":
+        return True
+    if wrapper == "tbo":
+        return child.is_leaf or child.name == "hybrid"
+    return wrapper == "graph" and (child.is_leaf or (child.name == "tbo" and child.children[0].is_leaf))
+
+
 def all_compositions() -> list[Composition]:
     """Every composition the declarations allow, whether or not it can run here.
 
     Full-attention backends alone, linear backends alone, hybrid(full, linear) for pairs sharing a device,
     tbo() over each of those, and graph() over each composition with full attention whose backends all
-    plan graph batches (``init_forward_metadata_out_graph``). The wrappers are the harness's own, so they wrap
-    its own leaves; an engine's leaves (``sglang.*``) stand alone until its own wrappers are adapted.
+    plan graph batches (``init_forward_metadata_out_graph``). The harness's wrappers wrap its own leaves; an
+    engine's leaves (``sglang.*``) stand alone, under the engine's own TBO wrapper, and under graph() over
+    either where they capture graphs.
     """
     ours = [n for n in LEAVES if leaf_capabilities(n).engine == "harness"]
     full = [n for n in ours if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
@@ -220,5 +239,16 @@ def all_compositions() -> list[Composition]:
     out = base + [Composition("tbo", (c,)) for c in base]
     out += [Composition("graph", (c,)) for c in out
             if c.support().cuda_graph_modes and c.attention_kinds() & {"mha", "mla"}]
-    theirs = [Composition(n) for n in LEAVES if n not in ours]
-    return out + theirs + [Composition("tbo", (c,)) for c in theirs]
+    # An engine's classes compose with its own wrappers only. SGLang builds a linear backend only inside its
+    # hybrid wrapper, so its linear leaves appear as hybrid's second argument, never alone.
+    theirs_full = [n for n in LEAVES if n not in ours and leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
+    theirs_linear = [n for n in LEAVES if n not in ours and leaf_capabilities(n).attention_kinds == {"linear"}]
+    theirs = [Composition(n) for n in theirs_full]
+    theirs += [Composition("hybrid", (Composition(f), Composition(lin))) for f in theirs_full for lin in theirs_linear
+               if leaf_capabilities(f).engine == leaf_capabilities(lin).engine
+               and leaf_capabilities(f).attention_kinds == {"mha"}
+               and leaf_capabilities(f).devices & leaf_capabilities(lin).devices]
+    theirs += [Composition("tbo", (c,)) for c in theirs]
+    theirs += [Composition("graph", (c,)) for c in theirs
+               if _engine_term_adapted("graph", c) and c.support().cuda_graph_modes]
+    return out + theirs

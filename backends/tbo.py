@@ -89,17 +89,27 @@ class TboAttnBackend(AttentionBackend):
             out.append((child, child_fb))
         return out
 
+    def _graph_pairs(self, forward_batch) -> list:
+        """(child backend, child batch) for the non-empty halves: the batch's own ``tbo_children`` where the
+        graph runner split it (capture), else derived from the padded batch (replay), as SGLang's
+        ``TboAttnBackend`` does from its replay view."""
+        if forward_batch.tbo_children is not None:
+            pairs = list(zip(self.children, forward_batch.tbo_children))
+        else:
+            pairs = self._graph_children(forward_batch)
+        return [(child, child_fb) for child, child_fb in pairs if child_fb.batch_size > 0]
+
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         """The primary plans the padded static batch; each child its half, viewing its rows of the static
         buffers (no child when the batch does not split)."""
         self.primary.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
-        for child, child_fb in self._graph_children(forward_batch):
+        for child, child_fb in self._graph_pairs(forward_batch):
             child.init_forward_metadata_out_graph(child_fb, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         """As :meth:`init_forward_metadata_out_graph`: the primary on the whole batch, each child on its half."""
         self.primary.init_forward_metadata_in_graph(forward_batch)
-        for child, child_fb in self._graph_children(forward_batch):
+        for child, child_fb in self._graph_pairs(forward_batch):
             child.init_forward_metadata_in_graph(child_fb)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -119,9 +129,11 @@ class TboAttnBackend(AttentionBackend):
         """The primary's."""
         self.primary.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None) -> None:
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices=None,
+                                            mamba_steps_to_track=None, model=None, req_pool_indices=None) -> None:
         """The primary's."""
-        self.primary.update_mamba_state_after_mtp_verify(accepted_length, model)
+        self.primary.update_mamba_state_after_mtp_verify(last_correct_step_indices, mamba_track_indices,
+                                                         mamba_steps_to_track, model, req_pool_indices)
 
     def planned_metadata(self) -> PlannedMetadata:
         """The primary's plan of the whole batch."""

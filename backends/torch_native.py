@@ -13,16 +13,18 @@ from backends.base import SERVING_MODES, AttentionBackend, Capabilities, Planned
 from backends.latent import latent_to_heads
 from backends.lse import attention_with_lse, merge_attention_states
 from backends.planner import exclusive_cumsum, plan_token_level
+from batch.forward_batch import dequantize_kv
 
 MLA_PREFIX_CHUNK = 16  # prefix tokens expanded per chunk in the MLA MHA path (small: CI prefixes span several)
 
 
-def kv_from_cache(forward_batch, layer, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """K ``[L, Hk, D]`` and V ``[L, Hk, Dv]`` at slots ``idx``; for MLA the value is the latent's head."""
+def kv_from_cache(forward_batch, layer, idx: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """K ``[L, Hk, D]`` and V ``[L, Hk, Dv]`` at slots ``idx`` in ``dtype``, an fp8 cache's rows times the layer's
+    scales; for MLA the value is the latent's head."""
     pool = forward_batch.token_to_kv_pool
-    k = pool.get_key_buffer(layer.layer_id)[idx]
+    k = dequantize_kv(pool.get_key_buffer(layer.layer_id)[idx], dtype, layer.k_scale)
     vb = pool.get_value_buffer(layer.layer_id)
-    v = vb[idx] if vb is not None else k[..., : layer.v_head_dim]
+    v = dequantize_kv(vb[idx], dtype, layer.v_scale) if vb is not None else k[..., : layer.v_head_dim]
     return k, v
 
 
@@ -52,6 +54,10 @@ class TorchNativeBackend(AttentionBackend):
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
         logit_cap=False,  # scaled_dot_product_attention has no soft-cap
+        # No CUDA graphs: its forward walks the requests on the host (.tolist(), one SDPA per request), which a
+        # graph capture cannot record; declaring graph modes would claim what a GPU run could not do.
+        cuda_graph_modes=frozenset(),
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),  # fp8 rows are dequantized (times the scale) on read
         verify_window=True,
         empty_extend=True,
         # MLA's chunked-prefix path expands the prefix MLA_PREFIX_CHUNK keys at a time: one chunk, two.
@@ -98,11 +104,12 @@ class TorchNativeBackend(AttentionBackend):
             return self._mla_expanded(q, k, v, layer, forward_batch)
         fb, meta = forward_batch, self.forward_metadata
         if save_kv_cache:
-            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None)
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None,
+                                              layer.k_scale, layer.v_scale)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         qo, kv = meta.qo_indptr.tolist(), meta.kv_indptr.tolist()
         for i in range(fb.batch_size):
-            kc, vc = kv_from_cache(fb, layer, meta.kv_indices[kv[i]:kv[i + 1]])
+            kc, vc = kv_from_cache(fb, layer, meta.kv_indices[kv[i]:kv[i + 1]], q.dtype)
             k_i = torch.cat([kc, k[qo[i]:qo[i + 1]]])
             v_i = torch.cat([vc, v[qo[i]:qo[i + 1], :, : layer.v_head_dim]])
             q_len, k_len = qo[i + 1] - qo[i], k_i.shape[0]
@@ -122,11 +129,12 @@ class TorchNativeBackend(AttentionBackend):
         """Per request, :func:`sdpa` of the new token over its ``seq_lens`` cached slots, with the layer's window."""
         fb, meta = forward_batch, self.forward_metadata
         if save_kv_cache:
-            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None)
+            fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None,
+                                              layer.k_scale, layer.v_scale)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         kv = meta.kv_indptr.tolist()
         for i in range(fb.batch_size):
-            k_i, v_i = kv_from_cache(fb, layer, meta.kv_indices[kv[i]:kv[i + 1]])
+            k_i, v_i = kv_from_cache(fb, layer, meta.kv_indices[kv[i]:kv[i + 1]], q.dtype)
             mask = causal_mask(1, k_i.shape[0], layer.sliding_window_size, q.device)
             out[i:i + 1] = sdpa(q[i:i + 1], k_i, v_i, mask, layer.scaling)
         return out

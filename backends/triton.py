@@ -7,6 +7,8 @@ before triton is imported), which is how CI exercises them.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
@@ -30,11 +32,14 @@ class TritonBackend(AttentionBackend):
         attention_kinds=frozenset({"mha"}),
         modes=SERVING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
+        # Graph planning (out_graph) for these; idle batches replay the decode graph, all rows padding.
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE}),
         requires=("triton",),
         cpu_needs_env="TRITON_INTERPRET",
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.
         fp32_matmul_roundoff=2.0**-21,
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),  # the kernels dequantize e4m3 rows times the scales
         length_boundaries=LENGTH_BOUNDARIES,
         verify_window=True,
         empty_extend=True,
@@ -44,22 +49,20 @@ class TritonBackend(AttentionBackend):
         self.model_runner = model_runner
         self.forward_metadata: PlannedMetadata | None = None
         self.graph_buffers: dict[str, torch.Tensor] | None = None
+        self.graph_width: int | None = None  # tokens per request of the graph plan in use (None: eager plan)
 
     # ---- planning ----
     def init_forward_metadata(self, forward_batch) -> None:
         """Token-level plan (:func:`backends.planner.plan_token_level`) for the extend and decode kernels."""
         self.forward_metadata = plan_token_level(forward_batch)
+        self.graph_width = None
 
     def planned_metadata(self) -> PlannedMetadata:
-        """The current plan; once CUDA-graph buffers exist, cut to the ``bs`` rows last planned into them
-        (the buffers are sized for ``max_bs``)."""
+        """The current plan; a graph plan's ``kv_indices`` cut to the entries its ``kv_indptr`` counts (the
+        static buffer is sized for the largest batch)."""
         meta = self.forward_metadata
-        if self.graph_buffers is not None and meta.kv_indptr is not None:
-            # Graph buffers are sized for the largest batch; expose the part the kernels read.
-            bs = self.graph_buffers["bs"]
-            kv_indptr = meta.kv_indptr[: bs + 1]
-            return PlannedMetadata(qo_indptr=meta.qo_indptr[: bs + 1], kv_indptr=kv_indptr,
-                                   kv_indices=meta.kv_indices[: int(kv_indptr[-1])], kv_includes_new_tokens=True)
+        if self.graph_width is not None and meta.kv_indptr is not None:
+            return dataclasses.replace(meta, kv_indices=meta.kv_indices[: int(meta.kv_indptr[-1])])
         return meta
 
     # ---- per layer ----
@@ -71,12 +74,14 @@ class TritonBackend(AttentionBackend):
         fb, meta = forward_batch, self.forward_metadata
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         o = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         extend_attention_fwd(q, k, v, o, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id),
                              meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.custom_mask, meta.mask_indptr,
                              sm_scale=layer.scaling, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window_size, causal=meta.custom_mask is None,
+                             max_extend_len=self.graph_width, k_descale=layer.k_scale,
+                             v_descale=layer.v_scale,
                              positions=fb.positions)
         return o
 
@@ -88,51 +93,68 @@ class TritonBackend(AttentionBackend):
         fb, meta = forward_batch, self.forward_metadata
         pool = fb.token_to_kv_pool
         if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v, layer.k_scale, layer.v_scale)
         o = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         bs = q.shape[0]
         decode_attention_fwd(q, pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id), o,
                              meta.kv_indptr[: bs + 1], meta.kv_indices, sm_scale=layer.scaling,
                              logit_cap=layer.logit_cap, sliding_window=layer.sliding_window_size,
-                             num_kv_splits=DECODE_KV_SPLITS)
+                             num_kv_splits=DECODE_KV_SPLITS, k_descale=layer.k_scale, v_descale=layer.v_scale)
         return o
 
-    # ---- CUDA graphs (decode) ----
+    # ---- CUDA graphs (decode, target_verify, draft_extend; idle batches replay the decode graph) ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the static decode plan: ``kv_indptr[max_bs+1]`` int32, ``kv_indices[max_bs * context_len]``
-        int64 and ``qo_indptr[max_bs+1]`` int32 (``arange``)."""
+        """Allocate the static plan for graphs of up to ``max_bs`` requests and ``max_num_tokens`` tokens:
+        ``qo_indptr``/``kv_indptr``/``mask_indptr`` ``[max_bs+1]`` int32, ``kv_indices[max_bs * context_len]``
+        int64 and the tree mask ``custom_mask[max_num_tokens * (context_len + max_num_tokens)]`` bool."""
         mr = self.model_runner
         self.graph_buffers = {
             "kv_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=mr.device),
             "kv_indices": torch.zeros(max_bs * mr.context_len, dtype=torch.int64, device=mr.device),
             "qo_indptr": torch.arange(max_bs + 1, dtype=torch.int32, device=mr.device),
+            "mask_indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=mr.device),
+            "custom_mask": torch.ones(max_num_tokens * (mr.context_len + max_num_tokens), dtype=torch.bool,
+                                      device=mr.device),
             "bs": max_bs,
         }
 
-    def _plan_graph(self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> None:
-        """Refresh the static buffers in place; the kernels captured in the graph read only these."""
-        buf = self.graph_buffers
-        seq_lens = seq_lens[:bs].to(torch.int64)
-        buf["kv_indptr"][: bs + 1].copy_(exclusive_cumsum(seq_lens))
-        max_len = int(seq_lens.max()) if bs else 0
-        rows = self.model_runner.req_to_token[req_pool_indices[:bs], :max_len]
-        keep = torch.arange(max_len, device=rows.device)[None, :] < seq_lens[:, None]
+    def _plan_graph(self, fb) -> None:
+        """Refresh the static buffers in place from the padded batch's lengths and rows (and, in verify, its
+        tree mask); the kernels captured in the graph read only these. Decode reads all ``seq_lens`` keys;
+        verify reads the ``seq_lens`` cached keys; draft extend the ``seq_lens - width`` prefix, clamped at 0
+        for padded rows (as SGLang's ``_update_draft_extend_buffers``)."""
+        buf, mode, bs = self.graph_buffers, fb.forward_mode, fb.batch_size
+        width = 1 if mode.is_decode() else fb.spec_info.draft_token_num
+        seq_lens = fb.seq_lens[:bs].to(torch.int64)
+        kv_lens = (seq_lens - width).clamp(min=0) if mode.is_draft_extend() else seq_lens
+        buf["kv_indptr"][: bs + 1].copy_(exclusive_cumsum(kv_lens))
+        max_len = int(kv_lens.max()) if bs else 0
+        rows = self.model_runner.req_to_token[fb.req_pool_indices[:bs], :max_len]
+        keep = torch.arange(max_len, device=rows.device)[None, :] < kv_lens[:, None]
         flat = rows[keep].to(torch.int64)
         buf["kv_indices"][: flat.numel()].copy_(flat)
-        buf["bs"] = bs
-        self.forward_metadata = PlannedMetadata(qo_indptr=buf["qo_indptr"], kv_indptr=buf["kv_indptr"],
-                                                kv_indices=buf["kv_indices"], kv_includes_new_tokens=True)
+        buf["qo_indptr"][: bs + 1].copy_(torch.arange(bs + 1, dtype=torch.int32, device=rows.device) * width)
+        buf["bs"], self.graph_width = bs, width
+        meta = PlannedMetadata(qo_indptr=buf["qo_indptr"][: bs + 1], kv_indptr=buf["kv_indptr"][: bs + 1],
+                               kv_indices=buf["kv_indices"], kv_includes_new_tokens=mode.is_decode())
+        if mode.is_target_verify():
+            mask = fb.spec_info.custom_mask
+            buf["custom_mask"][: mask.numel()].copy_(mask)
+            buf["mask_indptr"][: bs + 1].copy_(exclusive_cumsum(width * (seq_lens + width)))
+            meta.custom_mask, meta.mask_indptr = buf["custom_mask"], buf["mask_indptr"][: bs + 1]
+        self.forward_metadata = meta
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
-        """Graph planning (decode), at capture and before every replay alike: the padded batch's plan into the
-        static buffers. Host-side (lengths, row gathers of dynamic size), so all of it runs here and
+        """Graph planning, at capture and before every replay alike: the padded batch's plan into the static
+        buffers. Host-side (lengths, row gathers of dynamic size), so all of it runs here and
         ``init_forward_metadata_in_graph`` has nothing to record. Eager batches plan in init_forward_metadata."""
         fb = forward_batch
-        if fb.forward_mode not in self.capabilities.cuda_graph_modes:
-            raise NotImplementedError(f"triton captures CUDA graphs for decode only, not {fb.forward_mode.value}")
+        if fb.forward_mode not in self.capabilities.cuda_graph_modes or fb.forward_mode.is_idle():
+            raise NotImplementedError(f"triton captures no {fb.forward_mode.value} graph (idle batches replay "
+                                      f"the decode graph)")
         if self.graph_buffers is None:
             raise RuntimeError("TritonBackend: init_cuda_graph_state must run before graph planning")
-        self._plan_graph(fb.batch_size, fb.req_pool_indices, fb.seq_lens)
+        self._plan_graph(fb)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """1: padding rows of a graph batch have one key."""

@@ -14,6 +14,25 @@ import torch
 from batch.spec import ForwardMode, Layer
 
 
+FP8_KV_DTYPE = torch.float8_e4m3fn  # SGLang's kv_cache_dtype "fp8_e4m3"
+
+
+def quantize_kv(x: torch.Tensor, buffer_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a buffer of ``buffer_dtype`` stores it: an fp8 buffer holds ``x / scale`` rounded to e4m3 (round
+    to nearest even, saturating at +-448, as torch's cast); any other buffer holds ``x`` in its dtype."""
+    if buffer_dtype == FP8_KV_DTYPE:
+        return (x / scale).to(buffer_dtype)
+    return x.to(buffer_dtype)
+
+
+def dequantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """Rows read from a KV buffer, in ``dtype``: fp8 rows are ``stored * scale`` (exact: an e4m3 value times a
+    power of two is representable in every compute dtype); other rows are cast."""
+    if x.dtype == FP8_KV_DTYPE:
+        return x.to(dtype) * scale
+    return x.to(dtype)
+
+
 @dataclass
 class KVPool:
     """Paged KV pool, one buffer pair per full-attention layer id.
@@ -21,11 +40,18 @@ class KVPool:
     MHA layer: ``k_buffer[num_slots, Hk, D]``, ``v_buffer[num_slots, Hk, Dv]``.
     MLA layer: ``k_buffer[num_slots, 1, kv_lora_rank + qk_rope_head_dim]`` (ckv then kpe); no v buffer: the
     value is the first kv_lora_rank columns of the same latent row. Slot 0 is reserved padding.
+
+    An fp8 KV cache (``kv_cache_dtype`` fp8_e4m3) holds ``torch.float8_e4m3fn`` buffers: a token's K is stored
+    as ``k / k_scale`` rounded to e4m3 and means ``stored * k_scale`` (the layer's scales; SGLang's
+    ``MHATokenToKVPool.set_kv_buffer`` with ``k_scale``/``v_scale``). Reading it back is the backend's job.
     """
 
     page_size: int
     k_buffers: dict[int, torch.Tensor]
     v_buffers: dict[int, torch.Tensor | None]
+    # The model's dtype, in which K/V are handed over and queries come (SGLang: model_runner.dtype); None: the
+    # buffers' own (a cache in the model's dtype). An fp8 cache's buffers do not tell it.
+    model_dtype: torch.dtype | None = None
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffers[layer_id]
@@ -33,17 +59,24 @@ class KVPool:
     def get_value_buffer(self, layer_id: int) -> torch.Tensor | None:
         return self.v_buffers[layer_id]
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None) -> None:
-        """Write new tokens' K/V at slots ``loc[T]``: ``k[T, Hk, D]``, ``v[T, Hk, Dv]`` (or None for MLA)."""
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """Write new tokens' K/V at slots ``loc[T]``: ``k[T, Hk, D]``, ``v[T, Hk, Dv]`` (or None for MLA); into an
+        fp8 buffer as ``k / k_scale`` (``v / v_scale``) rounded to e4m3."""
         kb = self.k_buffers[layer_id]
-        kb[loc] = k.to(kb.dtype)
+        kb[loc] = quantize_kv(k, kb.dtype, k_scale)
         if v is not None:
             vb = self.v_buffers[layer_id]
-            vb[loc] = v.to(vb.dtype)
+            vb[loc] = quantize_kv(v, vb.dtype, v_scale)
+
+    def is_fp8(self, layer_id: int) -> bool:
+        """Whether layer ``layer_id``'s buffers hold float8 e4m3 (an fp8 KV cache); False for a layer without any."""
+        buffer = self.k_buffers.get(layer_id)
+        return buffer is not None and buffer.dtype == FP8_KV_DTYPE
 
     def clone(self) -> "KVPool":
         return KVPool(self.page_size, {i: b.clone() for i, b in self.k_buffers.items()},
-                      {i: (None if b is None else b.clone()) for i, b in self.v_buffers.items()})
+                      {i: (None if b is None else b.clone()) for i, b in self.v_buffers.items()}, self.model_dtype)
 
 
 @dataclass

@@ -32,6 +32,9 @@ class AttentionLayer:
     scaling: float
     logit_cap: float = 0.0
     sliding_window_size: int = -1
+    # An fp8 KV cache holds k / k_scale and v / v_scale (SGLang's RadixAttention.k_scale / v_scale); 1 otherwise.
+    k_scale: float = 1.0
+    v_scale: float = 1.0
     spec: Layer | None = None
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
     absorbed: bool = False  # MLA: latent (absorbed) form rather than expanded heads
@@ -48,7 +51,7 @@ def make_layer(spec: Layer, weights: LayerWeights, mode: ForwardMode) -> Attenti
                               spec.head_dim, spec.v_head_dim, spec.sm_scale,
                               logit_cap=spec.logit_cap or 0.0,
                               sliding_window_size=-1 if spec.sliding_window is None else spec.sliding_window,
-                              spec=spec)
+                              k_scale=spec.k_scale, v_scale=spec.v_scale, spec=spec)
     if spec.kind == "mla":
         C, R = spec.kv_lora_rank, spec.qk_rope_head_dim
         if mla_uses_absorbed(mode):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,6 +19,17 @@ from typing import Any, Union
 
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16", "float64")
+# The KV cache's storage: "auto" stores K/V in the batch's dtype; "fp8_e4m3" stores ``k / k_scale`` rounded to
+# float8 e4m3 (SGLang's --kv-cache-dtype fp8_e4m3), read back as ``stored * k_scale``.
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+# Per-layer KV scales are powers of two in this range: then ``k / k_scale`` is exact in every dtype, so the
+# stored e4m3 value is unique whatever precision a backend divides in (properties/tolerances.py); and the
+# drawn K/V (|x| <= 4.33, RoPE'd keys <= 6.2) divided by 2^-6 stay inside e4m3's +-448 (no saturation).
+KV_SCALE_RANGE = (2.0**-6, 2.0**4)
+# Where the batch's requests keep their linear-attention states (their state slots, in batch order):
+# "shuffled": a random permutation of 1..N (N = the request rows); "compact": 1..B in order; "reversed": B..1;
+# "gapped": spread over a pool twice as large, with unused slots (holding other requests' states) between them.
+STATE_SLOT_LAYOUTS = ("shuffled", "compact", "reversed", "gapped")
 # Where a batch's KV pages lie in the pool (SGLang's own test kit names the same four, attention_unittest/
 # attention_methods/dense_attention.py make_loc_fn). Token j of a request always sits at offset j % page_size
 # of its (j // page_size)-th page; a layout only decides which physical page that is.
@@ -77,6 +89,9 @@ class MHALayer:
     sliding_window: int | None = None
     logit_cap: float | None = None
     rope_theta: float = 10000.0
+    # An fp8 KV cache stores k / k_scale and v / v_scale (SGLang: RadixAttention.k_scale / v_scale).
+    k_scale: float = 1.0
+    v_scale: float = 1.0
     kind: str = field(default="mha", init=False)
 
     @property
@@ -94,6 +109,11 @@ class MHALayer:
                  f"{where}.sliding_window must be >= 1 or null (no window), got {self.sliding_window}")
         _require(self.logit_cap is None or self.logit_cap > 0,
                  f"{where}.logit_cap must be > 0 or null, got {self.logit_cap}")
+        lo, hi = KV_SCALE_RANGE
+        for name in ("k_scale", "v_scale"):
+            x = float(getattr(self, name))
+            _require(lo <= x <= hi and math.frexp(x)[0] == 0.5,
+                     f"{where}.{name} must be a power of two in [2^-6, 2^4] (so k / scale is exact), got {x}")
 
 
 @dataclass(frozen=True)
@@ -227,6 +247,8 @@ class BatchSpec:
     spec: SpecInput | None = None
     mrope: MropeLayout | None = None
     draft_worker: bool = False
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    state_slot_layout: str = "shuffled"  # one of STATE_SLOT_LAYOUTS
     kv_layout: str = "shuffled_pages"
 
     def __post_init__(self) -> None:
@@ -295,6 +317,10 @@ class BatchSpec:
                  f"extend_lens has {len(self.extend_lens)} entries but prefix_lens has {B}")
         _require(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _require(self.state_slot_layout in STATE_SLOT_LAYOUTS,
+                 f"state_slot_layout must be one of {', '.join(STATE_SLOT_LAYOUTS)}, got {self.state_slot_layout!r}")
         _require(self.kv_layout in KV_LAYOUTS,
                  f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {_show(self.kv_layout)}")
         empty_ok = self.mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
@@ -311,6 +337,7 @@ class BatchSpec:
         _require(len(self.layers) >= 1, "layers must name at least one layer")
         for layer in self.layers:
             layer.validate()
+        self._validate_kv_cache()
         windows = sorted({l.sliding_window for l in self.layers if l.kind == "mha" and l.sliding_window})
         _require(len(windows) <= 1, f"layers use sliding windows {windows}: a model has one sliding window, "
                                     f"which each layer uses or not")
@@ -324,6 +351,15 @@ class BatchSpec:
         self._validate_mode(B)
         if self.mrope is not None:
             self._validate_mrope()
+
+    def _validate_kv_cache(self) -> None:
+        if self.kv_cache_dtype == "auto":
+            scaled = [l.layer_id for l in self.layers if l.kind == "mha" and (l.k_scale != 1.0 or l.v_scale != 1.0)]
+            _require(not scaled, f"layers {scaled} have KV scales, which only an fp8 KV cache uses "
+                                 f"(set kv_cache_dtype to fp8_e4m3, or the scales to 1)")
+        else:
+            _require(all(l.kind != "mla" for l in self.layers),
+                     f"kv_cache_dtype {self.kv_cache_dtype} is modelled for MHA layers only (this batch has MLA layers)")
 
     def _validate_mode(self, B: int) -> None:
         m = self.mode

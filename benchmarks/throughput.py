@@ -46,7 +46,7 @@ TIMED = {  # phase -> (module, attribute path) of the functions charged to it
     "materialization": [("engine.materialize", "materialize")],
     "reference": [("reference.batch", "reference_outputs")],
     "backend": [("engine.execute", "execute"), ("engine.model", "run_layers"), ("engine.model", "run_layer"),
-                ("engine.model", "prepare_batch"), ("engine.graph_runner", "eager_decode"),
+                ("engine.model", "prepare_batch"), ("engine.graph_runner", "eager_run"),
                 ("engine.graph_runner", "GraphRunner.capture"), ("engine.graph_runner", "GraphRunner.replay"),
                 ("backends.registry", "Composition.build")],
 }

@@ -1,17 +1,33 @@
-"""CUDA-graph capture and replay of a backend composition, as SGLang 0.5.23's graph runner does it.
+"""CUDA-graph capture and replay of a backend composition, as SGLang 0.5.23's graph runners do it.
+
+Modes: DECODE and TARGET_VERIFY (SGLang's ``DecodeCudaGraphRunner``), DRAFT_EXTEND (its
+``EAGLEDraftExtendCudaGraphRunner``, mode DRAFT_EXTEND_V2), and IDLE: an idle rank's batch replays the captured
+DECODE graph with every row padding (``build_replay_fb_view``: ``forward_mode`` is the capture mode while
+the batch's own mode is IDLE). A graph holds a fixed number of tokens per request, the *width*: 1 in decode,
+``draft_token_num`` in verify and draft extend; a batch of another width is not replayed (SGLang's
+``can_run_graph`` sends it to eager), so draft-extend graphs take the fixed-width batches EAGLE v2 makes.
 
 Capture happens once per padded batch size over a static ForwardBatch with dummy lengths (the fill value):
-``init_forward_metadata_out_graph(fb, in_capture=True)`` outside the graph, then, inside the capture,
-``init_forward_metadata_in_graph(fb)`` and the layers. Each replay copies the real batch into the static
-buffers, pads the rest, calls ``init_forward_metadata_out_graph(fb, in_capture=False)`` (which must refresh
-every host-planned buffer the graph reads) and replays (the recorded in-graph metadata ops first). Piecewise:
-full-attention layers are captured, one graph per layer, while linear-attention layers run eagerly between
-them (their kernels plan on the host and must not be frozen into a graph); the in-graph metadata step is its
-own graph, replayed before the layers.
+``init_cuda_graph_state``, ``init_forward_metadata_out_graph(fb, in_capture=True)`` outside the graph, then,
+inside the capture, ``init_forward_metadata_in_graph(fb)`` and the layers. Each replay copies the real batch
+into the static buffers, pads the rest as SGLang pads it (``req_pool_indices`` 0, ``seq_lens`` the backend's
+fill value, ``out_cache_loc`` and positions 0, per-token inputs ``pad_value``), calls
+``init_forward_metadata_out_graph(fb, in_capture=False)`` (which must refresh every host-planned buffer the
+graph reads) and replays (the recorded in-graph metadata ops first). Piecewise: full-attention layers are
+captured, one graph per layer, while linear-attention layers run eagerly between them (their kernels plan
+on the host and must not be frozen into a graph); the in-graph metadata step is its own graph.
 
-On the CPU there are no graphs: the same out_graph calls run, and "replay" calls ``in_graph`` and re-runs the
-captured functions over the static buffers. That exercises the planning logic (a buffer out_graph forgets to
-refresh gives a wrong answer there too); only host-side values frozen by a real capture need the GPU.
+Two-batch overlap: as SGLang's ``TboCudaGraphRunnerPlugin``, the runner splits the static batch at capture
+(``split_tbo``) and the layers run each half through the wrapper's child backends; at replay the wrapper
+receives the batch without children and derives its halves' plans from the padded batch itself, as SGLang's
+``TboAttnBackend`` does from the replay view. A wrapper that splits with an engine's own splitter attaches
+the children itself.
+
+On the CPU there are no graphs: the same planning calls run (capture plans the dummy batch but runs no layer:
+SGLang's warm-up forward only compiles kernels), and "replay" calls ``in_graph`` and re-runs the layers over
+the static buffers. That
+exercises the planning logic (a buffer out_graph forgets to refresh gives a wrong answer there too); only
+host-side values frozen by a real capture need the GPU.
 """
 
 from __future__ import annotations
@@ -21,64 +37,138 @@ from dataclasses import replace
 
 import torch
 
-from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights, ModelRunner
+from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights, ModelRunner, SpecInfo
 from batch.spec import ForwardMode
-from engine.model import prepare_batch, run_layer
+from batch.tbo_split import attach_tbo_children
+from engine.model import prepare_batch, run_layer_overlapped
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
 CAPTURE_LINEAR_LAYERS = False  # piecewise: linear-attention layers stay eager
+# Every mode a graph can be captured for, and the mode each is captured as.
+GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})
 
 
 def padded_size(bs: int) -> int:
+    """The capture size a batch of ``bs`` requests replays at (an idle batch: the smallest)."""
     for size in CAPTURE_SIZES:
         if size >= bs:
             return size
     raise ValueError(f"batch of {bs} is larger than the largest capture size {CAPTURE_SIZES[-1]}")
 
 
+def capture_mode(mode: ForwardMode) -> ForwardMode:
+    """The mode a graph serving ``mode`` batches is captured in: an idle batch replays the decode graph."""
+    if mode not in GRAPH_MODES:
+        raise ValueError(f"no CUDA graph is captured for {mode.value} batches "
+                         f"(graphs: {', '.join(sorted(m.value for m in GRAPH_MODES))})")
+    return ForwardMode.DECODE if mode.is_idle() else mode
+
+
+def graph_width(mode: ForwardMode, spec_info: SpecInfo | None) -> int:
+    """Tokens per request in a graph of ``mode``: 1 for decode, the draft token count for verify and draft
+    extend."""
+    mode = capture_mode(mode)
+    return 1 if mode.is_decode() else spec_info.draft_token_num
+
+
 class GraphRunner:
-    """Captures ``backend`` for DECODE batches of ``max_bs`` rows over ``model_runner``'s pools."""
+    """Captures ``backend`` for batches like ``template`` (its mode and speculative shape) at ``bs`` requests
+    over ``model_runner``'s pools. ``pad_value`` fills the padded rows' per-token inputs (a property passes
+    NaN, so that a padded row leaking into a real one shows)."""
 
     def __init__(self, backend, model_runner: ModelRunner, template: ForwardBatch, layer_specs,
                  weights: list[LayerWeights], inputs_like: list[LayerInputs], bs: int,
-                 mrope_sections: tuple[int, int, int] | None = None) -> None:
+                 mrope_sections: tuple[int, int, int] | None = None, *, split_tbo: bool = False,
+                 pad_value: float = 0.0) -> None:
         self.backend, self.mr, self.bs = backend, model_runner, bs
         self.mrope_sections = mrope_sections
         self.layer_specs, self.weights = list(layer_specs), weights
+        self.split_tbo, self.pad_value = split_tbo, pad_value
         self.use_cuda_graph = model_runner.device.type == "cuda"
+        self.mode = capture_mode(template.forward_mode)
+        spec_template = template.spec_info if self.mode is not ForwardMode.DECODE else None
+        self.width = W = graph_width(self.mode, spec_template)
+        n = bs * W
         dev = model_runner.device
         fill = backend.get_cuda_graph_seq_len_fill_value()
         self.fill = fill
         self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((bs,), fill, dtype=torch.int64, device=dev)
-        self.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=dev)  # slot 0: padding
-        self.positions = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.extend_prefix_lens = self._padded_prefix(self.seq_lens).to(torch.int32)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)  # slot 0: padding
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.state_slots = torch.zeros(bs, dtype=torch.int64, device=dev)  # state slot 0: padding
         # Multimodal models rotate by the three mrope rows; a graph must read them from a static buffer too.
         self.mrope_positions = (None if template.mrope_positions is None
-                                else torch.zeros(3, bs, dtype=template.mrope_positions.dtype, device=dev))
-        self.inputs = [LayerInputs({n: torch.zeros((bs,) + t.shape[1:], dtype=t.dtype, device=dev)
-                                    for n, t in li.tensors.items()}) for li in inputs_like]
-        self.fb = replace(template, forward_mode=ForwardMode.DECODE, batch_size=bs,
+                                else torch.zeros(3, n, dtype=template.mrope_positions.dtype, device=dev))
+        self.inputs = [LayerInputs({name: torch.zeros((n,) + t.shape[1:], dtype=t.dtype, device=dev)
+                                    for name, t in li.tensors.items()}) for li in inputs_like]
+        self.spec_template = spec_template
+        seq_cpu = self.seq_lens.cpu()
+        self.fb = replace(template, forward_mode=self.mode, batch_size=bs,
                           req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
-                          seq_lens_cpu=self.seq_lens.cpu(), seq_lens_sum=bs * fill,
-                          extend_seq_lens=torch.ones(bs, dtype=torch.int32, device=dev),
-                          extend_prefix_lens=(self.seq_lens - 1).to(torch.int32),
-                          extend_start_loc=torch.arange(bs, dtype=torch.int32, device=dev),
-                          extend_seq_lens_cpu=[1] * bs, extend_prefix_lens_cpu=[fill - 1] * bs,
-                          extend_num_tokens=bs, positions=self.positions, mrope_positions=self.mrope_positions,
-                          out_cache_loc=self.out_cache_loc, state_slots=self.state_slots, spec_info=None,
-                          num_token_non_padded=bs, tbo_children=None)
+                          seq_lens_cpu=seq_cpu, seq_lens_sum=int(seq_cpu.sum()),
+                          extend_seq_lens=torch.full((bs,), W, dtype=torch.int32, device=dev),
+                          extend_prefix_lens=self.extend_prefix_lens,
+                          extend_start_loc=torch.arange(bs, dtype=torch.int32, device=dev) * W,
+                          extend_seq_lens_cpu=[W] * bs, extend_prefix_lens_cpu=self.extend_prefix_lens.tolist(),
+                          extend_num_tokens=n, positions=self.positions, mrope_positions=self.mrope_positions,
+                          out_cache_loc=self.out_cache_loc, state_slots=self.state_slots,
+                          spec_info=self._padded_spec_info(None), num_token_non_padded=n,
+                          tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
         self.metadata_graph: torch.cuda.CUDAGraph | None = None  # init_forward_metadata_in_graph, recorded
         self.graphs: list[torch.cuda.CUDAGraph | None] = []
         self.outputs: list[torch.Tensor | None] = []
 
+    # ---- the static batch ----
+    def _padded_prefix(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Cached tokens before a row's new ones, from its ``seq_lens`` (a padded row: from the fill value)."""
+        if self.mode.is_target_verify():
+            return seq_lens.clone()  # verify's seq_lens count the cached tokens only
+        return (seq_lens - self.width).clamp(min=0)
+
+    def _padded_spec_info(self, real: SpecInfo | None) -> SpecInfo | None:
+        """The speculative inputs of the padded batch: the real requests' then, for each padded row, a chain
+        of ``width`` drafts whose mask block (over ``fill`` cached tokens) lets it see everything."""
+        t = self.spec_template
+        if t is None:
+            return None
+        W, bs, dev = self.width, self.bs, self.mr.device
+        n_real = 0 if real is None else real.parents.shape[0]
+        pad = bs - n_real
+        chain = torch.arange(-1, W - 1, dtype=torch.int64, device=dev).expand(pad, W)
+        parents = chain if real is None else torch.cat([real.parents.to(dev), chain])
+        accept = torch.full((pad,), W, dtype=torch.int32, device=dev)
+        accept = accept if real is None else torch.cat([real.accept_length.to(dev), accept])
+        accept_cpu = ([] if real is None else list(real.accept_length_cpu)) + [W] * pad
+        mask = None
+        if self.mode.is_target_verify():
+            pad_mask = torch.ones(pad * W * (self.fill + W), dtype=torch.bool, device=dev)
+            mask = pad_mask if real is None else torch.cat([real.custom_mask.to(dev), pad_mask])
+        positions = self.positions if self.mode.is_target_verify() else None
+        return SpecInfo(W, t.topk, t.spec_steps, mask, positions, parents, accept, accept_cpu)
+
+    def _refresh_host_fields(self) -> None:
+        """Host-side copies of the lengths, as a replayed batch carries them."""
+        seq_cpu = self.seq_lens.cpu()
+        self.fb.seq_lens_cpu = seq_cpu
+        self.fb.seq_lens_sum = int(seq_cpu.sum())
+        self.extend_prefix_lens.copy_(self._padded_prefix(self.seq_lens).to(torch.int32))
+        self.fb.extend_prefix_lens_cpu = self.extend_prefix_lens.tolist()
+
+    def _split(self) -> None:
+        """Attach the TBO halves of the static batch (SGLang's TboCudaGraphRunnerPlugin), if it splits."""
+        self.fb.tbo_children = None
+        if self.split_tbo:
+            attach_tbo_children(self.fb)
+
+    # ---- capture ----
     def _captured(self, spec) -> bool:
         return spec.kind != "linear" or CAPTURE_LINEAR_LAYERS
 
     def _layer_fn(self, i: int):
-        return lambda: run_layer(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i], self.fb,
-                                 self.mrope_sections)
+        return lambda: run_layer_overlapped(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i],
+                                            self.fb, self.mrope_sections)
 
     def _capture_graph(self, fn):
         """Warm ``fn`` up on a side stream (kernels compile and allocate outside the graph), then capture it."""
@@ -98,12 +188,16 @@ class GraphRunner:
         self.backend.init_forward_metadata_in_graph(self.fb)
 
     def capture(self) -> None:
-        self.backend.init_cuda_graph_state(self.bs, self.bs)
+        self.backend.init_cuda_graph_state(self.bs, self.bs * self.width)
+        self._split()
         self.backend.init_forward_metadata_out_graph(self.fb, in_capture=True)
-        if self.use_cuda_graph:
-            self.metadata_graph, _ = self._capture_graph(self._in_graph)
+        if not self.use_cuda_graph:  # nothing to record: each replay runs in_graph and the layers
+            self.graphs = [None] * len(self.layer_specs)
+            self.outputs = [None] * len(self.layer_specs)
+            return
+        self.metadata_graph, _ = self._capture_graph(self._in_graph)
         for i, spec in enumerate(self.layer_specs):
-            if not (self.use_cuda_graph and self._captured(spec)):
+            if not self._captured(spec):
                 self.graphs.append(None)
                 self.outputs.append(None)
                 continue
@@ -111,32 +205,46 @@ class GraphRunner:
             self.graphs.append(graph)
             self.outputs.append(out)
 
-    def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
-        """Run the real batch ``fb`` (DECODE, at most ``bs`` requests) through the captured graphs."""
-        n = fb.batch_size
+    # ---- replay ----
+    def load(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> int:
+        """Copy the real batch ``fb`` into the static buffers and pad the rest; returns its token count."""
+        if capture_mode(fb.forward_mode) is not self.mode:
+            raise ValueError(f"a {self.mode.value} graph cannot replay a {fb.forward_mode.value} batch")
+        n, W = fb.batch_size, self.width
+        if n > self.bs:
+            raise ValueError(f"a batch of {n} requests does not fit a graph captured for {self.bs}")
+        if any(e != W for e in fb.extend_seq_lens_cpu[:n]) and not fb.forward_mode.is_decode():
+            raise ValueError(f"a graph of {W} tokens per request cannot replay extend lengths "
+                             f"{fb.extend_seq_lens_cpu} (SGLang runs such a batch eagerly)")
+        t = n * W
         self.req_pool_indices.zero_()
         self.req_pool_indices[:n].copy_(fb.req_pool_indices)
         self.seq_lens.fill_(self.fill)
         self.seq_lens[:n].copy_(fb.seq_lens)
         self.out_cache_loc.zero_()
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc)
+        self.out_cache_loc[:t].copy_(fb.out_cache_loc)
         self.positions.zero_()
-        self.positions[:n].copy_(fb.positions)
+        self.positions[:t].copy_(fb.positions)
         if self.mrope_positions is not None:
             self.mrope_positions.zero_()
-            self.mrope_positions[:, :n].copy_(fb.mrope_positions)
+            self.mrope_positions[:, :t].copy_(fb.mrope_positions)
         self.state_slots.copy_(self.mr.req_to_state_slot[self.req_pool_indices])
         for static, real in zip(self.inputs, inputs):
-            for name, t in static.tensors.items():
-                t.zero_()
-                t[:n].copy_(real.tensors[name])
-        seq_cpu = self.seq_lens.cpu()
-        # Host-side copies of the lengths, as a replayed batch carries them.
-        self.fb.seq_lens_cpu = seq_cpu
-        self.fb.seq_lens_sum = int(seq_cpu.sum())
-        self.fb.extend_prefix_lens.copy_((self.seq_lens - 1).to(torch.int32))
-        self.fb.extend_prefix_lens_cpu = (seq_cpu - 1).tolist()
+            for name, x in static.tensors.items():
+                x.fill_(self.pad_value if x.is_floating_point() else 0)
+                x[:t].copy_(real.tensors[name])
+        self._refresh_host_fields()
+        self.fb.spec_info = self._padded_spec_info(fb.spec_info if fb.batch_size else None)
+        return t
+
+    def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
+        """Run the real batch ``fb`` (at most ``bs`` requests of the graph's width; an IDLE batch has none)
+        through the captured graphs; returns each layer's output rows of the real tokens."""
+        t = self.load(fb, inputs)
+        self.fb.tbo_children = None  # the wrapper derives its halves from the padded batch (SGLang's replay view)
         self.backend.init_forward_metadata_out_graph(self.fb, in_capture=False)
+        if self.split_tbo:
+            self._split()  # the halves the captured layers run (the same static rows at every replay)
         if self.metadata_graph is not None:
             self.metadata_graph.replay()
         else:
@@ -146,13 +254,18 @@ class GraphRunner:
             graph = self.graphs[i]
             if graph is not None:
                 graph.replay()
-                outs.append(self.outputs[i][:n].clone())
+                outs.append(self.outputs[i][:t].clone())
             else:
-                outs.append(self._layer_fn(i)()[:n].clone())
+                outs.append(self._layer_fn(i)()[:t].clone())
         return outs
 
 
-def eager_decode(backend, fb: ForwardBatch, layer_specs, inputs, weights, mrope_sections=None) -> list[torch.Tensor]:
-    """The same DECODE batch run eagerly, as graph replay must reproduce it."""
+def eager_run(backend, fb: ForwardBatch, layer_specs, inputs, weights, mrope_sections=None,
+              split_tbo: bool = False) -> list[torch.Tensor]:
+    """The same batch run eagerly (split for two-batch overlap when ``split_tbo``), as graph replay must
+    reproduce it."""
+    if split_tbo:
+        attach_tbo_children(fb)
     prepare_batch(backend, fb, layer_specs)
-    return [run_layer(backend, s, i, w, fb, mrope_sections) for s, i, w in zip(layer_specs, inputs, weights)]
+    return [run_layer_overlapped(backend, s, i, w, fb, mrope_sections)
+            for s, i, w in zip(layer_specs, inputs, weights)]

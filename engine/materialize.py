@@ -15,7 +15,8 @@ import math
 import torch
 
 from batch.case import TORCH_DTYPES, Case
-from batch.forward_batch import ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo
+from batch.forward_batch import (FP8_KV_DTYPE, ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo,
+                                 quantize_kv)
 from batch.masks import tree_depths, verify_custom_mask
 from batch.spec import BatchSpec
 
@@ -135,11 +136,11 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     is_new = index_in_request >= torch.tensor(spec.prefix_lens, dtype=torch.int64)[request_of_token]
     out_cache_loc = slots[is_new]
 
-    # Linear-attention state slot of each req_to_token row (SGLang's mamba index): shuffled, and row 0 (the
-    # padding row) maps to state slot 0, which is reserved.
-    req_to_state_slot = torch.cat([torch.zeros(1, dtype=torch.int64), draw.perm(max_reqs - 1) + 1])
+    # Linear-attention state slot of each req_to_token row (SGLang's mamba index), laid out as the spec says
+    # (state_slots_of); row 0 (the padding row) maps to state slot 0, which is reserved.
+    req_to_state_slot, num_state_slots = state_slots_of(spec.state_slot_layout, draw.perm(max_reqs - 1) + 1,
+                                                        req_pool_indices)
     state_slots = req_to_state_slot[req_pool_indices]
-    num_state_slots = max_reqs
 
     # Pools and per-layer tensors, layer by layer in spec order.
     k_buffers: dict[int, torch.Tensor] = {}
@@ -200,8 +201,15 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     def dev(t: torch.Tensor, dt: torch.dtype | None = None) -> torch.Tensor:
         return t.to(dtype=dt or t.dtype).to(device)
 
-    kv_pool = KVPool(ps, {i: dev(b, dtype) for i, b in k_buffers.items()},
-                     {i: (None if b is None else dev(b, dtype)) for i, b in v_buffers.items()})
+    if spec.kv_cache_dtype == "fp8_e4m3":
+        # The cache holds each layer's values divided by its scale, rounded to e4m3 (dequantized: ~N(0, 1) again).
+        scales = {l.layer_id: (l.k_scale, l.v_scale) for l in spec.layers if l.kind == "mha"}
+        kv_pool = KVPool(ps, {i: quantize_kv(dev(b), FP8_KV_DTYPE, scales[i][0]) for i, b in k_buffers.items()},
+                         {i: quantize_kv(dev(b), FP8_KV_DTYPE, scales[i][1]) for i, b in v_buffers.items()},
+                         model_dtype=dtype)
+    else:
+        kv_pool = KVPool(ps, {i: dev(b, dtype) for i, b in k_buffers.items()},
+                         {i: (None if b is None else dev(b, dtype)) for i, b in v_buffers.items()})
     mamba_pool = None
     if conv_states:
         mamba_pool = MambaPool({i: dev(t, dtype) for i, t in conv_states.items()},
@@ -277,6 +285,26 @@ def page_layout(spec: BatchSpec, pages_needed: list[int], shuffled: torch.Tensor
         out[start + first_new:start + n] = ordered[start + first_new:start + n].flip(0)
         start += n
     return out
+
+
+def state_slots_of(layout: str, shuffled: torch.Tensor, req_pool_indices: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``req_to_state_slot[max_reqs]`` and the state pool's size, for a layout of ``batch.spec.STATE_SLOT_LAYOUTS``.
+
+    ``shuffled`` is a random permutation of ``1..max_reqs-1`` (the "shuffled" layout itself). "compact" gives the
+    batch's requests slots 1..B in batch order, "reversed" B..1 (the other rows follow); "gapped" doubles the
+    shuffled slots, so every other slot of a pool twice as large belongs to no request row (its state must stay
+    untouched like any other). Every layout is a bijection from request rows to slots.
+    """
+    rows = shuffled.numel() + 1
+    table = torch.cat([torch.zeros(1, dtype=torch.int64), shuffled])
+    if layout == "gapped":
+        return table * 2, 2 * rows - 1
+    if layout in ("compact", "reversed"):
+        others = [r for r in range(1, rows) if r not in set(req_pool_indices.tolist())]
+        order = req_pool_indices.tolist() if layout == "compact" else req_pool_indices.tolist()[::-1]
+        table = torch.zeros(rows, dtype=torch.int64)
+        table[torch.tensor(order + others, dtype=torch.int64)] = torch.arange(1, rows, dtype=torch.int64)
+    return table, rows
 
 
 def query_positions(spec: BatchSpec) -> torch.Tensor:

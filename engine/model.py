@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
-from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights
+from batch.forward_batch import FP8_KV_DTYPE, ForwardBatch, LayerInputs, LayerWeights
 from batch.layers import make_layer, mla_uses_absorbed
 from batch.spec import Layer
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
@@ -52,8 +52,23 @@ def mha_qkv(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=N
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k after RoPE and v, as the backend receives them (k and v are what the cache must hold)."""
     t = inputs.tensors
-    return (rotate(t["q"], fb, spec.head_dim, spec.rope_theta, mrope_sections),
-            rotate(t["k"], fb, spec.head_dim, spec.rope_theta, mrope_sections), t["v"])
+    q = rotate(t["q"], fb, spec.head_dim, spec.rope_theta, mrope_sections)
+    k = rotate(t["k"], fb, spec.head_dim, spec.rope_theta, mrope_sections)
+    v = t["v"]
+    if fb.token_to_kv_pool.is_fp8(spec.layer_id):
+        k, v = on_fp8_grid(k, spec.k_scale), on_fp8_grid(v, spec.v_scale)
+    return q, k, v
+
+
+def on_fp8_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """``x`` moved to the nearest value an fp8 cache can hold exactly (``e4m3 * scale``), in x's dtype.
+
+    Under an fp8 KV cache the model hands over K/V already on that grid. Backends legitimately differ in
+    whether they attend a batch's new tokens from the call's k/v (SGLang's Triton extend, FlashInfer's ragged
+    path) or read them back from the cache they just wrote (TorchNative, FlashInfer's paged paths); on the grid
+    both give the same keys, so every correct backend computes one function (properties/tolerances.py).
+    """
+    return (x / scale).to(FP8_KV_DTYPE).to(x.dtype) * scale
 
 
 def mla_latent(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=None) -> torch.Tensor:
@@ -101,17 +116,22 @@ def run_layers(backend: Any, fb: ForwardBatch, layer_specs, inputs: list[LayerIn
     slice of every per-token input, goes through the wrapper's child backend, and the halves are joined.
     """
     prepare_batch(backend, fb, layer_specs)  # a TBO wrapper plans its children's halves here too
-    if fb.tbo_children:
-        children = backend.children
-        outs = []
-        for spec, inp, w in zip(layer_specs, inputs, weights):
-            parts, start = [], 0
-            for child_fb, child_backend in zip(fb.tbo_children, children):
-                end = start + child_fb.extend_num_tokens
-                if end > start:  # a half without tokens skips attention, as SGLang's model layers do
-                    parts.append(run_layer(child_backend, spec, inp.slice_tokens(start, end), w, child_fb,
-                                           mrope_sections))
-                start = end
-            outs.append(torch.cat(parts, dim=0))
-        return outs
-    return [run_layer(backend, spec, inp, w, fb, mrope_sections) for spec, inp, w in zip(layer_specs, inputs, weights)]
+    return [run_layer_overlapped(backend, spec, inp, w, fb, mrope_sections)
+            for spec, inp, w in zip(layer_specs, inputs, weights)]
+
+
+def run_layer_overlapped(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeights,
+                         fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """:func:`run_layer`, or, for a batch carrying ``tbo_children``, the layer as two-batch overlap runs it:
+    each child batch, with its slice of the layer's per-token inputs, through the wrapper's child backend,
+    and the halves joined (the eager runner and the CUDA-graph runner alike)."""
+    if not fb.tbo_children:
+        return run_layer(backend, spec, inputs, weights, fb, mrope_sections)
+    parts, start = [], 0
+    for child_fb, child_backend in zip(fb.tbo_children, backend.children):
+        end = start + child_fb.extend_num_tokens
+        if end > start:  # a half without tokens skips attention, as SGLang's model layers do
+            parts.append(run_layer(child_backend, spec, inputs.slice_tokens(start, end), weights, child_fb,
+                                   mrope_sections))
+        start = end
+    return torch.cat(parts, dim=0) if parts else run_layer(backend, spec, inputs, weights, fb, mrope_sections)

@@ -54,6 +54,10 @@ def cmd_list(args) -> int:
         print(f"  {line}")
     print("rows = modes x properties; under each available composition, the rows left out and why")
     width = max(len(str(c)) for c in all_compositions())
+    derived = {str(c) for c in all_compositions()}
+    for name, why in m.unavailable:  # terms named on the command line that no declaration derives
+        if name not in derived:
+            print(f"  {name:<{width}}  unavailable: {why}")
     for c in all_compositions():
         name = str(c)
         if args.backends and name not in {str(r.composition) for r in m.rows} and name not in unavailable \
@@ -64,7 +68,7 @@ def cmd_list(args) -> int:
             continue
         n = sum(1 for r in m.rows if str(r.composition) == name)
         modes = ",".join(m_.value for m_ in sorted(composition_modes(c), key=lambda m_: m_.value))
-        print(f"  {name:<{width}}  available   {n:3d} rows  modes: {modes}")
+        print(f"  {name:<{width}}  available   {n:3d} rows  modes: {modes}{drawn_axes(c, profile)}")
         if args.why:
             print(f"  {'':<{width}}    {composition_axes(c, profile)}")
             for why, whats in left_out[name].items():
@@ -72,6 +76,22 @@ def cmd_list(args) -> int:
     print(f"{len(m.rows)} rows runnable here; {len(m.excluded)} left out by declaration "
           f"({'listed' if args.why else 'add --why to list them with their reasons'})")
     return 0
+
+
+def drawn_axes(c, profile) -> str:
+    """The storage axes the profile draws for ``c``: its KV cache dtypes (with or without KV scales), and the
+    linear-attention state-slot layouts."""
+    from batch.spec import STATE_SLOT_LAYOUTS
+    from search.matrix import strategy_options
+
+    options = strategy_options(c, profile)
+    kv = options["kv_cache_dtypes"]
+    text = ""
+    if "mha" in c.attention_kinds() and kv != ("auto",):
+        text += f"  kv cache: {','.join(kv)}{'' if options['kv_scales'] else ' (unit scales only)'}"
+    if "linear" in c.attention_kinds():
+        text += f"  state slots: {','.join(STATE_SLOT_LAYOUTS)}"
+    return text
 
 
 def _database(path: str | None):

@@ -21,7 +21,9 @@ from properties.equivalence import (
     tbo_split_equals_unsplit,
     verify_chain_equals_extend,
 )
+from engine.graph_runner import GRAPH_MODES
 from properties.graph import graph_replay_equals_eager
+from properties.linear_state import verify_commits_every_position
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
 from properties.tree import tree_branch_equals_chain
@@ -41,19 +43,23 @@ class Property:
     needs_wrapper: str | None = None  # e.g. "tbo": only compositions with that outer wrapper
     excludes_wrapper: str | None = None
     strategy_options: tuple[tuple[str, object], ...] = ()  # extra keyword arguments of batch_specs
+    needs_kind: str | None = None  # e.g. "linear": only compositions that serve that layer kind
+    under_graph: bool = False  # also on graph() compositions, its forward replayed in a captured graph
 
     def applies(self, composition: Composition, mode: ForwardMode) -> str | None:
         """None if the property applies to this row, else why not."""
         if mode not in self.modes:
             return f"{self.name} needs {'/'.join(sorted(m.value for m in self.modes))} batches"
+        if self.needs_kind and self.needs_kind not in composition.attention_kinds():
+            return f"{self.name} needs {self.needs_kind} layers"
         outer = self.needs_wrapper in ("tbo", "graph")
         if outer and composition.name != self.needs_wrapper:
             return f"{self.name} needs a {self.needs_wrapper}() composition"
         if self.needs_wrapper and not outer and self.needs_wrapper not in composition.wrappers():
             return f"{self.name} needs a {self.needs_wrapper} wrapper"
-        if composition.name == "graph" and self.needs_wrapper != "graph":
+        if composition.name == "graph" and self.needs_wrapper != "graph" and not self.under_graph:
             return "graph() compositions are checked by graph_replay"
-        if self.excludes_wrapper and composition.name == self.excludes_wrapper:
+        if self.excludes_wrapper and self.excludes_wrapper in composition.wrappers():
             return f"{self.name} does not run on {self.excludes_wrapper} compositions"
         return None
 
@@ -88,11 +94,20 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              "verify of a chain equals extend of its tokens; the committed state is the accepted prefix's",
              modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
              strategy_options=(("chain", True),)),
+    Property("verify_commit", verify_commits_every_position,
+             "after one verify, committing any accepted position (and the radix cache's tracked copies) leaves "
+             "each request's state slot holding the reference state there; nothing else changes",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), needs_kind="linear",
+             # TBO commits through its primary, whose plan is the whole batch: left out to keep CI's time
+             excludes_wrapper="tbo", under_graph=True,
+             strategy_options=(("chain", True), ("require_kind", "linear"))),
     Property("tree_branch", tree_branch_equals_chain,
-             "every draft-tree node's output equals its root-to-node branch verified as a chain (no reference)",
+             "every draft-tree node's output equals its root-to-node branch extended as a chain (no reference)",
              modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
              strategy_options=(("tree", True),)),
     Property("graph_replay", graph_replay_equals_eager,
-             "CUDA-graph replay equals eager on real rows, pools end identical, new inputs give new outputs",
-             modes=frozenset({ForwardMode.DECODE}), needs_wrapper="graph"),
+             "CUDA-graph replay equals eager on real rows (padding poisoned), pools end identical, new inputs "
+             "give new outputs", modes=GRAPH_MODES, needs_wrapper="graph",
+             # A graph holds a fixed number of tokens per request: draft extends of the whole draft window.
+             strategy_options=(("fixed_width", True),)),
 ]}

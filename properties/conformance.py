@@ -80,7 +80,8 @@ class Spy(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs):
         self._rec("update_verify_buffers_to_fill_after_draft")
 
-    def update_mamba_state_after_mtp_verify(self, accepted_length, model=None):
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices, mamba_track_indices=None,
+                                            mamba_steps_to_track=None, model=None, req_pool_indices=None):
         self._rec("update_mamba_state_after_mtp_verify")
 
 
@@ -223,7 +224,7 @@ def _tbo_delegation(node, spec: BatchSpec, device: str) -> str | None:
     node.primary, node.children = spies["primary"], [spies["child A"], spies["child B"]]
     layers = spec.layers if spec.draft_worker else spec.layers[:1]
     decode_spec = BatchSpec(ForwardMode.DECODE, (3, 5, 2, 4), (1, 1, 1, 1), layers, page_size=spec.page_size,
-                            dtype=spec.dtype, draft_worker=spec.draft_worker)
+                            dtype=spec.dtype, draft_worker=spec.draft_worker, kv_cache_dtype=spec.kv_cache_dtype)
     fb = materialize(decode_spec, device).forward_batch
     attach_tbo_children(fb)
     everyone = set(spies)
@@ -304,14 +305,47 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
                            details={"hidden": [method]})
         return Verdict(name, True, f"{type(leaf).__name__}: a leaf, {len(members)} protocol members "
                                    f"of {base.__name__}, nothing to delegate")
-    hidden = hidden_overrides(wrapper, children, base)
-    if hidden:
-        listed = ", ".join(f"{m} (overridden by {c})" for m, c in hidden)
-        return Verdict(name, False, f"{type(wrapper).__name__} does not make reachable what its children override: "
-                                    f"{listed}; the {base.__name__} default answers instead",
-                       details={"hidden": [m for m, _ in hidden]})
-    return Verdict(name, True, f"{type(wrapper).__name__} reaches every one of the {len(members)} members of "
-                               f"{base.__name__} that its children override")
+    # Wrappers nest (SGLang's TBO over its hybrid): each wrapper is checked against its own children, which a
+    # wrapper of the engine lists in ``attn_backend_list``.
+    pairs, todo = [], [(wrapper, children)]
+    while todo:
+        w, kids = todo.pop(0)
+        pairs.append((w, kids))
+        todo += [(k, list(k.attn_backend_list)) for k in kids if getattr(k, "attn_backend_list", None)
+                 and not any(k is p for p, _ in pairs)]
+    # Every problem is reported, not the first: a known one (the ledger) must not mask a new one beside it.
+    problems, hidden_all, call_problems = [], [], 0
+    for w, kids in pairs:
+        hidden = hidden_overrides(w, kids, base)
+        if hidden:
+            listed = ", ".join(f"{m} (overridden by {c})" for m, c in hidden)
+            problems.append(f"{type(w).__name__} does not make reachable what its children override: {listed}; "
+                            f"the {base.__name__} default answers instead")
+            hidden_all += [m for m, _ in hidden]
+    # Protocol the base class does not define: what SGLang's callers probe for with hasattr. A wrapper must
+    # answer it wherever a child does (a missing one is silently skipped by the caller), and take the call
+    # the caller makes: init_mha_chunk_metadata(forward_batch) (models/deepseek_common/.../forward_mha.py).
+    for member in backend.engine_probed_members():
+        for w, kids in pairs:
+            owner = next((type(k).__name__ for k in kids if hasattr(k, member)), None)
+            if owner and not hasattr(w, member):
+                problems.append(f"{type(w).__name__} has no {member}, which its child {owner} has: SGLang's "
+                                f"hasattr-guarded call skips it")
+                hidden_all.append(member)
+    top = wrapper if wrapper is not None else children[0]
+    if hasattr(top, "init_mha_chunk_metadata"):
+        try:
+            top.init_mha_chunk_metadata(backend.planned_sglang_batch())
+        except Exception as e:  # noqa: BLE001 - the caller's own call form failing is the finding
+            problems.append(f"{type(top).__name__}.init_mha_chunk_metadata(forward_batch), as SGLang's model code "
+                            f"calls it, raised {type(e).__name__}: {e}")
+            call_problems += 1
+    if problems:
+        return Verdict(name, False, "; ".join(problems),
+                       details={"hidden": list(dict.fromkeys(hidden_all)), "other_problems": call_problems})
+    names = " and ".join(dict.fromkeys(type(w).__name__ for w, _ in pairs))
+    return Verdict(name, True, f"{names} reach every one of the {len(members)} members of "
+                               f"{base.__name__} that their children override")
 
 
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
@@ -353,7 +387,12 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     name = "dispatch"
     case = materialize(spec, device)
     backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
-    hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
+    if composition.engine != "harness":
+        # An engine's hybrid objects exist once its adapter has planned a batch; the recorders go on them.
+        backend.init_forward_metadata(case.forward_batch)
+        hybrids = [n.inner for n in _nodes(backend) if hasattr(getattr(n, "inner", None), "full_attn_backend")]
+    else:
+        hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
     if not hybrids:
         return Verdict(name, True, "no hybrid wrapper in this composition")
     full_seen, linear_seen = set(), set()

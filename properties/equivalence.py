@@ -92,7 +92,7 @@ def verify_chain_equals_extend(composition: Composition, spec: BatchSpec, device
                       case.weights, spec.mrope_sections)
     compare_outputs(outs, run.reference.outputs, composition, spec, worst, "as extend ")
     if "linear" in spec.attention_kinds:
-        run.execution.backend.update_mamba_state_after_mtp_verify(fb.spec_info.accept_length.clone())
+        run.execution.backend.update_mamba_state_after_mtp_verify(fb.spec_info.accept_length - 1)
         pool, slots = run.case.forward_batch.mamba_pool, run.case.forward_batch.state_slots.tolist()
         for layer in spec.layers:
             if layer.kind != "linear":

@@ -1,5 +1,13 @@
-"""Graph replay equals eager (DESIGN.md section 4): real rows match eager execution, the pools end identical
-(the padding slot 0 aside), and replaying with new inputs gives the new inputs' outputs, not stale ones."""
+"""Graph replay equals eager (DESIGN.md section 4), in every mode a composition captures: real rows match
+eager execution, the pools end identical (the padding slot 0 aside), and, where a real graph holds its
+outputs (CUDA), replaying with new inputs gives the new inputs' outputs, not stale ones. On the CPU the layers
+re-run from the static buffers at every replay, so a second replay could only repeat the first: it is skipped.
+
+The padding is poisoned: padded rows' per-token inputs are NaN, and so is what they read and write in the
+pools (KV slot 0, state slot 0), so a padded row that leaks into a real one turns it NaN. The capture runs
+over the fill-value batch, never the real one, and the real batch may have fewer requests (and so fewer
+tokens) than the capture; an IDLE batch replays the decode graph with every row padding.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +16,13 @@ import torch
 from backends.registry import Composition
 from batch.forward_batch import LayerInputs, ModelRunner
 from batch.spec import BatchSpec
-from engine.graph_runner import GraphRunner, eager_decode, padded_size
+from engine.graph_runner import GraphRunner, eager_run, padded_size
 from engine.materialize import materialize
 from properties.tolerances import layer_bound
 from properties.verdict import Verdict, Worst, compare, token_starts
 
 NAME = "graph_replay"
+POISON = float("nan")
 
 
 def _fresh_inputs(inputs: list[LayerInputs], seed: int) -> list[LayerInputs]:
@@ -22,17 +31,21 @@ def _fresh_inputs(inputs: list[LayerInputs], seed: int) -> list[LayerInputs]:
             for li in inputs]
 
 
-def _pools(fb):
+def _pools(fb) -> dict[str, torch.Tensor]:
+    """Every pool a layer may write, each indexed by slot (KV) or state slot (linear) on dim 0."""
     tensors = {f"k{i}": b for i, b in fb.token_to_kv_pool.k_buffers.items()}
     tensors |= {f"v{i}": b for i, b in fb.token_to_kv_pool.v_buffers.items() if b is not None}
     if fb.mamba_pool is not None:
-        tensors |= {f"conv{i}": t for i, t in fb.mamba_pool.conv_states.items()}
-        tensors |= {f"ssm{i}": t for i, t in fb.mamba_pool.ssm_states.items()}
+        pool = fb.mamba_pool
+        for name, d in (("conv", pool.conv_states), ("ssm", pool.ssm_states),
+                        ("conv_draft", pool.intermediate_conv_states), ("ssm_draft", pool.intermediate_ssm_states)):
+            tensors |= {f"{name}{i}": t for i, t in d.items()}
     return tensors
 
 
 def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     inner = composition.children[0]
+    split_tbo = inner.name == "tbo" and inner.engine == "harness"  # an engine's TBO splits with its own splitter
     starts = token_starts(spec)
     worst = Worst()
     graph_case = materialize(spec, device)
@@ -40,17 +53,21 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     mr = ModelRunner.of(fb, spec.layers)
     before = {n: t.clone() for n, t in _pools(fb).items()}
     runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
-                         padded_size(spec.batch_size), spec.mrope_sections)
+                         padded_size(spec.batch_size), spec.mrope_sections, split_tbo=split_tbo, pad_value=POISON)
     runner.capture()
-    second_inputs = _fresh_inputs(graph_case.inputs, spec.seed + 1)
-    for attempt, inputs in enumerate((graph_case.inputs, second_inputs)):
+    replays = [graph_case.inputs]
+    if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's
+        replays.append(_fresh_inputs(graph_case.inputs, spec.seed + 1))
+    for attempt, inputs in enumerate(replays):
         for name, t in _pools(fb).items():  # each replay starts from the same pools as its eager twin
             t.copy_(before[name])
+            if t.is_floating_point():
+                t[0] = POISON  # the padding slot: what padded rows read and write
         replayed = runner.replay(fb, inputs)
         eager_case = materialize(spec, device)
         eager_runner = ModelRunner.of(eager_case.forward_batch, spec.layers)
-        eager = eager_decode(inner.build(spec, eager_runner), eager_case.forward_batch, spec.layers, inputs,
-                             eager_case.weights, spec.mrope_sections)
+        eager = eager_run(inner.build(spec, eager_runner), eager_case.forward_batch, spec.layers, inputs,
+                          eager_case.weights, spec.mrope_sections, split_tbo=split_tbo)
         label = "replay" if attempt == 0 else "replay with new inputs"
         for layer, a, b in zip(spec.layers, replayed, eager):
             bound = layer_bound(composition, spec, layer)
@@ -61,4 +78,5 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
             bound = layer_bound(composition, spec, spec.layers[0])
             worst.add(compare(t[1:], eager_pools[name][1:].to(torch.float64), bound,
                               label=f"{label} pool {name}:"), bound)
-    return worst.verdict(NAME, f"batch of {spec.batch_size} replayed in a graph captured at {runner.bs}")
+    return worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "
+                               f"in a {runner.mode.value} graph captured at {runner.bs} x {runner.width}")

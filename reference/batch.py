@@ -167,6 +167,16 @@ class _Rope:
         self.positions = torch.tensor(rows, dtype=torch.int64, device=case.device)  # (T,) or (3, T)
         self.cache: dict[tuple[int, float], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def as_model_rotates(self, x: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
+        """``x (T, H, rotary_dim)`` (the input in its dtype) rotated as the model rotates it before handing it to a
+        backend: angles rounded to float32, the product in float32, the result rounded to x's dtype. (Only an fp8
+        cache needs these exact values: they decide the e4m3 rounding of the keys it stores.)"""
+        if self.sections is not None:
+            cos, sin = mrope_cos_sin(self.positions, rotary_dim, self.sections, theta=theta, dtype=torch.float32)
+        else:
+            cos, sin = rope_cos_sin(self.positions, rotary_dim, theta=theta, dtype=torch.float32)
+        return apply_rope(x.float(), cos, sin).to(x.dtype)
+
     def __call__(self, x: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
         """Rotate ``x (T, H, rotary_dim)``."""
         if (rotary_dim, theta) not in self.cache:
@@ -206,11 +216,19 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
             outputs.append(_empty(layer, dtype, case.device))
         elif layer.kind == "mha":
             q = rope(t["q"], layer.head_dim, layer.rope_theta)
-            k_new = rope(t["k"], layer.head_dim, layer.rope_theta)
+            k_new, v_new = rope(t["k"], layer.head_dim, layer.rope_theta), t["v"]
             k_pool, v_pool = pool.k_buffers[layer.layer_id], pool.v_buffers[layer.layer_id]
+            k_scale = v_scale = 1.0
+            if spec.kv_cache_dtype == "fp8_e4m3":
+                k_scale, v_scale = layer.k_scale, layer.v_scale
+                # What an fp8 cache holds: the K/V the model hands over (RoPE'd in float32, rounded to the dtype,
+                # then moved to the e4m3 grid), exactly; see properties/tolerances.py.
+                k_new = fp8_grid(rope.as_model_rotates(inp.tensors["k"], layer.head_dim, layer.rope_theta),
+                                 k_scale, dtype)
+                v_new = fp8_grid(inp.tensors["v"], v_scale, dtype)
             outputs.append(_in_batch_order(groups, [
-                mha.attention_padded(g.queries(q), g.keys(k_pool[g.cached_slots].to(dtype), k_new),
-                                     g.keys(v_pool[g.cached_slots].to(dtype), t["v"]),
+                mha.attention_padded(g.queries(q), g.keys(k_pool[g.cached_slots].to(dtype) * k_scale, k_new),
+                                     g.keys(v_pool[g.cached_slots].to(dtype) * v_scale, v_new),
                                      g.visible_in_window(layer.sliding_window),
                                      sm_scale=layer.sm_scale, logit_cap=layer.logit_cap)
                 for g in groups]))
@@ -228,6 +246,12 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                     g.keys(cached[:, C:], kpe_new), wt["w_kc"], wt["w_vc"], g.visible, sm_scale=layer.sm_scale))
             outputs.append(_in_batch_order(groups, padded))
     return ReferenceResult(outputs, linear_states)
+
+
+def fp8_grid(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` moved to the fp8 e4m3 grid scaled by ``scale`` (round to nearest even), in ``dtype``: the value an fp8
+    KV cache stores for ``x``, read back exactly (``e4m3 * scale`` with a power-of-two scale)."""
+    return (x / scale).to(torch.float8_e4m3fn).to(dtype) * scale
 
 
 def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],

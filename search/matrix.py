@@ -30,17 +30,30 @@ def composition_modes(c: Composition) -> frozenset[ForwardMode]:
     return c.support().modes
 
 
-def strategy_options(c: Composition, profile: Profile) -> dict:
+def row_dtype(c: Composition, profile: Profile, device: str = "cuda") -> str | None:
+    """The dtype ``c``'s batches are drawn in: the profile's, else its fallback, whichever ``c`` runs here."""
+    support = c.support()
+    for dtype in (profile.dtype, profile.fallback_dtype):
+        if dtype in support.dtypes and (device != "cpu" or dtype in support.cpu_dtypes):
+            return dtype
+    return None
+
+
+def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> dict:
     """Keyword arguments of ``batch_specs`` that keep drawn batches inside what ``c`` declares."""
     support = c.support()
     pages = set(profile.page_sizes) if support.page_sizes is None else set(profile.page_sizes) & support.page_sizes
     heads = tuple(h for h in profile.heads if support.head_dims is None or h[2] in support.head_dims)
     return {
+        "dtype": row_dtype(c, profile, device) or profile.dtype,
         "page_sizes": tuple(sorted(pages)),
+        "fixed_width": support.fixed_width_draft_extend,
         "sliding_window": support.sliding_window,
         "logit_cap": support.logit_cap,
         "mrope": support.mrope,
         "hybrid": "hybrid" in c.wrappers(),
+        "kv_cache_dtypes": tuple(d for d in profile.kv_cache_dtypes if d in support.kv_cache_dtypes),
+        "kv_scales": support.kv_scales,
         "head_configs": heads,
         "boundaries": support.length_boundaries,
         "empty_extend": support.empty_extend,
@@ -63,10 +76,10 @@ def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> st
     options = strategy_options(c, profile)
     if not options["page_sizes"]:
         return f"declares none of the profile's page sizes {profile.page_sizes}"
-    if profile.dtype not in support.dtypes:
-        return f"does not support the profile's dtype {profile.dtype}"
-    if device == "cpu" and profile.dtype not in support.cpu_dtypes:
-        return f"does not support the profile's dtype {profile.dtype} on the CPU"
+    if row_dtype(c, profile, device) is None:
+        wanted = " or ".join(d for d in (profile.dtype, profile.fallback_dtype) if d)
+        where = " on the CPU" if device == "cpu" and wanted.split(" or ")[0] in support.dtypes else ""
+        return f"does not support the profile's dtype {wanted}{where}"
     if "mha" in support.attention_kinds and not options["head_configs"]:
         dims = sorted({h[2] for h in profile.heads})
         return f"supports none of the profile's head_dims {dims} (declares {sorted(support.head_dims)})"
@@ -88,6 +101,15 @@ def mode_reason(c: Composition, mode: ForwardMode) -> str:
         if mode not in leaf_capabilities(n).cuda_graph_modes:
             return f"{n} captures no {mode.value} graph"
     return "not declared"
+
+
+def not_derived_reason(c: Composition) -> str:
+    """Why a well-formed term is not among the compositions the declarations allow."""
+    if "graph" in c.wrappers():
+        missing = [n for n in c.leaves() if not leaf_capabilities(n).cuda_graph_modes]
+        if missing:
+            return f"{', '.join(missing)} captures no CUDA graph (declares no cuda_graph_modes)"
+    return "not a composition the backends' declarations allow"
 
 
 def select(term_or_names: list[str] | None, compositions: list[Composition]) -> list[Composition]:
@@ -128,7 +150,11 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
            modes: list[str] | None = None) -> Matrix:
     rows, unavailable, excluded = [], [], []
     wanted_props = [PROPERTIES[p] for p in (properties or PROPERTIES)]
-    for c in select(backends, all_compositions()):
+    compositions = all_compositions()
+    known = {str(c) for c in compositions}
+    for term in [t for t in backends or () if "(" in t and str(parse(t)) not in known]:
+        unavailable.append((str(parse(t := term)), not_derived_reason(parse(t))))
+    for c in select(backends, compositions):
         reason = c.unavailable_reason(device) or profile_reason(c, profile, device)
         if reason:
             unavailable.append((str(c), reason))
@@ -141,7 +167,9 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
                 excluded.append((f"{c}-{mode.value}", mode_reason(c, mode)))
                 continue
             for prop in wanted_props:
-                why = prop.applies(c, mode) or c.support().gaps.get(prop.name)
+                why = prop.applies(c, mode) or c.support().gaps.get(prop.name) or \
+                    (c.support().cpu_gaps.get(prop.name) if device == "cpu" else None) or \
+                    (c.support().cuda_gaps.get(prop.name) if device == "cuda" else None)
                 if why is None:
                     rows.append(Row(c, mode, prop))
                 else:

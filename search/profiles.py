@@ -56,6 +56,14 @@ class Profile:
     long_context: tuple[int, int] | None = None
     # Wide batches: (lo, hi) requests with short extends, in about one case in 16 (split-KV decode paths).
     wide_batch: tuple[int, int] | None = None
+    # Rows whose backends refuse ``dtype`` run in this one instead (SGLang's GDN kernels refuse float32: the
+    # CPU profiles run them in float16, with float16's bounds); None: such rows do not run.
+    fallback_dtype: str | None = None
+    # Rows that declare a slow CPU path (Capabilities.slow_on_cpu) draw at most this many examples on a CPU
+    # (None: the profile's max_examples), so one interpreted engine does not take over a CI run.
+    slow_row_examples: int | None = None
+    # KV cache storages drawn where a composition declares them (the first is where shrinking goes).
+    kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3")
 
     @property
     def heads(self) -> tuple[HeadConfig, ...]:
@@ -72,14 +80,15 @@ class Profile:
 PROFILES: dict[str, Profile] = {p.name: p for p in [
     Profile("ci", "float32", ((4, 2, 32, 32), (4, 4, 32, 32), (4, 1, 32, 32)), (4, 16, 8, 32, 16), (2, 4, 16, 16),
             (1, 4, 16, 32, 64), max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4,
-            shrink_seconds=10.0, max_boundary=65,
+            shrink_seconds=10.0, max_boundary=65, fallback_dtype="float16", slow_row_examples=1,
             description="CPU CI: float32, tiny heads (GQA 2, MHA, MQA), few examples per row"),
     Profile("dev", "float32", ((4, 2, 32, 32), (4, 4, 32, 32), (4, 1, 32, 32), (8, 1, 64, 64)), (4, 16, 8, 32, 16),
             (2, 4, 16, 16), (1, 4, 16, 32, 64), max_requests=6, max_prefix=80, max_extend=40, max_layers=4,
-            max_examples=25, max_boundary=257,
+            max_examples=25, max_boundary=257, fallback_dtype="float16",
             description="a developer's machine: the ci shapes and a group-8 MQA, more examples"),
     Profile("nightly", "float32", ((8, 2, 64, 64),), (8, 32, 16, 64, 32), (2, 4, 32, 32), (1, 4, 16, 32, 64),
             max_requests=8, max_prefix=300, max_extend=120, max_layers=4, max_examples=200, max_boundary=300,
+            fallback_dtype="float16",
             rotating_head_configs=((8, 8, 64, 64), (8, 1, 64, 64), (16, 2, 128, 128), (16, 8, 128, 128),
                                    (4, 1, 256, 256), (8, 2, 256, 256)),
             long_context=(4096, 16384), wide_batch=(64, 128),

@@ -62,6 +62,9 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     failing example's case file is written at once, and replaced by the shrunk one when shrinking ends, so a
     run stopped while it shrinks still leaves its reproducer."""
     result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
+    if max_examples is None and device == "cpu" and profile.slow_row_examples and \
+            row.composition.support().slow_on_cpu:
+        max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
     start = time.perf_counter()

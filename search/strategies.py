@@ -7,12 +7,13 @@ the composition can run (its declared page sizes, modes and layer kinds).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from hypothesis import strategies as st
 
-from batch.spec import (KV_LAYOUTS, BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout,
-                        SpecInput)
+from batch.spec import (KV_LAYOUTS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer,
+                        MLALayer, MropeLayout, SpecInput)
 from search.profiles import Profile
 
 
@@ -88,6 +89,8 @@ def _accept(draw, hi: int) -> int:
 def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str], *,
                 page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
                 mrope: bool = True, hybrid: bool = False, chain: bool = False, tree: bool = False,
+                fixed_width: bool = False, dtype: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",),
+                kv_scales: bool = True, require_kind: str | None = None,
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False) -> BatchSpec:
@@ -95,11 +98,15 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
 
     ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
     ``chain`` makes every draft tree a chain (topk 1), ``tree`` gives trees two or more children per node
-    where the layers allow it (linear layers verify chains only). ``head_configs`` (default the profile's)
-    are the MHA shapes the composition compiles; ``boundaries`` its kernels' length boundaries;
-    ``empty_extend`` lets EXTEND/MIXED requests have no new tokens; ``verify_window`` keeps sliding windows
-    in TARGET_VERIFY batches.
+    where the layers allow it (linear layers verify chains only); ``fixed_width`` makes every draft extend
+    cover the whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run
+    it); ``dtype`` overrides the profile's; ``require_kind`` ("linear") puts at least one layer of that kind in
+    every batch (for properties about that kind); ``state_slot_layout`` is drawn for batches with linear
+    layers. ``head_configs`` (default the profile's) are the MHA shapes the composition compiles;
+    ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
+    tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches.
     """
+    dtype = dtype or profile.dtype
     shape = draw(st.integers(0, SHAPES - 1))
     if (shape == LONG and profile.long_context is None) or (shape == WIDE and profile.wide_batch is None) \
             or mode is ForwardMode.IDLE:
@@ -120,17 +127,22 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         n_layers = draw(st.integers(1, profile.max_layers))
         layer_kinds = [draw(st.sampled_from([k for k in (full_kind, "linear" if "linear" in kinds else None) if k]))
                        for _ in range(n_layers)]
+        if require_kind is not None and require_kind not in layer_kinds:
+            layer_kinds[-1] = require_kind
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
                        else _full_layer(k, i, profile, draw, window, head) for i, k in enumerate(layer_kinds))
     sliding_window = sliding_window and (verify_window or not mode.is_target_verify())
     if not sliding_window or not logit_cap:
         layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
+    kv_cache_dtype, layers = draw(kv_caches(layers, kv_cache_dtypes, kv_scales))
     has_linear = any(l.kind == "linear" for l in layers)
+    state_slot_layout = draw(st.sampled_from(STATE_SLOT_LAYOUTS)) if has_linear else STATE_SLOT_LAYOUTS[0]
 
     # Requests: how many, then their lengths.
     if mode is ForwardMode.IDLE:
-        return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=profile.dtype,
-                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker, kv_layout=kv_layout)
+        return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=dtype,
+                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker, kv_layout=kv_layout,
+                         kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
     if shape == SINGLE_TOKEN:
         B = 1
     elif shape == LARGEST:
@@ -178,7 +190,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         # Ragged accepted lengths: each request extends by what verification accepted of its branch.
         steps = 1 if shape == SINGLE_TOKEN else draw(st.integers(1, 4))
         prefix = [prefix_len(0) for _ in range(B)]
-        extend = [1 if shape == SINGLE_TOKEN else _accept(draw, steps + 1) for _ in range(B)]
+        extend = [steps + 1 if fixed_width else 1 if shape == SINGLE_TOKEN else _accept(draw, steps + 1)
+                  for _ in range(B)]
         spec_input = SpecInput(steps + 1, 1, steps, tuple(tuple(range(-1, steps)) for _ in range(B)), tuple(extend))
     else:
         # No prefix (a fresh prompt) as often as a cached one, except in long contexts.
@@ -200,9 +213,26 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
     kv_max = max(p + e for p, e in zip(prefix, extend))
-    return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=profile.dtype,
+    return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=dtype,
                      seed=draw(st.integers(0, 2**31 - 1)), spec=spec_input, mrope=mrope_layout,
-                     draft_worker=draft_worker, kv_layout=kv_layout, context_len=context_len_for(kv_max))
+                     draft_worker=draft_worker, kv_layout=kv_layout, context_len=context_len_for(kv_max),
+                     kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
+
+
+KV_SCALES = (1.0, 0.5, 2.0, 2.0**-6, 2.0**4)  # powers of two: batch.spec.KV_SCALE_RANGE, shrinking toward 1
+
+
+@st.composite
+def kv_caches(draw, layers, kv_cache_dtypes: tuple[str, ...], kv_scales: bool):
+    """The KV cache's storage (one of ``kv_cache_dtypes``; fp8 only for models without MLA layers) and the layers,
+    each MHA layer with its KV scales under an fp8 cache (1 where the composition honours no other)."""
+    options = [d for d in kv_cache_dtypes if d == "auto" or all(l.kind != "mla" for l in layers)] or ["auto"]
+    kv_cache_dtype = draw(st.sampled_from(options))
+    if kv_cache_dtype == "auto" or not kv_scales:
+        return kv_cache_dtype, layers
+    scale = st.sampled_from(KV_SCALES)
+    return kv_cache_dtype, tuple(dataclasses.replace(l, k_scale=draw(scale), v_scale=draw(scale))
+                                 if l.kind == "mha" else l for l in layers)
 
 
 def context_len_for(kv_len: int) -> int:

@@ -60,3 +60,14 @@ def test_a_failure_outside_the_condition_is_not_known():
     assert ledger.match("sglang.triton", "decode", "outputs", spec, failing("layer 1: request 0")) is None
     assert ledger.match("sglang.torch_native", "decode", "outputs", spec, failing("layer 0: request 0")) is None
     assert ledger.match("sglang.triton", "decode", "cache", spec, failing("layer 0: request 0")) is None
+
+
+def test_e4m3_arithmetic_is_known_only_within_its_envelope():
+    gqa = BatchSpec(ForwardMode.DECODE, (30,), (1,), (MHALayer(0, 4, 2, 32, 32),), kv_cache_dtype="fp8_e4m3")
+    failing = lambda error: Verdict("outputs", False, "out of bounds", error, 1e-6, "layer 0: request 0")  # noqa: E731
+    assert ledger.match("sglang.triton", "decode", "outputs", gqa, failing(0.1)) is not None
+    assert ledger.match("sglang.triton", "decode", "outputs", gqa, failing(0.6)) is None  # e.g. a scale lost
+    mha = BatchSpec(ForwardMode.DECODE, (30,), (1,), (MHALayer(0, 2, 2, 32, 32),), kv_cache_dtype="fp8_e4m3")
+    assert ledger.match("sglang.triton", "decode", "outputs", mha, failing(0.1)) is None  # its kernel is exact
+    auto = BatchSpec(ForwardMode.DECODE, (30,), (1,), (MHALayer(0, 4, 2, 32, 32),))
+    assert ledger.match("sglang.triton", "decode", "outputs", auto, failing(0.1)) is None

@@ -3,11 +3,20 @@ where the extra is installed (bash ci/install-sglang.sh) and are listed as unava
 
 from __future__ import annotations
 
+import contextlib
+from unittest import mock
+
 import pytest
 
 from backends.registry import CompositionError, all_compositions, parse
+from batch.forward_batch import ModelRunner
 from backends.sglang import runtime
 from backends.sglang.adapter import retrieve_links
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from engine.materialize import materialize
+from properties import PROPERTIES
+from search.matrix import matrix
+from search.profiles import PROFILES
 
 
 def test_retrieve_links_follow_the_tree():
@@ -21,13 +30,32 @@ def test_retrieve_links_follow_the_tree():
 def test_sglang_terms_are_sglangs_own_classes_only():
     assert str(parse("sglang.triton")) == "sglang.triton"
     assert parse("tbo(sglang.triton)").engine == "sglang"  # SGLang's TboAttnBackend, not the harness's
+    assert parse("graph(tbo(sglang.triton))").engine == "sglang"
     with pytest.raises(CompositionError, match="cannot mix"):
         parse("hybrid(sglang.triton,linear_torch)")
-    with pytest.raises(CompositionError, match="only tbo"):
-        parse("graph(sglang.triton)")
+    with pytest.raises(CompositionError, match="are adapted so far"):
+        parse("tbo(graph(sglang.triton))")
+    assert parse("tbo(hybrid(sglang.triton,sglang.gdn))").engine == "sglang"
     terms = {str(c) for c in all_compositions()}
-    assert {"sglang.torch_native", "sglang.triton", "tbo(sglang.triton)", "tbo(sglang.torch_native)"} <= terms
-    assert not any("sglang" in t and t.startswith(("hybrid", "graph")) for t in terms)
+    assert {"sglang.torch_native", "sglang.triton", "tbo(sglang.triton)", "tbo(sglang.torch_native)",
+            "graph(sglang.triton)", "graph(tbo(sglang.triton))",
+            "hybrid(sglang.triton,sglang.gdn)", "tbo(hybrid(sglang.triton,sglang.gdn))"} <= terms
+    assert "sglang.gdn" not in terms  # SGLang builds its GDN backend inside its hybrid wrapper only
+    # TorchNativeAttnBackend captures no graph (the base's init_cuda_graph_state raises): declared, so no row
+    assert not any(t.startswith("graph") and "sglang.torch_native" in t for t in terms)
+    # asked for by name, the row that cannot exist says why
+    m = matrix("cpu", PROFILES["ci"], ["graph(sglang.torch_native)"])
+    assert m.unavailable == [("graph(sglang.torch_native)",
+                              "sglang.torch_native captures no CUDA graph (declares no cuda_graph_modes)")]
+
+
+def test_sglang_graph_modes_are_declared_from_sglangs_graph_runners():
+    graph = parse("graph(sglang.triton)").support().modes
+    assert graph == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE}
+    # SGLang's draft worker plans draft extends with its own backend, never under TboAttnBackend
+    assert ForwardMode.DRAFT_EXTEND not in parse("graph(tbo(sglang.triton))").support().modes
+    assert ForwardMode.DRAFT_EXTEND not in parse("tbo(sglang.triton)").support().modes
+    assert {ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE} <= parse("sglang.torch_native").support().modes
 
 
 def test_unavailable_reason_names_the_install_command_or_the_version(monkeypatch):
@@ -36,3 +64,65 @@ def test_unavailable_reason_names_the_install_command_or_the_version(monkeypatch
     monkeypatch.setattr(runtime, "installed_version", lambda: "0.4.0")
     monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: object())
     assert runtime.unavailable_reason() == "sglang 0.4.0 is installed; the adapter supports 0.5.23"
+
+
+needs_sglang = pytest.mark.skipif(runtime.unavailable_reason() is not None,
+                                  reason=f"SGLang extra: {runtime.unavailable_reason()}")
+MHA = MHALayer(0, 4, 2, 32, 32)
+DRAFT_EXTEND = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 9), (3, 1, 2), (MHA,),
+                         spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 3, (3, 1, 2)), seed=11)
+
+
+@needs_sglang
+def test_draft_extend_is_sglangs_eagle_draft_extend_input(device):
+    from backends.sglang.adapter import SglangTriton
+    case = materialize(DRAFT_EXTEND, device)
+    backend = SglangTriton(ModelRunner.of(case.forward_batch, DRAFT_EXTEND.layers))
+    backend.init_forward_metadata(case.forward_batch)
+    sfb = backend.batches[id(case.forward_batch)]
+    assert sfb.forward_mode == backend.sgl.ForwardMode.DRAFT_EXTEND_V2
+    info = sfb.spec_info
+    assert type(info).__name__ == "EagleDraftExtendInput"
+    assert info.num_accept_tokens_cpu == [3, 1, 2] and info.extend_seq_lens_tensor.tolist() == [3, 1, 2]
+    assert info.num_correct_drafts.tolist() == [2, 0, 1] and info.num_tokens_per_req == 3
+    assert sfb.seq_lens.tolist() == [7, 1, 11]  # prefix + accepted: the length after the extend writes
+    # SGLang plans it as an extend: the prefix from the cache, qo_indptr from the accepted counts
+    meta = backend.planned_metadata()
+    assert meta.qo_indptr.tolist() == [0, 3, 4, 6] and meta.kv_indptr.tolist() == [0, 4, 4, 13]
+
+
+@needs_sglang
+@pytest.mark.parametrize("term", ["sglang.triton", "tbo(sglang.triton)"])
+def test_an_empty_idle_batch_is_never_planned(term, device):
+    # SGLang's EagerRunner._execute_idle drops the plan of an empty idle batch instead of planning it
+    # (planning it would make Triton divide by the batch size: docs/findings/sglang-idle-empty-batch-triage.md).
+    idle = BatchSpec(ForwardMode.IDLE, (), (), (MHA,))
+    assert PROPERTIES["outputs"].run(parse(term), idle, device).ok
+
+
+@needs_sglang
+@pytest.mark.parametrize("term, spec", [
+    ("graph(sglang.triton)", BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 9), (3, 3, 3), (MHA,),
+                                       spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 3, (3, 3, 3)), seed=12)),
+], ids=["draft_extend"])
+def test_sglang_graph_replay_runs_sglangs_three_methods(term, spec, device):
+    runtime.load()  # SGLang imported the adapter's way (an inert torchvision where the real one is absent)
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    calls = []
+    originals = {name: getattr(TritonAttnBackend, name) for name in
+                 ("init_cuda_graph_state", "init_forward_metadata_out_graph", "init_forward_metadata_in_graph")}
+
+    def spy(name):
+        def method(self, *args, **kwargs):
+            calls.append((name, kwargs.get("in_capture")))
+            return originals[name](self, *args, **kwargs)
+        return method
+    with contextlib.ExitStack() as stack:
+        for name in originals:
+            stack.enter_context(mock.patch.object(TritonAttnBackend, name, spy(name)))
+        verdict = PROPERTIES["graph_replay"].run(parse(term), spec, device)
+    assert verdict.ok, str(verdict)
+    names = [n for n, _ in calls]
+    assert names[0] == "init_cuda_graph_state"
+    assert ("init_forward_metadata_out_graph", True) in calls and ("init_forward_metadata_out_graph", False) in calls
+    assert "init_forward_metadata_in_graph" in names

@@ -7,7 +7,12 @@ layer as SGLang's ``RadixAttention`` runs it (``layer(q, k, v, forward_batch)`` 
 which dispatches to ``get_attn_backend().forward``). What SGLang planned is exposed in the harness's
 inspectable form (:class:`backends.base.PlannedMetadata`).
 
-Mode names: the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2; the others are the same.
+Mode names: the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2 (with an ``EagleDraftExtendInput``); the
+others are the same. An IDLE batch without requests is never planned: SGLang's eager runner drops the
+backend's plan instead (``runner/eager_runner.py:445-456``, ``_execute_idle``), and every layer returns an empty
+output (``base_attn_backend.py:332``). A graph() term drives SGLang's own three-method contract
+(``init_cuda_graph_state``, ``init_forward_metadata_out_graph(fb, in_capture)``, ``init_forward_metadata_in_graph``)
+from the harness's graph runner, over SGLang ForwardBatches that view the runner's static buffers.
 """
 
 from __future__ import annotations
@@ -22,11 +27,9 @@ from backends.sglang import runtime
 from batch.spec import ForwardMode
 from batch.tbo_split import TboSplit, slice_spec_info
 
-# The modes whose batches this adapter translates into SGLang's today. DRAFT_EXTEND needs SGLang's
-# EagleDraftExtendInput (not built yet). IDLE is left out until triaged: an empty batch planned eagerly makes
-# Triton divide by the batch size (triton_backend.py:441, get_num_kv_splits); whether SGLang's own runner
-# ever plans an empty IDLE batch that way is the open question.
-ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY})
+# The modes whose batches this adapter translates into SGLang's: all that a backend serves.
+ADAPTED_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                           ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})
 _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", ForwardMode.MIXED: "MIXED",
                 ForwardMode.TARGET_VERIFY: "TARGET_VERIFY", ForwardMode.DRAFT_EXTEND: "DRAFT_EXTEND_V2",
                 ForwardMode.IDLE: "IDLE"}
@@ -35,6 +38,11 @@ _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", Forw
 # which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
 TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
                                            "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
+# SGLang plans a draft extend on the draft worker with its own draft-extend backend
+# (speculative/draft_utils.py, DraftBackendFactory.create_draft_extend_backend), never a TboAttnBackend, and
+# TboForwardBatchPreparer.prepare skips draft workers: no TBO composition of SGLang's serves DRAFT_EXTEND_V2.
+TBO_DRAFT_EXTEND_GAP = ("tbo", ForwardMode.DRAFT_EXTEND, "SGLang's draft worker plans draft extends with its own "
+                                                         "backend, never under TboAttnBackend")
 
 
 def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -67,30 +75,90 @@ class _SglangObject(AttentionBackend):
     def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs) -> None:
         self.inner.update_verify_buffers_to_fill_after_draft(spec_info, cuda_graph_bs)
 
+    def update_mamba_state_after_mtp_verify(self, last_correct_step_indices: torch.Tensor,
+                                            mamba_track_indices: torch.Tensor | None = None,
+                                            mamba_steps_to_track: torch.Tensor | None = None, model=None,
+                                            req_pool_indices: torch.Tensor | None = None) -> None:
+        """SGLang's verify commit, with its arguments (the harness's backends take the same): each request's last
+        accepted step, the radix cache's tracked copies (the harness's state slots are SGLang's mamba indices:
+        StateSync copies the map), and, as spec_utils passes them, the planned batch's request rows; then the
+        committed states come back into the harness's pools."""
+        planned = self.planned_sglang_batch()
+        if req_pool_indices is None and planned is not None:
+            req_pool_indices = planned.req_pool_indices[:planned.batch_size]
+        states = self.state_sync()
+        if states is not None and states.harness is not None:
+            states.push_states()  # the harness's pools may have been reset to the verified states since
+        # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords.
+        if hasattr(self.inner, "update_mamba_state_after_mtp_verify"):
+            with torch.no_grad():
+                self.inner.update_mamba_state_after_mtp_verify(
+                    last_correct_step_indices=last_correct_step_indices.to(torch.int64),
+                    mamba_track_indices=mamba_track_indices, mamba_steps_to_track=mamba_steps_to_track,
+                    model=model, req_pool_indices=req_pool_indices)
+        for layer_id in (states.harness.conv_states if states is not None and states.harness is not None else ()):
+            states.pull(layer_id)
+
+    def state_sync(self) -> "runtime.StateSync | None":
+        """Where this adapter's linear-attention states are copied between the harness and SGLang."""
+        return None
+
+    def _capture_or_check(self, forward_batch, in_capture: bool) -> None:
+        """At capture: SGLang's backend built and its graph state allocated (once: a graph keeps the backend it
+        was captured with). At replay: that backend must be the one captured."""
+        if in_capture:
+            self._ensure_built(forward_batch)
+            max_bs, max_num_tokens = self.graph_state
+            self.inner.init_cuda_graph_state(max_bs=max_bs, max_num_tokens=max_num_tokens)
+            self.graph_inner = self.inner
+        elif getattr(self, "graph_inner", None) is None or self.inner is not self.graph_inner:
+            raise RuntimeError("graph replay before capture: init_forward_metadata_out_graph(in_capture=True) "
+                               "must plan the static batch first")
+
+    def engine_probed_members(self) -> tuple[str, ...]:
+        """Protocol beyond the base class: the members SGLang's callers probe for with ``hasattr``."""
+        return runtime.probed_members()
+
+    def planned_sglang_batch(self):
+        """The SGLang ForwardBatch this adapter planned last (None before the first)."""
+        batches = getattr(self, "batches", None)
+        return next(iter(batches.values())) if batches else None
+
 
 class SglangBackend(_SglangObject):
     """One SGLang attention backend, built over the harness runner's pools on the first batch it plans
     (SGLang sizes speculative buffers from the draft token count, which a runner does not know)."""
 
     sglang_name: ClassVar[str]
+    hybrid: runtime.HybridModel | None = None  # set for SGLang's hybrid wrapper (SglangHybrid)
 
     def __init__(self, model_runner) -> None:
         self.model_runner = model_runner
         self.sgl = runtime.load()
         self.inner = None  # the SGLang backend
         self.sgl_runner = None
+        self.states: runtime.StateSync | None = None
         self.draft_tokens = 0
         self.batches: dict[int, object] = {}  # id(harness batch) -> its SGLang ForwardBatch
         self.radix: dict[int, object] = {}
 
+    def state_sync(self) -> "runtime.StateSync | None":
+        return self.states
+
     # ---- building ----
+    def make_inner(self, sgl_runner):
+        """A new SGLang backend object over ``sgl_runner`` (a TBO wrapper asks for its children this way)."""
+        return self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner)
+
     def _ensure_built(self, fb) -> None:
         draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
         if self.inner is not None and draft <= self.draft_tokens:
             return
         topk = fb.spec_info.topk if fb.spec_info is not None else 0
-        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk)
-        self.inner = self.sgl.ATTENTION_BACKENDS[self.sglang_name](self.sgl_runner)
+        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid)
+        if self.hybrid is not None:
+            self.states = runtime.StateSync(self.sgl_runner, self.model_runner)
+        self.inner = self.make_inner(self.sgl_runner)
         self.draft_tokens = draft
         self.radix.clear()
 
@@ -102,22 +170,46 @@ class SglangBackend(_SglangObject):
                 num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
                 num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
                 v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
+            if self.sgl_runner.kv_cache_dtype == torch.float8_e4m3fn:
+                # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
+                # (layers/quantization/kv_cache.py, process_weights_after_loading).
+                radix.k_scale = torch.nn.Parameter(torch.tensor(float(layer.k_scale)), requires_grad=False)
+                radix.v_scale = torch.nn.Parameter(torch.tensor(float(layer.v_scale)), requires_grad=False)
+                radix.k_scale_float, radix.v_scale_float = float(layer.k_scale), float(layer.v_scale)
             self.radix[layer.layer_id] = radix
         return radix
 
-    def translate(self, fb):
-        """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree)."""
+    def _linear_layer(self, layer):
+        """SGLang's RadixLinearAttention for a harness linear layer (cached per layer id)."""
+        radix = self.radix.get(layer.layer_id)
+        if radix is None:
+            s, w = layer.spec, layer.weights
+            radix = self.sgl.RadixLinearAttention(
+                layer_id=layer.layer_id, num_q_heads=s.num_k_heads, num_k_heads=s.num_k_heads,
+                num_v_heads=s.num_v_heads, head_q_dim=s.head_k_dim, head_k_dim=s.head_k_dim,
+                head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"], bias=None, activation="silu",
+                A_log=w["A_log"], dt_bias=w["dt_bias"])
+            self.radix[layer.layer_id] = radix
+        return radix
+
+    def translate(self, fb, graph: bool = False):
+        """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree). ``graph``: the
+        graph runner's static batch, translated as SGLang's graph runners build theirs (int64 ``seq_lens``
+        viewing the static buffer, the runner's own write slots)."""
         sgl = self.sgl
         mode = getattr(sgl.ForwardMode, _SGLANG_MODE[fb.forward_mode])
         T = fb.extend_num_tokens
         dev = fb.device
+        seq_dtype = fb.seq_lens.dtype if graph else torch.int32
         out = sgl.ForwardBatch(
             forward_mode=mode, batch_size=fb.batch_size, input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
-            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int32),
-            seq_lens_cpu=fb.seq_lens_cpu.to(torch.int32), out_cache_loc=fb.out_cache_loc,
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(seq_dtype),
+            seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=fb.out_cache_loc,
             seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
         out.mrope_positions = fb.mrope_positions  # [3, T]: SGLang's TBO splitter cuts it on dim 1
-        self.sgl_runner.kv_index_translator.bind_own_plan(out)  # as every batch of SGLang's scheduler
+        translator = self.sgl_runner.kv_index_translator
+        # As every batch of SGLang's scheduler; a graph runner binds its own buffers (bind_runner_slots).
+        (translator.bind_runner_slots if graph else translator.bind_own_plan)(out)
         if mode.is_extend(include_draft_extend_v2=True):
             out.extend_prefix_lens = fb.extend_prefix_lens
             out.extend_prefix_lens_cpu = list(fb.extend_prefix_lens_cpu)
@@ -139,46 +231,121 @@ class SglangBackend(_SglangObject):
                 capture_hidden_mode=sgl.CaptureHiddenMode.FULL, seq_lens_sum=out.seq_lens_sum,
                 seq_lens_cpu=out.seq_lens_cpu)
             out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
+        if fb.forward_mode.is_draft_extend():
+            out.spec_info = self._draft_extend_input(fb, out)
+            out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
         return out
+
+    def _draft_extend_input(self, fb, out):
+        """SGLang's ``EagleDraftExtendInput`` for a draft extend of ``extend_seq_lens`` accepted tokens per
+        request (``seq_lens`` already counts them), built as SGLang's kit builds it
+        (speculative_draft_extend_runner.py:119-146) and its graph runner at capture (one fixed width)."""
+        accept = fb.extend_seq_lens.to(torch.int32)
+        accept_cpu = [int(a) for a in fb.extend_seq_lens_cpu]
+        info = self.sgl.EagleDraftExtendInput(
+            hidden_states=None, num_correct_drafts=accept - 1, num_accept_tokens=accept,
+            num_accept_tokens_cpu=accept_cpu, input_ids=out.input_ids, seq_lens=out.seq_lens,
+            seq_lens_cpu=out.seq_lens_cpu, req_pool_indices=fb.req_pool_indices, positions=fb.positions,
+            capture_hidden_mode=self.sgl.CaptureHiddenMode.LAST, num_tokens_per_req=max(accept_cpu, default=0),
+            num_tokens_for_logprob_per_req=1)
+        info.extend_seq_lens_tensor = accept
+        info.extend_seq_lens_cpu = accept_cpu
+        return info
 
     # ---- the protocol ----
     def init_forward_metadata(self, forward_batch) -> None:
         self._ensure_built(forward_batch)
         sfb = self.translate(forward_batch)
         self.batches = {id(forward_batch): sfb}
+        if self.states is not None:
+            self.states.push(forward_batch)
+        if sfb.forward_mode.is_idle() and sfb.batch_size == 0:
+            # SGLang's eager runner never plans an empty idle batch: it drops the stale plan instead
+            # (runner/eager_runner.py:451-456), and every layer then returns an empty output.
+            self.inner.forward_metadata = None
+            return
         with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
             self.inner.init_forward_metadata(sfb)
 
-    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool) -> torch.Tensor:
-        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer."""
+    # ---- CUDA graphs: SGLang's three-method contract, over the graph runner's static batch ----
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Kept until the first graph batch builds SGLang's backend (its speculative buffers are sized from the
+        draft token count, which only the batch tells), then passed to SGLang's ``init_cuda_graph_state``."""
+        self.graph_state = (max_bs, max_num_tokens)
+        self.graph_inner = None
+
+    def _graph_batch(self, forward_batch, in_capture: bool):
+        """SGLang's view of the static batch; at capture, SGLang's backend built and its graph state allocated
+        first (once: a graph keeps the backend it was captured with)."""
+        self._capture_or_check(forward_batch, in_capture)
+        sfb = self.translate(forward_batch, graph=True)
+        self.batches = {id(forward_batch): sfb}
+        return sfb
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        sfb = self._graph_batch(forward_batch, in_capture)
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata_out_graph(sfb, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("init_forward_metadata_in_graph before init_forward_metadata_out_graph")
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata_in_graph(sfb)
+
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
+        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer, under a
+        forward context whose backend is ``via`` (a wrapper the layer reaches this backend through) or this one."""
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         T = q.shape[0]
-        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
             o = self._layer(layer)(q.reshape(T, layer.tp_q_head_num * layer.head_dim),
                                    k.reshape(T, layer.tp_k_head_num * layer.head_dim),
                                    v.reshape(T, layer.tp_v_head_num * layer.v_head_dim), sfb, save_kv_cache=save_kv_cache)
         return o.reshape(T, layer.tp_q_head_num, layer.v_head_dim)
 
-    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+    def _run_linear(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
+        """mixed_qkv ``[T, conv_dim]``, a, b ``[T, Hv]`` -> o ``[T, Hv, V]`` through SGLang's linear layer, whose
+        states then come back into the harness's pools."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        T, s = mixed_qkv.shape[0], layer.spec
+        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
+            o = self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b)
+        self.states.pull(layer.layer_id, forward_batch.state_slots.tolist(),
+                         verify=forward_batch.forward_mode.is_target_verify())
+        return o.reshape(T, s.num_v_heads, s.head_v_dim)
+
+    def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
+                mixed_qkv=None, a=None, b=None, via=None, **kwargs):
+        if layer.kind == "linear":  # the model calls its RadixLinearAttention, which SGLang's hybrid dispatches
+            return self._run_linear(layer, forward_batch, mixed_qkv, a, b, via)
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, via)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self._run(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
 
     # ---- inspection ----
     def engine_objects(self) -> tuple[object | None, list[object], type]:
         """(SGLang wrapper or None, the SGLang backends under it, SGLang's base class): what conformance reads."""
         return None, [self.inner], self.sgl.AttentionBackend
 
+    def _planner(self):
+        """The SGLang object whose ``forward_metadata`` is this adapter's plan."""
+        return self.inner
+
     def planned_metadata(self) -> PlannedMetadata:
         """SGLang's ``forward_metadata`` where it keeps one (Triton: token-level indptrs and slots)."""
-        meta = getattr(self.inner, "forward_metadata", None)
-        if meta is None:
+        meta = getattr(self._planner(), "forward_metadata", None)
+        if meta is None or not hasattr(meta, "kv_indptr"):
             return PlannedMetadata()
         decode = next(iter(self.batches.values())).forward_mode.is_decode_or_idle()
         return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
@@ -197,8 +364,20 @@ class SglangTorchNative(SglangBackend):
         # (torch_native_backend.py, _run_sdpa_forward_extend). Declared, so the rows skip with this reason.
         custom_mask=False,
         logit_cap=False,  # it never reads layer.logit_cap
+        # No CUDA graphs: TorchNativeAttnBackend keeps the base's init_cuda_graph_state and
+        # get_cuda_graph_seq_len_fill_value, which raise NotImplementedError (base_attn_backend.py:256-288).
+        cuda_graph_modes=frozenset(),
+        # An fp8 e4m3 cache works with unit scales only: TorchNativeAttnBackend never reads layer.k_scale /
+        # v_scale; it stores k unscaled (set_kv_buffer without scales, torch_native_backend.py:299, :367) and reads
+        # the e4m3 rows back cast, not descaled (:143-146, :244-247).
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        kv_scales=False,
         requires=("sglang",),
+        # SGLang's EAGLE v2 draft extend runs every request over the whole draft window (triton_backend.py:700,
+        # num_tokens_per_req = num_draft_tokens): the batches the adapter translates are drawn that way.
+        fixed_width_draft_extend=True,
         engine="sglang",
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         empty_extend=True,  # its per-request SDPA loop takes a request with no new tokens
     )
 
@@ -223,12 +402,91 @@ class SglangTriton(SglangBackend):
         # tanh as 2*sigmoid(2x) - 1 (kernels/ops/attention/extend_attention.py:208, decode_attention.py:229)
         softcap_via_sigmoid=True,
         fp32_matmul_roundoff=2.0**-21,  # float32 dots on NVIDIA GPUs run as tf32x3
+        # TritonAttnBackend's out_graph plans decode (and idle, which replays the decode graph), target_verify
+        # and draft_extend_v2 (triton_backend.py:1396-1438, _apply_cuda_graph_metadata).
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE}),
+        # fp8 e4m3 cache: set_kv_buffer divides by layer.k_scale, the kernels multiply by k_scale_float
+        # (triton_backend.py:1720-1745, :1835-1840, :2326-2370)
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        # The adapter's graph path was built and passed on the CPU; on the H100 (device run of 2026-11-24) every
+        # graph(sglang.triton) replay crashed in SGLang's planning with a static batch longer than the planned
+        # one ("expanded size ... (12) must match ... (16)", triton_backend.py:526/603/708): the adapter's
+        # translation of the padded static batch, not SGLang, until shown otherwise. Not run on CUDA until fixed.
+        cuda_gaps=(("graph_replay", "the adapter's CUDA-graph path crashes on real capture (open adapter defect)"),),
+        # SGLang's EAGLE v2 draft extend runs every request over the whole draft window (triton_backend.py:700,
+        # num_tokens_per_req = num_draft_tokens): the batches the adapter translates are drawn that way.
+        fixed_width_draft_extend=True,
         engine="sglang",
-        wrapped_gaps=(TBO_MIXED_GAP,),
+        wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
         length_boundaries=SGLANG_TRITON_BOUNDARIES,
         verify_window=True,  # declared, so a disagreement is a finding (see docs/findings/)
         empty_extend=True,  # its extend grid counts max(0, extend_len) tiles (extend_attention.py:191)
     )
+
+
+class SglangGdn(SglangBackend):
+    """SGLang's GDN linear-attention backend (``GDNAttnBackend``). SGLang builds it only inside its hybrid
+    wrapper (``attn_backend_wrapper``), and its base-class ``forward`` cannot take the linear layer's keyword
+    call, so it runs as the second argument of ``hybrid(sglang.X, sglang.gdn)``, never alone."""
+
+    sglang_name = "gdn"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"linear"}),
+        # An MTP draft model runs full-attention layers only: SGLang's hybrid plans no linear metadata for
+        # DRAFT_EXTEND_V2 (hybrid_linear_attn_backend.py, init_forward_metadata), so no linear layer runs there.
+        modes=ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND},
+        # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
+        dtypes=frozenset({"bfloat16", "float16"}),
+        cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken
+        requires=("sglang", "triton"),
+        cpu_needs_env="TRITON_INTERPRET",
+        # The verify conv kernel advances the request's conv state through the draft tokens in place
+        # (kernels/ops/mamba/causal_conv1d_triton.py, _causal_conv1d_update_kernel); the commit rewrites it.
+        verify_advances_conv_state=True,
+        slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
+        # SGLang's commit after verify (fused_mamba_state_scatter_with_mask, kernels/ops/mamba/
+        # mamba_state_scatter_triton.py) refuses CPU tensors; the gpu profile runs it.
+        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
+                  ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only")),
+        engine="sglang",
+    )
+
+    def make_inner(self, sgl_runner):
+        raise RuntimeError("SGLang builds its GDN backend inside the hybrid wrapper: use hybrid(sglang.X,sglang.gdn)")
+
+
+class SglangHybrid(SglangBackend):
+    """SGLang's ``HybridLinearAttnBackend`` over one of its full-attention backends and ``GDNAttnBackend``,
+    built as SGLang builds it: ``attn_backend_wrapper(runner, full)`` on a runner whose model is a GDN hybrid
+    (Qwen3-Next-shaped config with the drawn layer layout). SGLang picks the full-attention layer ids itself:
+    the config's, or ``[0]`` on a draft worker's runner."""
+
+    is_wrapper = True
+
+    def __init__(self, full: type[SglangBackend], model_runner, draft_worker: bool = False) -> None:
+        super().__init__(model_runner)
+        self.sglang_name = full.sglang_name
+        self.hybrid = runtime.HybridModel.of(model_runner, draft_worker)
+
+    def make_inner(self, sgl_runner):
+        # Looked up on SGLang's module at call time, as SGLang's own runner setup does.
+        wrap = self.sgl.attention_registry.attn_backend_wrapper
+        inner = wrap(sgl_runner, self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner))
+        if not isinstance(inner, self.sgl.HybridLinearAttnBackend):
+            raise RuntimeError(f"SGLang built {type(inner).__name__} for a GDN hybrid model")
+        return inner
+
+    @property
+    def children(self) -> tuple:
+        return tuple(self.inner.attn_backend_list) if self.inner is not None else ()
+
+    def engine_objects(self) -> tuple[object | None, list[object], type]:
+        return self.inner, list(self.inner.attn_backend_list), self.sgl.AttentionBackend
+
+    def _planner(self):
+        """The full-attention child (SGLang's hybrid keeps no plan of its own)."""
+        return self.inner.full_attn_backend
 
 
 class _TboChild(SglangBackend):
@@ -237,19 +495,24 @@ class _TboChild(SglangBackend):
 
     def __init__(self, parent: "SglangTbo", index: int) -> None:  # noqa: D107 - shares the parent's runner
         self.model_runner, self.sgl, self.sgl_runner = parent.model_runner, parent.sgl, parent.primary.sgl_runner
+        self.states = parent.primary.states
         self.inner = parent.inner.children[index]
         self.radix = parent.primary.radix  # the model's layer objects are the same for both halves
         self.batches = {}
+        self.leaf = type(parent.primary)  # the wrapped adapter's class: how its layers are called, its plans read
 
     def init_forward_metadata(self, forward_batch) -> None:
         raise RuntimeError("a TBO child is planned by its wrapper (TboAttnBackend.init_forward_metadata)")
+
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
+        return self.leaf._run(self, q, k, v, layer, forward_batch, save_kv_cache, via)
 
     def planned_metadata(self) -> PlannedMetadata:
         """An empty half is neither planned (TboAttnBackend skips it) nor run: whatever its backend kept
         from an earlier batch is no plan of this one."""
         if not self.batches or next(iter(self.batches.values())).batch_size == 0:
             return PlannedMetadata()
-        return super().planned_metadata()
+        return self.leaf.planned_metadata(self)
 
 
 class SglangTbo(_SglangObject):
@@ -263,10 +526,9 @@ class SglangTbo(_SglangObject):
 
     is_wrapper = True
 
-    def __init__(self, leaf: type[SglangBackend], model_runner) -> None:
+    def __init__(self, primary: SglangBackend, model_runner) -> None:
         self.model_runner = model_runner
-        self.leaf = leaf
-        self.primary = leaf(model_runner)
+        self.primary = primary  # the adapter of the wrapped composition (a leaf, or SGLang's hybrid)
         self.sgl = self.primary.sgl
         self.inner = None
         self.children: list[_TboChild] = []
@@ -276,14 +538,22 @@ class SglangTbo(_SglangObject):
         before = self.primary.inner
         self.primary._ensure_built(fb)
         if self.inner is None or self.primary.inner is not before:
-            make = lambda: self.sgl.ATTENTION_BACKENDS[self.leaf.sglang_name](self.primary.sgl_runner)  # noqa: E731
-            self.inner = self.sgl.TboAttnBackend(primary=self.primary.inner, children=[make(), make()])
+            runner = self.primary.sgl_runner
+            self.inner = self.sgl.TboAttnBackend(primary=self.primary.inner,
+                                                 children=[self.primary.make_inner(runner),
+                                                           self.primary.make_inner(runner)])
             self.children = [_TboChild(self, 0), _TboChild(self, 1)]
 
     def init_forward_metadata(self, forward_batch) -> None:
         fb, sgl = forward_batch, self.sgl
         self._ensure_built(fb)
+        fb.tbo_children, self.split = None, None
+        if fb.forward_mode.is_idle() and fb.batch_size == 0:
+            self.primary.init_forward_metadata(fb)  # not planned: SGLang's eager runner drops the plan
+            return
         sfb = self.primary.translate(fb)
+        if self.primary.states is not None:
+            self.primary.states.push(fb)
         tbo = sgl.two_batch_overlap
         sfb.tbo_split_seq_index = tbo.compute_split_seq_index(
             forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens,
@@ -293,7 +563,10 @@ class SglangTbo(_SglangObject):
             tbo.TboForwardBatchPreparer.prepare(sfb)  # asserts the active backend is a TboAttnBackend
             self.inner.init_forward_metadata(sfb)
         self.primary.batches = {id(fb): sfb}
-        fb.tbo_children, self.split = None, None
+        self._attach_children(fb, sfb)
+
+    def _attach_children(self, fb, sfb) -> None:
+        """Hand the engine harness-side views of SGLang's child batches ``sfb.tbo_children`` (if it split)."""
         if not sfb.tbo_children:
             return
         kids = []
@@ -308,6 +581,45 @@ class SglangTbo(_SglangObject):
         t0 = kids[0].extend_num_tokens
         self.split = TboSplit(sfb.tbo_split_seq_index, t0,
                               two_chunk=kids[0].batch_size + kids[1].batch_size > fb.batch_size)
+
+    # ---- CUDA graphs: SGLang's TboAttnBackend under its decode graph runner's TBO plugin ----
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Kept until the first graph batch builds SGLang's backends (as the leaf adapter does)."""
+        self.graph_state = (max_bs, max_num_tokens)
+        self.graph_inner, self.graph_children = None, None
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """At capture: SGLang's ``TboCudaGraphRunnerPlugin.capture_one_batch_size`` (split index, then
+        ``TboForwardBatchPreparer.prepare_raw`` over the static batch), then ``TboAttnBackend``'s out_graph,
+        which plans the primary and each child half. At replay: SGLang's replay view carries no children, and
+        ``TboAttnBackend`` splits the padded batch itself; the layers run the halves captured."""
+        fb, sgl = forward_batch, self.sgl
+        tbo = sgl.two_batch_overlap
+        self._capture_or_check(fb, in_capture)
+        sfb = self.primary.translate(fb, graph=True)
+        self.primary.batches = {id(fb): sfb}
+        with sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+            if in_capture:
+                sfb.tbo_split_seq_index = tbo.compute_split_seq_index(
+                    forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens, extend_lens=None,
+                    token_num_per_seq=tbo.get_token_num_per_seq(sfb.forward_mode, sfb.spec_info))
+                non_padded = torch.zeros(2, dtype=torch.int32, device=fb.device)
+                non_padded[...] = tbo.TboForwardBatchPreparer.compute_tbo_children_num_token_non_padded(sfb)
+                tbo.TboForwardBatchPreparer.prepare_raw(sfb, tbo_children_num_token_non_padded=non_padded)
+            self.inner.init_forward_metadata_out_graph(sfb, in_capture=in_capture)
+        if in_capture:
+            fb.tbo_children = None
+            self._attach_children(fb, sfb)
+            self.graph_children = (fb.tbo_children, [dict(c.batches) for c in self.children])
+        else:  # the captured halves: the same static rows (their plans just refreshed by SGLang's split)
+            fb.tbo_children = self.graph_children[0]
+            for child, batches in zip(self.children, self.graph_children[1]):
+                child.batches = batches
+        self.graph_sfb = sfb
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+            self.inner.init_forward_metadata_in_graph(self.graph_sfb)
 
     @staticmethod
     def _harness_child(fb, schild, req: slice):
@@ -336,17 +648,25 @@ class SglangTbo(_SglangObject):
             spec_info=None if fb.spec_info is None else slice_spec_info(fb.spec_info, fb.seq_lens_cpu.tolist(), req),
             num_token_non_padded=T, tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
 
+    # A batch SGLang did not split runs its layers under a forward context whose backend is the TboAttnBackend
+    # itself (its forward goes to the primary): warm-up, graph capture and batches too small to split.
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, **kwargs):
-        return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.primary.forward(q, k, v, layer, forward_batch, save_kv_cache, via=self.inner, **kwargs)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self.primary.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-        return self.primary.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def planned_metadata(self) -> PlannedMetadata:
         return self.primary.planned_metadata()
+
+    def state_sync(self) -> "runtime.StateSync | None":
+        return self.primary.states
+
+    def planned_sglang_batch(self):
+        return self.primary.planned_sglang_batch()
 
     def engine_objects(self) -> tuple[object | None, list[object], type]:
         return self.inner, [self.inner.primary, *self.inner.children], self.sgl.AttentionBackend

@@ -6,8 +6,11 @@ pools (so the harness's cache and state checks see exactly what SGLang wrote), a
 SGLang publishes before it builds a backend. The facts behind each attribute come from SGLang's own unit-test
 kit (``sglang/test/kits/attention_unittest/``) and are noted where they are not obvious.
 
-Shims are applied only when needed: an inert ``torchvision`` when the real one is absent (SGLang imports it
-at import time; it cannot be installed beside a CPU torch). Nothing is edited in site-packages.
+Shims are applied only when needed, each only where the real package is absent: an inert ``torchvision``
+(SGLang imports it at import time; it cannot be installed beside a CPU torch), ``IPython`` and ``sniffio``
+(imported at import time, never called by attention; the GPU image lacks them), and on a CUDA machine
+``sgl_kernel`` (SGLang imports it unguarded there; see :data:`_SGL_KERNEL_SHIMS`). Nothing is edited in
+site-packages.
 """
 
 from __future__ import annotations
@@ -16,8 +19,10 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import types
+from dataclasses import dataclass
 from functools import cache
 from types import SimpleNamespace
 
@@ -72,10 +77,12 @@ class _Inert:
 
 class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Serves ``root`` and every ``root.*`` submodule as an inert module (transformers reaches into
-    ``torchvision.transforms`` once it finds the package, so one module is not enough)."""
+    ``torchvision.transforms`` once it finds the package, so one module is not enough). ``real`` names
+    attributes that must be the real thing rather than inert: ``{module: {attr: callable}}``."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, real: dict[str, dict[str, object]] | None = None) -> None:
         self.root = root
+        self.real = real or {}
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == self.root or fullname.startswith(self.root + "."):
@@ -93,10 +100,44 @@ class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             return _Inert(f"{_name}.{attr}")
 
         module.__getattr__ = __getattr__
+        for attr, value in self.real.get(spec.name, {}).items():
+            setattr(module, attr, value)
         return module
 
     def exec_module(self, module) -> None:
         pass
+
+
+def _is_arch_support_pdl() -> bool:
+    """SGLang's own answer (``sglang.kernels.jit.utils``) to the question its Triton backend asks
+    ``sgl_kernel.utils`` at construction on CUDA (triton_backend.py:340): whether the GPU launches with PDL."""
+    from sglang.kernels.jit.utils import is_arch_support_pdl
+
+    return is_arch_support_pdl()
+
+
+# sgl_kernel (SGLang's compiled kernels, a CUDA wheel tied to SGLang's torch) is imported unguarded on CUDA by
+# modules the attention backends import. The adapted backends call none of its kernels on the paths they run;
+# the one function called at construction is answered by SGLang's own equivalent. Every other attribute is
+# inert: calling it raises, naming the stub, so a path that does need sgl_kernel fails loudly, never silently.
+_SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl}}
+# Imported at import time by SGLang or its dependencies, never on an attention path. opentelemetry is not
+# stubbed: SGLang's one importer (srt/observability/trace.py) catches the ImportError, which a stub would turn
+# into a RuntimeError at import.
+_INERT_WHEN_ABSENT = ("torchvision", "IPython", "sniffio")
+
+
+def _install_shims() -> list[str]:
+    """Install an inert stand-in for each package SGLang imports that is absent here; returns their names."""
+    installed = []
+    for name in _INERT_WHEN_ABSENT:
+        if importlib.util.find_spec(name) is None:
+            sys.meta_path.insert(0, _StubPackage(name))
+            installed.append(name)
+    if torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is None:
+        sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
+        installed.append("sgl_kernel")
+    return installed
 
 
 @cache
@@ -108,8 +149,7 @@ def load() -> SimpleNamespace:
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(reason)
-    if importlib.util.find_spec("torchvision") is None:
-        sys.meta_path.insert(0, _StubPackage("torchvision"))
+    shims = _install_shims()
     import warnings
 
     warnings.filterwarnings("ignore", module="sglang")
@@ -117,22 +157,54 @@ def load() -> SimpleNamespace:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+    from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_flashinfer
+    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
     from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.model_runner import ModelRunner as SglModelRunner
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context, get_exec, get_parallel, get_schedule
+    from sglang.srt.environ import envs
     from sglang.srt.batch_overlap import two_batch_overlap
     from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
-    from sglang.srt.speculative.eagle_info import EagleVerifyInput
+    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
 
     # One attention rank, no torch.distributed. The override must stay entered for the whole process:
     # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").
     parallel = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
     parallel.__enter__()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from backends.sglang import interpreter_shims
+
+        interpreter_shims.apply()
     return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("warnings", "reason")})
+
+
+@cache
+def probed_members() -> tuple[str, ...]:
+    """Members SGLang's callers look for on an attention backend with ``hasattr`` (``init_mha_chunk_metadata``,
+    ``update_mamba_state_after_mtp_verify``, ...): protocol the base class does not define, read from the
+    installed SGLang's source so it follows the version a user has."""
+    import re
+    from pathlib import Path
+
+    import sglang
+
+    probe = re.compile(r"hasattr\(\s*[\w.()]*attn_backend[\w.()]*\s*,\s*\"(\w+)\"")
+    names = set()
+    for path in Path(sglang.__file__).parent.joinpath("srt").rglob("*.py"):
+        names.update(probe.findall(path.read_text(encoding="utf-8", errors="replace")))
+    return tuple(sorted(names))
 
 
 class _ModelConfig:
@@ -167,6 +239,25 @@ class _ModelConfig:
         return self.num_key_value_heads // (tp // dcp)
 
 
+class _MLAModelConfig(_ModelConfig):
+    """What SGLang's ``ModelConfig`` holds for a DeepSeek-style MLA model (model_config.py, the
+    ``AttentionArch.MLA`` branch): the latent widths, the MHA-path ``v_head_dim`` and the softmax ``scaling``
+    (``1/sqrt(qk_nope + qk_rope)`` without rope scaling), one latent "KV head"."""
+
+    def __init__(self, sgl, layer, context_len: int) -> None:
+        super().__init__(sgl, layer.num_heads, 1, 256, layer.v_head_dim, context_len, None)
+        self.attention_arch = sgl.AttentionArch.MLA
+        self.kv_lora_rank, self.qk_nope_head_dim = layer.kv_lora_rank, layer.qk_nope_head_dim
+        self.qk_rope_head_dim = layer.qk_rope_head_dim
+        self.swa_kv_lora_rank, self.swa_qk_rope_head_dim = layer.kv_lora_rank, layer.qk_rope_head_dim
+        self.index_head_dim = None
+        self.scaling = layer.sm_scale
+        hf = self.hf_config
+        hf.architectures = ["HarnessMLAForCausalLM"]
+        hf.kv_lora_rank, hf.qk_nope_head_dim = layer.kv_lora_rank, layer.qk_nope_head_dim
+        hf.qk_rope_head_dim, hf.v_head_dim = layer.qk_rope_head_dim, layer.v_head_dim
+
+
 def model_window(runner: ModelRunner) -> int | None:
     """SGLang has one sliding window per model (``runner.sliding_window_size``); a window of 0 means none."""
     windows = {layer.sliding_window for layer in runner.layers if layer.kind == "mha" and layer.sliding_window}
@@ -175,76 +266,198 @@ def model_window(runner: ModelRunner) -> int | None:
     return windows.pop() if windows else None
 
 
-def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0):
-    """An SGLang model runner over the harness runner's pools (storage shared, not copied).
+# A GDN layer shape for hybrid models whose batch runs no linear layer (a draft worker's, or a batch of full
+# layers only): SGLang still builds the GDN child and its state pool from the model's config.
+_IDLE_GDN_SHAPE = (2, 4, 16, 16, 4)  # key heads, value heads, key dim, value dim, conv kernel
+# The KV pool shape a model without MHA layers still hands the full-attention child (which never runs).
+_IDLE_MHA_SHAPE = (1, 1, 16, 16)
 
-    SGLang's ``ModelRunner.__init__`` loads a model; like the engine's own unit-test kit, this skips it and
-    sets only what attention backends read.
-    """
+
+@dataclass(frozen=True)
+class HybridModel:
+    """What SGLang's hybrid wrapper is built from: the model's layer types by id and its GDN shape, and
+    whether this runner is an MTP draft worker."""
+
+    layer_types: tuple[str, ...]  # "attention" / "linear_attention", as Qwen3-Next's layers_block_type
+    gdn_shape: tuple[int, int, int, int, int]
+    draft_worker: bool
+
+    @classmethod
+    def of(cls, runner: ModelRunner, draft_worker: bool) -> "HybridModel":
+        linear = [l for l in runner.layers if l.kind == "linear"]
+        shape = (_IDLE_GDN_SHAPE if not linear else
+                 (linear[0].num_k_heads, linear[0].num_v_heads, linear[0].head_k_dim, linear[0].head_v_dim,
+                  linear[0].conv_kernel))
+        if draft_worker:
+            # An MTP draft runs one full layer, id 0, but its runner carries the target model's config
+            # (Qwen3-Next: every fourth layer is full, ids 3, 7, ...); SGLang builds the draft's hybrid wrapper
+            # with full_attn_layers=[0] (attention_registry.py, attn_backend_wrapper).
+            return cls(("linear_attention",) * 3 + ("attention",), shape, True)
+        ids = {l.layer_id for l in linear}
+        n = max((l.layer_id for l in runner.layers), default=0) + 1
+        types = ["linear_attention" if i in ids else "attention" for i in range(n)]
+        if not ids:  # a hybrid model has linear layers even when this batch's layers are all full
+            types.append("linear_attention")
+        return cls(tuple(types), shape, False)
+
+
+@cache
+def _hybrid_config_class():
     sgl = load()
-    mha = [layer for layer in runner.layers if layer.kind == "mha"]
-    if not mha:
-        raise ValueError("the SGLang adapter runs MHA layers only (MLA and linear layers are not adapted yet)")
-    shapes = {(l.num_q_heads, l.num_kv_heads, l.head_dim, l.v_head_dim) for l in mha}
+
+    class HarnessHybridConfig(sgl.Qwen3NextConfig):
+        """Qwen3-Next's config, so that SGLang builds its GDN hybrid for it, with the harness's layer layout
+        instead of Qwen3-Next's every-fourth-layer rule."""
+
+        @property
+        def layers_block_type(self):
+            return list(self.harness_layer_types)
+
+    return HarnessHybridConfig
+
+
+def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
+    hk_lin, hv, k, v, w = hybrid.gdn_shape
+    cfg = _hybrid_config_class()(
+        num_hidden_layers=len(hybrid.layer_types), hidden_size=hq * d, num_attention_heads=hq,
+        num_key_value_heads=hk, head_dim=d, linear_num_key_heads=hk_lin, linear_num_value_heads=hv,
+        linear_key_head_dim=k, linear_value_head_dim=v, linear_conv_kernel_dim=w)
+    cfg.harness_layer_types = hybrid.layer_types
+    return cfg
+
+
+def _one_shape(layers, fields: tuple[str, ...]):
+    """The one value of ``fields`` every layer shares (SGLang models have one KV pool shape)."""
+    shapes = {tuple(getattr(l, f) for f in fields) for l in layers}
     if len(shapes) > 1:
         raise ValueError(f"one KV pool shape per model, got {sorted(shapes)}")
-    (hq, hk, d, dv), = shapes
-    window = model_window(runner)
+    return shapes.pop()
+
+
+def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):  # dtype: the KV cache's (fp8 or the model's)
+    """SGLang's ``MHATokenToKVPool`` over the harness's buffers (shared storage); the model config. A hybrid
+    model whose batch has no MHA layer gets a placeholder pool its full child is built over and never reads."""
+    hq, hk, d, dv = _one_shape(layers, ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")) if layers \
+        else _IDLE_MHA_SHAPE
+    page_size, pool = runner.page_size, runner.token_to_kv_pool
+    slots = next(iter(pool.k_buffers.values())).shape[0] if pool.k_buffers else 2 * page_size
+    layer_num = max((l.layer_id for l in layers), default=0) + 1
+    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
+                              v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
+                              enable_alt_stream=False)
+    # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
+    # An fp8 pool stores its buffers as uint8 (store_dtype) and views them as float8 on read: ours, viewed so.
+    kv.size = slots - page_size
+    kv.k_buffer = [pool.k_buffers[i].view(kv.store_dtype) if i in pool.k_buffers
+                   else torch.zeros(slots, hk, d, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
+    kv.v_buffer = [pool.v_buffers[i].view(kv.store_dtype) if i in pool.v_buffers
+                   else torch.zeros(slots, hk, dv, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
+    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
+    kv._init_data_ptrs_and_strides()
+    return kv, _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, model_window(runner))
+
+
+def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
+    """SGLang's ``MLATokenToKVPool`` over the harness's latent buffers (``[slots, 1, kv_lora_rank + rope]``,
+    the same layout; shared storage); the model config."""
+    _one_shape(layers, ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim"))
+    page_size, pool = runner.page_size, runner.token_to_kv_pool
+    slots = next(iter(pool.k_buffers.values())).shape[0]
+    layer_num = max(l.layer_id for l in layers) + 1
+    C, R = layers[0].kv_lora_rank, layers[0].qk_rope_head_dim
+    kv = sgl.MLATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, kv_lora_rank=C,
+                              qk_rope_head_dim=R, layer_num=layer_num, device=device, enable_memory_saver=False)
+    kv.size = slots - page_size
+    kv.kv_buffer = [pool.k_buffers.get(i, torch.zeros(slots, 1, C + R, dtype=dtype, device=device))
+                    for i in range(layer_num)]
+    kv.data_ptrs = torch.tensor([x.data_ptr() for x in kv.kv_buffer], dtype=torch.uint64, device=device)
+    return kv, _MLAModelConfig(sgl, layers[0], runner.context_len)
+
+
+def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
+                hybrid: HybridModel | None = None):
+    """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
+    states are copied, see :class:`StateSync`).
+
+    SGLang's ``ModelRunner.__init__`` loads a model; like the engine's own unit-test kit, this skips it and
+    sets only what attention backends read. A model of MLA layers gets SGLang's MLA pool and model config
+    and ``use_mla_backend`` (which is how SGLang's registry picks, e.g., FlashInfer's MLA backend for
+    "flashinfer"); a model of MHA layers the MHA ones. ``hybrid``: the model is a GDN hybrid (Qwen3-Next-shaped
+    config, hybrid request pool with state pools, MHA full layers), so ``attn_backend_wrapper`` builds SGLang's
+    hybrid wrapper.
+    """
+    sgl = load()
+    kinds = {layer.kind for layer in runner.layers} - {"linear"}
+    if hybrid is None and kinds not in ({"mha"}, {"mla"}):
+        raise ValueError(f"the SGLang adapter runs a model of MHA or of MLA layers, not {sorted(kinds) or 'neither'}")
+    if hybrid is not None and kinds - {"mha"}:
+        raise ValueError("SGLang's GDN hybrid is adapted over MHA full-attention layers only")
+    use_mla = kinds == {"mla"}
+    layers = [layer for layer in runner.layers if layer.kind in kinds]
     page_size = runner.page_size
     pool = runner.token_to_kv_pool
-    slots = next(iter(pool.k_buffers.values())).shape[0]
-    dtype = next(iter(pool.k_buffers.values())).dtype
+    if pool.k_buffers:
+        kv_dtype = next(iter(pool.k_buffers.values())).dtype  # float8_e4m3fn: SGLang's --kv-cache-dtype fp8_e4m3
+    else:  # linear layers only: a placeholder KV pool the full child is built over and never reads
+        kv_dtype = next(iter(runner.mamba_pool.conv_states.values())).dtype
+    dtype = pool.model_dtype or kv_dtype
+    kv_cache_dtype_str = "fp8_e4m3" if kv_dtype == torch.float8_e4m3fn else "auto"
     device = str(runner.device)
+    window = None if use_mla else model_window(runner)
 
     class Runner(sgl.SglModelRunner):
         # Derived from hf_config in SGLang; a dense model has none of them.
-        hybrid_gdn_config = hybrid_lightning_config = kimi_linear_config = property(lambda self: None)
-        linear_attn_model_spec = mamba2_config = mambaish_config = property(lambda self: None)
+        hybrid_lightning_config = kimi_linear_config = linear_attn_model_spec = mamba2_config = \
+            property(lambda self: None)
+        # A GDN hybrid's config is its hf_config (a Qwen3NextConfig); a dense model has none.
+        hybrid_gdn_config = mambaish_config = property(
+            lambda self: self.model_config.hf_config if self.harness_hybrid is not None else None)
 
         def __init__(self) -> None:  # noqa: D107 - no super().__init__: it would load a model
             pass
 
     r = Runner()
-    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, dtype, "auto"
+    r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, kv_dtype, kv_cache_dtype_str
     r.prefill_attention_backend_str = r.decode_attention_backend_str = backend_name
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
-    r.model_config = _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, window)
-    r.is_draft_worker = False
+    r.harness_hybrid = hybrid
+    r.is_draft_worker = hybrid is not None and hybrid.draft_worker
     r.max_running_requests = runner.req_to_token.shape[0]
     r.model = torch.nn.Module()
     r.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE if max_draft_tokens else sgl.SpeculativeAlgorithm.NONE
     r._kernel_warmed_up = True
-    # Backends read the published server args at construction (draft token counts, KV splits).
+    # Backends read the published server args at construction (draft token counts, KV splits). The MLA
+    # prefill settings are the server's defaults: ragged (MHA) prefill on, chunked prefix cache on.
     r._server_args_override = sgl.get_context().override_server_args(
         attention_backend=backend_name, chunked_prefill_size=-1,
         cuda_graph_config=sgl.CudaGraphConfig(decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
                                               prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED)),
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
-        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype="auto",
+        enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, pp_size=1, revision=None,
         speculative_algorithm="EAGLE" if max_draft_tokens else None,
         speculative_eagle_topk=topk, speculative_num_draft_tokens=max_draft_tokens,
         speculative_num_steps=max(0, max_draft_tokens - 1), tp_size=1,
         triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,
         linear_attn_backend="triton", linear_attn_decode_backend=None, linear_attn_prefill_backend=None,
-        _mamba_cache_chunk_size=64)
+        _mamba_cache_chunk_size=64, disaggregation_mode=None, disable_chunked_prefix_cache=False,
+        flashinfer_mla_disable_ragged=False,
+        # A server resolves its device ("cuda"); SGLang's TBO splitter moves rebuilt lengths there
+        # (two_batch_overlap.py:192): left unset, they stay on the CPU and its Triton kernels reject them.
+        **({"device": "cuda"} if runner.device.type == "cuda" else {}))
     r.server_args = r._server_args_override.install()
-    r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)
+    kv, r.model_config = (_mla_pool if use_mla else _mha_pool)(sgl, runner, layers, kv_dtype, device)
+    rows = runner.req_to_token.shape[0]
+    if hybrid is None:
+        r.req_to_token_pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device=device, enable_memory_saver=False)
+    else:
+        mc = r.model_config
+        mc.hf_config = mc.hf_text_config = _hybrid_config(hybrid, mc.num_attention_heads, mc.num_key_value_heads,
+                                                          mc.head_dim)
+        r.req_to_token_pool = _hybrid_request_pool(sgl, mc.hf_config, runner, dtype, device, max_draft_tokens, topk)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
-    r.req_to_token_pool.size = runner.req_to_token.shape[0]
-    layer_num = max(l.layer_id for l in mha) + 1
-    kv = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
-                              v_head_dim=dv, layer_num=layer_num, device=device, enable_memory_saver=False,
-                              enable_alt_stream=False)
-    # Share storage: SGLang indexes its buffers by layer id; ids without an MHA layer get a small placeholder.
-    kv.size = slots - page_size
-    kv.k_buffer = [pool.k_buffers.get(i, torch.zeros(slots, hk, d, dtype=dtype, device=device))
-                   for i in range(layer_num)]
-    kv.v_buffer = [pool.v_buffers.get(i, torch.zeros(slots, hk, dv, dtype=dtype, device=device))
-                   for i in range(layer_num)]
-    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
-    kv._init_data_ptrs_and_strides()
+    r.req_to_token_pool.size = rows
     r.token_to_kv_pool = kv
     r.token_to_kv_pool_allocator = SimpleNamespace(page_size=page_size, get_kvcache=lambda: kv)
     r.init_kv_index_translator()  # after req_to_token is ours: the translator keeps a reference to it
@@ -253,5 +466,82 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.init_new_workspace = False
     r.is_hybrid_swa = window is not None
     r.sliding_window_size = window
-    r.use_mla_backend = False
+    r.use_mla_backend = use_mla
     return r
+
+
+def _hybrid_request_pool(sgl, config, runner: ModelRunner, dtype: torch.dtype, device: str, max_draft_tokens: int,
+                         topk: int):
+    """SGLang's request pool of a hybrid model: request rows plus the GDN state pools, one state slot per row
+    of the harness's pools (slot 0 reserved in both).
+
+    Conv states are kept in the model's dtype, as ``SGLANG_MAMBA_CONV_DTYPE=<model dtype>`` makes SGLang do (its
+    default is bfloat16 whatever the model's dtype; bf16 serving models see no difference), SSM states in
+    float32 (SGLang's default, and the harness's).
+    """
+    params = config.mamba2_cache_params
+    params = sgl.Mamba2CacheParams(shape=params.shape, layers=params.layers,
+                                   dtype=sgl.Mamba2StateDType(conv=dtype, temporal=torch.float32))
+    rows = runner.req_to_token.shape[0]
+    state_slots = rows if runner.mamba_pool is None else \
+        next(iter(runner.mamba_pool.ssm_states.values())).shape[0]
+    return sgl.HybridReqToTokenPool(
+        size=rows - 1, mamba_size=state_slots - 1, mamba_spec_state_size=state_slots - 1, max_context_len=1,
+        device=device, enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(params.layers),
+        enable_mamba_extra_buffer=False, speculative_num_draft_tokens=max_draft_tokens or None,
+        speculative_eagle_topk=topk or None, enable_overlap_schedule=False)
+
+
+class StateSync:
+    """Copies the linear-attention states between the harness's pools and SGLang's, which differ in layout:
+    SGLang keeps one tensor per kind over all linear layers, ``conv[L, slots, conv_dim, W-1]`` and
+    ``temporal[L, slots, Hv, V, K]`` (value before key), the harness ``conv_states[id][slots, conv_dim, W-1]``
+    and ``ssm_states[id][slots, Hv, K, V]``. Speculative steps: SGLang's ``intermediate_ssm[L, slots, D, Hv, V, K]``
+    and ``intermediate_conv_window[0][L, slots, D, conv_dim, W-1]``. States go in before a batch is planned and
+    come back after each linear layer runs, every slot both ways, so a write to a wrong slot is seen."""
+
+    def __init__(self, sgl_runner, runner: ModelRunner) -> None:
+        self.pool = sgl_runner.req_to_token_pool
+        self.harness = runner.mamba_pool
+        self.runner = runner
+
+    def push(self, fb) -> None:
+        """The harness's states and request->slot map into SGLang's pools, then what SGLang's scheduler does
+        before such a batch: a request without a cached prefix got a fresh state slot, which it clears
+        (``ScheduleBatch.mamba_clear_indices``; the GDN kernels read the slot's SSM state whatever the prefix)."""
+        mapping = self.pool.req_index_to_mamba_index_mapping
+        mapping.copy_(self.runner.req_to_state_slot.to(mapping.dtype))
+        if self.harness is None:
+            return
+        self.push_states()
+        mode = fb.forward_mode
+        if mode.is_decode() or mode.is_idle() or mode.is_target_verify():
+            return
+        fresh = [slot for slot, prefix in zip(fb.state_slots.tolist(), fb.extend_prefix_lens_cpu) if prefix == 0]
+        if fresh:
+            self.pool.mamba_pool.clear_slots(torch.tensor(fresh, dtype=torch.int64, device=mapping.device))
+
+    def push_states(self) -> None:
+        """The harness's committed states into SGLang's pools (they are the state; SGLang's are a copy), e.g.
+        before a verify commit, which a property may repeat from the same verified states."""
+        for layer_id, conv in self.harness.conv_states.items():
+            cache = self.pool.mamba2_layer_cache(layer_id)
+            cache.conv[0].copy_(conv)
+            cache.temporal.copy_(self.harness.ssm_states[layer_id].transpose(-1, -2))
+
+    def pull(self, layer_id: int, state_slots: list[int] | None = None, verify: bool = False) -> None:
+        """SGLang's states of one linear layer back into the harness's pools; after a verify, also its
+        per-draft-step states, which SGLang keeps by batch row (request i owns scratch row i,
+        ``linear/utils.py`` build_verify_intermediate_state_indices) and the harness by state slot."""
+        if self.harness is None or layer_id not in self.harness.conv_states:
+            return
+        cache = self.pool.mamba2_layer_cache(layer_id)
+        self.harness.conv_states[layer_id].copy_(cache.conv[0])
+        self.harness.ssm_states[layer_id].copy_(cache.temporal.transpose(-1, -2))
+        if verify and layer_id in self.harness.intermediate_ssm_states:
+            ours_ssm = self.harness.intermediate_ssm_states[layer_id]
+            ours_conv = self.harness.intermediate_conv_states[layer_id]
+            d = ours_ssm.shape[1]
+            for row, slot in enumerate(state_slots):
+                ours_ssm[slot] = cache.intermediate_ssm[row, :d].transpose(-1, -2)
+                ours_conv[slot] = cache.intermediate_conv_window[0][row, :d]

@@ -25,13 +25,13 @@ _BLOCK_H = 16
 @triton.jit
 def _decode_split_kernel(
     Q, K_BUF, V_BUF, KV_INDPTR, KV_INDICES, PART_O, PART_LSE,
-    sm_scale, logit_cap, window_left,
+    sm_scale, logit_cap, window_left, k_descale, v_descale,
     stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -69,6 +69,8 @@ def _decode_split_kernel(
         slots = tl.load(KV_INDICES + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
         k = tl.load(K_BUF + slots[:, None] * stride_kbs + kv_head * stride_kbh + offs_d[None, :],
                     mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        if KV_FP8:  # e4m3 rows times the scale, in q's dtype (exact for power-of-two scales)
+            k = (k.to(tl.float32) * k_descale).to(Q.dtype.element_ty)
         if INTERPRETED:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -84,13 +86,15 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_BUF + slots[:, None] * stride_vbs + kv_head * stride_vbh + offs_dv[None, :],
                     mask=col_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
-        # P is rounded to V's dtype for the tensor-core dot; the sum l stays float32.
+        if KV_FP8:
+            v = (v.to(tl.float32) * v_descale).to(Q.dtype.element_ty)
+        # P is rounded to V's dtype (the queries') for the tensor-core dot; the sum l stays float32.
         if INTERPRETED:
             v = v.to(tl.float32)
-            if V_BUF.dtype.element_ty != tl.float32:
-                p = round_like_gpu(p, V_BUF.dtype.element_ty)
+            if Q.dtype.element_ty != tl.float32:
+                p = round_like_gpu(p, Q.dtype.element_ty)
         else:
-            p = p.to(V_BUF.dtype.element_ty)
+            p = p.to(Q.dtype.element_ty)
         acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -147,13 +151,15 @@ def _launch_config(block_d: int, dtype: torch.dtype, interpreted: bool) -> dict:
 
 def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
                          kv_indptr: torch.Tensor, kv_indices: torch.Tensor, *, sm_scale: float,
-                         logit_cap: float = 0.0, sliding_window: int = -1, num_kv_splits: int = 4) -> None:
+                         logit_cap: float = 0.0, sliding_window: int = -1, num_kv_splits: int = 4,
+                         k_descale: float = 1.0, v_descale: float = 1.0) -> None:
     """One query token per request over its paged keys; writes ``o`` in place.
 
     Parameters
     ----------
     q : ``(B, num_qo_heads, head_dim)``
-    k_buffer, v_buffer : ``(num_slots, num_kv_heads, head_dim)``, ``(num_slots, num_kv_heads, v_head_dim)``.
+    k_buffer, v_buffer : ``(num_slots, num_kv_heads, head_dim)``, ``(num_slots, num_kv_heads, v_head_dim)``, in
+        q's dtype or both ``float8_e4m3fn`` (an fp8 cache: a row means ``row * k_descale`` / ``row * v_descale``).
     o : ``(B, num_qo_heads, v_head_dim)``, written in place (in its own dtype).
     kv_indptr : ``(B + 1,)`` int32/int64; kv_indices int32/int64: request ``i``'s keys, its new token last
         (the caller writes it to the pool first), are at slots ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``.
@@ -162,6 +168,7 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     sliding_window : window_left: the query (position ``kv_len - 1``) sees keys from ``kv_len - 1 -
         window_left`` on; -1 is off.
     num_kv_splits : how many parts each request's keys are split into (stage 1), merged in stage 2.
+    k_descale, v_descale : the fp8 cache's scales (ignored for a cache in q's dtype).
 
     GQA: query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``. A request with no keys
     outputs zeros. P is rounded to v's dtype before the PV product; float32 inputs use IEEE dots in the
@@ -180,7 +187,10 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
         require(tuple(t.shape) == shape, f"{name} has shape {tuple(t.shape)}, expected {shape} (head_dim from q)")
     for name, t in (("q", q), ("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o)):
         require(t.stride(-1) == 1, f"{name} needs a unit stride in its last dimension; pass {name}.contiguous()")
-        require(name == "o" or t.dtype == q.dtype, f"{name} is {t.dtype} but q is {q.dtype}; cast them to one dtype")
+        fp8_buffer = name in ("k_buffer", "v_buffer") and t.dtype == torch.float8_e4m3fn
+        require(name == "o" or t.dtype == q.dtype or fp8_buffer,
+                 f"{name} is {t.dtype} but q is {q.dtype}; cast them to one dtype")
+    require(v_buffer.dtype == k_buffer.dtype, f"k_buffer is {k_buffer.dtype} but v_buffer is {v_buffer.dtype}")
     check_index("kv_indptr", kv_indptr, B + 1)
     check_index("kv_indices", kv_indices)
     for name, t in (("k_buffer", k_buffer), ("v_buffer", v_buffer), ("o", o), ("kv_indptr", kv_indptr),
@@ -203,12 +213,12 @@ def decode_attention_fwd(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torc
     grid = (B, Hk * triton.cdiv(group, _BLOCK_H), splits)
     _decode_split_kernel[grid](
         q, k_buffer, v_buffer, kv_indptr, kv_indices, part_o, part_lse,
-        float(sm_scale), logit_cap, int(sliding_window),
+        float(sm_scale), logit_cap, int(sliding_window), float(k_descale), float(v_descale),
         q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=D, V_HEAD_DIM=DV, BLOCK_H=_BLOCK_H, BLOCK_D=block_d, BLOCK_DV=block_dv,
         NUM_SPLITS=splits, USE_WINDOW=sliding_window >= 0, USE_CAP=logit_cap > 0, INTERPRETED=interpreted,
-        **cfg,
+        KV_FP8=k_buffer.dtype == torch.float8_e4m3fn, **cfg,
     )
     _decode_merge_kernel[(B, H)](
         part_o, part_lse, o,

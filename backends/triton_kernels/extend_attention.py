@@ -30,19 +30,24 @@ from backends.triton_kernels.numerics import is_interpreted, round_like_gpu, sof
 
 @triton.jit
 def _attend_block(q, m_i, l_i, acc, K, V, k_row_off, v_row_off, col_ok, visible, sm_scale, logit_cap,
+                  k_descale, v_descale,
                   HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr, USE_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  INTERPRETED: tl.constexpr):
+                  INTERPRETED: tl.constexpr, KV_FP8: tl.constexpr, PV_DTYPE: tl.constexpr):
     """One online-softmax step over a block of keys.
 
     ``k_row_off``/``v_row_off`` ``(BLOCK_N,)``: element offsets of each key's row for this kv head;
     ``col_ok`` ``(BLOCK_N,)``: the key exists (padding columns are never loaded); ``visible``
-    ``(BLOCK_M, BLOCK_N)``. Scores are kept in the log2 domain so the softmax uses exp2.
+    ``(BLOCK_M, BLOCK_N)``. Scores are kept in the log2 domain so the softmax uses exp2. ``KV_FP8``: K and V are
+    e4m3 rows, dequantized to ``PV_DTYPE`` (the queries' dtype) times ``k_descale``/``v_descale`` (exact for the
+    power-of-two scales the harness uses).
     """
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k = tl.load(K + k_row_off[:, None] + offs_d[None, :],
                 mask=col_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    if KV_FP8:
+        k = (k.to(tl.float32) * k_descale).to(PV_DTYPE)
     if INTERPRETED:
         k = k.to(tl.float32)  # see numerics.py: the interpreter's 16-bit dots are wrong
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -60,13 +65,15 @@ def _attend_block(q, m_i, l_i, acc, K, V, k_row_off, v_row_off, col_ok, visible,
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(V + v_row_off[:, None] + offs_dv[None, :],
                 mask=col_ok[:, None] & (offs_dv[None, :] < V_HEAD_DIM), other=0.0)
-    # P is rounded to V's dtype for the tensor-core dot, as in FlashAttention; the sum l stays float32.
+    if KV_FP8:
+        v = (v.to(tl.float32) * v_descale).to(PV_DTYPE)
+    # P is rounded to V's dtype (the queries') for the tensor-core dot, as in FlashAttention; l stays float32.
     if INTERPRETED:
         v = v.to(tl.float32)
-        if V.dtype.element_ty != tl.float32:
-            p = round_like_gpu(p, V.dtype.element_ty)
+        if PV_DTYPE != tl.float32:
+            p = round_like_gpu(p, PV_DTYPE)
     else:
-        p = p.to(V.dtype.element_ty)
+        p = p.to(PV_DTYPE)
     acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -74,13 +81,13 @@ def _attend_block(q, m_i, l_i, acc, K, V, k_row_off, v_row_off, col_ok, visible,
 @triton.jit
 def _extend_fwd_kernel(
     Q, K_EXT, V_EXT, O, K_BUF, V_BUF, QO_INDPTR, KV_INDPTR, KV_INDICES, MASK, MASK_INDPTR, POS,
-    sm_scale, logit_cap, window_left,
+    sm_scale, logit_cap, window_left, k_descale, v_descale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, V_HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_CUSTOM_MASK: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_CAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     block_m = tl.program_id(0)
     head = tl.program_id(1)
@@ -135,8 +142,9 @@ def _extend_fwd_kernel(
         slots = tl.load(KV_INDICES + kv_start + cols, mask=col_ok, other=0).to(tl.int64)
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, K_BUF, V_BUF, slots * stride_kbs + kv_head * stride_kbh,
-            slots * stride_vbs + kv_head * stride_vbh, col_ok, visible, sm_scale, logit_cap,
-            HEAD_DIM, V_HEAD_DIM, BLOCK_D, BLOCK_DV, USE_CAP, DOT_PRECISION, INTERPRETED)
+            slots * stride_vbs + kv_head * stride_vbh, col_ok, visible, sm_scale, logit_cap, k_descale, v_descale,
+            HEAD_DIM, V_HEAD_DIM, BLOCK_D, BLOCK_DV, USE_CAP, DOT_PRECISION, INTERPRETED, KV_FP8,
+            Q.dtype.element_ty)
 
     # Stage 2: the request's own new tokens.
     lo = 0
@@ -162,8 +170,9 @@ def _extend_fwd_kernel(
         tok = qo_start + cols
         m_i, l_i, acc = _attend_block(
             q, m_i, l_i, acc, K_EXT, V_EXT, tok * stride_kt + kv_head * stride_kh,
-            tok * stride_vt + kv_head * stride_vh, col_ok, visible, sm_scale, logit_cap,
-            HEAD_DIM, V_HEAD_DIM, BLOCK_D, BLOCK_DV, USE_CAP, DOT_PRECISION, INTERPRETED)
+            tok * stride_vt + kv_head * stride_vh, col_ok, visible, sm_scale, logit_cap, 1.0, 1.0,
+            HEAD_DIM, V_HEAD_DIM, BLOCK_D, BLOCK_DV, USE_CAP, DOT_PRECISION, INTERPRETED, False,
+            Q.dtype.element_ty)
 
     # Rows that saw no key have l = 0 and acc = 0: they output zeros.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -199,7 +208,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                          custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None, *,
                          sm_scale: float, logit_cap: float = 0.0, sliding_window: int = -1,
-                         causal: bool = True, positions: torch.Tensor | None = None) -> None:
+                         causal: bool = True, max_extend_len: int | None = None, k_descale: float = 1.0,
+                         v_descale: float = 1.0, positions: torch.Tensor | None = None) -> None:
     """Attention of each request's new tokens over its cached prefix, then its new tokens; writes
     ``o_extend`` in place.
 
@@ -210,7 +220,8 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     v_extend : ``(nnz_qo, num_kv_heads, v_head_dim)``
     o_extend : ``(nnz_qo, num_qo_heads, v_head_dim)``, written in place (in its own dtype).
     k_buffer, v_buffer : ``(num_slots, num_kv_heads, head_dim)``, ``(num_slots, num_kv_heads, v_head_dim)``:
-        the KV pool holding the prefixes.
+        the KV pool holding the prefixes, in q's dtype or both ``float8_e4m3fn`` (an fp8 cache: each row means
+        ``row * k_descale`` / ``row * v_descale``; the new tokens' k/v stay in q's dtype).
     qo_indptr : ``(B + 1,)`` int32/int64; request ``i``'s new tokens are rows ``qo_indptr[i]:qo_indptr[i+1]``.
     kv_indptr : ``(B + 1,)`` int32/int64; kv_indices ``(kv_indptr[-1],)`` int32/int64: request ``i``'s prefix
         slots are ``kv_indices[kv_indptr[i]:kv_indptr[i+1]]``, in token order.
@@ -222,13 +233,16 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     sliding_window : window_left: a query at position ``p`` sees no key before ``p - window_left``; -1 is off.
         A new token's position is ``prefix_i + j``, except under a custom mask, where it is ``positions``.
     causal : without a custom mask, new token ``j`` sees new tokens ``0..j`` (False: all of them).
+    max_extend_len : the most new tokens of any request, when the caller knows it (a CUDA graph's fixed width:
+        reading it from ``qo_indptr`` is a device sync, which graph capture forbids); None reads it.
+    k_descale, v_descale : the fp8 cache's scales (ignored for a cache in q's dtype).
     positions : ``(nnz_qo,)`` int: each new token's position; needed with a custom mask and a window (a
         draft tree's token sits at ``prefix_i + depth``, not at its row).
 
     GQA: query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``. A query row that sees no
     key outputs zeros. Accumulation is float32; P is rounded to v's dtype before the PV product; float32
     inputs use IEEE dots in the interpreter and three-pass TF32 (float32-accurate) on NVIDIA GPUs.
-    Reads ``max(qo_indptr diffs)`` on the host to size the grid (one device sync).
+    Without ``max_extend_len``, reads ``max(qo_indptr diffs)`` on the host to size the grid (one device sync).
     """
     require(q_extend.dim() == k_extend.dim() == v_extend.dim() == 3,
              "q_extend, k_extend and v_extend must be 3-D (tokens, heads, dim)")
@@ -242,8 +256,11 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     for name, t in (("q_extend", q_extend), ("k_extend", k_extend), ("v_extend", v_extend), ("o_extend", o_extend),
                     ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
         require(t.stride(-1) == 1, f"{name} needs a unit stride in its last dimension; pass {name}.contiguous()")
-        require(name == "o_extend" or t.dtype == q_extend.dtype,
+        fp8_buffer = name in ("k_buffer", "v_buffer") and t.dtype == torch.float8_e4m3fn
+        require(name == "o_extend" or t.dtype == q_extend.dtype or fp8_buffer,
                  f"{name} is {t.dtype} but q_extend is {q_extend.dtype}; cast them to one dtype")
+    kv_fp8 = k_buffer.dtype == torch.float8_e4m3fn
+    require(v_buffer.dtype == k_buffer.dtype, f"k_buffer is {k_buffer.dtype} but v_buffer is {v_buffer.dtype}")
     B = qo_indptr.numel() - 1
     check_index("qo_indptr", qo_indptr, B + 1)
     check_index("kv_indptr", kv_indptr, B + 1)
@@ -276,7 +293,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     if B <= 0 or T == 0:
         return
 
-    max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    max_q = max_extend_len if max_extend_len is not None else int((qo_indptr[1:] - qo_indptr[:-1]).max())
     if max_q <= 0:
         return
     block_d, block_dv = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(DV))
@@ -288,11 +305,11 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     _extend_fwd_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
         mask, mask_indptr if use_mask else qo_indptr, positions if tree_window else qo_indptr,
-        float(sm_scale), logit_cap, int(sliding_window),
+        float(sm_scale), logit_cap, int(sliding_window), float(k_descale), float(v_descale),
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),
         k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
         GROUP=H // Hk, HEAD_DIM=D, V_HEAD_DIM=DV, BLOCK_D=block_d, BLOCK_DV=block_dv,
         USE_CUSTOM_MASK=use_mask, CAUSAL=bool(causal), USE_WINDOW=sliding_window >= 0, USE_CAP=logit_cap > 0,
-        INTERPRETED=interpreted, **cfg,
+        INTERPRETED=interpreted, KV_FP8=kv_fp8, **cfg,
     )

@@ -222,6 +222,20 @@ def stale_graph_replay():
     return _replace(TritonBackend, "init_forward_metadata_out_graph", out_graph)
 
 
+def graph_verify_mask_stale():
+    from backends.triton import TritonBackend
+    original = TritonBackend._plan_graph
+
+    def _plan_graph(self, fb):
+        buffers = self.graph_buffers
+        mask = buffers["custom_mask"].clone() if buffers.get("mask_planned") else None
+        original(self, fb)
+        if mask is not None:  # a replay: the tree mask (a verify-only buffer) keeps what the capture planned
+            buffers["custom_mask"].copy_(mask)
+        buffers["mask_planned"] = fb.forward_mode.is_target_verify()
+    return _replace(TritonBackend, "_plan_graph", _plan_graph)
+
+
 def decode_ignores_sliding_window():
     import backends.triton_kernels.decode_attention as dec
     original = dec.decode_attention_fwd
@@ -434,9 +448,41 @@ def commit_wrong_position():
     import backends.linear_torch as lt
     original = lt.LinearTorchBackend.update_mamba_state_after_mtp_verify
 
-    def update(self, accepted_length, model=None):
-        return original(self, (accepted_length - 1).clamp(min=1), model)
+    def update(self, last_correct_step_indices, *args, **kwargs):
+        return original(self, (last_correct_step_indices - 1).clamp(min=0), *args, **kwargs)
     return _replace(lt.LinearTorchBackend, "update_mamba_state_after_mtp_verify", update)
+
+
+def state_slot_bound_by_request_rows():
+    import backends.linear_torch as lt
+    original = lt.LinearTorchBackend.init_forward_metadata
+
+    def init_forward_metadata(self, forward_batch):
+        original(self, forward_batch)
+        # Slots are bounds-checked against the request-row count, not the state pool's size: a slot past it is
+        # taken for padding (slot 0), so that request reads and writes the padding slot.
+        slots, rows = self.forward_metadata.state_slots, forward_batch.req_to_token.shape[0]
+        self.forward_metadata.state_slots = torch.where(slots < rows, slots, torch.zeros_like(slots))
+    return _replace(lt.LinearTorchBackend, "init_forward_metadata", init_forward_metadata)
+
+
+def commit_skips_tracked_copy():
+    import backends.linear_torch as lt
+    original = lt.LinearTorchBackend.update_mamba_state_after_mtp_verify
+
+    def update(self, last_correct_step_indices, mamba_track_indices=None, mamba_steps_to_track=None, model=None,
+               req_pool_indices=None):
+        return original(self, last_correct_step_indices, None, None, model, req_pool_indices)
+    return _replace(lt.LinearTorchBackend, "update_mamba_state_after_mtp_verify", update)
+
+
+def fp8_dequant_ignores_scale():
+    import backends.torch_native as tn
+    original = tn.dequantize_kv
+
+    def dequantize_kv(x, dtype, scale=1.0):
+        return original(x, dtype)  # the e4m3 payload taken for the value
+    return _replace(tn, "dequantize_kv", dequantize_kv)
 
 
 def graph_drops_mrope():
@@ -471,6 +517,62 @@ def sglang_triton_lacks_update_verify():
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
     return _replace(TritonAttnBackend, "update_verify_buffers_to_fill_after_draft",
                     base.update_verify_buffers_to_fill_after_draft)
+
+
+def sglang_tbo_lacks_forward():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend as base
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    return _replace(TboAttnBackend, "forward", base.forward)
+
+
+def sglang_draft_target_layout():
+    from backends.sglang.runtime import load
+    sgl = load()
+    registry = sgl.attention_registry
+    original = registry.attn_backend_wrapper
+
+    def attn_backend_wrapper(runner, full_attn_backend):
+        backend = original(runner, full_attn_backend)
+        if runner.is_draft_worker and isinstance(backend, sgl.HybridLinearAttnBackend):
+            # the draft worker keeps the target model's full-attention layer ids (before #27120)
+            backend.full_attn_layers = registry.mambaish_config(runner.model_config).full_attention_layer_ids
+        return backend
+    return _replace(registry, "attn_backend_wrapper", attn_backend_wrapper)
+
+
+@contextlib.contextmanager
+def _without(cls, name):
+    """``cls`` without its own ``name`` (hasattr turns False, unlike patching it to None)."""
+    original = cls.__dict__[name]
+    delattr(cls, name)
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
+def _cpu_full_child_with_mha_chunk(method):
+    """SGLang's CPU backends plan no chunked prefix; the seeds' CPU form gives TorchNative the method that
+    FlashInferMLA / TRT-LLM MLA have (the GPU form needs an MLA hybrid)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    return mock.patch.object(TorchNativeAttnBackend, "init_mha_chunk_metadata", method, create=True)
+
+
+@contextlib.contextmanager
+def sglang_hybrid_lacks_mha_chunk():
+    from backends.sglang.runtime import load
+    sgl = load()
+    with _cpu_full_child_with_mha_chunk(lambda self, forward_batch, disable_flashinfer_ragged=False: None), \
+            _without(sgl.HybridLinearAttnBackend, "init_mha_chunk_metadata"):
+        yield
+
+
+def sglang_one_arg_mha_chunk():
+    from backends.sglang.runtime import load
+    load()
+    return _cpu_full_child_with_mha_chunk(lambda self, forward_batch: None)
 
 
 def graph_captures_linear():
@@ -512,6 +614,21 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "update_verify_buffers_to_fill_after_draft (sgl-project/sglang#25925); the overlap plan stream's "
            "call raises NotImplementedError on the first verify", ("sglang.triton",), ("conformance",),
            engine="sglang"),
+    Mutant("sglang_tbo_lacks_forward", "SGLang's TboAttnBackend without forward (sgl-project/sglang#20109, fixed "
+           "by #20114); a linear layer's keyword call reaches the base dispatch and crashes ('missing q, k, v')",
+           ("tbo(hybrid(sglang.torch_native,sglang.gdn))",), ("outputs",), engine="sglang"),
+    Mutant("sglang_draft_target_layout", "SGLang's MTP draft worker builds its HybridLinearAttnBackend with the "
+           "target model's full-attention layer ids (before sgl-project/sglang#27120); the draft's layer 0 goes "
+           "to the GDN backend", ("hybrid(sglang.torch_native,sglang.gdn)",), ("dispatch", "outputs"),
+           engine="sglang"),
+    Mutant("sglang_hybrid_lacks_mha_chunk", "SGLang's HybridLinearAttnBackend without init_mha_chunk_metadata "
+           "(fixed by sgl-project/sglang#27316; CPU form: the full child given the method MLA backends have); "
+           "the hasattr-guarded caller skips planning and the next prefix extend runs on a stale plan",
+           ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
+    Mutant("sglang_one_arg_mha_chunk", "a full-attention child whose init_mha_chunk_metadata takes only the batch "
+           "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
+           "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
+           ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
 ]
 
 CATALOGUE: list[Mutant] = [
@@ -554,6 +671,9 @@ CATALOGUE: list[Mutant] = [
     Mutant("stale_graph_replay", "init_forward_metadata_out_graph plans only at capture (in_capture=True) and "
            "keeps that plan before replays; graph replays read stale "
            "indptrs and indices", ("graph(triton)",)),
+    Mutant("graph_verify_mask_stale", "the verify graph's planning copies the draft tree's mask into its static "
+           "buffer at capture only, so replays read the capture's dummy mask; every verified draft sees all the "
+           "others and acceptance collapses under CUDA graphs only", ("graph(triton)",), ("graph_replay",)),
     Mutant("decode_ignores_sliding_window", "decode kernel launched without the layer's sliding window; "
            "long contexts attend too far", ("triton",)),
     Mutant("extend_drops_logit_cap", "extend kernel launched without the logit soft-cap; Gemma-style "
@@ -568,6 +688,16 @@ CATALOGUE: list[Mutant] = [
            "of zeros; fresh prompts inherit another request's context", ("linear_torch",)),
     Mutant("commit_wrong_position", "after verify, the state one position before the last accepted token is "
            "committed; every later token of the request decodes from a state one step behind", ("linear_torch",)),
+    Mutant("fp8_dequant_ignores_scale", "with an fp8 KV cache, the cached e4m3 rows are read back without "
+           "multiplying by the layer's k_scale/v_scale; every cached token's key and value are off by the scale",
+           ("torch_native",)),
+    Mutant("state_slot_bound_by_request_rows", "a state slot at or past the number of request rows is taken for "
+           "padding (bounded by the wrong pool's size): that request starts from zero states and its new "
+           "state is dropped; only state pools larger than the request rows (gapped slots) reach it",
+           ("linear_torch",)),
+    Mutant("commit_skips_tracked_copy", "the verify commit never writes the radix cache's tracked copy "
+           "(mamba_track_indices); a later prefix-cache hit resumes from a stale state", ("linear_torch",),
+           ("verify_commit",)),
     Mutant("decode_segfault_past_page_table", "paged decode reads past the end of the page table once the batch "
            "spans more than two KV pages; the process dies with SIGSEGV (an illegal memory access on a GPU)",
            ("torch_native",), properties=("outputs",), crashes=True),

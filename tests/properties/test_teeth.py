@@ -40,6 +40,16 @@ CASES = [
     ("chunked_prefill", "conv_state_not_saved", "linear_torch", BatchSpec(ForwardMode.EXTEND, (0, 3), (6, 5), HYBRID_LAYERS[1:])),
     ("prefill_then_decode", "fresh_request_reads_pool", "linear_torch", BatchSpec(ForwardMode.EXTEND, (0,), (4,), HYBRID_LAYERS[1:])),
     ("verify_chain", "commit_wrong_position", HYB, CHAIN_VERIFY),
+    # a verify-only graph buffer left stale: no decode graph and no eager run reads it
+    ("graph_replay", "graph_verify_mask_stale", "graph(triton)",
+     BatchSpec(ForwardMode.TARGET_VERIFY, (4, 7), (3, 3), (MHA,),
+               spec=SpecInput(3, 2, 2, ((-1, 0, 0), (-1, 0, 1)), (2, 3)), seed=5)),
+    ("verify_commit", "commit_skips_tracked_copy", HYB, CHAIN_VERIFY),
+    ("outputs", "fp8_dequant_ignores_scale", "torch_native",
+     BatchSpec(ForwardMode.DECODE, (9, 4), (1, 1), (MHALayer(0, 4, 2, 32, 32, k_scale=0.5, v_scale=4.0),),
+               kv_cache_dtype="fp8_e4m3")),
+    ("cache", "state_slot_bound_by_request_rows", "linear_torch",
+     BatchSpec(ForwardMode.EXTEND, (2, 3), (2, 2), HYBRID_LAYERS[1:], state_slot_layout="gapped")),
     ("tree_branch", "verify_window_by_row", "torch_native", TREE_VERIFY),
 ]
 
@@ -57,5 +67,5 @@ def test_property_catches_the_fault_and_passes_without_it(prop, mutant, composit
 
 
 def test_every_property_has_a_tooth():
-    covered = {p for p, _, _, _ in CASES} | {"graph_replay"}  # graph_replay: tests/backends/test_triton_backend.py
+    covered = {p for p, _, _, _ in CASES}
     assert covered == set(PROPERTIES)

@@ -1,0 +1,192 @@
+"""SGLang's FlashInfer backends as leaves: ``FlashInferAttnBackend`` (MHA) and ``FlashInferMLAAttnBackend`` (MLA).
+
+SGLang registers both under one name, "flashinfer": its registry builds the MLA one when the runner uses an
+MLA model (``attention_registry.py``, ``create_flashinfer_backend``), which :func:`runtime.make_runner` sets
+from the model's layers. Both plan token-level indices (FlashInfer page size 1) whatever the pool's page
+size, and keep their plans inside FlashInfer's wrappers, which :func:`wrapper_plan` reads back.
+
+The MLA leaf is also the model's side of the call, as SGLang's DeepSeek attention makes it
+(``models/deepseek_common/``): per batch it asks SGLang's own dispatcher (``handle_attention_flashinfer``)
+which form a layer runs in, then calls the backend through that form's ``RadixAttention``:
+
+* ``MLA`` (decode, verify, and extend batches with a cached prefix under SGLang's chunked-prefix threshold):
+  the absorbed layer ``attn_mqa`` (``num_kv_heads=1``, ``head_dim = kv_lora_rank + rope``, ``v_head_dim =
+  kv_lora_rank``) called as ``attn_mqa(q_nope_out, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe)``
+  (forward_mla.py, ``forward_absorb_core``); the backend writes the latent rows (``set_mla_kv_buffer``).
+* ``MHA_ONE_SHOT`` (extend batches without a prefix, or with one at or above the threshold): the expanded
+  layer ``attn_mha`` over every key of the batch, the prefix's re-expanded from the latent cache
+  (forward_mha.py, ``forward_normal_one_shot_*``).
+* ``MHA_CHUNKED_KV`` (prefixes longer than ``SGLANG_MAX_KV_CHUNK_CAPACITY``, 128k tokens): not adapted;
+  it merges chunk states with ``sgl_kernel``, which is not installed beside the harness.
+
+The harness's model hands an expanded extend layer its new tokens' ``q [T, H, nope + rope]``, ``k``, ``v``
+(latent rows already written) and an absorbed layer ``q [T, H, C + R]`` and the new latent rows; the
+up-projections (``w_kc``, ``w_vc``: the model's ``kv_b_proj``) are the model's, from :mod:`backends.latent`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backends.base import Capabilities, PlannedMetadata
+from backends.latent import latent_to_heads, latent_to_output, query_to_latent
+from backends.sglang.adapter import SglangBackend
+from batch.spec import ForwardMode
+
+# The modes run on the GPU so far. DRAFT_EXTEND (EagleDraftExtendInput) and IDLE are translated by the adapter
+# but were never run through SGLang's FlashInfer backends on a GPU: not declared until they are.
+FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY})
+# FlashInfer has no float32 attention kernels; SGLang serves bf16 and fp16 models with it.
+FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
+
+
+def wrapper_plan(wrapper, *, kv_includes_new_tokens: bool) -> PlannedMetadata:
+    """What a planned FlashInfer wrapper holds, as :class:`PlannedMetadata` (page size 1: token slots).
+
+    Paged prefill/decode wrappers keep ``_qo_indptr_buf``, ``_paged_kv_indptr_buf``, ``_paged_kv_indices_buf``
+    and ``_paged_kv_last_page_len_buf``; the MLA wrapper ``_qo_indptr_buf``, ``_kv_indptr_buf``,
+    ``_kv_indices_buf``; a ragged wrapper only its indptrs (its keys are the new tokens, no cache slots).
+    SGLang allocates prefill indices with slack (``paged_kernel_lens_sum + 256``): only the first
+    ``kv_indptr[-1]`` are the plan. The last-page lengths are not reported: with pages of one token they are
+    SGLang's constant buffer of ones, which FlashInfer reads only for requests with at least one page (a
+    request without keys has length 0 from its indptr). Absent buffers give None fields, which the metadata
+    checks skip.
+    """
+    get = lambda name: getattr(wrapper, name, None)  # noqa: E731
+    qo = get("_qo_indptr_buf")
+    indptr = get("_paged_kv_indptr_buf")
+    indices = get("_kv_indices_buf") if indptr is None else get("_paged_kv_indices_buf")
+    if indptr is None:
+        indptr = get("_kv_indptr_buf")
+    if indptr is None or indices is None:
+        return PlannedMetadata(qo_indptr=qo)
+    B = indptr.numel() - 1
+    return PlannedMetadata(qo_indptr=None if qo is None else qo[:B + 1], kv_indptr=indptr,
+                           kv_indices=indices[:int(indptr[-1])], kv_includes_new_tokens=kv_includes_new_tokens)
+
+
+class SglangFlashInfer(SglangBackend):
+    """SGLang's ``FlashInferAttnBackend`` (MHA): ragged prefill over the new tokens merged with a paged
+    prefill over the prefix (extend), paged prefill under the tree mask (verify), paged decode."""
+
+    sglang_name = "flashinfer"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mha"}),
+        modes=FLASHINFER_MODES,
+        dtypes=FLASHINFER_DTYPES,
+        head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's attention kernels are built for
+        devices=frozenset({"cuda"}),
+        requires=("sglang", "flashinfer"),
+        engine="sglang",
+    )
+
+    def planned_metadata(self) -> PlannedMetadata:
+        """The plan of the wrapper full-attention layers run: FlashInfer's decode wrapper, or its paged prefill
+        wrapper (over the prefix when the new tokens go through the ragged wrapper, else over every key).
+        With a sliding window SGLang plans two wrappers; the second is the full-attention one
+        (``_get_wrapper_idx``)."""
+        meta = getattr(self.inner, "forward_metadata", None)
+        if meta is None:
+            return PlannedMetadata()
+        if hasattr(meta, "decode_wrappers"):
+            return wrapper_plan(meta.decode_wrappers[-1], kv_includes_new_tokens=True)
+        return wrapper_plan(meta.prefill_wrappers[-1], kv_includes_new_tokens=not meta.use_ragged)
+
+
+def _mla_radix(backend, layer, absorbed: bool):
+    """The layer's ``attn_mqa`` (absorbed) or ``attn_mha`` (expanded) as DeepSeek builds them (cached)."""
+    spec = layer.spec
+    key = ("mla", layer.layer_id, absorbed)
+    radix = backend.radix.get(key)
+    if radix is None:
+        C, R, N = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim
+        if absorbed:
+            radix = backend.sgl.RadixAttention(num_heads=spec.num_heads, head_dim=C + R, scaling=spec.sm_scale,
+                                               num_kv_heads=1, layer_id=layer.layer_id, v_head_dim=C)
+        else:
+            radix = backend.sgl.RadixAttention(num_heads=spec.num_heads, head_dim=N + R, scaling=spec.sm_scale,
+                                               num_kv_heads=spec.num_heads, layer_id=layer.layer_id,
+                                               v_head_dim=spec.v_head_dim)
+        backend.radix[key] = radix
+    return radix
+
+
+def forward_method(sgl, sfb, spec):
+    """SGLang's choice for one MLA layer of this batch (DeepSeek with the flashinfer backend), from its own
+    dispatcher and the server settings the layer reads at construction."""
+    attn = type("DeepseekAttention", (), {})()
+    attn.flashinfer_mla_disable_ragged = sgl.get_exec().kernel.flashinfer_mla_disable_ragged
+    attn.disable_chunked_prefix_cache = sgl.get_schedule().disable_chunked_prefix_cache
+    attn.chunked_prefix_cache_threshold = sgl.envs.SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD.get()
+    attn.qk_rope_head_dim = spec.qk_rope_head_dim
+    return sgl.handle_attention_flashinfer(attn, sfb)
+
+
+class SglangFlashInferMLA(SglangBackend):
+    """SGLang's ``FlashInferMLAAttnBackend``, driven as SGLang's DeepSeek attention drives it (module
+    docstring)."""
+
+    sglang_name = "flashinfer"  # the MLA backend: the runner uses an MLA model
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mla"}),
+        modes=FLASHINFER_MODES,
+        dtypes=FLASHINFER_DTYPES,
+        devices=frozenset({"cuda"}),
+        requires=("sglang", "flashinfer"),
+        engine="sglang",
+    )
+
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
+        """Absorbed layer: q ``[T, H, C + R]``, k the new latent rows ``[T, 1, C + R]`` -> ``[T, H, C]``.
+        Expanded layer: q, k ``[T, H, nope + rope]``, v ``[T, H, V]`` of the new tokens -> ``[T, H, V]``."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        sgl, spec = self.sgl, layer.spec
+        C, N, T, H = spec.kv_lora_rank, spec.qk_nope_head_dim, q.shape[0], spec.num_heads
+        with torch.no_grad(), sgl.forward_context(sgl.ForwardContext(attn_backend=via or self.inner)):
+            if layer.absorbed:
+                o = _mla_radix(self, layer, True)(
+                    q[..., :C].contiguous(), k[..., :C].contiguous(), k[..., :C].contiguous(), sfb,
+                    save_kv_cache=save_kv_cache, q_rope=q[..., C:].contiguous(), k_rope=k[..., C:].contiguous())
+                return o.reshape(T, H, C)
+            method = forward_method(sgl, sfb, spec)
+            w_kc, w_vc = layer.weights["w_kc"], layer.weights["w_vc"]
+            latent = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            if method is sgl.AttnForwardMethod.MLA:
+                # The extend runs absorbed: the query projected into the latent space, the new rows (which the
+                # model wrote) as k_nope / k_pe, the latent output up-projected by the model.
+                rows = latent[forward_batch.out_cache_loc]
+                q_nope_out = query_to_latent(q[..., :N], w_kc).to(q.dtype)
+                o = _mla_radix(self, layer, True)(
+                    q_nope_out, rows[..., :C].contiguous(), rows[..., :C].contiguous(), sfb,
+                    q_rope=q[..., N:].contiguous(), k_rope=rows[..., C:].contiguous())
+                return latent_to_output(o.reshape(T, H, C), w_vc).to(q.dtype)
+            if method is not sgl.AttnForwardMethod.MHA_ONE_SHOT:
+                raise NotImplementedError(f"SGLang chose {method.name} for this batch; the adapter runs MLA and "
+                                          "MHA_ONE_SHOT (MHA_CHUNKED_KV needs sgl_kernel's merge_state)")
+            sfb.mha_one_shot = True
+            if any(sfb.extend_prefix_lens_cpu):
+                # Every key of the batch, the prefix's expanded again from the latent cache.
+                k, v = latent_to_heads(latent[sfb.fetch_mha_one_shot_kv_indices().long(), 0], C, w_kc, w_vc)
+                k, v = k.to(q.dtype), v.to(q.dtype)
+                if sfb.num_prefix_chunks is None:
+                    sfb.num_prefix_chunks = 0
+                    self.inner.init_mha_chunk_metadata(sfb)
+            sfb.mha_return_lse = False
+            sfb.set_attn_attend_prefix_cache(False)
+            o = _mla_radix(self, layer, False)(q.contiguous(), k.contiguous(), v.contiguous(), sfb,
+                                               save_kv_cache=False, key_value_num_tokens=k.shape[0])
+            return o.reshape(T, H, spec.v_head_dim)
+
+    def planned_metadata(self) -> PlannedMetadata:
+        """The MLA wrapper's plan (decode, verify, absorbed extend: every key, the new ones included), or the
+        ragged wrapper's query indptr for an extend that runs as MHA."""
+        meta = getattr(self.inner, "forward_metadata", None)
+        if meta is None:
+            return PlannedMetadata()
+        if hasattr(meta, "decode_wrapper"):
+            return wrapper_plan(meta.decode_wrapper, kv_includes_new_tokens=True)
+        if meta.use_ragged:
+            return PlannedMetadata(qo_indptr=getattr(self.inner.prefill_wrapper_ragged, "_qo_indptr_buf", None))
+        return wrapper_plan(meta.prefill_wrapper, kv_includes_new_tokens=True)

@@ -1,0 +1,157 @@
+"""Running the kernels SGLang ships (its Triton attention, and the fla kernels it vendors in
+``sglang.kernels.ops.attention.fla``) under Triton's CPU interpreter (``TRITON_INTERPRET=1``). Applied by
+:func:`backends.sglang.runtime.load` only when the interpreter is on; nothing is edited on disk and compiled
+(GPU) runs never see these.
+
+1. fla binds ``exp``/``exp2``/``log``/``log2`` as module-level aliases of ``tl.exp`` etc. (``fla/op.py``). The
+   interpreter swaps ``triton.language``'s functions while it interprets a kernel, so an alias taken at import
+   time is the unswapped builtin and fails. The stand-ins below are ``@triton.jit`` functions that call
+   ``tl.*`` at interpretation time; they must live at module level in a module whose globals hold ``tl``
+   (the interpreter looks it up there: "triton.language must be visible from within jit'd function").
+2. fla enters ``torch.<device>.device(index)`` around each call; on a CPU-only machine the device resolves to
+   "cpu" and ``torch.cpu.device`` does not exist: a null context instead.
+3. ``triton.autotune`` benchmarks every configuration, which needs a GPU driver: keep the first one.
+4. Triton 3.9's interpreter hands a load/store mask to its C++ helper, which accepts only a numpy bool array;
+   SGLang's causal-conv update kernel (``kernels/ops/mamba/causal_conv1d_triton.py``,
+   ``_causal_conv1d_update_kernel``) builds one from a scalar comparison ``&`` a tensor, which the interpreter
+   leaves in another numpy dtype ("mask has unsupported dtype"). The mask's truth values are cast to bool.
+5. Bounds: a compiled kernel that reads or writes out of bounds faults on the GPU (or corrupts silently); the
+   interpreter dereferences raw host addresses, so it corrupts the process's heap and aborts it later, far
+   from the cause ("munmap_chunk(): invalid pointer"). Every masked load and store is checked against the
+   storages of the kernel's tensor arguments, and one outside them raises ``OutOfBounds`` naming the kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def exp(x):
+    return tl.exp(x)
+
+
+@triton.jit
+def exp2(x):
+    return tl.math.exp2(x)
+
+
+@triton.jit
+def log(x):
+    return tl.log(x)
+
+
+@triton.jit
+def log2(x):
+    return tl.log2(x)
+
+
+_APPLIED = False
+
+
+class OutOfBounds(RuntimeError):
+    """An interpreted Triton kernel addressed memory outside every tensor it was given."""
+
+
+_ranges: list = []  # [(start, end, name)] of the running kernel's tensor arguments (host addresses)
+_kernel: list = []  # the running kernel's name
+
+
+def _check(ptrs, mask, what: str) -> None:
+    import numpy as np
+
+    if not _ranges:
+        return
+    addresses = ptrs.data[mask.data] if mask is not None else ptrs.data
+    if addresses.size == 0:
+        return
+    addresses = addresses.astype(np.uint64, copy=False).ravel()
+    starts = np.array([r[0] for r in _ranges], dtype=np.uint64)
+    ends = np.array([r[1] for r in _ranges], dtype=np.uint64)
+    inside = ((addresses[:, None] >= starts[None, :]) & (addresses[:, None] < ends[None, :])).any(axis=1)
+    if not inside.all():
+        bad = int(addresses[~inside][0])
+        nearest = min(_ranges, key=lambda r: min(abs(bad - r[0]), abs(bad - r[1])))
+        raise OutOfBounds(f"{_kernel[-1] if _kernel else 'a kernel'} {what} {int((~inside).sum())} element(s) "
+                          f"outside its tensor arguments (first at {bad - nearest[0]:+d} bytes from the start of "
+                          f"argument {nearest[2]!r}, {nearest[1] - nearest[0]} bytes long)")
+
+
+def apply() -> None:
+    """Install the three shims (idempotent). Call after ``import sglang``, before any fla kernel runs."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    import sglang.kernels.ops.attention.fla.op as op
+    import sglang.kernels.ops.attention.fla.utils as fla_utils
+    from triton.runtime import autotuner
+
+    stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
+    aliases = {id(getattr(op, name)): name for name in stand_ins}
+    for module_name, module in list(sys.modules.items()):  # op itself and every module that copied an alias
+        if module is None or not module_name.startswith("sglang.kernels"):
+            continue
+        for name in stand_ins:
+            if aliases.get(id(getattr(module, name, None))) == name:
+                setattr(module, name, stand_ins[name])
+    fla_utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+    run = autotuner.Autotuner.run
+
+    def first_config(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    autotuner.Autotuner.run = first_config
+
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask.data.dtype != bool:
+            mask = interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
+        return mask
+
+    def load(self, ptrs, mask, *rest):
+        mask = as_bool(mask)
+        _check(ptrs, mask, "loads")
+        return masked_load(self, ptrs, mask, *rest)
+
+    def store(self, ptrs, value, mask, *rest):
+        mask = as_bool(mask)
+        _check(ptrs, mask, "stores")
+        return masked_store(self, ptrs, value, mask, *rest)
+
+    builder.create_masked_load, builder.create_masked_store = load, store
+
+    executor = interpreter.GridExecutor
+    init_args = executor._init_args_hst
+    execute = executor.__call__
+
+    def record_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
+        names = list(self.arg_names) + list(kwargs_hst)
+        for name, arg in zip(names, list(args_hst) + list(kwargs_hst.values())):
+            if hasattr(arg, "untyped_storage"):
+                storage = arg.untyped_storage()
+                _ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(), name))
+        return args_hst, kwargs_hst
+
+    def call(self, *args, **kwargs):
+        saved = list(_ranges)
+        _ranges.clear()
+        _kernel.append(getattr(self.fn, "__name__", "kernel"))
+        try:
+            return execute(self, *args, **kwargs)
+        finally:
+            _kernel.pop()
+            _ranges[:] = saved
+
+    executor._init_args_hst, executor.__call__ = record_args, call
+    _APPLIED = True

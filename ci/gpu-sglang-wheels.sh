@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Packs, on a machine with pip network access, what a GPU machine without network needs to run SGLang's
+# real attention backends (the sglang.* leaves, FlashInfer's included) under the harness: sglang 0.5.23
+# (--no-deps: its CUDA pins are never resolved), the FlashInfer it pins, and the packages it imports at import
+# time that such a machine lacks. Python 3.12 (cp312) manylinux wheels, for the GPU image of
+# ../shared/device/README.md (torch 2.11+cu130, triton 3.6, nvcc 13; it already has numpy, requests, packaging,
+# pillow, psutil, tqdm, aiohttp, einops, transformers, sentencepiece, anyio, httpx).
+#
+# The wheels (~125 MB, FlashInfer 0.7.2 alone 65 MB) are over what one device call may carry (64 MiB), but
+# mostly C++/CUDA source and Python: unpacked and xz-compressed they are far smaller. So this script
+# downloads them into .sglwhl/wheels/, installs them (for cp312, without running anything) into
+# .sglwhl/site/, and packs that folder as .sglwhl/part-*, pieces of one .tar.xz of at most PART_MIB MiB
+# each (default 58). .sglwhl/ is ignored by git (.gitignore): never commit it.
+#
+# Usage, from the project root:   bash ci/gpu-sglang-wheels.sh
+# Then, on the GPU machine, with .sglwhl carried (all parts in one call, or parts copied to /tmp over
+# calls on one warm machine), before the harness runs:
+#   mkdir -p /tmp/site && cat .sglwhl/part-* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
+#   export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16
+# The adapter (backends/sglang/runtime.py) stands in inert modules for IPython, sniffio and (on CUDA)
+# sgl_kernel where they are absent; nothing else is stubbed (opentelemetry travels for real: a stub would
+# turn the ImportError SGLang's tracing catches into a RuntimeError).
+# Seen on the lent H100 (2026-11-24): 48 MB packed (one part), unpacked in 10 s, sglang imported in 32 s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=.sglwhl
+PART_MIB=${PART_MIB:-58}
+PY=${PYTHON:-python3}
+# sglang 0.5.23's own pins where it has them (flashinfer_python[cu13]==0.7.2, apache-tvm-ffi==0.1.11,
+# openai==2.8.0, compressed-tensors==0.18.0); the rest are the versions seen working beside it.
+PKGS=(
+  sglang==0.5.23
+  flashinfer-python==0.7.2 apache-tvm-ffi==0.1.11
+  pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
+  openai==2.8.0 jiter==0.19.0 distro==1.9.0
+  dill==0.4.1 loguru==0.7.3 orjson==3.13.0 pybase64==1.5.1 msgspec==0.22.0 partial-json-parser==0.2.1.1.post7
+  pyzmq==27.3.0 gguf==0.19.0 compressed-tensors==0.18.0
+  uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 annotated-doc
+  opentelemetry-api==1.45.2  # fastapi 0.165 imports it unguarded (fastapi/telemetry/_api.py)
+)
+PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none --only-binary=:all:
+  --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+rm -rf "$OUT/site" "$OUT"/part-*
+mkdir -p "$OUT/wheels"
+"$PY" -m pip download -q --disable-pip-version-check --no-deps "${PLATFORM[@]}" -d "$OUT/wheels" "${PKGS[@]}"
+# abi3 and pure wheels too (pyzmq, pydantic-core ship cp312 or abi3 builds; pure ones are py3-none-any).
+"$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile --no-index --target "$OUT/site" \
+  "${PLATFORM[@]}" "$OUT"/wheels/*.whl
+# Console scripts carry this machine's interpreter path; nothing there runs them.
+rm -rf "$OUT/site/bin"
+tar -C "$OUT/site" -cf - . | xz -T0 -6 | split -b "${PART_MIB}M" -d - "$OUT/part-"
+du -sh "$OUT/wheels" "$OUT/site"
+ls -la "$OUT"/part-*

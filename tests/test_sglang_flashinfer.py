@@ -1,0 +1,135 @@
+"""SGLang's FlashInfer leaves on a CPU: their declarations and registration, and the parts of the adapter
+that run without a GPU (the MLA runner over shared pools, SGLang's own choice of MLA forward method). The
+leaves themselves run on the GPU (`harness run --profile gpu --backends sglang.flashinfer ...`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.registry import LEAVES, all_compositions, leaf_capabilities, parse
+from backends.sglang import runtime
+from batch.forward_batch import ModelRunner
+from batch.spec import BatchSpec, ForwardMode, MLALayer
+from engine.materialize import materialize
+
+FLASHINFER_LEAVES = ("sglang.flashinfer", "sglang.flashinfer_mla")
+
+
+@pytest.mark.parametrize("name", FLASHINFER_LEAVES)
+def test_declared_as_sglang_cuda_leaves(name):
+    caps = leaf_capabilities(name)
+    assert name in LEAVES and caps.engine == "sglang"
+    assert caps.devices == {"cuda"} and "flashinfer" in caps.requires
+    assert caps.dtypes == {"bfloat16", "float16"}  # FlashInfer has no float32 attention
+    assert caps.attention_kinds == ({"mha"} if name == "sglang.flashinfer" else {"mla"})
+    # What the adapter translates (no draft_extend, no idle yet); every mode listed is served.
+    assert caps.modes == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY}
+    assert not caps.cuda_graph_modes  # graph() over SGLang's backends is not adapted
+    reason = caps.unavailable_reason("cpu")
+    assert reason is not None and "cuda" in reason
+    terms = {str(c) for c in all_compositions()}
+    assert {name, f"tbo({name})"} <= terms
+    assert parse(f"tbo({name})").engine == "sglang"
+
+
+def _mla_case(prefix: tuple[int, ...], mode=ForwardMode.EXTEND):
+    layers = (MLALayer(0, 4, 16, 8, 32, 16), MLALayer(1, 4, 16, 8, 32, 16))
+    extend = (1,) * len(prefix) if mode is ForwardMode.DECODE else (3,) * len(prefix)
+    spec = BatchSpec(mode, prefix, extend, layers, page_size=4, dtype="float32", seed=3)
+    return spec, materialize(spec)
+
+
+def test_mla_runner_shares_the_latent_pool():
+    pytest.importorskip("sglang")
+    if runtime.unavailable_reason():
+        pytest.skip(runtime.unavailable_reason())
+    spec, case = _mla_case((5, 0))
+    runner = runtime.make_runner(ModelRunner.of(case.forward_batch, spec.layers), "flashinfer")
+    assert runner.use_mla_backend and runner.model_config.attention_arch.name == "MLA"
+    cfg = runner.model_config
+    assert (cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim) == (32, 16, 8, 16)
+    assert cfg.scaling == spec.layers[0].sm_scale
+    ours = case.forward_batch.token_to_kv_pool.k_buffers
+    for layer_id in (0, 1):  # the same storage, not a copy: SGLang's writes are what the harness checks
+        assert runner.token_to_kv_pool.get_key_buffer(layer_id).data_ptr() == ours[layer_id].data_ptr()
+
+
+@pytest.mark.parametrize(("prefix", "mode", "method"), [
+    ((0, 0), ForwardMode.EXTEND, "MHA_ONE_SHOT"),  # no prefix: ragged prefill over the new tokens
+    ((5, 0), ForwardMode.EXTEND, "MLA"),  # a prefix under the chunked-prefix threshold: absorbed
+    ((5, 2), ForwardMode.DECODE, "MLA"),
+])
+def test_sglang_chooses_the_mla_forward_method(prefix, mode, method):
+    pytest.importorskip("sglang")
+    if runtime.unavailable_reason():
+        pytest.skip(runtime.unavailable_reason())
+    from backends.sglang.flashinfer import SglangFlashInferMLA, forward_method
+
+    spec, case = _mla_case(prefix, mode)
+    leaf = SglangFlashInferMLA(ModelRunner.of(case.forward_batch, spec.layers))
+    leaf.sgl_runner = runtime.make_runner(leaf.model_runner, leaf.sglang_name)
+    sfb = leaf.translate(case.forward_batch)
+    assert forward_method(leaf.sgl, sfb, spec.layers[0]).name == method
+
+
+def test_wrapper_plan_reads_the_plan_not_the_slack():
+    import torch
+    from types import SimpleNamespace
+
+    from backends.sglang.flashinfer import wrapper_plan
+
+    # A paged prefill wrapper as SGLang plans it: indices with 256 slots of slack, last-page lengths all 1.
+    paged = SimpleNamespace(_qo_indptr_buf=torch.tensor([0, 2, 5, 0, 0]), _paged_kv_indptr_buf=torch.tensor([0, 0, 3]),
+                            _paged_kv_indices_buf=torch.arange(3 + 256), _paged_kv_last_page_len_buf=torch.ones(8))
+    meta = wrapper_plan(paged, kv_includes_new_tokens=False)
+    assert meta.qo_indptr.tolist() == [0, 2, 5] and meta.kv_indices.tolist() == [0, 1, 2]
+    assert meta.kv_last_page_len is None and not meta.kv_includes_new_tokens
+    # The MLA wrapper's names; a wrapper without readable buffers gives only what it has.
+    mla = SimpleNamespace(_qo_indptr_buf=torch.tensor([0, 1]), _kv_indptr_buf=torch.tensor([0, 4]),
+                          _kv_indices_buf=torch.tensor([9, 8, 7, 6]))
+    assert wrapper_plan(mla, kv_includes_new_tokens=True).kv_indices.tolist() == [9, 8, 7, 6]
+    assert wrapper_plan(SimpleNamespace(_qo_indptr_buf=None), kv_includes_new_tokens=True).kv_indptr is None
+
+
+def test_sgl_kernel_stand_in_answers_with_sglangs_own_and_is_inert_elsewhere():
+    import importlib.machinery
+
+    stub = runtime._StubPackage("sgl_kernel", runtime._SGL_KERNEL_SHIMS)
+    utils = stub.create_module(importlib.machinery.ModuleSpec("sgl_kernel.utils", stub, is_package=True))
+    assert utils.is_arch_support_pdl is runtime._is_arch_support_pdl
+    top = stub.create_module(importlib.machinery.ModuleSpec("sgl_kernel", stub, is_package=True))
+    with pytest.raises(RuntimeError, match="inert stub"):
+        top.merge_state_v2()  # a kernel nobody adapted fails loudly
+
+
+def test_flashinfer_ledger_conditions_are_narrow():
+    from batch.spec import MHALayer, SpecInput
+    from properties.verdict import Verdict
+    from search import ledger
+
+    capped = (MHALayer(0, 8, 2, 128, 128), MHALayer(1, 8, 2, 128, 128, logit_cap=5.0))
+    spec = BatchSpec(ForwardMode.DECODE, (30,), (1,), capped, dtype="bfloat16")
+    fail = lambda where, **d: Verdict("outputs", False, "out of bounds", 1.0, 1e-2, where, details=d)  # noqa: E731
+    known = lambda comp, sp, v, mode="decode", prop="outputs": ledger.match(comp, mode, prop, sp, v)  # noqa: E731
+    assert known("sglang.flashinfer", spec, fail("layer 1: request 0")).id == "sglang-flashinfer-softcap-dropped"
+    assert known("sglang.flashinfer", spec, fail("layer 0: request 0")) is None  # an uncapped layer: a finding
+    assert known("sglang.triton", spec, fail("layer 1: request 0")) is None
+    windowed = (MHALayer(0, 8, 2, 128, 128, sliding_window=2),)
+    long_extend = BatchSpec(ForwardMode.EXTEND, (0,), (4,), windowed, dtype="bfloat16")
+    short_extend = BatchSpec(ForwardMode.EXTEND, (9,), (3,), windowed, dtype="bfloat16")
+    assert known("sglang.flashinfer", long_extend, fail("layer 0: request 0"), "extend").id == \
+        "sglang-flashinfer-ragged-window-dropped"
+    assert known("sglang.flashinfer", short_extend, fail("layer 0: request 0"), "extend") is None
+    mla = (MLALayer(0, 4, 16, 8, 32, 16),)
+    tree = BatchSpec(ForwardMode.TARGET_VERIFY, (5,), (3,), mla, dtype="bfloat16",
+                     spec=SpecInput(3, 2, 1, ((-1, 0, 0),), (1,)))
+    chain = BatchSpec(ForwardMode.TARGET_VERIFY, (5,), (3,), mla, dtype="bfloat16",
+                      spec=SpecInput(3, 1, 2, ((-1, 0, 1),), (1,)))
+    assert known("sglang.flashinfer_mla", tree, fail("layer 0"), "target_verify").id == \
+        "sglang-flashinfer-mla-verify-ignores-tree"
+    assert known("sglang.flashinfer_mla", chain, fail("layer 0"), "target_verify") is None
+    refresh = ["update_verify_buffers_to_fill_after_draft"]
+    conf = lambda hidden: Verdict("conformance", False, "hidden", details={"hidden": hidden})  # noqa: E731
+    assert known("sglang.flashinfer_mla", spec, conf(refresh), "extend", "conformance").id == \
+        "sglang-flashinfer-no-verify-refresh"
+    assert known("sglang.flashinfer", spec, conf(refresh + ["forward"]), "extend", "conformance") is None
