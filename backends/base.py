@@ -121,6 +121,16 @@ class Capabilities:
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
     # Unit roundoff of the kernel's matrix products for float32 inputs (TF32 tensor cores: 2**-11).
     fp32_matmul_roundoff: float = 2.0**-24
+    # Key or query counts at which the kernels change shape (a new key block, a KV split that becomes
+    # non-empty, a prefix chunk): the strategies draw lengths at and across each (L - 1, L, L + 1), within
+    # the profile's Profile.max_boundary. Compiled and interpreted configurations both listed.
+    length_boundaries: frozenset[int] = frozenset()
+    # Takes EXTEND/MIXED requests with no new tokens after a cached prefix (BatchSpec's docstring: where
+    # engines produce them).
+    empty_extend: bool = False
+    # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
+    # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
+    verify_window: bool = False
     # KV cache storage it reads and writes (batch.spec.KV_CACHE_DTYPES): "auto" (the batch's dtype), "fp8_e4m3";
     # and whether it honours per-layer KV scales other than 1 (stores k / k_scale, reads back times k_scale).
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -169,6 +179,9 @@ class Support:
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
+    length_boundaries: frozenset[int]  # every leaf's: a composition runs all its leaves' kernels
+    empty_extend: bool
+    verify_window: bool
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
@@ -209,7 +222,10 @@ class Support:
                    slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),
                    kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
                    if full else frozenset({"auto"}),
-                   kv_scales=all(c.kv_scales for c in full))
+                   kv_scales=all(c.kv_scales for c in full),
+                   length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
+                   empty_extend=all(c.empty_extend for c in caps),
+                   verify_window=all(c.verify_window for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""
@@ -222,6 +238,8 @@ class Support:
             return f"page_size {spec.page_size} not supported"
         if spec.mrope is not None and not self.mrope:
             return "mrope not supported"
+        if 0 in spec.extend_lens and not self.empty_extend:
+            return "empty extends (a request with no new tokens) not supported"
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:
             return f"kv_cache_dtype {spec.kv_cache_dtype} not supported"
         if not self.kv_scales and any(l.kind == "mha" and (l.k_scale != 1.0 or l.v_scale != 1.0) for l in spec.layers):
@@ -233,6 +251,8 @@ class Support:
                 return f"head_dim {layer.head_dim} not supported"
             if layer.sliding_window is not None and not self.sliding_window:
                 return "sliding window not supported"
+            if layer.sliding_window is not None and spec.mode.is_target_verify() and not self.verify_window:
+                return "sliding window under a tree mask (target_verify) not supported"
             if layer.logit_cap is not None and not self.logit_cap:
                 return "logit cap not supported"
         return None

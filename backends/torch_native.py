@@ -58,6 +58,10 @@ class TorchNativeBackend(AttentionBackend):
         # graph capture cannot record; declaring graph modes would claim what a GPU run could not do.
         cuda_graph_modes=frozenset(),
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),  # fp8 rows are dequantized (times the scale) on read
+        verify_window=True,
+        empty_extend=True,
+        # MLA's chunked-prefix path expands the prefix MLA_PREFIX_CHUNK keys at a time: one chunk, two.
+        length_boundaries=frozenset({MLA_PREFIX_CHUNK, 2 * MLA_PREFIX_CHUNK}),
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -112,6 +116,10 @@ class TorchNativeBackend(AttentionBackend):
             if meta.custom_mask is not None:
                 m0, m1 = int(meta.mask_indptr[i]), int(meta.mask_indptr[i + 1])
                 mask = meta.custom_mask[m0:m1].view(q_len, k_len).bool()
+                if layer.sliding_window_size >= 0:  # by positions: a draft's row is not its position
+                    q_pos = fb.positions[qo[i]:qo[i + 1]]
+                    k_pos = torch.cat([torch.arange(k_len - q_len, device=q.device), q_pos])
+                    mask = mask & (k_pos[None, :] >= q_pos[:, None] - layer.sliding_window_size)
             else:
                 mask = causal_mask(q_len, k_len, layer.sliding_window_size, q.device)
             out[qo[i]:qo[i + 1]] = sdpa(q[qo[i]:qo[i + 1]], k_i, v_i, mask, layer.scaling)

@@ -16,6 +16,15 @@ from backends.planner import exclusive_cumsum, plan_token_level
 from batch.spec import ForwardMode
 
 DECODE_KV_SPLITS = 4
+# Where the kernels change shape (Capabilities.length_boundaries). Decode splits each request's keys
+# DECODE_KV_SPLITS ways in whole blocks of BLOCK_N keys (16 interpreted; 32 or 64 compiled, see
+# decode_attention._launch_config): a second block past BLOCK_N, the last split non-empty past
+# (splits - 1) * BLOCK_N, every split growing past splits * BLOCK_N. Extend walks BLOCK_M query rows against
+# BLOCK_N keys (16 interpreted; 32, 64, 128 compiled).
+_DECODE_BLOCK_N = (16, 32, 64)
+_EXTEND_BLOCKS = (16, 32, 64, 128)
+LENGTH_BOUNDARIES = frozenset({n * m for n in _DECODE_BLOCK_N for m in (1, DECODE_KV_SPLITS - 1, DECODE_KV_SPLITS)}
+                              | set(_EXTEND_BLOCKS))
 
 
 class TritonBackend(AttentionBackend):
@@ -31,6 +40,9 @@ class TritonBackend(AttentionBackend):
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.
         fp32_matmul_roundoff=2.0**-21,
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),  # the kernels dequantize e4m3 rows times the scales
+        length_boundaries=LENGTH_BOUNDARIES,
+        verify_window=True,
+        empty_extend=True,
     )
 
     def __init__(self, model_runner=None) -> None:
@@ -69,7 +81,8 @@ class TritonBackend(AttentionBackend):
                              sm_scale=layer.scaling, logit_cap=layer.logit_cap,
                              sliding_window=layer.sliding_window_size, causal=meta.custom_mask is None,
                              max_extend_len=self.graph_width, k_descale=layer.k_scale,
-                             v_descale=layer.v_scale)
+                             v_descale=layer.v_scale,
+                             positions=fb.positions)
         return o
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

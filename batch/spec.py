@@ -30,6 +30,17 @@ KV_SCALE_RANGE = (2.0**-6, 2.0**4)
 # "shuffled": a random permutation of 1..N (N = the request rows); "compact": 1..B in order; "reversed": B..1;
 # "gapped": spread over a pool twice as large, with unused slots (holding other requests' states) between them.
 STATE_SLOT_LAYOUTS = ("shuffled", "compact", "reversed", "gapped")
+# Where a batch's KV pages lie in the pool (SGLang's own test kit names the same four, attention_unittest/
+# attention_methods/dense_attention.py make_loc_fn). Token j of a request always sits at offset j % page_size
+# of its (j // page_size)-th page; a layout only decides which physical page that is.
+#   shuffled_pages        every page of the batch drawn at random from the pool (the default; what the harness
+#                         always drew before layouts were an axis, so older case files replay unchanged)
+#   contiguous            each request's pages one ascending run, the requests back to back (a fresh allocator)
+#   interleaved_pages     page k of request i is physical page k * B + i: neighbouring pages belong to
+#                         different requests (requests that grew a page at a time, side by side)
+#   non_monotonic_extend  the prefix's pages ascending; the pages that hold only new tokens in descending
+#                         order, so out_cache_loc goes down inside an extend (at every token when page_size is 1)
+KV_LAYOUTS = ("shuffled_pages", "contiguous", "interleaved_pages", "non_monotonic_extend")
 
 
 class SpecError(ValueError):
@@ -73,6 +84,8 @@ class MHALayer:
     v_head_dim: int
     # window_left: position p sees keys in [p - w, p]. A model has one window (SGLang's
     # runner.sliding_window_size), which each layer uses or not; 0 is not a window (SGLang reads 0 as none).
+    # Positions, not row indices: in TARGET_VERIFY a draft token at tree depth d sits at seq_len + d, and
+    # so do its ancestors at theirs (a sibling's row index is no position).
     sliding_window: int | None = None
     logit_cap: float | None = None
     rope_theta: float = 10000.0
@@ -216,6 +229,11 @@ class BatchSpec:
     ``prefix_lens[i]`` tokens of request i are already cached; ``extend_lens[i]`` new query rows follow.
     DECODE has extend_lens all 1; TARGET_VERIFY has extend_lens all ``spec.draft_token_num`` (the cached
     length is then what SGLang calls ``seq_lens``); DRAFT_EXTEND has extend_lens == ``spec.accept_lens``.
+    EXTEND and MIXED batches may hold requests with an empty extend (``extend_lens[i] == 0`` after a cached
+    prefix): engines' kernels expect them (SGLang's extend kernel counts ``max(0, extend_len)`` query tiles,
+    kernels/ops/attention/extend_attention.py:191; its FlashInfer backend skips ``extend_len == 0`` rows,
+    flashinfer_backend.py:2131), and a backend declares whether it takes them (``Capabilities.empty_extend``).
+    ``kv_layout`` is one of :data:`KV_LAYOUTS`.
     """
 
     mode: ForwardMode
@@ -231,6 +249,7 @@ class BatchSpec:
     draft_worker: bool = False
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     state_slot_layout: str = "shuffled"  # one of STATE_SLOT_LAYOUTS
+    kv_layout: str = "shuffled_pages"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", ForwardMode(self.mode))
@@ -302,9 +321,17 @@ class BatchSpec:
                  f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         _require(self.state_slot_layout in STATE_SLOT_LAYOUTS,
                  f"state_slot_layout must be one of {', '.join(STATE_SLOT_LAYOUTS)}, got {self.state_slot_layout!r}")
+        _require(self.kv_layout in KV_LAYOUTS,
+                 f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {_show(self.kv_layout)}")
+        empty_ok = self.mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
         for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
             _require(p >= 0, f"prefix_lens[{i}] must be >= 0, got {p}")
-            _require(e >= 1, f"extend_lens[{i}] must be >= 1, got {e}")
+            if empty_ok:
+                _require(e >= 0, f"extend_lens[{i}] must be >= 0, got {e}")
+                _require(e >= 1 or p >= 1, f"request {i} has neither cached nor new tokens "
+                                           f"(an empty extend needs prefix_lens[{i}] >= 1)")
+            else:
+                _require(e >= 1, f"extend_lens[{i}] must be >= 1 in {self.mode.value} batches, got {e}")
             _require(p + e <= self.context_len,
                      f"request {i}: prefix_lens + extend_lens = {p + e} exceeds context_len={self.context_len}")
         _require(len(self.layers) >= 1, "layers must name at least one layer")
@@ -340,6 +367,7 @@ class BatchSpec:
             _require(B == 0, f"an idle batch has no requests, got {B}")
             return
         _require(B >= 1, f"mode {m.value} needs at least one request")
+        _require(self.num_tokens >= 1, f"a {m.value} batch needs at least one new token (every extend is empty)")
         if m.is_decode():
             _require(all(e == 1 for e in self.extend_lens), "decode batches have extend_lens all 1")
         if m.is_decode() or m.is_target_verify():
@@ -368,8 +396,6 @@ class BatchSpec:
             if m.is_target_verify():
                 _require(a <= max(s.depths(i)) + 1, f"spec.accept_lens[{i}]={a} is longer than the tree is deep")
         if m.is_target_verify():
-            _require(all(l.kind != "mha" or l.sliding_window is None for l in self.layers),
-                     "sliding-window layers are not modelled in target_verify batches (set sliding_window null)")
             _require(all(e == s.draft_token_num for e in self.extend_lens),
                      "target_verify batches have extend_lens all equal to spec.draft_token_num")
             if "linear" in self.attention_kinds:

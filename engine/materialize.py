@@ -112,11 +112,12 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     B, ps = spec.batch_size, spec.page_size
     kv_lens = spec.kv_lens
 
-    # Pages: shuffled, non-contiguous; page 0 reserved so slot 0 is never a real token.
+    # Pages, in the spec's layout (batch.spec.KV_LAYOUTS); page 0 reserved so slot 0 is never a real token.
+    # The shuffle is drawn whatever the layout, so the draws after it (pools, inputs) do not depend on it.
     pages_needed = [math.ceil(n / ps) for n in kv_lens]
     num_pages = 1 + sum(pages_needed) + 2 + sum(pages_needed) // 4
     num_slots = num_pages * ps
-    page_order = draw.perm(num_pages - 1) + 1
+    page_order = page_layout(spec, pages_needed, draw.perm(num_pages - 1) + 1)
     # req_to_token row 0 is reserved for padded rows (CUDA-graph padding), like slot 0 of the pools.
     max_reqs = 1 + B + SPARE_REQ_ROWS
     req_to_token = draw.ints(1, num_slots, max_reqs, spec.context_len).to(torch.int32)  # garbage by default
@@ -252,6 +253,38 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     )
     return Case(spec, fb, layer_inputs, layer_weights, kv_pool.clone(),
                 None if mamba_pool is None else mamba_pool.clone(), token_slots)
+
+
+def page_layout(spec: BatchSpec, pages_needed: list[int], shuffled: torch.Tensor) -> torch.Tensor:
+    """The physical page of each request's pages, request by request (``[sum(pages_needed)]`` int64, then the
+    spare pages), from a random permutation ``shuffled`` of pages ``1..num_pages-1``.
+
+    ``shuffled_pages`` takes them as drawn; ``contiguous`` in ascending order; ``interleaved_pages`` deals them
+    out one page per request in turn (page k of request i lands next to page k of request i+1);
+    ``non_monotonic_extend`` lays each request out ascending but reverses the pages that hold only new
+    tokens (those starting at or after its prefix), so its ``out_cache_loc`` descends across them.
+    """
+    layout = spec.kv_layout
+    if layout == "shuffled_pages":
+        return shuffled
+    ordered = torch.sort(shuffled).values  # pages 1..num_pages-1
+    total = sum(pages_needed)
+    if layout == "contiguous":
+        return ordered
+    if layout == "interleaved_pages":
+        # Round-robin over the requests that still need a page: request i's k-th page is the next free one.
+        ranks = [(k, i) for i, n in enumerate(pages_needed) for k in range(n)]
+        by_turn = sorted(range(total), key=lambda r: ranks[r])  # rank r (request-major) -> its turn
+        out = ordered.clone()
+        out[torch.tensor(by_turn, dtype=torch.int64)] = ordered[:total]
+        return out
+    # non_monotonic_extend
+    out, start = ordered.clone(), 0
+    for n, p in zip(pages_needed, spec.prefix_lens):
+        first_new = min(-(-p // spec.page_size), n)  # the first page that holds no cached token
+        out[start + first_new:start + n] = ordered[start + first_new:start + n].flip(0)
+        start += n
+    return out
 
 
 def state_slots_of(layout: str, shuffled: torch.Tensor, req_pool_indices: torch.Tensor) -> tuple[torch.Tensor, int]:

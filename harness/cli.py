@@ -37,7 +37,8 @@ def cmd_list(args) -> int:
     from collections import defaultdict
 
     from backends.registry import all_compositions
-    from search.matrix import composition_modes, matrix
+    from search.matrix import composition_axes, composition_modes, matrix
+    from search.strategies import describe_axes
 
     device = resolve_device(args.device)
     profile = profile_named(args.profile)
@@ -48,6 +49,9 @@ def cmd_list(args) -> int:
         comp = next(str(c) for c in all_compositions() if what.startswith(f"{c}-"))
         left_out[comp][why].append(what[len(comp) + 1:])
     print(f"device: {device}   profile: {profile.name} ({profile.description})")
+    print("axes the batches are drawn from:")
+    for line in describe_axes(profile):
+        print(f"  {line}")
     print("rows = modes x properties; under each available composition, the rows left out and why")
     width = max(len(str(c)) for c in all_compositions())
     derived = {str(c) for c in all_compositions()}
@@ -66,6 +70,7 @@ def cmd_list(args) -> int:
         modes = ",".join(m_.value for m_ in sorted(composition_modes(c), key=lambda m_: m_.value))
         print(f"  {name:<{width}}  available   {n:3d} rows  modes: {modes}{drawn_axes(c, profile)}")
         if args.why:
+            print(f"  {'':<{width}}    {composition_axes(c, profile)}")
             for why, whats in left_out[name].items():
                 print(f"  {'':<{width}}    left out ({len(whats)}): {why}: {', '.join(whats)}")
     print(f"{len(m.rows)} rows runnable here; {len(m.excluded)} left out by declaration "
@@ -113,7 +118,7 @@ def cmd_run(args) -> int:
     if args.mutant and args.mutant not in MUTANTS:
         raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
     device = resolve_device(args.device)
-    profile = profile_named(args.profile)
+    profile = profile_named(args.profile, shard[0] if shard else 0)  # the shard's head rotation
     m = matrix(device, profile, args.backends, args.properties, args.modes)
     rows, skipped = m.rows, m.unavailable
     if not rows:

@@ -80,9 +80,9 @@ def _child(task: dict, conn) -> None:
     log = open(task["log"], "a")
     faulthandler.enable(file=log, all_threads=True)  # a segfault's Python stack, for the finding's reason
     from search.matrix import matrix_rows
-    from search.profiles import PROFILES
+    from search.profiles import profile as profile_of
 
-    profile, device = PROFILES[task["profile"]], task["device"]
+    profile, device = profile_of(task["profile"]), task["device"]
     by_id = {r.id: r for r in matrix_rows(device, profile, task["compositions"])[0]}
     rows = [by_id[i] for i in task["rows"]]
     database = None

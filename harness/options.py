@@ -39,12 +39,14 @@ def check_device_name(requested: str) -> None:
         raise UsageError(f"--device must be auto, cpu or cuda, got {requested!r}")
 
 
-def profile_named(name: str):
-    from search.profiles import PROFILES
+def profile_named(name: str, shard_index: int = 0):
+    """The profile ``name`` (``NAME`` or ``NAME@K``, a head rotation; see search/profiles.py)."""
+    from search.profiles import ProfileError, profile
 
-    if name not in PROFILES:
-        raise UsageError(f"unknown profile {name!r}; profiles: {', '.join(PROFILES)}")
-    return PROFILES[name]
+    try:
+        return profile(name, shard_index)
+    except ProfileError as e:
+        raise UsageError(str(e)) from None
 
 
 def parse_budget(text: str) -> float:

@@ -16,9 +16,13 @@ from search.casefile import CaseFile
 
 
 def describe(spec) -> str:
-    layers = ", ".join(f"{l.kind}#{l.layer_id}" for l in spec.layers)
+    def heads(l) -> str:
+        return f"{l.kind}#{l.layer_id} {l.num_q_heads}/{l.num_kv_heads}x{l.head_dim}" if l.kind == "mha" \
+            else f"{l.kind}#{l.layer_id}"
+    layers = ", ".join(heads(l) for l in spec.layers)
     return (f"{spec.mode.value}, {spec.batch_size} request(s), prefix {list(spec.prefix_lens)}, "
-            f"extend {list(spec.extend_lens)}, page {spec.page_size}, {spec.dtype}, layers [{layers}]")
+            f"extend {list(spec.extend_lens)}, page {spec.page_size} ({spec.kv_layout}), {spec.dtype}, "
+            f"layers [{layers}]")
 
 
 def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:

@@ -521,6 +521,19 @@ def prepare_out_dir(out_dir: Path, resume: bool, profile: str, device: str, seed
     return meta
 
 
+def resumed_profile(args) -> str:
+    """``--profile``, or with ``--resume`` the resumed sweep's profile when it is the same one with its head
+    rotation (``gpu@3``): a sweep resumed on another day keeps the configurations it started with."""
+    meta_path = Path(args.out) / "sweep.json"
+    if not args.resume or "@" in args.profile or not meta_path.exists():
+        return args.profile
+    try:
+        recorded = json.loads(meta_path.read_text()).get("profile") or ""
+    except (OSError, ValueError):
+        return args.profile
+    return recorded if recorded.split("@")[0] == args.profile else args.profile
+
+
 def cmd_sweep(args) -> int:
     from harness.mutants.catalogue import MUTANTS
     from harness.sweep_worker import example_database
@@ -530,7 +543,7 @@ def cmd_sweep(args) -> int:
     budget = parse_budget(args.budget)
     shard = parse_shard(args.shard) if args.shard else None
     device = resolve_device(args.device)
-    profile = profile_named(args.profile)
+    profile = profile_named(resumed_profile(args), shard[0] if shard else 0)  # the shard's head rotation
     if args.mutant and args.mutant not in MUTANTS:
         raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
     unknown = [p for p in args.properties or [] if p not in PROPERTIES]

@@ -102,10 +102,10 @@ def run_task(task: dict) -> int:
     from harness.mutants.catalogue import MUTANTS
     from harness.procs import poisons_cuda_context
     from search.matrix import matrix_rows
-    from search.profiles import PROFILES
+    from search.profiles import profile as profile_of
     from search.search_row import search_row
 
-    profile = PROFILES[task["profile"]]
+    profile = profile_of(task["profile"])
     rows = {r.id: r for r in matrix_rows(device, profile, [task["composition"]])[0]}
     database = example_database(task.get("db"), task.get("redis"))
     out_dir = Path(task["out_dir"])

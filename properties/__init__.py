@@ -26,6 +26,7 @@ from properties.graph import graph_replay_equals_eager
 from properties.linear_state import verify_commits_every_position
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
+from properties.tree import tree_branch_equals_chain
 from properties.verdict import Verdict
 
 EXTEND_MODES = frozenset({ForwardMode.EXTEND})
@@ -100,6 +101,10 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              # TBO commits through its primary, whose plan is the whole batch: left out to keep CI's time
              excludes_wrapper="tbo", under_graph=True,
              strategy_options=(("chain", True), ("require_kind", "linear"))),
+    Property("tree_branch", tree_branch_equals_chain,
+             "every draft-tree node's output equals its root-to-node branch extended as a chain (no reference)",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
+             strategy_options=(("tree", True),)),
     Property("graph_replay", graph_replay_equals_eager,
              "CUDA-graph replay equals eager on real rows (padding poisoned), pools end identical, new inputs "
              "give new outputs", modes=GRAPH_MODES, needs_wrapper="graph",

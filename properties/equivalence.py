@@ -44,7 +44,7 @@ def _chunked(composition: Composition, spec: BatchSpec, device: str, first_part,
     reference = reference_outputs(case)
     fb = case.forward_batch
     starts = token_starts(spec)
-    e1 = [first_part(e) for e in spec.extend_lens]
+    e1 = [min(first_part(e), e) for e in spec.extend_lens]  # a request with an empty extend has no first part
     tok1 = torch.tensor([starts[i] + j for i, n in enumerate(e1) for j in range(n)], dtype=torch.int64)
     reqs2 = [i for i, e in enumerate(spec.extend_lens) if e > e1[i]]
     tok2 = torch.tensor([starts[i] + j for i in reqs2 for j in range(e1[i], spec.extend_lens[i])], dtype=torch.int64)

@@ -31,6 +31,17 @@ size 2**-22) declares 2**-21, and we use the larger of the two.
 * Two backend runs that must agree (TBO split vs unsplit, graph replay vs eager, chunked vs whole
   prefill, verify of a chain vs extend) are each held to the reference bound; exact equality is not
   required since a split changes the kernels' tiling and so their rounding order.
+* A draft-tree node and the same node at the end of its root-to-node chain (``tree_branch``,
+  properties/tree.py) are two runs of one backend on bit-identical inputs: the same query and key rows
+  rotated by the same positions, so the roundings of q and k after RoPE are shared and cancel. What is left
+  is the order of each run's own work, which the tree's shape changes (which keys share a block, the
+  running maximum when each block is folded in): the probabilities rounded to the dtype before the P.V
+  product (each run within u of the exact ones, so within 2u of each other) and the output's rounding (u
+  each, 2u apart), plus each run's float32 accumulation. Hence ``rel_l2 <= 2u + 2u + 2(sqrt(L) + sqrt(D))
+  * 2**-24`` (the 4u has other terms than the reference bound's 4u: two roundings of two runs, not four of
+  one), and the element bound ``ELEMENT_FACTOR * u`` as above with the accumulation counted twice. A kernel
+  whose soft-cap tanh cancels (above) may round two scores that differ in their last bit differently: its
+  ``2 * cap * 2**-24`` term is counted for each run.
 * Cache writes are compared exactly: storing a tensor into a buffer of the same dtype must not change it.
 
 An fp8 KV cache (``kv_cache_dtype`` fp8_e4m3) adds no tolerance: the rounding of storing is part of the
@@ -120,3 +131,28 @@ def score_dot_len(layer: Layer) -> int:
     if isinstance(layer, MLALayer):
         return layer.kv_lora_rank + layer.qk_rope_head_dim
     return max(layer.head_k_dim, layer.conv_kernel)
+
+
+BRANCH_ROUNDINGS = 2  # per run: the probabilities before P.V and the output (q, k are shared by both runs)
+
+
+def branch_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Bound:
+    """The bound between a draft-tree node's output and its branch's as a chain (module docstring): two
+    runs of one backend on the same rotated inputs."""
+    support = composition.support()
+    u = UNIT_ROUNDOFF[spec.dtype]
+    if spec.dtype == "float32":
+        u = max(u, support.fp32_matmul_roundoff)
+    runs = 2
+    acc = runs * (math.sqrt(max(max(spec.kv_lens, default=1), 1)) + math.sqrt(score_dot_len(layer))) \
+        * ACCUMULATION_ROUNDOFF
+    rel = runs * BRANCH_ROUNDINGS * u + acc
+    element = ELEMENT_FACTOR * u + acc
+    reason = (f"{spec.dtype}: u={u:.3g}: rel_l2 <= 2 runs x {BRANCH_ROUNDINGS} roundings x u + 2(sqrt(L)+sqrt(D))"
+              f"*2^-24, element <= {ELEMENT_FACTOR:g}u*max|out| + the same accumulation")
+    cap = getattr(layer, "logit_cap", None)
+    if cap and support.softcap_via_sigmoid:
+        extra = runs * 2 * cap * ACCUMULATION_ROUNDOFF
+        rel, element = rel + extra, element + extra
+        reason += f"; + 2 x 2*cap*2^-24 = {extra:.2g} (soft-cap tanh via sigmoid, cap {cap:g})"
+    return Bound(rel, element, reason)

@@ -89,6 +89,8 @@ class PaddedBatch:
     key_rows: torch.Tensor  # (B, Lk) int64: row of cat(cached rows, new rows) (padding: 0)
     cached_slots: torch.Tensor  # (group's sum of prefix_lens,) int64: KV slot of every cached token
     visible: torch.Tensor  # (B, Lq, Lk) bool: causal (or the verify tree mask) and padding, no window yet
+    query_pos: torch.Tensor  # (B, Lq) int64: position of each query row (verify: prefix_len + tree depth)
+    key_pos: torch.Tensor  # (B, Lk) int64: position of each key (a draft key: prefix_len + its depth)
 
     @classmethod
     def build(cls, case: Case, requests: list[int]) -> "PaddedBatch":
@@ -107,25 +109,30 @@ class PaddedBatch:
         key_valid = j < kv_len
         query_key_index = prefix + r
         key_rows = torch.where(j < prefix, cached_starts + j, num_cached + starts + j - prefix)
+        query_pos, key_pos = query_key_index, j.expand(len(requests), -1)
         if spec.mode.is_target_verify():
             # Every cached token, plus the draft tree: the token itself and its ancestors.
             trees = torch.stack([tree_mask(spec.spec.parents[i]) for i in requests]).to(dev)  # (B, D, D)
             D = trees.shape[-1]
             draft = (j - prefix).clamp(0, D - 1)[:, None, :].expand(-1, D, -1)  # (B, D, Lk)
             attend = (j < prefix)[:, None, :] | trees.gather(2, draft)
+            # A draft token sits at prefix_len + its depth in the tree, whatever its row.
+            depth = torch.tensor([spec.spec.depths(i) for i in requests], dtype=torch.int64, device=dev)  # (B, D)
+            query_pos = prefix + depth
+            key_pos = torch.where(j < prefix, j, prefix + depth.gather(1, (j - prefix).clamp(0, D - 1)))
         else:
             attend = j[:, None, :] <= query_key_index[:, :, None]  # causal
         visible = attend & query_valid[:, :, None] & key_valid[:, None, :]
         cached_slots = torch.cat([case.token_slots[i][:spec.prefix_lens[i]] for i in requests]).to(dev)
         return cls(requests, torch.where(query_valid, starts + r, 0), query_valid.flatten().nonzero()[:, 0],
-                   query_key_index, torch.where(key_valid, key_rows, 0), cached_slots, visible)
+                   query_key_index, torch.where(key_valid, key_rows, 0), cached_slots, visible, query_pos, key_pos)
 
     def visible_in_window(self, sliding_window: int | None) -> torch.Tensor:
-        """``visible``, further limited to keys at most ``sliding_window`` positions behind the query."""
+        """``visible``, further limited to keys at most ``sliding_window`` positions behind the query (by
+        positions: in a draft tree a token's row is not its position)."""
         if sliding_window is None:
             return self.visible
-        j = torch.arange(self.visible.shape[-1], device=self.visible.device)
-        return self.visible & (j[None, None, :] >= self.query_key_index[:, :, None] - sliding_window)
+        return self.visible & (self.key_pos[:, None, :] >= self.query_pos[:, :, None] - sliding_window)
 
     def unpad(self, x: torch.Tensor) -> torch.Tensor:
         """``(n, ...)``: the real query rows of a ``(B, Lq, ...)`` result, request by request."""

@@ -41,6 +41,17 @@ def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
             and max(spec.kv_lens, default=0) > layer.sliding_window)
 
 
+def _tree_window_by_row(spec: BatchSpec, verdict: Verdict) -> bool:
+    """TARGET_VERIFY: the worst element is a draft token whose row in its tree is past its depth (a node off
+    the tree's first chain), in a layer with a sliding window."""
+    layer = _failing_layer(spec, verdict)
+    m = re.search(r"request (\d+), (?:token|draft node) (\d+)", verdict.where or "")
+    if not spec.mode.is_target_verify() or m is None or getattr(layer, "sliding_window", None) is None:
+        return False
+    request, node = int(m.group(1)), int(m.group(2))
+    return spec.spec.depths(request)[node] < node
+
+
 def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     """A MIXED batch whose extend lengths make SGLang's splitter choose a two-chunk cut."""
     return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
@@ -139,6 +150,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tree_not_chain": _tree_not_chain,
     "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
     "e4m3_arithmetic": _e4m3_arithmetic,
+    "tree_window_by_row": _tree_window_by_row,
 }
 
 

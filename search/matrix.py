@@ -43,6 +43,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
     """Keyword arguments of ``batch_specs`` that keep drawn batches inside what ``c`` declares."""
     support = c.support()
     pages = set(profile.page_sizes) if support.page_sizes is None else set(profile.page_sizes) & support.page_sizes
+    heads = tuple(h for h in profile.heads if support.head_dims is None or h[2] in support.head_dims)
     return {
         "dtype": row_dtype(c, profile, device) or profile.dtype,
         "page_sizes": tuple(sorted(pages)),
@@ -53,20 +54,35 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "hybrid": "hybrid" in c.wrappers(),
         "kv_cache_dtypes": tuple(d for d in profile.kv_cache_dtypes if d in support.kv_cache_dtypes),
         "kv_scales": support.kv_scales,
+        "head_configs": heads,
+        "boundaries": support.length_boundaries,
+        "empty_extend": support.empty_extend,
+        "verify_window": support.verify_window,
     }
+
+
+def composition_axes(c: Composition, profile: Profile) -> str:
+    """The axes that depend on ``c``'s declarations, in one line (``harness list --why``)."""
+    o = strategy_options(c, profile)
+    bounds = sorted(b for b in o["boundaries"] if b <= max(profile.max_boundary, profile.max_prefix))
+    return (f"draws page sizes {','.join(map(str, o['page_sizes']))}; kernel boundaries "
+            f"{','.join(map(str, bounds)) or '-'}; empty extends {'yes' if o['empty_extend'] else 'no'}; windows in "
+            f"verify {'yes' if o['verify_window'] and o['sliding_window'] else 'no'}")
 
 
 def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> str | None:
     """Why none of ``c``'s rows can run under ``profile`` (a kernel configuration it does not declare)."""
     support = c.support()
-    if not strategy_options(c, profile)["page_sizes"]:
+    options = strategy_options(c, profile)
+    if not options["page_sizes"]:
         return f"declares none of the profile's page sizes {profile.page_sizes}"
     if row_dtype(c, profile, device) is None:
         wanted = " or ".join(d for d in (profile.dtype, profile.fallback_dtype) if d)
         where = " on the CPU" if device == "cpu" and wanted.split(" or ")[0] in support.dtypes else ""
         return f"does not support the profile's dtype {wanted}{where}"
-    if "mha" in support.attention_kinds and support.head_dims is not None and profile.mha[2] not in support.head_dims:
-        return f"does not support the profile's head_dim {profile.mha[2]} (declares {sorted(support.head_dims)})"
+    if "mha" in support.attention_kinds and not options["head_configs"]:
+        dims = sorted({h[2] for h in profile.heads})
+        return f"supports none of the profile's head_dims {dims} (declares {sorted(support.head_dims)})"
     return None
 
 

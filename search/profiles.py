@@ -1,11 +1,19 @@
 """Profiles: the kernel configuration a run is fixed to, and how hard Hypothesis searches.
 
-Axes that cost a GPU compile (dtype, head dims) are fixed per profile; everything else (batch sizes,
-ragged lengths, prefixes, page tables, draft trees, split points, positions) is fuzzed.
+Axes that cost a GPU compile (dtype, head configurations) are fixed per profile; everything else (batch sizes,
+ragged lengths, prefixes, page sizes and layouts, draft trees, split points, positions) is fuzzed.
+
+Head configurations: each profile has a small fixed set, drawn in every run, and may have more that *rotate*:
+a run draws the fixed set plus one rotating configuration, chosen by ``--profile NAME@K`` or, by default, by
+the day (UTC) plus the run's shard index, so a nightly run of two shards compiles three configurations and
+covers all of them within a week. The chosen rotation is part of the profile's name (``gpu@3``), which the
+reports, the case files and the sweep's metadata record.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, Phase, settings
@@ -13,12 +21,18 @@ from hypothesis import HealthCheck, Phase, settings
 
 SHRINK_ROWS_PER_RUN = 4
 
+HeadConfig = tuple[int, int, int, int]  # num_q_heads, num_kv_heads, head_dim, v_head_dim
+
+
+class ProfileError(ValueError):
+    """An unknown profile name or rotation."""
+
 
 @dataclass(frozen=True)
 class Profile:
     name: str
     dtype: str
-    mha: tuple[int, int, int, int]  # num_q_heads, num_kv_heads, head_dim, v_head_dim
+    head_configs: tuple[HeadConfig, ...]  # MHA layers: drawn in every run (the first is the shrink target)
     mla: tuple[int, int, int, int, int]  # num_heads, qk_nope, qk_rope, kv_lora_rank, v_head_dim
     linear: tuple[int, int, int, int]  # num_k_heads, num_v_heads, head_k_dim, head_v_dim
     page_sizes: tuple[int, ...]
@@ -32,6 +46,16 @@ class Profile:
     # ``harness run`` (failures found after that are reported as found), so a failing run ends about as fast
     # as a passing one.
     shrink_seconds: float = 30.0
+    # Head configurations of which one joins head_configs per run (see the module docstring), and which.
+    rotating_head_configs: tuple[HeadConfig, ...] = ()
+    rotation: int = 0
+    # Cached lengths at the backends' kernel boundaries (Capabilities.length_boundaries) are drawn up to this
+    # even past max_prefix (new-token counts stay within max_extend): small shapes that still cross them.
+    max_boundary: int = 0
+    # Long contexts: a few requests whose cached lengths lie in [lo, hi], in about one case in 16.
+    long_context: tuple[int, int] | None = None
+    # Wide batches: (lo, hi) requests with short extends, in about one case in 16 (split-KV decode paths).
+    wide_batch: tuple[int, int] | None = None
     # Rows whose backends refuse ``dtype`` run in this one instead (SGLang's GDN kernels refuse float32: the
     # CPU profiles run them in float16, with float16's bounds); None: such rows do not run.
     fallback_dtype: str | None = None
@@ -41,21 +65,62 @@ class Profile:
     # KV cache storages drawn where a composition declares them (the first is where shrinking goes).
     kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3")
 
+    @property
+    def heads(self) -> tuple[HeadConfig, ...]:
+        """The head configurations this run draws: the fixed set, then the rotation's one."""
+        if not self.rotating_head_configs:
+            return self.head_configs
+        return self.head_configs + (self.rotating_head_configs[self.rotation % len(self.rotating_head_configs)],)
+
+    @property
+    def base_name(self) -> str:
+        return self.name.split("@")[0]
+
 
 PROFILES: dict[str, Profile] = {p.name: p for p in [
-    Profile("ci", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
-            max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4, shrink_seconds=10.0,
-            fallback_dtype="float16", slow_row_examples=1, description="CPU CI: float32, tiny heads, few examples per row"),
-    Profile("dev", "float32", (4, 2, 32, 32), (4, 16, 8, 32, 16), (2, 4, 16, 16), (1, 4, 16),
-            max_requests=6, max_prefix=80, max_extend=40, max_layers=4, max_examples=25, fallback_dtype="float16",
-            description="a developer's machine: the ci shapes, more examples"),
-    Profile("nightly", "float32", (8, 2, 64, 64), (8, 32, 16, 64, 32), (2, 4, 32, 32), (1, 4, 16, 64),
-            max_requests=8, max_prefix=300, max_extend=120, max_layers=4, max_examples=200, fallback_dtype="float16",
-            description="long sweeps: bigger shapes and many examples"),
-    Profile("gpu", "bfloat16", (8, 2, 128, 128), (16, 128, 64, 512, 128), (4, 8, 128, 128), (1, 16),
-            max_requests=16, max_prefix=600, max_extend=200, max_layers=4, max_examples=20,
-            description="GPU runners: bf16 and the head dims serving models ship (FlashInfer, fla compile these)"),
+    Profile("ci", "float32", ((4, 2, 32, 32), (4, 4, 32, 32), (4, 1, 32, 32)), (4, 16, 8, 32, 16), (2, 4, 16, 16),
+            (1, 4, 16, 32, 64), max_requests=4, max_prefix=40, max_extend=20, max_layers=3, max_examples=4,
+            shrink_seconds=10.0, max_boundary=65, fallback_dtype="float16", slow_row_examples=1,
+            description="CPU CI: float32, tiny heads (GQA 2, MHA, MQA), few examples per row"),
+    Profile("dev", "float32", ((4, 2, 32, 32), (4, 4, 32, 32), (4, 1, 32, 32), (8, 1, 64, 64)), (4, 16, 8, 32, 16),
+            (2, 4, 16, 16), (1, 4, 16, 32, 64), max_requests=6, max_prefix=80, max_extend=40, max_layers=4,
+            max_examples=25, max_boundary=257, fallback_dtype="float16",
+            description="a developer's machine: the ci shapes and a group-8 MQA, more examples"),
+    Profile("nightly", "float32", ((8, 2, 64, 64),), (8, 32, 16, 64, 32), (2, 4, 32, 32), (1, 4, 16, 32, 64),
+            max_requests=8, max_prefix=300, max_extend=120, max_layers=4, max_examples=200, max_boundary=300,
+            fallback_dtype="float16",
+            rotating_head_configs=((8, 8, 64, 64), (8, 1, 64, 64), (16, 2, 128, 128), (16, 8, 128, 128),
+                                   (4, 1, 256, 256), (8, 2, 256, 256)),
+            long_context=(4096, 16384), wide_batch=(64, 128),
+            description="long sweeps: bigger shapes, many examples, rotating head configurations"),
+    Profile("gpu", "bfloat16", ((8, 2, 128, 128),), (16, 128, 64, 512, 128), (4, 8, 128, 128), (1, 16, 32, 64),
+            max_requests=16, max_prefix=600, max_extend=200, max_layers=4, max_examples=20, max_boundary=600,
+            rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
+                                   (8, 8, 64, 64), (8, 2, 256, 256), (8, 1, 256, 256)),
+            long_context=(16384, 32768), wide_batch=(64, 160),
+            description="GPU runners: bf16, serving head dims (64/128/256, MHA to MQA), 16k-32k contexts"),
 ]}
+
+
+def profile(name: str, shard_index: int = 0, today: datetime.date | None = None) -> Profile:
+    """The profile called ``name``, with its head rotation: ``NAME@K`` picks rotation K; a plain ``NAME`` of a
+    profile with rotating head configurations takes the day's (UTC) plus ``shard_index``."""
+    base, _, rot = name.partition("@")
+    if base not in PROFILES:
+        raise ProfileError(f"unknown profile {base!r}; profiles: {', '.join(PROFILES)}")
+    p = PROFILES[base]
+    n = len(p.rotating_head_configs)
+    if rot:
+        if not rot.isdigit():
+            raise ProfileError(f"profile {name!r}: write NAME@K with K a rotation number, e.g. {base}@0")
+        if not n:
+            raise ProfileError(f"profile {base!r} has no rotating head configurations; write {base}")
+        k = int(rot) % n
+    elif n:
+        k = ((today or datetime.datetime.now(datetime.timezone.utc).date()).toordinal() + shard_index) % n
+    else:
+        return p
+    return dataclasses.replace(p, name=f"{base}@{k}", rotation=k)
 
 
 def hypothesis_settings(profile: Profile, *, database=None, max_examples: int | None = None,

@@ -12,24 +12,31 @@ import functools
 
 from hypothesis import strategies as st
 
-from batch.spec import (STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer,
-                        MropeLayout, SpecInput)
+from batch.spec import (KV_LAYOUTS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer,
+                        MLALayer, MropeLayout, SpecInput)
 from search.profiles import Profile
 
 
 @st.composite
-def lengths(draw, lo: int, hi: int, page_size: int) -> int:
-    """A length in [lo, hi] that is often at a page boundary (k*ps - 1, k*ps, k*ps + 1), or 1."""
-    return draw(_lengths(lo, max(hi, lo), page_size))
+def lengths(draw, lo: int, hi: int, page_size: int, boundaries: frozenset[int] = frozenset(),
+            cap: int = 0) -> int:
+    """A length in [lo, hi]; or at a page boundary (k*ps - 1, k*ps, k*ps + 1, and the first page's up to
+    ``cap``), or 1; or at a kernel boundary b (b - 1, b, b + 1) up to ``cap`` even past ``hi``. Page and
+    kernel boundaries are drawn apart, so a small page size's many boundaries do not crowd out the kernels'."""
+    return draw(_lengths(lo, max(hi, lo), page_size, tuple(sorted(boundaries)), cap))
 
 
 @functools.lru_cache(maxsize=None)
-def _lengths(lo: int, hi: int, page_size: int) -> st.SearchStrategy[int]:
+def _lengths(lo: int, hi: int, page_size: int, boundaries: tuple[int, ...] = (), cap: int = 0) -> st.SearchStrategy[int]:
     # Built once per bounds: a fresh strategy per draw cost more than the draw (listing and validating up
     # to 3 * hi / page_size boundary lengths every time).
+    top = max(hi, cap)
     pages = [k * page_size + d for k in range(1, hi // max(page_size, 1) + 1) for d in (-1, 0, 1)]
-    special = sorted({x for x in [lo, 1, *pages] if lo <= x <= hi})
-    return st.one_of(st.integers(lo, hi), st.sampled_from(special))
+    pages += [page_size + d for d in (-1, 0, 1)]
+    special = sorted({x for x in [lo, 1, *pages] if lo <= x <= top})
+    kernel = sorted({b + d for b in boundaries for d in (-1, 0, 1) if lo <= b + d <= top})
+    options = [st.integers(lo, hi), st.sampled_from(special)]
+    return st.one_of(*options, *([st.sampled_from(kernel)] if kernel else []))
 
 
 @st.composite
@@ -49,33 +56,64 @@ def draft_tree(draw, draft_token_num: int, steps: int, topk: int, chain: bool) -
     return tuple(parents)
 
 
-def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | None) -> MHALayer | MLALayer:
-    """A full-attention layer; an MHA layer uses the model's sliding ``window`` or none."""
+def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | None,
+                head: tuple[int, int, int, int]) -> MHALayer | MLALayer:
+    """A full-attention layer; an MHA layer has the batch's head configuration and uses the model's sliding
+    ``window`` or none."""
     if kind == "mla":
         h, nope, rope, rank, v = profile.mla
         return MLALayer(layer_id, h, nope, rope, rank, v)
-    hq, hk, d, dv = profile.mha
+    hq, hk, d, dv = head
     sliding = window if window is not None and draw(st.booleans()) else None
     cap = draw(st.sampled_from([None, 5.0, 50.0]))
     return MHALayer(layer_id, hq, hk, d, dv, sliding_window=sliding, logit_cap=cap)
 
 
+# Shapes of a batch, drawn first (an integer in 0..15 that shrinks toward 0, the ordinary shape): each edge in
+# about one case in 16. SINGLE_TOKEN: one request, one new token. LARGEST: the profile's largest batch.
+# LONG: a few requests with cached lengths in profile.long_context. WIDE: profile.wide_batch requests, each
+# with a few new tokens. A profile without long contexts or wide batches draws the ordinary shape instead.
+SHAPES = 16
+SINGLE_TOKEN, LARGEST, LONG, WIDE = 12, 13, 14, 15
+LONG_MAX_REQUESTS = 3
+LONG_MAX_EXTEND = 64
+WIDE_MAX_EXTEND = 4
+
+
+def _accept(draw, hi: int) -> int:
+    """An accepted length in 1..hi, at an extreme (1: only the root; hi: the whole branch) as often as not."""
+    return draw(st.one_of(st.sampled_from(sorted({1, hi})), st.integers(1, hi)))
+
+
 @st.composite
 def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str], *,
                 page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
-                mrope: bool = True, hybrid: bool = False, chain: bool = False, fixed_width: bool = False,
-                dtype: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",), kv_scales: bool = True,
-                require_kind: str | None = None) -> BatchSpec:
+                mrope: bool = True, hybrid: bool = False, chain: bool = False, tree: bool = False,
+                fixed_width: bool = False, dtype: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",),
+                kv_scales: bool = True, require_kind: str | None = None,
+                head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
+                boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
+                verify_window: bool = False) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
     ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
-    ``chain`` makes every draft tree a chain (topk 1); ``fixed_width`` makes every draft extend cover the
-    whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run it);
-    ``dtype`` overrides the profile's; ``require_kind`` ("linear") puts at least one layer of that kind in every
-    batch (for properties about that kind); ``state_slot_layout`` is drawn for batches with linear layers.
+    ``chain`` makes every draft tree a chain (topk 1), ``tree`` gives trees two or more children per node
+    where the layers allow it (linear layers verify chains only); ``fixed_width`` makes every draft extend
+    cover the whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run
+    it); ``dtype`` overrides the profile's; ``require_kind`` ("linear") puts at least one layer of that kind in
+    every batch (for properties about that kind); ``state_slot_layout`` is drawn for batches with linear
+    layers. ``head_configs`` (default the profile's) are the MHA shapes the composition compiles;
+    ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
+    tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches.
     """
     dtype = dtype or profile.dtype
+    shape = draw(st.integers(0, SHAPES - 1))
+    if (shape == LONG and profile.long_context is None) or (shape == WIDE and profile.wide_batch is None) \
+            or mode is ForwardMode.IDLE:
+        shape = 0
     page_size = draw(st.sampled_from(page_sizes or profile.page_sizes))
+    kv_layout = draw(st.sampled_from(KV_LAYOUTS))
+    head = draw(st.sampled_from(head_configs or profile.heads))
     full_kinds = sorted(kinds & {"mha", "mla"})
     draft_worker = hybrid and bool(full_kinds) and mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and \
         draw(st.booleans()) and draw(st.booleans())
@@ -83,7 +121,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     # of each, and whether it uses the window.
     window = draw(st.none() | st.integers(1, 2 * profile.max_extend))
     if draft_worker:
-        layers = (_full_layer(full_kinds[0], 0, profile, draw, window),)
+        layers = (_full_layer(full_kinds[0], 0, profile, draw, window, head),)
     else:
         full_kind = draw(st.sampled_from(full_kinds)) if full_kinds else None
         n_layers = draw(st.integers(1, profile.max_layers))
@@ -91,9 +129,9 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                        for _ in range(n_layers)]
         if require_kind is not None and require_kind not in layer_kinds:
             layer_kinds[-1] = require_kind
-        layers = tuple(LinearLayer(i, *profile.linear) if k == "linear" else _full_layer(k, i, profile, draw, window)
-                       for i, k in enumerate(layer_kinds))
-    sliding_window = sliding_window and not mode.is_target_verify()  # not modelled with tree masks
+        layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
+                       else _full_layer(k, i, profile, draw, window, head) for i, k in enumerate(layer_kinds))
+    sliding_window = sliding_window and (verify_window or not mode.is_target_verify())
     if not sliding_window or not logit_cap:
         layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
     kv_cache_dtype, layers = draw(kv_caches(layers, kv_cache_dtypes, kv_scales))
@@ -103,46 +141,82 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     # Requests: how many, then their lengths.
     if mode is ForwardMode.IDLE:
         return BatchSpec(mode, (), (), layers, page_size=page_size, dtype=dtype,
-                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker,
+                         seed=draw(st.integers(0, 2**31 - 1)), draft_worker=draft_worker, kv_layout=kv_layout,
                          kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
-    B = draw(st.integers(1, profile.max_requests))
+    if shape == SINGLE_TOKEN:
+        B = 1
+    elif shape == LARGEST:
+        B = profile.max_requests
+    elif shape == LONG:
+        B = draw(st.integers(1, LONG_MAX_REQUESTS))
+    elif shape == WIDE:
+        B = draw(st.integers(*profile.wide_batch))
+    else:
+        B = draw(st.integers(1, profile.max_requests))
+
+    def prefix_len(lo: int) -> int:
+        if shape == LONG:
+            a, b = profile.long_context
+            return draw(st.one_of(st.sampled_from([a, b]), st.integers(a, b)))
+        return draw(lengths(lo, profile.max_prefix, page_size, boundaries, profile.max_boundary))
+
+    def new_len(hi: int) -> int:
+        if shape == SINGLE_TOKEN:
+            return 1
+        hi = min(hi, LONG_MAX_EXTEND if shape == LONG else WIDE_MAX_EXTEND if shape == WIDE else hi)
+        return draw(lengths(1, hi, page_size, boundaries, 0))
+
     spec_input = None
     if mode is ForwardMode.DECODE:
-        prefix = [draw(lengths(1, profile.max_prefix, page_size)) for _ in range(B)]
+        prefix = [prefix_len(1) for _ in range(B)]
         extend = [1] * B
     elif mode is ForwardMode.TARGET_VERIFY:
-        steps = draw(st.integers(1, 4))
-        topk = 1 if (has_linear or chain) else draw(st.integers(1, 4))
-        D = draw(st.integers(1, steps * topk + 1)) if topk > 1 else steps + 1
-        prefix = [draw(lengths(1, profile.max_prefix, page_size)) for _ in range(B)]
+        single = shape == SINGLE_TOKEN
+        steps = 1 if single else draw(st.integers(1, 4))
+        topk = 1 if (has_linear or chain or single) else draw(st.integers(2 if tree else 1, 4))
+        D = 1 if single else draw(st.integers(min(3, steps * topk + 1) if tree else 1, steps * topk + 1)) \
+            if topk > 1 else steps + 1
+        prefix = [prefix_len(1) for _ in range(B)]
         extend = [D] * B
         trees = tuple(draw(draft_tree(D, steps, topk, chain=topk == 1)) for _ in range(B))
         accept = []
-        for tree in trees:
+        for tree_ in trees:
             depth = [0] * D
             for j in range(1, D):
-                depth[j] = depth[tree[j]] + 1
-            accept.append(draw(st.integers(1, max(depth) + 1)))
+                depth[j] = depth[tree_[j]] + 1
+            accept.append(_accept(draw, max(depth) + 1))
         spec_input = SpecInput(D, topk, steps, trees, tuple(accept))
     elif mode is ForwardMode.DRAFT_EXTEND:
-        steps = draw(st.integers(1, 4))
-        prefix = [draw(lengths(0, profile.max_prefix, page_size)) for _ in range(B)]
-        extend = [steps + 1 if fixed_width else draw(st.integers(1, steps + 1)) for _ in range(B)]
+        # Ragged accepted lengths: each request extends by what verification accepted of its branch.
+        steps = 1 if shape == SINGLE_TOKEN else draw(st.integers(1, 4))
+        prefix = [prefix_len(0) for _ in range(B)]
+        extend = [steps + 1 if fixed_width else 1 if shape == SINGLE_TOKEN else _accept(draw, steps + 1)
+                  for _ in range(B)]
         spec_input = SpecInput(steps + 1, 1, steps, tuple(tuple(range(-1, steps)) for _ in range(B)), tuple(extend))
     else:
-        prefix = [draw(st.one_of(st.just(0), lengths(0, profile.max_prefix, page_size))) for _ in range(B)]
-        extend = [draw(lengths(1, profile.max_extend, page_size)) for _ in range(B)]
+        # No prefix (a fresh prompt) as often as a cached one, except in long contexts.
+        prefix = [prefix_len(0) if shape == LONG or draw(st.integers(0, 1)) else 0 for _ in range(B)]
+        extend = [new_len(profile.max_extend) for _ in range(B)]
         if mode is ForwardMode.MIXED:
             # Some requests are decodes (an extend of 1 after a cached prefix).
             for i in range(B):
                 if draw(st.booleans()):
                     prefix[i], extend[i] = max(prefix[i], 1), 1
+        if empty_extend and B > 1:
+            # A request with nothing new after its cached prefix (one in eight), never all of them.
+            empty = [draw(st.integers(0, 7)) == 7 for _ in range(B)]
+            empty[0] = empty[0] and not all(empty)
+            for i in range(B):
+                if empty[i]:
+                    prefix[i], extend[i] = max(prefix[i], 1), 0
     mrope_layout = None
     if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
+    kv_max = max(p + e for p, e in zip(prefix, extend))
     return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=dtype,
                      seed=draw(st.integers(0, 2**31 - 1)), spec=spec_input, mrope=mrope_layout,
-                     draft_worker=draft_worker, kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
+                     draft_worker=draft_worker, kv_layout=kv_layout, context_len=context_len_for(kv_max),
+                     kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout)
 
 
 KV_SCALES = (1.0, 0.5, 2.0, 2.0**-6, 2.0**4)  # powers of two: batch.spec.KV_SCALE_RANGE, shrinking toward 1
@@ -159,6 +233,15 @@ def kv_caches(draw, layers, kv_cache_dtypes: tuple[str, ...], kv_scales: bool):
     scale = st.sampled_from(KV_SCALES)
     return kv_cache_dtype, tuple(dataclasses.replace(l, k_scale=draw(scale), v_scale=draw(scale))
                                  if l.kind == "mha" else l for l in layers)
+
+
+def context_len_for(kv_len: int) -> int:
+    """The req_to_token row length of a batch whose longest request has ``kv_len`` keys: 4096, or the next
+    power of two that holds it (long contexts)."""
+    n = 4096
+    while n < kv_len:
+        n *= 2
+    return n
 
 
 def _strip(layer, sliding_window: bool, logit_cap: bool):
@@ -188,3 +271,36 @@ def mrope_layouts(draw, layers, prefix: list[int], extend: list[int]) -> MropeLa
             images.append(ImageSpan(i, start, gt, gh, gw))
             pos = start + gt * gh * gw
     return MropeLayout(sections, tuple(images))
+
+
+def _heads_text(head: tuple[int, int, int, int]) -> str:
+    hq, hk, d, _ = head
+    kind = "MHA" if hq == hk else "MQA" if hk == 1 else f"GQA {hq // hk}"
+    return f"{hq}/{hk}x{d} ({kind})"
+
+
+def describe_axes(profile: Profile) -> list[str]:
+    """What ``batch_specs`` draws under ``profile``, one axis a line (``harness list`` prints it)."""
+    rot = profile.rotating_head_configs
+    heads = ", ".join(_heads_text(h) for h in profile.head_configs)
+    if rot:
+        heads += (f"; rotating ({profile.name}: one of {len(rot)} a run, NAME@K picks K): "
+                  + ", ".join(("*" if k == profile.rotation % len(rot) else "") + _heads_text(h)
+                              for k, h in enumerate(rot)))
+    long = "-" if profile.long_context is None else \
+        f"{profile.long_context[0]}..{profile.long_context[1]} cached keys, up to {LONG_MAX_REQUESTS} requests (1 case in {SHAPES})"
+    wide = "-" if profile.wide_batch is None else \
+        f"{profile.wide_batch[0]}..{profile.wide_batch[1]} requests of <= {WIDE_MAX_EXTEND} new tokens (1 case in {SHAPES})"
+    return [
+        f"page sizes    {', '.join(map(str, profile.page_sizes))} (a composition draws those it declares)",
+        f"KV layouts    {', '.join(KV_LAYOUTS)}",
+        f"head configs  {heads}",
+        f"lengths       prefixes <= {profile.max_prefix}, new tokens <= {profile.max_extend}; at page boundaries and "
+        f"at the kernels' declared boundaries (prefixes up to {profile.max_boundary})",
+        f"long contexts {long}",
+        f"wide batches  {wide}",
+        f"edges         one request of one token, the largest batch ({profile.max_requests} requests) "
+        f"(1 case in {SHAPES} each); empty extends where declared",
+        "speculative   trees of topk 1..4 (tree_branch: >= 2), accepted lengths at 1 and at the branch's end, "
+        "sliding windows in target_verify where declared",
+    ]

@@ -19,19 +19,21 @@ from hypothesis import settings  # noqa: E402
 from hypothesis.database import DirectoryBasedExampleDatabase  # noqa: E402
 
 from search.profiles import PROFILES, hypothesis_settings  # noqa: E402
+from search.profiles import profile as named_profile  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--profile", default=os.environ.get("HARNESS_PROFILE", "ci"), choices=sorted(PROFILES),
-                     help="harness profile: Hypothesis settings and kernel configuration")
+    parser.addoption("--profile", default=os.environ.get("HARNESS_PROFILE", "ci"),
+                     help=f"harness profile ({', '.join(PROFILES)}; NAME@K picks head rotation K): Hypothesis "
+                          f"settings and kernel configuration")
     parser.addoption("--backends", nargs="*", default=None,
                      help="restrict the matrix to these backends or composition terms")
 
 
 def pytest_configure(config):
-    profile = PROFILES[config.getoption("--profile")]
+    profile = named_profile(config.getoption("--profile"))
     db = DirectoryBasedExampleDatabase(os.path.join(config.rootpath, ".hypothesis", "examples"))
     settings.register_profile("harness-tests", hypothesis_settings(profile, database=db))
     settings.load_profile("harness-tests")
@@ -44,4 +46,4 @@ def device() -> str:
 
 @pytest.fixture(scope="session")
 def profile(request):
-    return PROFILES[request.config.getoption("--profile")]
+    return named_profile(request.config.getoption("--profile"))

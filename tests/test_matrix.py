@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from search.matrix import matrix_rows
-from search.profiles import PROFILES
+from search.profiles import profile as named_profile
 from search.search_row import search_row
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,7 +20,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def pytest_generate_tests(metafunc):
     if "row" not in metafunc.fixturenames:
         return
-    profile = PROFILES[metafunc.config.getoption("--profile")]
+    profile = named_profile(metafunc.config.getoption("--profile"))
     rows, skipped = matrix_rows(DEVICE, profile, metafunc.config.getoption("--backends"))
     params = [pytest.param(r, id=r.id) for r in rows]
     params += [pytest.param(None, id=f"{c}-unavailable", marks=pytest.mark.skip(reason=f"{c}: {why}"))

@@ -380,7 +380,16 @@ class SglangTorchNative(SglangBackend):
         fixed_width_draft_extend=True,
         engine="sglang",
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
+        empty_extend=True,  # its per-request SDPA loop takes a request with no new tokens
     )
+
+
+# Where SGLang's Triton kernels change shape. Decode (kernels/ops/attention/decode_attention.py:308): each split
+# holds kv_len_per_split = cdiv(cdiv(L, splits), MIN_BLOCK_KV=32) * 32 keys of at most
+# triton_attention_num_kv_splits = 8 splits (all 8 on a CPU, where the device core count is 0,
+# triton_backend.py:448): split k is non-empty past 32 * k, and every split grows past 8 * 32 = 256. Extend
+# (extend_attention.py:75-138): BLOCK_M x BLOCK_N of 64 x 64 on a CPU, 128/64/32 x 64 on an H100.
+SGLANG_TRITON_BOUNDARIES = frozenset({32 * k for k in range(1, 9)} | {128})
 
 
 class SglangTriton(SglangBackend):
@@ -410,6 +419,9 @@ class SglangTriton(SglangBackend):
         fixed_width_draft_extend=True,  # EAGLE v2's draft extend, as for SglangTorchNative
         engine="sglang",
         wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
+        length_boundaries=SGLANG_TRITON_BOUNDARIES,
+        verify_window=True,  # declared, so a disagreement is a finding (see docs/findings/)
+        empty_extend=True,  # its extend grid counts max(0, extend_len) tiles (extend_attention.py:191)
     )
 
 

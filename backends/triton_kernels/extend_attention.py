@@ -80,7 +80,7 @@ def _attend_block(q, m_i, l_i, acc, K, V, k_row_off, v_row_off, col_ok, visible,
 
 @triton.jit
 def _extend_fwd_kernel(
-    Q, K_EXT, V_EXT, O, K_BUF, V_BUF, QO_INDPTR, KV_INDPTR, KV_INDICES, MASK, MASK_INDPTR,
+    Q, K_EXT, V_EXT, O, K_BUF, V_BUF, QO_INDPTR, KV_INDPTR, KV_INDICES, MASK, MASK_INDPTR, POS,
     sm_scale, logit_cap, window_left, k_descale, v_descale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_kbs, stride_kbh, stride_vbs, stride_vbh,
@@ -111,6 +111,10 @@ def _extend_fwd_kernel(
     if INTERPRETED:
         q = q.to(tl.float32)
     q_pos = prefix_len + rows
+    # Under a tree mask a row is no position: the window reads the tokens' positions (prefix + tree depth).
+    TREE_WINDOW: tl.constexpr = USE_CUSTOM_MASK and USE_WINDOW
+    if TREE_WINDOW:
+        q_pos = tl.load(POS + qo_start + rows, mask=row_ok, other=0).to(tl.int32)
 
     mask_row = tl.zeros([BLOCK_M], tl.int64)
     if USE_CUSTOM_MASK:
@@ -124,7 +128,8 @@ def _extend_fwd_kernel(
     # Stage 1: the cached prefix, gathered through kv_indices.
     lo = 0
     if USE_WINDOW:
-        lo = tl.maximum(prefix_len + m_start - window_left, 0)
+        # Rows m_start.. sit at positions >= prefix_len + m_start, tree tokens at >= prefix_len.
+        lo = tl.maximum(prefix_len + (0 if TREE_WINDOW else m_start) - window_left, 0)
     for n0 in range(lo, prefix_len, BLOCK_N):
         cols = n0 + tl.arange(0, BLOCK_N)
         col_ok = cols < prefix_len
@@ -143,7 +148,7 @@ def _extend_fwd_kernel(
 
     # Stage 2: the request's own new tokens.
     lo = 0
-    if USE_WINDOW:
+    if USE_WINDOW and not TREE_WINDOW:
         lo = tl.maximum(m_start - window_left, 0)
     hi = q_len
     if CAUSAL and not USE_CUSTOM_MASK:
@@ -157,7 +162,10 @@ def _extend_fwd_kernel(
             visible = visible & (bits != 0)
         elif CAUSAL:
             visible = visible & (cols[None, :] <= rows[:, None])
-        if USE_WINDOW:
+        if TREE_WINDOW:
+            k_pos = tl.load(POS + qo_start + cols, mask=col_ok, other=0).to(tl.int32)
+            visible = visible & (k_pos[None, :] >= q_pos[:, None] - window_left)
+        elif USE_WINDOW:
             visible = visible & (cols[None, :] >= rows[:, None] - window_left)
         tok = qo_start + cols
         m_i, l_i, acc = _attend_block(
@@ -201,7 +209,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                          custom_mask: torch.Tensor | None, mask_indptr: torch.Tensor | None, *,
                          sm_scale: float, logit_cap: float = 0.0, sliding_window: int = -1,
                          causal: bool = True, max_extend_len: int | None = None, k_descale: float = 1.0,
-                         v_descale: float = 1.0) -> None:
+                         v_descale: float = 1.0, positions: torch.Tensor | None = None) -> None:
     """Attention of each request's new tokens over its cached prefix, then its new tokens; writes
     ``o_extend`` in place.
 
@@ -223,10 +231,13 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     sm_scale : multiplies ``q . k``.
     logit_cap : > 0 applies ``logit_cap * tanh(s / logit_cap)`` after scaling; 0 is off.
     sliding_window : window_left: a query at position ``p`` sees no key before ``p - window_left``; -1 is off.
+        A new token's position is ``prefix_i + j``, except under a custom mask, where it is ``positions``.
     causal : without a custom mask, new token ``j`` sees new tokens ``0..j`` (False: all of them).
     max_extend_len : the most new tokens of any request, when the caller knows it (a CUDA graph's fixed width:
         reading it from ``qo_indptr`` is a device sync, which graph capture forbids); None reads it.
     k_descale, v_descale : the fp8 cache's scales (ignored for a cache in q's dtype).
+    positions : ``(nnz_qo,)`` int: each new token's position; needed with a custom mask and a window (a
+        draft tree's token sits at ``prefix_i + depth``, not at its row).
 
     GQA: query head ``h`` reads kv head ``h // (num_qo_heads // num_kv_heads)``. A query row that sees no
     key outputs zeros. Accumulation is float32; P is rounded to v's dtype before the PV product; float32
@@ -270,6 +281,14 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
                  "put all inputs on one device")
     if sliding_window is None:
         sliding_window = -1
+    tree_window = use_mask and sliding_window >= 0
+    if tree_window:
+        require(positions is not None, "a custom mask with a sliding window needs positions (nnz_qo,)")
+        require(positions.dim() == 1 and positions.numel() == T and positions.dtype in (torch.int32, torch.int64)
+                and positions.stride(0) == 1, f"positions must be a contiguous ({T},) int32/int64 tensor, got "
+                                              f"{positions.dtype} of shape {tuple(positions.shape)}")
+        require(positions.device == q_extend.device, f"positions is on {positions.device} but q_extend is on "
+                                                     f"{q_extend.device}; put all inputs on one device")
     logit_cap = float(logit_cap or 0.0)
     if B <= 0 or T == 0:
         return
@@ -285,7 +304,7 @@ def extend_attention_fwd(q_extend: torch.Tensor, k_extend: torch.Tensor, v_exten
     grid = (triton.cdiv(max_q, cfg["BLOCK_M"]), H, B)
     _extend_fwd_kernel[grid](
         q_extend, k_extend, v_extend, o_extend, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-        mask, mask_indptr if use_mask else qo_indptr,
+        mask, mask_indptr if use_mask else qo_indptr, positions if tree_window else qo_indptr,
         float(sm_scale), logit_cap, int(sliding_window), float(k_descale), float(v_descale),
         q_extend.stride(0), q_extend.stride(1), k_extend.stride(0), k_extend.stride(1),
         v_extend.stride(0), v_extend.stride(1), o_extend.stride(0), o_extend.stride(1),

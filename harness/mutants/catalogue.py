@@ -29,6 +29,7 @@ class Mutant:
     doc: str  # the bug, then the symptom users saw
     targets: tuple[str, ...]  # composition terms to search
     properties: tuple[str, ...] | None = None  # restrict the search (None: every property)
+    modes: tuple[str, ...] | None = None  # and to these modes (None: every mode)
     needs_device: str | None = None  # the fault only exists on this device type (e.g. real graph capture)
     crashes: bool = False  # kills or hangs the process: run only in a child process (see harness.mutants.run)
     engine: str = "harness"  # whose code the fault is patched into: ours, or an engine's real classes
@@ -266,6 +267,110 @@ def mla_last_chunk_dropped():
     return _replace(tn.TorchNativeBackend, "init_mha_chunk_metadata", init_mha_chunk_metadata)
 
 
+# ---- axes of the generator: each mutant below is reachable only through one axis of batch_specs ----------
+def _patch_token_plans(plan):
+    """Patch the token-level planner where torch_native and triton look it up (both import it by name)."""
+    import backends.torch_native as torch_native
+    import backends.triton as triton
+
+    @contextlib.contextmanager
+    def patched():
+        with _replace(torch_native, "plan_token_level", plan), _replace(triton, "plan_token_level", plan):
+            yield
+    return patched()
+
+
+def contiguous_pages_read_as_one_run():
+    import backends.planner as planner
+    original = planner.plan_token_level
+
+    def plan_token_level(fb):
+        meta = original(fb)
+        ps, B = fb.page_size, fb.batch_size
+        if ps == 1 or B < 2 or meta.kv_indices is None or fb.forward_mode.is_idle():
+            return meta
+        lens = (meta.kv_indptr[1:] - meta.kv_indptr[:-1]).tolist()
+        idx = meta.kv_indices.tolist()
+        pages, start = [], 0
+        for n in lens:
+            if n <= ps:  # the fast path is for requests spread over several pages
+                return meta
+            pages += [s // ps for s in idx[start:start + n:ps]]
+            start += n
+        if pages == list(range(pages[0], pages[0] + len(pages))):  # one run of pages: read it as one run of slots
+            first = idx[0]
+            meta.kv_indices = torch.arange(first, first + len(idx), dtype=meta.kv_indices.dtype,
+                                           device=meta.kv_indices.device)
+        return meta
+    return _patch_token_plans(plan_token_level)
+
+
+def decode_merge_drops_last_split():
+    import backends.triton_kernels.decode_attention as dec
+    real = dec._decode_merge_kernel
+
+    class MergeAllButLast:
+        def __getitem__(self, grid):
+            launch = real[grid]
+
+            def run(*args, **kwargs):
+                kwargs["NUM_SPLITS"] = max(kwargs["NUM_SPLITS"] - 1, 1)  # the merge loop stops one split short
+                return launch(*args, **kwargs)
+            return run
+    return _replace(dec, "_decode_merge_kernel", MergeAllButLast())
+
+
+def verify_window_by_row():
+    from backends.torch_native import TorchNativeBackend
+    original = TorchNativeBackend.forward_extend
+
+    def forward_extend(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        fb = forward_batch
+        if fb.spec_info is None or fb.spec_info.custom_mask is None:
+            return original(self, q, k, v, layer, fb, *args, **kwargs)
+        # The window reads each draft's row (prefix + row index) as its position, not prefix + tree depth.
+        real = fb.positions
+        lens = fb.extend_seq_lens.to(torch.int64)
+        starts = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        fb.positions = torch.repeat_interleave(fb.extend_prefix_lens.to(torch.int64), lens) + \
+            torch.arange(int(lens.sum()), device=real.device) - starts
+        try:
+            return original(self, q, k, v, layer, fb, *args, **kwargs)
+        finally:
+            fb.positions = real
+    return _replace(TorchNativeBackend, "forward_extend", forward_extend)
+
+
+def empty_extend_shifts_requests():
+    import backends.planner as planner
+    original = planner.plan_token_level
+
+    def plan_token_level(fb):
+        meta = original(fb)
+        if fb.forward_mode.is_decode() or fb.forward_mode.is_idle() or fb.spec_info is not None:
+            return meta
+        # Per-request counts taken from per-token request ids: a request with no token has no count, and the
+        # indptr is padded at the end to the batch size.
+        owner = torch.repeat_interleave(torch.arange(fb.batch_size, device=fb.device), fb.extend_seq_lens.to(torch.int64))
+        counts = torch.unique_consecutive(owner, return_counts=True)[1]
+        indptr = planner.exclusive_cumsum(counts)
+        meta.qo_indptr = torch.cat([indptr, indptr[-1:].expand(fb.batch_size + 1 - indptr.numel())])
+        return meta
+    return _patch_token_plans(plan_token_level)
+
+
+def sglang_mha_decode_drops_logit_cap():
+    from backends.sglang.runtime import load
+    load()
+    import sglang.kernels.ops.attention.decode_attention as dec
+    original = dec.decode_attention_fwd_normal
+
+    def decode_attention_fwd_normal(*args, **kwargs):
+        kwargs["logit_cap"] = 0.0  # the grouped (GQA/MQA) branch passes it; this one forgot
+        return original(*args, **kwargs)
+    return _replace(dec, "decode_attention_fwd_normal", decode_attention_fwd_normal)
+
+
 # ---- process killers (crashes=True) --------------------------------------------------------------------
 def _kv_pages(forward_batch) -> int:
     """Pages in the batch's page table (every request's context, rounded up to whole pages)."""
@@ -475,7 +580,33 @@ def graph_captures_linear():
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
 
 
+# One mutant per axis of the generator (issue 14), each reachable only through its axis: proof that the axis
+# reaches code, not just that it exists.
+AXIS_CATALOGUE: list[Mutant] = [
+    Mutant("contiguous_pages_read_as_one_run", "a planner's fast path reads a batch whose pages form one "
+           "ascending run (a fresh allocator's contiguous layout) as one run of slots, forgetting the unused tail "
+           "of each request's last page; requests after the first read the previous one's page tail as keys "
+           "(page layout axis: only contiguous layouts with page_size > 1 reach it)",
+           ("torch_native",), ("outputs",), modes=("decode",)),
+    Mutant("decode_merge_drops_last_split", "flash-decoding's merge stops one KV split short; a request long "
+           "enough to fill its last split loses those keys (length-boundary axis: interpreted, the fourth of "
+           "four splits is non-empty only past 48 keys, beyond the ci profile's ordinary lengths)",
+           ("triton",), ("outputs",), modes=("decode",)),
+    Mutant("verify_window_by_row", "a verify kernel applies the sliding window to row indices instead of "
+           "positions; sibling drafts of a tree see a window cut by their row, not their depth (speculative axis: "
+           "windows in target_verify with topk > 1; SGLang's Triton backend has this bug, "
+           "docs/findings/sglang-triton-verify-window-by-row.md)", ("torch_native",), ("tree_branch", "outputs"),
+           modes=("target_verify",)),
+    Mutant("empty_extend_shifts_requests", "per-request token counts taken from per-token request ids drop a "
+           "request with no new tokens; every later request reads the rows of the one before it (edge axis: "
+           "empty extends)", ("torch_native", "triton"), ("outputs",), modes=("extend",)),
+]
+
 SGLANG_CATALOGUE: list[Mutant] = [
+    Mutant("sglang_mha_decode_drops_logit_cap", "SGLang's MHA decode branch (decode_attention_fwd_normal, "
+           "taken when num_kv_heads == num_q_heads) drops the logit soft-cap its grouped branch passes; Gemma-style "
+           "MHA models decode with uncapped scores (head-configuration axis: GQA group 1 reaches this branch)",
+           ("sglang.triton",), ("outputs",), modes=("decode",), engine="sglang"),
     Mutant("sglang_tbo_mrope_dim0", "SGLang's TboForwardBatchPreparer.filter_batch slices mrope_positions on "
            "dim 0 (sgl-project/sglang#20114 review); multimodal halves rotate by garbage positions",
            ("tbo(sglang.torch_native)",), ("outputs",), engine="sglang"),
@@ -573,5 +704,5 @@ CATALOGUE: list[Mutant] = [
     Mutant("extend_hangs_past_two_pages", "the extend kernel waits on a barrier that batches spanning more than "
            "two KV pages never reach; the process hangs (a deadlocked kernel) and the run never ends",
            ("torch_native",), properties=("outputs",), crashes=True),
-] + SGLANG_CATALOGUE
+] + AXIS_CATALOGUE + SGLANG_CATALOGUE
 MUTANTS = {m.name: m for m in CATALOGUE}

@@ -58,7 +58,8 @@ def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
     with mutant.patch():
         rows = [r for comp in runnable
                 for r in matrix_rows(device, profile, [str(comp)],
-                                     list(mutant.properties) if mutant.properties else None)[0]
+                                     list(mutant.properties) if mutant.properties else None,
+                                     list(mutant.modes) if mutant.modes else None)[0]
                 if r.composition == comp]
         # Breadth first: a few examples on every row, then the profile's count, then four times that.
         # Seeds are fixed per mutant and round, so a verdict is reproducible run to run.

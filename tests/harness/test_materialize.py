@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given
+from hypothesis import strategies as st
 
 from batch.masks import verify_custom_mask
-from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
+from batch.spec import KV_LAYOUTS, BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
 from engine.materialize import _Draw, _normal_table, materialize
 from search.profiles import PROFILES
 from search.strategies import batch_specs
@@ -56,7 +59,9 @@ def test_slots_are_paged_shuffled_and_never_zero(spec):
 @given(batch_specs(CI, ForwardMode.EXTEND, frozenset({"mha"})))
 def test_slots_are_the_page_order_token_by_token(spec):
     """The slot layout case files reproduce: the first draw is the page order, and request i takes the next
-    ceil(kv_len / page_size) pages of it, token j at offset j % page_size of its (j // page_size)-th page."""
+    ceil(kv_len / page_size) pages of it, token j at offset j % page_size of its (j // page_size)-th page
+    (the shuffled_pages layout, every case file's before layouts were drawn)."""
+    spec = dataclasses.replace(spec, kv_layout="shuffled_pages")
     ps = spec.page_size
     pages_needed = [-(-n // ps) for n in spec.kv_lens]
     num_pages = 1 + sum(pages_needed) + 2 + sum(pages_needed) // 4
@@ -66,6 +71,43 @@ def test_slots_are_the_page_order_token_by_token(spec):
         pages = page_order[cursor:cursor + pages_needed[i]]
         cursor += pages_needed[i]
         assert case.token_slots[i].tolist() == [pages[j // ps] * ps + j % ps for j in range(n)]
+
+def _pages(case, spec) -> list[list[int]]:
+    """Each request's physical pages, in token order."""
+    ps = spec.page_size
+    return [[s // ps for s in slots.tolist()[::ps]] for slots in case.token_slots]
+
+
+@given(batch_specs(CI, ForwardMode.EXTEND, frozenset({"mha"})), st.sampled_from(KV_LAYOUTS[1:]))
+def test_each_layout_lays_pages_as_it_promises(spec, layout):
+    spec = dataclasses.replace(spec, kv_layout=layout)
+    case = materialize(spec)
+    pages = _pages(case, spec)
+    flat = [p for ps_ in pages for p in ps_]
+    assert len(set(flat)) == len(flat) and 0 not in flat
+    if layout == "contiguous":  # one ascending run, requests back to back
+        assert flat == list(range(1, len(flat) + 1))
+    elif layout == "interleaved_pages":  # dealt one page per request in turn
+        turns = sorted((k, i) for i, ps_ in enumerate(pages) for k in range(len(ps_)))
+        assert [pages[i][k] for k, i in turns] == list(range(1, len(flat) + 1))
+    else:  # non_monotonic_extend: prefix pages ascending, pages of new tokens only descending
+        for i, ps_ in enumerate(pages):
+            first_new = -(-spec.prefix_lens[i] // spec.page_size)
+            assert ps_[:first_new] == sorted(ps_[:first_new])
+            assert ps_[first_new:] == sorted(ps_[first_new:], reverse=True)
+            if len(ps_) - first_new >= 2:
+                new = case.token_slots[i][spec.prefix_lens[i]:].tolist()
+                assert new != sorted(new)  # out_cache_loc goes down inside this extend
+
+
+def test_layouts_share_every_other_draw():
+    """Only the page table changes with the layout: pools and inputs are the same tensors."""
+    base = BatchSpec(ForwardMode.EXTEND, (9, 0), (3, 5), (MHALayer(0, 4, 2, 32, 32),), page_size=4, seed=5)
+    cases = [materialize(dataclasses.replace(base, kv_layout=l)) for l in KV_LAYOUTS]
+    for c in cases[1:]:
+        assert torch.equal(c.inputs[0].tensors["q"], cases[0].inputs[0].tensors["q"])
+        assert not torch.equal(c.forward_batch.out_cache_loc, cases[0].forward_batch.out_cache_loc)
+
 
 def _bits_in_python(seed: int, call: int, i: int) -> int:
     """``_Draw.bits`` element ``i`` of draw number ``call``, in plain Python integers modulo 2**32."""

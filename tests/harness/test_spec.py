@@ -50,7 +50,11 @@ def test_a_good_spec_is_accepted():
 
 @pytest.mark.parametrize("changes, message", [
     (dict(prefix_lens=(-1, 0)), "prefix_lens[0] must be >= 0"),
-    (dict(extend_lens=(0, 5)), "extend_lens[0] must be >= 1"),
+    (dict(extend_lens=(-1, 5)), "extend_lens[0] must be >= 0"),
+    (dict(prefix_lens=(0, 0), extend_lens=(0, 5)), "request 0 has neither cached nor new tokens"),
+    (dict(prefix_lens=(3, 1), extend_lens=(0, 0)), "needs at least one new token"),
+    (dict(mode=ForwardMode.DRAFT_EXTEND, extend_lens=(0, 5)), "extend_lens[0] must be >= 1 in draft_extend"),
+    (dict(kv_layout="zigzag"), "kv_layout must be one of"),
     (dict(extend_lens=(2,)), "extend_lens has 1 entries but prefix_lens has 2"),
     (dict(prefix_lens=(5000, 0)), "exceeds context_len"),
     (dict(layers=(mha(hq=3, hk=2),)), "num_q_heads=3 is not a multiple of num_kv_heads=2"),
@@ -75,6 +79,14 @@ def test_invalid_specs_are_rejected(changes, message):
     with pytest.raises(SpecError, match=".*" + message.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
         good(**changes)
+
+
+def test_empty_extends_and_windows_in_verify_are_batches():
+    spec = good(prefix_lens=(3, 2), extend_lens=(0, 4))
+    assert spec.num_tokens == 4 and spec.positions() == [2, 3, 4, 5] and spec.kv_lens == (3, 6)
+    verify = good(mode=ForwardMode.TARGET_VERIFY, prefix_lens=(3, 1), extend_lens=(3, 3),
+                  layers=(mha(0, sliding_window=2),), spec=SpecInput(3, 2, 1, ((-1, 0, 0), (-1, 0, 0)), (1, 2)))
+    assert verify.positions() == [3, 4, 4, 1, 2, 2]  # positions by tree depth, the window's too
 
 
 def test_linear_verify_needs_chains():

@@ -19,6 +19,9 @@ UNEVEN = BatchSpec(ForwardMode.EXTEND, (6, 0), (30, 2), (MHA,), seed=3)  # two-c
 CHAIN_VERIFY = BatchSpec(ForwardMode.TARGET_VERIFY, (4, 7), (3, 3), HYBRID_LAYERS,
                          spec=SpecInput(3, 1, 2, ((-1, 0, 1), (-1, 0, 1)), (2, 3)), seed=4)
 DRAFT_WORKER = BatchSpec(ForwardMode.DECODE, (4, 2), (1, 1), (MHA,), draft_worker=True)
+# Siblings at depth 1 in rows 1..3, under a window of 2: a row-indexed window cuts what their depth keeps.
+TREE_VERIFY = BatchSpec(ForwardMode.TARGET_VERIFY, (9, 5), (4, 4), (MHALayer(0, 4, 2, 32, 32, sliding_window=2),),
+                        spec=SpecInput(4, 3, 2, ((-1, 0, 0, 0), (-1, 0, 1, 0)), (2, 3)), seed=5)
 HYB = "hybrid(torch_native,linear_torch)"
 
 CASES = [
@@ -47,6 +50,7 @@ CASES = [
                kv_cache_dtype="fp8_e4m3")),
     ("cache", "state_slot_bound_by_request_rows", "linear_torch",
      BatchSpec(ForwardMode.EXTEND, (2, 3), (2, 2), HYBRID_LAYERS[1:], state_slot_layout="gapped")),
+    ("tree_branch", "verify_window_by_row", "torch_native", TREE_VERIFY),
 ]
 
 

@@ -53,15 +53,20 @@ def per_request_outputs(case: Case) -> list[torch.Tensor | None]:
             rows = slice(start, start + extend)
             start += extend
             cached = case.token_slots[i][:prefix]
-            mask = None
+            mask, window = None, getattr(layer, "sliding_window", None)
             if spec.mode.is_target_verify():
                 mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool), tree_mask(spec.spec.parents[i])], 1)
+                if window is not None:  # by positions: a draft at prefix + depth, its row notwithstanding
+                    q_pos = prefix + torch.tensor(spec.spec.depths(i))
+                    k_pos = torch.cat([torch.arange(prefix), q_pos])
+                    mask &= k_pos[None, :] >= q_pos[:, None] - window
+                    window = None
             if layer.kind == "mha":
                 q = rope(t["q"][rows], rows, layer.head_dim, layer.rope_theta)
                 k = torch.cat([pool[cached].to(F64), rope(t["k"][rows], rows, layer.head_dim, layer.rope_theta)])
                 v = torch.cat([case.kv_pool_before.v_buffers[layer.layer_id][cached].to(F64), t["v"][rows]])
                 per_request.append(mha.attention(q, k, v, sm_scale=layer.sm_scale, causal=mask is None, mask=mask,
-                                                 sliding_window=layer.sliding_window, logit_cap=layer.logit_cap))
+                                                 sliding_window=window, logit_cap=layer.logit_cap))
             else:
                 N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
                 q_pe = rope(t["q"][rows][..., N:], rows, R, layer.rope_theta)
@@ -106,7 +111,8 @@ KINDS = [frozenset({"mha"}), frozenset({"mla"}), frozenset({"mha", "linear"})]
 def test_batched_equals_per_request_on_drawn_batches(grouping, data):
     mode = data.draw(st.sampled_from(list(ForwardMode)))
     kinds = data.draw(st.sampled_from(KINDS))
-    assert_batched_equals_per_request(data.draw(batch_specs(PROFILE, mode, kinds, hybrid="linear" in kinds)))
+    assert_batched_equals_per_request(data.draw(batch_specs(PROFILE, mode, kinds, hybrid="linear" in kinds,
+                                                            verify_window=True, empty_extend=True)))
 
 
 def mha_layer(layer_id=0, **kw) -> MHALayer:
@@ -128,6 +134,11 @@ def mha_layer(layer_id=0, **kw) -> MHALayer:
               spec=SpecInput(4, 2, 3, ((-1, 0, 0, 1), (-1, 0, 1, 2), (-1, 0, 0, 0)), (2, 3, 1))),
     BatchSpec(ForwardMode.TARGET_VERIFY, (9, 2), (3, 3), (MLALayer(0, 4, 16, 8, 32, 16),), seed=5,
               spec=SpecInput(3, 2, 2, ((-1, 0, 0), (-1, 0, 1)), (2, 3))),
+    # A window during verification, by positions: siblings at depth 1 but rows 1..3.
+    BatchSpec(ForwardMode.TARGET_VERIFY, (12, 3), (5, 5), (mha_layer(0, sliding_window=2), mha_layer(1)), seed=9,
+              spec=SpecInput(5, 4, 3, ((-1, 0, 0, 0, 1), (-1, 0, 0, 1, 3)), (1, 3))),
+    # Requests with an empty extend after a cached prefix, first and last.
+    BatchSpec(ForwardMode.EXTEND, (6, 0, 9), (0, 4, 0), (mha_layer(0, sliding_window=3),), page_size=4, seed=10),
     BatchSpec(ForwardMode.DRAFT_EXTEND, (0, 11), (3, 1), (mha_layer(0, logit_cap=2.0),), seed=6,
               spec=SpecInput(3, 1, 2, ((-1, 0, 1), (-1, 0, 1)), (3, 1))),
     # mRoPE with an image inside the new tokens and one in the prefix.
@@ -135,8 +146,8 @@ def mha_layer(layer_id=0, **kw) -> MHALayer:
               mrope=MropeLayout((2, 3, 3), (ImageSpan(0, 6, 1, 2, 3), ImageSpan(1, 1, 2, 2, 2)))),
     # Hybrid: linear layers interleaved with full attention.
     BatchSpec(ForwardMode.EXTEND, (0, 8), (5, 2), (mha_layer(0), LinearLayer(1, 2, 4, 16, 16), mha_layer(2)), seed=8),
-], ids=["gqa-window-cap", "window-of-one", "decode-window", "mixed-mla", "verify-mha", "verify-mla", "draft-extend", "mrope",
-        "hybrid"])
+], ids=["gqa-window-cap", "window-of-one", "decode-window", "mixed-mla", "verify-mha", "verify-mla", "verify-window",
+        "empty-extends", "draft-extend", "mrope", "hybrid"])
 def test_batched_equals_per_request_on_chosen_batches(grouping, spec):
     assert_batched_equals_per_request(spec)
 

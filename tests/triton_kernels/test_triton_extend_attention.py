@@ -94,16 +94,26 @@ def test_sliding_window(window):
 
 
 def test_sliding_window_with_custom_mask():
+    # Under a tree mask the window reads the tokens' positions (prefix + depth), not their rows: a row-based
+    # window would cut siblings' keys that their depth keeps.
     case = ExtendCase(prefix_lens=(12, 40), extend_lens=(6, 7), num_qo_heads=4, dtype=torch.bfloat16, seed=7)
     t = make_extend_inputs(case)
     gen = torch.Generator().manual_seed(8)
-    blocks = [tree_mask(gen, p, e) for p, e in zip(case.prefix_lens, case.extend_lens)]
-    mask = torch.cat([b.flatten() for b in blocks]).to(DEVICE)
-    mask_indptr = torch.tensor([0] + [b.numel() for b in blocks]).cumsum(0).to(DEVICE)
-    out = run_extend(t, custom_mask=mask, mask_indptr=mask_indptr, sm_scale=0.125, sliding_window=9)
+    trees = [tree_mask(gen, p, e, with_depths=True) for p, e in zip(case.prefix_lens, case.extend_lens)]
+    mask = torch.cat([m.flatten() for m, _ in trees]).to(DEVICE)
+    mask_indptr = torch.tensor([0] + [m.numel() for m, _ in trees]).cumsum(0).to(DEVICE)
+    positions = torch.cat([p + d for p, (_, d) in zip(case.prefix_lens, trees)]).to(DEVICE)
+    assert any(int(d[j]) < j for _, d in trees for j in range(len(d)))  # some rows are not their depth
+    out = run_extend(t, custom_mask=mask, mask_indptr=mask_indptr, sm_scale=0.125, sliding_window=9,
+                     positions=positions)
     ref = dense_extend(case, t, sm_scale=0.125, custom_mask=mask.cpu(), mask_indptr=mask_indptr.cpu(),
-                       sliding_window=9)
+                       sliding_window=9, positions=positions.cpu())
     assert_matches(out, ref, torch.bfloat16, value_bound(t))
+    by_row = dense_extend(case, t, sm_scale=0.125, custom_mask=mask.cpu(), mask_indptr=mask_indptr.cpu(),
+                          sliding_window=9)
+    assert (by_row - ref).abs().max() > 0.05, "the window must cut differently by rows, or this proves nothing"
+    with pytest.raises(ValueError, match="needs positions"):
+        run_extend(t, custom_mask=mask, mask_indptr=mask_indptr, sm_scale=0.125, sliding_window=9)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

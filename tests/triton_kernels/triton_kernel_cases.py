@@ -135,10 +135,12 @@ def dense_attention(q, k, v, visible, *, sm_scale: float, logit_cap: float = 0.0
 
 
 def extend_visibility(prefix_len: int, extend_len: int, *, causal: bool = True, mask: torch.Tensor | None = None,
-                      sliding_window: int = -1) -> torch.Tensor:
-    """``(extend_len, prefix_len + extend_len)`` bool: query ``j`` at position ``prefix_len + j``."""
-    q_pos = torch.arange(prefix_len, prefix_len + extend_len)[:, None]
-    k_pos = torch.arange(prefix_len + extend_len)[None, :]
+                      sliding_window: int = -1, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """``(extend_len, prefix_len + extend_len)`` bool: query ``j`` at position ``prefix_len + j``, or at
+    ``positions[j]`` (a draft tree's ``prefix_len + depth``), as is new key ``j``."""
+    new_pos = torch.arange(prefix_len, prefix_len + extend_len) if positions is None else positions.cpu()
+    q_pos = new_pos[:, None]
+    k_pos = torch.cat([torch.arange(prefix_len), new_pos])[None, :]
     if mask is not None:
         visible = mask.reshape(extend_len, prefix_len + extend_len).bool().cpu().clone()
     elif causal:
@@ -152,7 +154,8 @@ def extend_visibility(prefix_len: int, extend_len: int, *, causal: bool = True, 
 
 def dense_extend(case: ExtendCase, t: dict[str, torch.Tensor], *, sm_scale: float, causal: bool = True,
                  custom_mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None,
-                 sliding_window: int = -1, logit_cap: float = 0.0, kv_head=None) -> torch.Tensor:
+                 sliding_window: int = -1, logit_cap: float = 0.0, kv_head=None,
+                 positions: torch.Tensor | None = None) -> torch.Tensor:
     """The oracle for ``extend_attention_fwd`` on ``make_extend_inputs(case)``: ``(nnz_qo, H, Dv)`` float64."""
     outs = []
     qo, kv = t["qo_indptr"].tolist(), t["kv_indptr"].tolist()
@@ -165,7 +168,8 @@ def dense_extend(case: ExtendCase, t: dict[str, torch.Tensor], *, sm_scale: floa
         if custom_mask is not None:
             m0 = int(mask_indptr[i])
             mask = custom_mask[m0:m0 + extend_len * (prefix_len + extend_len)]
-        visible = extend_visibility(prefix_len, extend_len, causal=causal, mask=mask, sliding_window=sliding_window)
+        visible = extend_visibility(prefix_len, extend_len, causal=causal, mask=mask, sliding_window=sliding_window,
+                                    positions=None if positions is None else positions[rows])
         outs.append(dense_attention(t["q"][rows], k, v, visible, sm_scale=sm_scale, logit_cap=logit_cap,
                                     kv_head=kv_head))
     return torch.cat(outs)
@@ -220,14 +224,19 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, vma
         assert rel <= rel_l2, f"relative L2 error {rel:.3g} > {rel_l2:.3g}"
 
 
-def tree_mask(gen: torch.Generator, prefix_len: int, num_draft: int, *, prefix_keep: float = 1.0) -> torch.Tensor:
+def tree_mask(gen: torch.Generator, prefix_len: int, num_draft: int, *, prefix_keep: float = 1.0,
+              with_depths: bool = False):
     """A speculative-verification mask ``(num_draft, prefix_len + num_draft)``, bool: draft token ``j`` sees
     the prefix (each column kept with probability ``prefix_keep``), itself and its ancestors in a random
-    tree (parent of ``j`` drawn from ``-1 .. j-1``)."""
+    tree (parent of ``j`` drawn from ``-1 .. j-1``); with ``with_depths`` also each token's depth
+    ``(num_draft,)`` (a root, parent -1, has depth 0)."""
     tree = torch.eye(num_draft, dtype=torch.bool)
+    depth = torch.zeros(num_draft, dtype=torch.int64)
     for j in range(1, num_draft):
         parent = int(torch.randint(-1, j, (1,), generator=gen))
         if parent >= 0:
             tree[j] |= tree[parent]
+            depth[j] = depth[parent] + 1
     prefix = torch.rand(num_draft, prefix_len, generator=gen) < prefix_keep
-    return torch.cat([prefix, tree], dim=1)
+    mask = torch.cat([prefix, tree], dim=1)
+    return (mask, depth) if with_depths else mask

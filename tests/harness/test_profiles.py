@@ -1,0 +1,39 @@
+"""Profiles and their head rotation: NAME@K picks a rotation, a plain name takes the day's plus the shard's,
+every rotating configuration comes round within a week of two-shard nightly runs."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from search.profiles import PROFILES, ProfileError, profile
+
+
+def test_a_profile_without_rotation_is_itself():
+    assert profile("ci") is PROFILES["ci"]
+    assert profile("ci").heads == PROFILES["ci"].head_configs
+
+
+def test_name_at_k_picks_the_rotation():
+    gpu = profile("gpu@3")
+    assert gpu.name == "gpu@3" and gpu.base_name == "gpu"
+    assert gpu.heads == PROFILES["gpu"].head_configs + (PROFILES["gpu"].rotating_head_configs[3],)
+    assert profile(gpu.name) == gpu  # what workers and case files receive names the same profile
+
+
+def test_the_day_and_the_shard_rotate_and_cover_every_configuration_in_a_week():
+    start = datetime.date(2026, 1, 5)
+    for name in ("gpu", "nightly"):
+        n = len(PROFILES[name].rotating_head_configs)
+        seen = {profile(name, shard, start + datetime.timedelta(days=d)).rotation
+                for d in range(7) for shard in (0, 1)}
+        assert seen == set(range(n))
+        assert profile(name, 0, start).rotation != profile(name, 1, start).rotation
+
+
+@pytest.mark.parametrize("name, message", [("nosuch", "unknown profile"), ("gpu@x", "rotation number"),
+                                           ("ci@1", "no rotating head configurations")])
+def test_bad_names(name, message):
+    with pytest.raises(ProfileError, match=message):
+        profile(name)

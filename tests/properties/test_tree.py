@@ -1,0 +1,49 @@
+"""The tree_branch property: leaf paths cover every node, the chain batches carry the tree's own rows, and a
+tree whose nodes disagree with their branches fails while a correct backend passes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from backends.registry import parse
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from engine.materialize import materialize
+from properties.tolerances import UNIT_ROUNDOFF, branch_bound
+from properties.tree import leaf_paths, path_batch, tree_branch_equals_chain
+
+TREE = SpecInput(5, 2, 3, ((-1, 0, 0, 1, 1), (-1, 0, 1, 2, 0)), (3, 4))
+SPEC = BatchSpec(ForwardMode.TARGET_VERIFY, (6, 11), (5, 5), (MHALayer(0, 4, 2, 32, 32, sliding_window=3),
+                                                             MHALayer(1, 4, 2, 32, 32)), spec=TREE, seed=3)
+
+
+def test_leaf_paths_cover_every_node_once_per_leaf():
+    assert leaf_paths(SPEC) == [(0, [0, 2]), (0, [0, 1, 3]), (0, [0, 1, 4]), (1, [0, 1, 2, 3]), (1, [0, 4])]
+    covered = {(i, n) for i, path in leaf_paths(SPEC) for n in path}
+    assert covered == {(i, n) for i in range(2) for n in range(5)}
+
+
+def test_path_batches_read_the_trees_rows():
+    case = materialize(SPEC)
+    fb = case.forward_batch
+    batch, tok = path_batch(fb, SPEC, leaf_paths(SPEC)[:2])
+    assert tok.tolist() == [0, 2, 0, 1, 3]
+    assert batch.extend_seq_lens_cpu == [2, 3] and batch.extend_prefix_lens_cpu == [6, 6]
+    assert batch.positions.tolist() == [6, 7, 6, 7, 8]  # prefix + depth, the tree's positions
+    assert torch.equal(batch.out_cache_loc, fb.out_cache_loc[tok])
+    assert batch.req_pool_indices.tolist() == [fb.req_pool_indices[0].item()] * 2  # one cached prefix, shared
+
+
+def test_a_correct_backend_passes_on_trees_with_a_window(device):
+    verdict = tree_branch_equals_chain(parse("torch_native"), SPEC, device)
+    assert verdict.ok, str(verdict)
+    assert verdict.worst_error is not None and verdict.worst_error < verdict.bound
+
+
+def test_the_bound_is_two_roundings_of_two_runs():
+    bound = branch_bound(parse("torch_native"), SPEC, SPEC.layers[0])
+    u = UNIT_ROUNDOFF["float32"]
+    assert 4 * u < bound.rel_l2 < 4 * u + 2 * (17**0.5 + 32**0.5) * 2**-24 + 1e-12
+    bf16 = branch_bound(parse("torch_native"), dataclasses.replace(SPEC, dtype="bfloat16"), SPEC.layers[0])
+    assert abs(bf16.rel_l2 - 4 * 2**-8) < 1e-5
