@@ -174,6 +174,11 @@ class ModelRunner:
     def context_len(self) -> int:
         return self.req_to_token.shape[1]
 
+    @property
+    def max_requests(self) -> int:
+        """Requests the pool holds: row 0 of ``req_to_token`` is the padding row (SGLang's ``ReqToTokenPool.size``)."""
+        return self.req_to_token.shape[0] - 1
+
     @classmethod
     def of(cls, fb: "ForwardBatch", layers: tuple[Layer, ...]) -> "ModelRunner":
         """The runner whose pools ``fb`` lives in, for a model of ``layers``."""

@@ -48,12 +48,25 @@ CAPTURE_LINEAR_LAYERS = False  # piecewise: linear-attention layers stay eager
 GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})
 
 
-def padded_size(bs: int) -> int:
-    """The capture size a batch of ``bs`` requests replays at (an idle batch: the smallest)."""
-    for size in CAPTURE_SIZES:
+def capture_sizes(max_requests: int) -> tuple[int, ...]:
+    """The batch sizes captured for a request pool of ``max_requests``, as SGLang's
+    ``get_batch_sizes_to_capture`` picks them (runner/base_cuda_graph_runner.py:77-102): none larger than the
+    pool, and the pool's size itself when the configured sizes go past it (backends size their graph buffers
+    by the pool: a larger capture overruns them)."""
+    sizes = {size for size in CAPTURE_SIZES if size <= max_requests}
+    if CAPTURE_SIZES[-1] > max_requests:
+        sizes.add(max_requests)
+    return tuple(sorted(sizes))
+
+
+def padded_size(bs: int, max_requests: int) -> int:
+    """The capture size a batch of ``bs`` requests replays at, over a request pool of ``max_requests`` (an idle
+    batch: the smallest)."""
+    sizes = capture_sizes(max_requests)
+    for size in sizes:
         if size >= bs:
             return size
-    raise ValueError(f"batch of {bs} is larger than the largest capture size {CAPTURE_SIZES[-1]}")
+    raise ValueError(f"batch of {bs} is larger than the largest capture size {sizes[-1]}")
 
 
 def capture_mode(mode: ForwardMode) -> ForwardMode:

@@ -130,6 +130,15 @@ def test_sglang_graph_replay_runs_sglangs_three_methods(term, spec, device):
 
 
 @needs_sglang
+def test_graph_capture_is_no_larger_than_sglangs_request_pool(device):
+    # Nine requests in a pool of eleven: SGLang captures sizes 1, 2, 4, 8 and the pool's 11, never 16, and its
+    # Triton backend sizes kv_indptr by the pool. Capturing at 16 crashed every such replay on the H100
+    # ("expanded size (12) must match (16)", triton_backend.py:526).
+    decode = BatchSpec(ForwardMode.DECODE, (1,) * 9, (1,) * 9, (MHA,), seed=3)
+    assert PROPERTIES["graph_replay"].run(parse("graph(sglang.triton)"), decode, device).ok
+
+
+@needs_sglang
 def test_interpreted_kernels_are_bounds_checked():
     # An out-of-bounds access under Triton's CPU interpreter corrupts the heap and aborts the process far from
     # the cause; the adapter's shim turns it into an error naming the kernel (it found

@@ -411,11 +411,6 @@ class SglangTriton(SglangBackend):
         # fp8 e4m3 cache: set_kv_buffer divides by layer.k_scale, the kernels multiply by k_scale_float
         # (triton_backend.py:1720-1745, :1835-1840, :2326-2370)
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
-        # The adapter's graph path was built and passed on the CPU; on the H100 (device run of 2026-11-24) every
-        # graph(sglang.triton) replay crashed in SGLang's planning with a static batch longer than the planned
-        # one ("expanded size ... (12) must match ... (16)", triton_backend.py:526/603/708): the adapter's
-        # translation of the padded static batch, not SGLang, until shown otherwise. Not run on CUDA until fixed.
-        cuda_gaps=(("graph_replay", "the adapter's CUDA-graph path crashes on real capture (open adapter defect)"),),
         fixed_width_draft_extend=True,  # EAGLE v2's draft extend, as for SglangTorchNative
         engine="sglang",
         wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),

@@ -422,7 +422,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
     r.harness_hybrid = hybrid
     r.is_draft_worker = hybrid is not None and hybrid.draft_worker
-    r.max_running_requests = runner.req_to_token.shape[0]
+    r.max_running_requests = runner.req_to_token.shape[0] - 1  # row 0 is padding
     r.model = torch.nn.Module()
     r.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE if max_draft_tokens else sgl.SpeculativeAlgorithm.NONE
     r._kernel_warmed_up = True
@@ -456,7 +456,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
                                                           mc.head_dim)
         r.req_to_token_pool = _hybrid_request_pool(sgl, mc.hf_config, runner, dtype, device, max_draft_tokens, topk)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
-    r.req_to_token_pool.size = rows
+    r.req_to_token_pool.size = rows - 1  # SGLang's size counts requests; its allocation adds the padding row
     r.token_to_kv_pool = kv
     r.token_to_kv_pool_allocator = SimpleNamespace(page_size=page_size, get_kvcache=lambda: kv)
     r.init_kv_index_translator()  # after req_to_token is ours: the translator keeps a reference to it

@@ -86,7 +86,8 @@ def graph_replay_errors(make_backend, spec: BatchSpec) -> list[float]:
     mr = ModelRunner.of(fb, spec.layers)
     pools = _pool_tensors(fb)
     before = {n: t.clone() for n, t in pools.items()}
-    runner = GraphRunner(make_backend(mr), mr, fb, spec.layers, case.weights, case.inputs, padded_size(spec.batch_size),
+    runner = GraphRunner(make_backend(mr), mr, fb, spec.layers, case.weights, case.inputs,
+                         padded_size(spec.batch_size, mr.max_requests),
                          spec.mrope_sections)
     runner.capture()
     errors = []

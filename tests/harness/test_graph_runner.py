@@ -13,7 +13,8 @@ from backends.linear_torch import LinearTorchBackend
 from backends.registry import parse
 from batch.forward_batch import ModelRunner
 from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, SpecInput
-from engine.graph_runner import GRAPH_MODES, GraphRunner, capture_mode, graph_width, padded_size
+from engine.graph_runner import (CAPTURE_SIZES, GRAPH_MODES, GraphRunner, capture_mode, capture_sizes, graph_width,
+                                 padded_size)
 from engine.materialize import materialize
 from properties import PROPERTIES
 
@@ -29,7 +30,7 @@ def _runner(spec: BatchSpec, backend_cls=LinearTorchBackend, pad_value: float = 
     case = materialize(spec)
     mr = ModelRunner.of(case.forward_batch, spec.layers)
     runner = GraphRunner(backend_cls(mr), mr, case.forward_batch, spec.layers, case.weights, case.inputs,
-                         padded_size(spec.batch_size), pad_value=pad_value)
+                         padded_size(spec.batch_size, mr.max_requests), pad_value=pad_value)
     runner.capture()
     return runner, case
 
@@ -42,7 +43,10 @@ def test_modes_widths_and_capture_sizes():
     assert graph_width(ForwardMode.DECODE, None) == 1
     fb = materialize(VERIFY).forward_batch
     assert graph_width(ForwardMode.TARGET_VERIFY, fb.spec_info) == 3
-    assert (padded_size(0), padded_size(3), padded_size(4)) == (1, 4, 4)
+    assert (padded_size(0, 40), padded_size(3, 40), padded_size(4, 40)) == (1, 4, 4)
+    # As SGLang's get_batch_sizes_to_capture: no capture larger than the request pool, the pool's size added
+    assert capture_sizes(11) == (1, 2, 4, 8, 11) and padded_size(9, 11) == 11
+    assert capture_sizes(40) == CAPTURE_SIZES
 
 
 def test_padded_rows_are_fill_rows_and_their_inputs_poisoned():
