@@ -96,6 +96,10 @@ class Capabilities:
     logit_cap: bool = True
     mrope: bool = True
     cuda_graph_modes: frozenset[ForwardMode] = frozenset()  # modes it plans graphs for (out_graph/in_graph)
+    # A linear backend whose layers a decode/verify graph captures (it plans them on the graph's static
+    # buffers, as SGLang's GDN does); False: its kernels plan on the host and run eagerly between the graph's
+    # pieces (capturing them would freeze one batch's plan into every replay).
+    graph_captures_linear: bool = False
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     requires: tuple[str, ...] = ()  # importable module names
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
@@ -189,6 +193,7 @@ class Support:
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
+    graph_captures_linear: bool = False  # every linear leaf's layers are captured (see Capabilities)
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -196,6 +201,7 @@ class Support:
         fields must hold for every leaf and which for the full-attention ones only); TARGET_VERIFY is dropped
         unless every leaf takes custom masks."""
         full = [c for c in caps if c.attention_kinds & {"mha", "mla"}]
+        linear = [c for c in caps if "linear" in c.attention_kinds]
 
         def meet(values):  # None (any) is the identity
             """Intersection of the sets that are not None; None (any) when every one is None."""
@@ -223,6 +229,7 @@ class Support:
                    kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
                    if full else frozenset({"auto"}),
                    kv_scales=all(c.kv_scales for c in full),
+                   graph_captures_linear=bool(linear) and all(c.graph_captures_linear for c in linear),
                    length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
                    empty_extend=all(c.empty_extend for c in caps),
                    verify_window=all(c.verify_window for c in full))

@@ -211,12 +211,13 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
 def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
     """Whether ``wrapper(child)`` over an engine's backends is adapted: its own hybrid() over two of its
     backends, its tbo() over one of them or over its hybrid, and graph() (the harness's runner driving the
-    engine's three-method contract) over one of its backends or tbo() of one."""
+    engine's three-method contract) over one of its backends, its hybrid, or tbo() of one backend."""
     if wrapper == "hybrid":
         return True
     if wrapper == "tbo":
         return child.is_leaf or child.name == "hybrid"
-    return wrapper == "graph" and (child.is_leaf or (child.name == "tbo" and child.children[0].is_leaf))
+    return wrapper == "graph" and (child.is_leaf or child.name == "hybrid"
+                                   or (child.name == "tbo" and child.children[0].is_leaf))
 
 
 def all_compositions() -> list[Composition]:

@@ -144,6 +144,9 @@ class ForwardBatch:
     spec_info: SpecInfo | None
     device: torch.device
     num_token_non_padded: int | None = None
+    # A graph runner's static batch at replay: its last rows are padding (SGLang's replay view carries it, and
+    # a backend must not guess it from the lengths: a real row may have the padding's length).
+    num_padding: int = 0
     tbo_split_seq_index: int | None = None
     tbo_split_token_index: int | None = None
     tbo_children: Optional[list["ForwardBatch"]] = None

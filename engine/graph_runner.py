@@ -13,9 +13,10 @@ inside the capture, ``init_forward_metadata_in_graph(fb)`` and the layers. Each 
 into the static buffers, pads the rest as SGLang pads it (``req_pool_indices`` 0, ``seq_lens`` the backend's
 fill value, ``out_cache_loc`` and positions 0, per-token inputs ``pad_value``), calls
 ``init_forward_metadata_out_graph(fb, in_capture=False)`` (which must refresh every host-planned buffer the
-graph reads) and replays (the recorded in-graph metadata ops first). Piecewise: full-attention layers are
-captured, one graph per layer, while linear-attention layers run eagerly between them (their kernels plan
-on the host and must not be frozen into a graph); the in-graph metadata step is its own graph.
+graph reads) and replays (the recorded in-graph metadata ops first). One graph per layer; linear-attention
+layers run eagerly between them (piecewise: their kernels plan on the host and must not be frozen into a graph)
+unless the composition declares them graph-safe (``capture_linear``: SGLang's decode graphs capture its GDN
+layers, planned on static buffers); the in-graph metadata step is its own graph.
 
 Two-batch overlap: as SGLang's ``TboCudaGraphRunnerPlugin``, the runner splits the static batch at capture
 (``split_tbo``) and the layers run each half through the wrapper's child backends; at replay the wrapper
@@ -87,13 +88,15 @@ def graph_width(mode: ForwardMode, spec_info: SpecInfo | None) -> int:
 class GraphRunner:
     """Captures ``backend`` for batches like ``template`` (its mode and speculative shape) at ``bs`` requests
     over ``model_runner``'s pools. ``pad_value`` fills the padded rows' per-token inputs (a property passes
-    NaN, so that a padded row leaking into a real one shows)."""
+    NaN, so that a padded row leaking into a real one shows). ``capture_linear``: the linear layers are
+    captured too (``Support.graph_captures_linear``)."""
 
     def __init__(self, backend, model_runner: ModelRunner, template: ForwardBatch, layer_specs,
                  weights: list[LayerWeights], inputs_like: list[LayerInputs], bs: int,
                  mrope_sections: tuple[int, int, int] | None = None, *, split_tbo: bool = False,
-                 pad_value: float = 0.0) -> None:
+                 pad_value: float = 0.0, capture_linear: bool = False) -> None:
         self.backend, self.mr, self.bs = backend, model_runner, bs
+        self.capture_linear = capture_linear
         self.mrope_sections = mrope_sections
         self.layer_specs, self.weights = list(layer_specs), weights
         self.split_tbo, self.pad_value = split_tbo, pad_value
@@ -177,7 +180,7 @@ class GraphRunner:
 
     # ---- capture ----
     def _captured(self, spec) -> bool:
-        return spec.kind != "linear" or CAPTURE_LINEAR_LAYERS
+        return spec.kind != "linear" or self.capture_linear or CAPTURE_LINEAR_LAYERS
 
     def _layer_fn(self, i: int):
         return lambda: run_layer_overlapped(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i],
@@ -247,6 +250,7 @@ class GraphRunner:
                 x.fill_(self.pad_value if x.is_floating_point() else 0)
                 x[:t].copy_(real.tensors[name])
         self._refresh_host_fields()
+        self.fb.num_padding = self.bs - n
         self.fb.spec_info = self._padded_spec_info(fb.spec_info if fb.batch_size else None)
         return t
 

@@ -53,7 +53,8 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     mr = ModelRunner.of(fb, spec.layers)
     before = {n: t.clone() for n, t in _pools(fb).items()}
     runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
-                         padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections, split_tbo=split_tbo, pad_value=POISON)
+                         padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections, split_tbo=split_tbo, pad_value=POISON,
+                         capture_linear=composition.support().graph_captures_linear)
     runner.capture()
     replays = [graph_case.inputs]
     if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's

@@ -68,7 +68,8 @@ def verified(composition: Composition, spec: BatchSpec, device: str) -> tuple[Ca
     runner_model = ModelRunner.of(case.forward_batch, spec.layers)
     backend = composition.children[0].build(spec, runner_model)
     runner = GraphRunner(backend, runner_model, case.forward_batch, spec.layers, case.weights, case.inputs,
-                         padded_size(spec.batch_size, runner_model.max_requests), spec.mrope_sections)
+                         padded_size(spec.batch_size, runner_model.max_requests), spec.mrope_sections,
+                         capture_linear=composition.support().graph_captures_linear)
     runner.capture()
     runner.replay(case.forward_batch, case.inputs)
     return case, reference, backend

@@ -13,7 +13,7 @@ from backends.registry import CompositionError, all_compositions, parse
 from batch.forward_batch import ModelRunner
 from backends.sglang import runtime
 from backends.sglang.adapter import retrieve_links
-from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, SpecInput
 from engine.materialize import materialize
 from properties import PROPERTIES
 from search.matrix import matrix
@@ -136,6 +136,18 @@ def test_graph_capture_is_no_larger_than_sglangs_request_pool(device):
     # ("expanded size (12) must match (16)", triton_backend.py:526).
     decode = BatchSpec(ForwardMode.DECODE, (1,) * 9, (1,) * 9, (MHA,), seed=3)
     assert PROPERTIES["graph_replay"].run(parse("graph(sglang.triton)"), decode, device).ok
+
+
+@needs_sglang
+def test_a_real_row_with_the_padding_length_is_not_padding(device):
+    # SGLang's hybrid counts a graph's padded rows from the replay view's num_padding, and only without it from
+    # seq_lens == its fill value 1 (hybrid_linear_attn_backend.py:758-763). A verify of a one-token prompt has
+    # seq_len 1: counted as padding, its GDN rows got slot -1 and NaN output until the adapter passed num_padding.
+    chain = SpecInput(3, 1, 2, ((-1, 0, 1),) * 2, (3, 3))
+    verify = BatchSpec(ForwardMode.TARGET_VERIFY, (5, 1), (3, 3), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
+                       dtype="float16", spec=chain, seed=4)
+    verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.gdn))"), verify, device)
+    assert verdict.ok, str(verdict)
 
 
 @needs_sglang

@@ -209,6 +209,8 @@ class SglangBackend(_SglangObject):
             seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=fb.out_cache_loc,
             seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
         out.mrope_positions = fb.mrope_positions  # [3, T]: SGLang's TBO splitter cuts it on dim 1
+        if graph:  # as SGLang's replay view (decode_cuda_graph_runner.py:216, build_replay_fb_view)
+            out.num_padding = fb.num_padding
         translator = self.sgl_runner.kv_index_translator
         # As every batch of SGLang's scheduler; a graph runner binds its own buffers (bind_runner_slots).
         (translator.bind_runner_slots if graph else translator.bind_own_plan)(out)
@@ -278,10 +280,13 @@ class SglangBackend(_SglangObject):
 
     def _graph_batch(self, forward_batch, in_capture: bool):
         """SGLang's view of the static batch; at capture, SGLang's backend built and its graph state allocated
-        first (once: a graph keeps the backend it was captured with)."""
+        first (once: a graph keeps the backend it was captured with). Linear states go in before each replay
+        (outside the graph) and come back inside it (whole-pool copies, which a graph can hold)."""
         self._capture_or_check(forward_batch, in_capture)
         sfb = self.translate(forward_batch, graph=True)
         self.batches = {id(forward_batch): sfb}
+        if self.states is not None:
+            self.states.push(forward_batch)
         return sfb
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
@@ -318,7 +323,7 @@ class SglangBackend(_SglangObject):
         T, s = mixed_qkv.shape[0], layer.spec
         with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
             o = self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b)
-        self.states.pull(layer.layer_id, forward_batch.state_slots.tolist(),
+        self.states.pull(layer.layer_id, forward_batch.state_slots,
                          verify=forward_batch.forward_mode.is_target_verify())
         return o.reshape(T, s.num_v_heads, s.head_v_dim)
 
@@ -431,6 +436,11 @@ class SglangGdn(SglangBackend):
         # An MTP draft model runs full-attention layers only: SGLang's hybrid plans no linear metadata for
         # DRAFT_EXTEND_V2 (hybrid_linear_attn_backend.py, init_forward_metadata), so no linear layer runs there.
         modes=ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND},
+        # Its decode graphs capture the GDN layers: the hybrid's out_graph refills their state indices (padded
+        # rows PAD_SLOT_ID) and query_start_loc in static buffers for decode/idle and target_verify
+        # (hybrid_linear_attn_backend.py:368-384, _replay_metadata :747-943; other modes raise at :911).
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
+        graph_captures_linear=True,
         # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
         dtypes=frozenset({"bfloat16", "float16"}),
         cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken

@@ -528,10 +528,11 @@ class StateSync:
             cache.conv[0].copy_(conv)
             cache.temporal.copy_(self.harness.ssm_states[layer_id].transpose(-1, -2))
 
-    def pull(self, layer_id: int, state_slots: list[int] | None = None, verify: bool = False) -> None:
+    def pull(self, layer_id: int, state_slots: torch.Tensor | None = None, verify: bool = False) -> None:
         """SGLang's states of one linear layer back into the harness's pools; after a verify, also its
         per-draft-step states, which SGLang keeps by batch row (request i owns scratch row i,
-        ``linear/utils.py`` build_verify_intermediate_state_indices) and the harness by state slot."""
+        ``linear/utils.py`` build_verify_intermediate_state_indices) and the harness by ``state_slots`` (one per
+        row, a device tensor). Device-side copies only, so a CUDA graph can capture them."""
         if self.harness is None or layer_id not in self.harness.conv_states:
             return
         cache = self.pool.mamba2_layer_cache(layer_id)
@@ -540,7 +541,6 @@ class StateSync:
         if verify and layer_id in self.harness.intermediate_ssm_states:
             ours_ssm = self.harness.intermediate_ssm_states[layer_id]
             ours_conv = self.harness.intermediate_conv_states[layer_id]
-            d = ours_ssm.shape[1]
-            for row, slot in enumerate(state_slots):
-                ours_ssm[slot] = cache.intermediate_ssm[row, :d].transpose(-1, -2)
-                ours_conv[slot] = cache.intermediate_conv_window[0][row, :d]
+            rows, d = state_slots.shape[0], ours_ssm.shape[1]
+            ours_ssm.index_copy_(0, state_slots, cache.intermediate_ssm[:rows, :d].transpose(-1, -2))
+            ours_conv.index_copy_(0, state_slots, cache.intermediate_conv_window[0][:rows, :d])
