@@ -100,6 +100,9 @@ class Capabilities:
     # buffers, as SGLang's GDN does); False: its kernels plan on the host and run eagerly between the graph's
     # pieces (capturing them would freeze one batch's plan into every replay).
     graph_captures_linear: bool = False
+    # EXTEND batches run through a breakable prefill graph (engine.graph_runner.PrefillGraphRunner): the backend
+    # object provides the engine's capture and scope, and its attention layers break out of the graph
+    prefill_graph: bool = False
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     requires: tuple[str, ...] = ()  # importable module names
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
@@ -194,6 +197,7 @@ class Support:
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
     graph_captures_linear: bool = False  # every linear leaf's layers are captured (see Capabilities)
+    prefill_graph: bool = False  # every leaf runs EXTEND batches through a breakable prefill graph
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -230,6 +234,7 @@ class Support:
                    if full else frozenset({"auto"}),
                    kv_scales=all(c.kv_scales for c in full),
                    graph_captures_linear=bool(linear) and all(c.graph_captures_linear for c in linear),
+                   prefill_graph=all(c.prefill_graph for c in caps),
                    length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
                    empty_extend=all(c.empty_extend for c in caps),
                    verify_window=all(c.verify_window for c in full))

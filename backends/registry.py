@@ -91,10 +91,12 @@ class Composition:
         return leaf_capabilities(self.leaves()[0]).engine
 
     def support(self) -> Support:
-        """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures."""
+        """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures (EXTEND where
+        every leaf runs a prefill graph; not yet under tbo(): the harness drives no engine's TBO through one)."""
         support = Support.of([leaf_capabilities(n) for n in self.leaves()])
         if "graph" in self.wrappers():
-            support = dataclasses.replace(support, modes=support.modes & support.cuda_graph_modes)
+            prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
+            support = dataclasses.replace(support, modes=support.modes & (support.cuda_graph_modes | prefill))
         gapped = {mode for _, mode, _ in self.wrapped_gaps()}
         return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support
 

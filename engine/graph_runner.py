@@ -286,3 +286,119 @@ def eager_run(backend, fb: ForwardBatch, layer_specs, inputs, weights, mrope_sec
     prepare_batch(backend, fb, layer_specs)
     return [run_layer_overlapped(backend, s, i, w, fb, mrope_sections)
             for s, i, w in zip(layer_specs, inputs, weights)]
+
+
+# ---- prefill graphs ----------------------------------------------------------------------------------
+# Token buckets an EXTEND batch pads to (SGLang reads its own from cuda_graph_config.prefill.bs; the bucket
+# only decides how many padded tokens a replay carries).
+PREFILL_GRAPH_MODES = frozenset({ForwardMode.EXTEND})  # modes a composition with Support.prefill_graph captures
+PREFILL_CAPTURE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def prefill_bucket(num_tokens: int) -> int:
+    """The token bucket an EXTEND batch of ``num_tokens`` replays at."""
+    for size in PREFILL_CAPTURE_TOKENS:
+        if size >= num_tokens:
+            return size
+    raise ValueError(f"an extend of {num_tokens} tokens is larger than the largest prefill bucket "
+                     f"{PREFILL_CAPTURE_TOKENS[-1]}")
+
+
+class PrefillGraphRunner:
+    """An EXTEND batch through a breakable prefill graph, as SGLang 0.5.23's ``PrefillCudaGraphRunner`` runs it
+    with its breakable backend: one graph per token bucket, captured over a dummy batch (one request of the
+    bucket's tokens, no prefix: ``capture_prepare``); a replay pads the tokens only (requests are the live
+    batch's), plans the live batch eagerly (``init_forward_metadata``) and replays. Attention layers break the
+    graph: the engine's layer objects run them eagerly on the live plan between captured segments, over the real
+    tokens (``global_num_token_non_padded_cpu``); what runs between them (RoPE, the harness's per-layer glue) is
+    captured. The backend provides the engine's scope and capture (``prefill_graph_scope(fb)``,
+    ``capture_prefill_graph(fn)``): a composition declares ``Support.prefill_graph``.
+
+    On the CPU nothing is captured: each replay runs the layers under the same scope, which exercises the
+    padding and the engine's routing (its graph breaks run straight through without a capture)."""
+
+    width = 0  # tokens per request vary: the report's "captured at T x 0" reads as a token bucket
+
+    def __init__(self, backend, model_runner: ModelRunner, template: ForwardBatch, layer_specs,
+                 weights: list[LayerWeights], inputs_like: list[LayerInputs], num_tokens: int,
+                 mrope_sections: tuple[int, int, int] | None = None, *, pad_value: float = 0.0) -> None:
+        if template.forward_mode is not ForwardMode.EXTEND:
+            raise ValueError(f"a prefill graph runs extend batches, not {template.forward_mode.value}")
+        self.backend, self.mr = backend, model_runner
+        self.layer_specs, self.weights, self.mrope_sections = list(layer_specs), weights, mrope_sections
+        self.pad_value = pad_value
+        self.use_cuda_graph = model_runner.device.type == "cuda"
+        self.mode, self.bs = ForwardMode.EXTEND, prefill_bucket(num_tokens)
+        T, dev = self.bs, model_runner.device
+        self.positions = torch.zeros(T, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(T, dtype=torch.int64, device=dev)  # slot 0: padding
+        self.mrope_positions = (None if template.mrope_positions is None
+                                else torch.zeros(3, T, dtype=template.mrope_positions.dtype, device=dev))
+        self.inputs = [LayerInputs({name: torch.zeros((T,) + t.shape[1:], dtype=t.dtype, device=dev)
+                                    for name, t in li.tensors.items()}) for li in inputs_like]
+        self.template = template
+        self.graph = None
+        self.outputs: list[torch.Tensor] = []
+
+    def _static(self, fb: ForwardBatch, raw_tokens: int) -> ForwardBatch:
+        """``fb``'s requests over the static token buffers (``raw_tokens`` of them real)."""
+        return replace(fb, positions=self.positions, out_cache_loc=self.out_cache_loc,
+                       mrope_positions=self.mrope_positions, num_token_non_padded=raw_tokens,
+                       tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
+
+    def _dummy(self) -> ForwardBatch:
+        """SGLang's capture batch: one request of the bucket's tokens, no cached prefix, in request row 0 and state
+        slot 0 (the padding row and slot)."""
+        T, dev, fb = self.bs, self.mr.device, self.template
+        zero = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.positions.copy_(torch.arange(T, device=dev))
+        return replace(self._static(fb, T), batch_size=1, req_pool_indices=zero,
+                       seq_lens=torch.full((1,), T, dtype=fb.seq_lens.dtype, device=dev),
+                       seq_lens_cpu=torch.full((1,), T, dtype=fb.seq_lens_cpu.dtype), seq_lens_sum=T,
+                       extend_seq_lens=torch.full((1,), T, dtype=torch.int32, device=dev),
+                       extend_prefix_lens=torch.zeros(1, dtype=torch.int32, device=dev),
+                       extend_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
+                       extend_seq_lens_cpu=[T], extend_prefix_lens_cpu=[0], extend_num_tokens=T,
+                       state_slots=zero, spec_info=None)
+
+    def _layers(self, fb: ForwardBatch) -> list[torch.Tensor]:
+        return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
+                for s, i, w in zip(self.layer_specs, self.inputs, self.weights)]
+
+    def capture(self) -> None:
+        if not self.use_cuda_graph:
+            return
+        dummy = self._dummy()
+        self.backend.init_forward_metadata(dummy)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), self.backend.prefill_graph_scope(dummy):
+            for _ in range(2):  # SGLang's warm-up runs (kernels compile and allocate outside the graph)
+                self._layers(dummy)
+            self.graph, self.outputs = self.backend.capture_prefill_graph(lambda: self._layers(dummy), stream)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
+        t = fb.extend_num_tokens
+        if t > self.bs:
+            raise ValueError(f"an extend of {t} tokens does not fit a prefill graph captured for {self.bs}")
+        self.positions.zero_()
+        self.positions[:t].copy_(fb.positions)
+        self.out_cache_loc.zero_()
+        self.out_cache_loc[:t].copy_(fb.out_cache_loc)
+        if self.mrope_positions is not None:
+            self.mrope_positions.zero_()
+            self.mrope_positions[:, :t].copy_(fb.mrope_positions)
+        for static, real in zip(self.inputs, inputs):
+            for name, x in static.tensors.items():
+                x.fill_(self.pad_value if x.is_floating_point() else 0)
+                x[:t].copy_(real.tensors[name])
+        static = self._static(fb, t)
+        prepare_batch(self.backend, static, self.layer_specs)
+        with self.backend.prefill_graph_scope(static):
+            if self.graph is None:
+                outs = self._layers(static)
+            else:
+                self.graph.replay()
+                outs = self.outputs
+        return [o[:t].clone() for o in outs]

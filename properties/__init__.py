@@ -21,7 +21,7 @@ from properties.equivalence import (
     tbo_split_equals_unsplit,
     verify_chain_equals_extend,
 )
-from engine.graph_runner import GRAPH_MODES
+from engine.graph_runner import GRAPH_MODES, PREFILL_GRAPH_MODES
 from properties.graph import graph_replay_equals_eager
 from properties.linear_state import verify_commits_every_position
 from properties.metadata import metadata_invariants
@@ -107,7 +107,7 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              strategy_options=(("tree", True),)),
     Property("graph_replay", graph_replay_equals_eager,
              "CUDA-graph replay equals eager on real rows (padding poisoned), pools end identical, new inputs "
-             "give new outputs", modes=GRAPH_MODES, needs_wrapper="graph",
+             "give new outputs", modes=GRAPH_MODES | PREFILL_GRAPH_MODES, needs_wrapper="graph",
              # A graph holds a fixed number of tokens per request: draft extends of the whole draft window.
              strategy_options=(("fixed_width", True),)),
 ]}

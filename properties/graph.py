@@ -15,8 +15,8 @@ import torch
 
 from backends.registry import Composition
 from batch.forward_batch import LayerInputs, ModelRunner
-from batch.spec import BatchSpec
-from engine.graph_runner import GraphRunner, eager_run, padded_size
+from batch.spec import BatchSpec, ForwardMode
+from engine.graph_runner import GraphRunner, PrefillGraphRunner, eager_run, padded_size
 from engine.materialize import materialize
 from properties.tolerances import layer_bound
 from properties.verdict import Verdict, Worst, compare, token_starts
@@ -52,9 +52,14 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     fb = graph_case.forward_batch
     mr = ModelRunner.of(fb, spec.layers)
     before = {n: t.clone() for n, t in _pools(fb).items()}
-    runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
-                         padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections, split_tbo=split_tbo, pad_value=POISON,
-                         capture_linear=composition.support().graph_captures_linear)
+    if spec.mode is ForwardMode.EXTEND:  # a breakable prefill graph
+        runner = PrefillGraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
+                                    spec.num_tokens, spec.mrope_sections, pad_value=POISON)
+    else:
+        runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
+                             padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections,
+                             split_tbo=split_tbo, pad_value=POISON,
+                             capture_linear=composition.support().graph_captures_linear)
     runner.capture()
     replays = [graph_case.inputs]
     if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's

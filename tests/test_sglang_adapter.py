@@ -52,7 +52,13 @@ def test_sglang_terms_are_sglangs_own_classes_only():
 
 def test_sglang_graph_modes_are_declared_from_sglangs_graph_runners():
     graph = parse("graph(sglang.triton)").support().modes
-    assert graph == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE}
+    # decode/verify/draft-extend graphs, and extends through the breakable prefill graph
+    assert graph == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE,
+                     ForwardMode.EXTEND}
+    # The GDN hybrid: SGLang's hybrid plans decode/idle and verify graphs only (hybrid_linear_attn_backend.py:911)
+    assert parse("graph(hybrid(sglang.triton,sglang.gdn))").support().modes == {
+        ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE, ForwardMode.EXTEND}
+    assert ForwardMode.EXTEND not in parse("graph(tbo(sglang.triton))").support().modes
     # SGLang's draft worker plans draft extends with its own backend, never under TboAttnBackend
     assert ForwardMode.DRAFT_EXTEND not in parse("graph(tbo(sglang.triton))").support().modes
     assert ForwardMode.DRAFT_EXTEND not in parse("tbo(sglang.triton)").support().modes
@@ -148,6 +154,33 @@ def test_a_real_row_with_the_padding_length_is_not_padding(device):
                        dtype="float16", spec=chain, seed=4)
     verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.gdn))"), verify, device)
     assert verdict.ok, str(verdict)
+
+
+@needs_sglang
+def test_prefill_graph_runs_attention_in_sglangs_graph_breaks(device):
+    # An extend through SGLang's breakable prefill graph: both layer kinds take their graph-break paths (eager on
+    # the live plan, real tokens only) over a static batch padded to the token bucket. On the CPU nothing is
+    # captured; this is the routing a real capture relies on, and the padding it must ignore.
+    runtime.load()
+    from sglang.srt.layers import radix_attention, radix_linear_attention
+    calls = []
+    linear_impl = radix_linear_attention._linear_attention_with_output_impl
+    full_tokens = radix_attention.attention_query_tokens  # called only inside RadixAttention._eager_attention
+
+    def linear_spy(mixed_qkv, a, b, output, attention_layer, forward_batch):
+        calls.append(("linear", mixed_qkv.shape[0], forward_batch.global_num_token_non_padded_cpu))
+        return linear_impl(mixed_qkv, a, b, output, attention_layer, forward_batch)
+
+    def full_spy(forward_batch, n):
+        calls.append(("full", forward_batch.input_ids.shape[0], n))
+        return full_tokens(forward_batch, n)
+    extend = BatchSpec(ForwardMode.EXTEND, (3, 0), (5, 4), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
+                       dtype="float16", seed=6)
+    with mock.patch.object(radix_linear_attention, "_linear_attention_with_output_impl", linear_spy), \
+            mock.patch.object(radix_attention, "attention_query_tokens", full_spy):
+        verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.gdn))"), extend, device)
+    assert verdict.ok, str(verdict)
+    assert ("linear", 16, 9) in calls and ("full", 16, 9) in calls  # 9 real tokens in a bucket of 16
 
 
 @needs_sglang

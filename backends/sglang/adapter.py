@@ -17,6 +17,7 @@ from the harness's graph runner, over SGLang ForwardBatches that view the runner
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import ClassVar
 
@@ -204,11 +205,15 @@ class SglangBackend(_SglangObject):
         dev = fb.device
         seq_dtype = fb.seq_lens.dtype if graph else torch.int32
         out = sgl.ForwardBatch(
-            forward_mode=mode, batch_size=fb.batch_size, input_ids=torch.zeros(T, dtype=torch.int64, device=dev),
+            forward_mode=mode, batch_size=fb.batch_size,
+            input_ids=torch.zeros(fb.positions.shape[0], dtype=torch.int64, device=dev),  # a prefill graph: padded
             req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(seq_dtype),
             seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=fb.out_cache_loc,
             seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
         out.mrope_positions = fb.mrope_positions  # [3, T]: SGLang's TBO splitter cuts it on dim 1
+        # The real tokens (SGLang sets it on every batch, forward_batch_info.py:1382; a prefill graph's static
+        # batch carries more token rows than that, and attention runs on the real ones only)
+        out.global_num_token_non_padded_cpu = T if fb.num_token_non_padded is None else fb.num_token_non_padded
         if graph:  # as SGLang's replay view (decode_cuda_graph_runner.py:216, build_replay_fb_view)
             out.num_padding = fb.num_padding
         translator = self.sgl_runner.kv_index_translator
@@ -300,6 +305,31 @@ class SglangBackend(_SglangObject):
             raise RuntimeError("init_forward_metadata_in_graph before init_forward_metadata_out_graph")
         with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
             self.inner.init_forward_metadata_in_graph(sfb)
+
+    # ---- SGLang's breakable prefill graph (engine.graph_runner.PrefillGraphRunner) ----
+    @contextlib.contextmanager
+    def prefill_graph_scope(self, forward_batch):
+        """What SGLang's prefill runner enters around a capture or replay of the planned ``forward_batch``
+        (``_prefill_forward_context``, prefill_cuda_graph_runner.py:809-839, inside the breakable backend's
+        ``enable_breakable_cuda_graph``): its layers see a breakable prefill graph and the live batch."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("a prefill graph scope before init_forward_metadata planned the batch")
+        sgl = self.sgl
+        with sgl.enable_breakable_cuda_graph(), \
+                sgl.prefill_graph_scope(full_graph=False, raw_num_tokens=sfb.global_num_token_non_padded_cpu), \
+                sgl.set_forward_batch(sfb), sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+            yield
+
+    def capture_prefill_graph(self, fn, stream):
+        """``fn`` captured as SGLang's ``BreakableCUDAGraph`` (segments between its layers' graph breaks) on
+        ``stream``; returns the graph and what ``fn`` returned (the tensors a replay refills)."""
+        graph = self.sgl.BreakableCUDAGraph()
+        # One memory pool for every segment, as SGLang's breakable backend gives them (a break's weakly held
+        # inputs live in the pool of the segment that produced them)
+        with self.sgl.BreakableCUDAGraphCapture(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
+            out = fn()
+        return graph, out
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
         """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer, under a
@@ -413,6 +443,7 @@ class SglangTriton(SglangBackend):
         # and draft_extend_v2 (triton_backend.py:1396-1438, _apply_cuda_graph_metadata).
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
                                     ForwardMode.IDLE}),
+        prefill_graph=True,  # RadixAttention breaks SGLang's breakable prefill graph (radix_attention.py:133-165)
         # fp8 e4m3 cache: set_kv_buffer divides by layer.k_scale, the kernels multiply by k_scale_float
         # (triton_backend.py:1720-1745, :1835-1840, :2326-2370)
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
@@ -441,6 +472,9 @@ class SglangGdn(SglangBackend):
         # (hybrid_linear_attn_backend.py:368-384, _replay_metadata :747-943; other modes raise at :911).
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
         graph_captures_linear=True,
+        # ... while a breakable prefill graph must not capture them: RadixLinearAttention breaks out to eager
+        # (_eager_linear_attention, radix_linear_attention.py:97-121, 159-165; sgl-project/sglang#25110)
+        prefill_graph=True,
         # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
         dtypes=frozenset({"bfloat16", "float16"}),
         cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken

@@ -116,11 +116,19 @@ def _is_arch_support_pdl() -> bool:
     return is_arch_support_pdl()
 
 
+def _strong_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``sgl_kernel.weak_ref_tensor``'s stand-in: the tensor itself. SGLang's breakable prefill graph holds its
+    breaks' inputs weakly only so the graph pool can reuse their memory; a strong reference keeps the same
+    storage at the same address, so every replay reads what it would have read."""
+    return tensor
+
+
 # sgl_kernel (SGLang's compiled kernels, a CUDA wheel tied to SGLang's torch) is imported unguarded on CUDA by
 # modules the attention backends import. The adapted backends call none of its kernels on the paths they run;
-# the one function called at construction is answered by SGLang's own equivalent. Every other attribute is
-# inert: calling it raises, naming the stub, so a path that does need sgl_kernel fails loudly, never silently.
-_SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl}}
+# the functions called are answered by SGLang's own equivalent or an equivalent in effect. Every other attribute
+# is inert: calling it raises, naming the stub, so a path that does need sgl_kernel fails loudly, never silently.
+_SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl},
+                     "sgl_kernel": {"weak_ref_tensor": _strong_ref_tensor}}
 # Imported at import time by SGLang or its dependencies, never on an attention path. opentelemetry is not
 # stubbed: SGLang's one importer (srt/observability/trace.py) catches the ImportError, which a stub would turn
 # into a RuntimeError at import.
@@ -177,6 +185,13 @@ def load() -> SimpleNamespace:
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
     from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
     from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    # The breakable prefill graph: its capture, its scope flags, the live batch its graph breaks read
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
+        BreakableCUDAGraph, BreakableCUDAGraphCapture)
+    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+        enable_breakable_cuda_graph)
+    from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+    from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
 
     # One attention rank, no torch.distributed. The override must stay entered for the whole process:
     # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").

@@ -575,6 +575,14 @@ def sglang_one_arg_mha_chunk():
     return _cpu_full_child_with_mha_chunk(lambda self, forward_batch: None)
 
 
+def sglang_linear_captured_in_prefill_graph():
+    from backends.sglang.runtime import load
+    sgl = load()
+    layer = sgl.RadixLinearAttention
+    # The method without eager_on_graph: under a capture it runs inside the segment instead of breaking out
+    return _replace(layer, "_eager_linear_attention", layer.__dict__["_eager_linear_attention"].__wrapped__)
+
+
 def graph_captures_linear():
     import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
@@ -625,6 +633,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "(fixed by sgl-project/sglang#27316; CPU form: the full child given the method MLA backends have); "
            "the hasattr-guarded caller skips planning and the next prefix extend runs on a stale plan",
            ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
+    Mutant("sglang_linear_captured_in_prefill_graph", "SGLang's RadixLinearAttention without its breakable-graph "
+           "break (before sgl-project/sglang#25110): the GDN extend kernels are captured into the prefill graph's "
+           "segments and every replay reuses the capture batch's metadata and state slots; Qwen3.5 GSM8K fell from "
+           "86.7% to 16.5% with no error", ("graph(hybrid(sglang.triton,sglang.gdn))",), ("graph_replay",),
+           modes=("extend",), needs_device="cuda", engine="sglang"),
     Mutant("sglang_one_arg_mha_chunk", "a full-attention child whose init_mha_chunk_metadata takes only the batch "
            "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
            "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
