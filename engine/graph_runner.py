@@ -43,7 +43,9 @@ from batch.spec import ForwardMode
 from batch.tbo_split import attach_tbo_children
 from engine.model import prepare_batch, run_layer_overlapped
 
-CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+# SGLang's default decode capture sizes up to 256 requests (arg_groups/cuda_graph_hook.py:510-515, without
+# speculative decoding); the gpu profile's widest batches (160 requests) fit.
+CAPTURE_SIZES = (1, 2, 4, 8, 12) + tuple(range(16, 257, 8))
 CAPTURE_LINEAR_LAYERS = False  # piecewise: linear-attention layers stay eager
 # Every mode a graph can be captured for, and the mode each is captured as.
 GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})

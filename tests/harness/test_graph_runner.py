@@ -46,7 +46,8 @@ def test_modes_widths_and_capture_sizes():
     assert (padded_size(0, 40), padded_size(3, 40), padded_size(4, 40)) == (1, 4, 4)
     # As SGLang's get_batch_sizes_to_capture: no capture larger than the request pool, the pool's size added
     assert capture_sizes(11) == (1, 2, 4, 8, 11) and padded_size(9, 11) == 11
-    assert capture_sizes(40) == CAPTURE_SIZES
+    assert capture_sizes(40) == (1, 2, 4, 8, 12, 16, 24, 32, 40) and capture_sizes(256) == CAPTURE_SIZES
+    assert padded_size(146, 148) == 148 and padded_size(146, 400) == 152
 
 
 def test_padded_rows_are_fill_rows_and_their_inputs_poisoned():
