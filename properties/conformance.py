@@ -335,7 +335,7 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
     top = wrapper if wrapper is not None else children[0]
     if hasattr(top, "init_mha_chunk_metadata"):
         try:
-            top.init_mha_chunk_metadata(backend.planned_sglang_batch())
+            top.init_mha_chunk_metadata(backend.mha_chunk_call_batch())
         except Exception as e:  # noqa: BLE001 - the caller's own call form failing is the finding
             problems.append(f"{type(top).__name__}.init_mha_chunk_metadata(forward_batch), as SGLang's model code "
                             f"calls it, raised {type(e).__name__}: {e}")

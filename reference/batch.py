@@ -148,6 +148,23 @@ class PaddedBatch:
         return torch.cat([cached, new.to(cached.dtype)])[self.key_rows]
 
 
+# Attention scores (query row, head, key) one call holds at most: a long prefill's query rows go through in
+# chunks (a query row's attention does not depend on the other rows, so the result is the same). 2**26 float64
+# scores are 512 MiB; a 32k-token request with 16 heads would otherwise hold 128 GiB.
+MAX_SCORES = 1 << 26
+
+
+def by_query_chunks(attend, queries: tuple[torch.Tensor, ...], visible: torch.Tensor) -> torch.Tensor:
+    """``attend(*queries, visible)`` over ``(B, Lq, H, ...)`` queries and ``(B, Lq, Lk)`` visibility, a chunk of
+    query rows at a time (at most :data:`MAX_SCORES` scores each), joined on the query dimension."""
+    B, Lq, Lk = visible.shape
+    rows = max(1, MAX_SCORES // max(1, B * queries[0].shape[2] * Lk))
+    if rows >= Lq:
+        return attend(*queries, visible)
+    return torch.cat([attend(*(q[:, a:a + rows] for q in queries), visible[:, a:a + rows])
+                      for a in range(0, Lq, rows)], dim=1)
+
+
 def _in_batch_order(groups: list[PaddedBatch], padded: list[torch.Tensor]) -> torch.Tensor:
     """``(T, ...)``: each group's ``(B, Lq, ...)`` result without padding, rows back in batch order."""
     rows = torch.cat([g.unpad(g.query_rows) for g in groups])
@@ -226,12 +243,15 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                 k_new = fp8_grid(rope.as_model_rotates(inp.tensors["k"], layer.head_dim, layer.rope_theta),
                                  k_scale, dtype)
                 v_new = fp8_grid(inp.tensors["v"], v_scale, dtype)
-            outputs.append(_in_batch_order(groups, [
-                mha.attention_padded(g.queries(q), g.keys(k_pool[g.cached_slots].to(dtype) * k_scale, k_new),
-                                     g.keys(v_pool[g.cached_slots].to(dtype) * v_scale, v_new),
-                                     g.visible_in_window(layer.sliding_window),
-                                     sm_scale=layer.sm_scale, logit_cap=layer.logit_cap)
-                for g in groups]))
+            padded = []
+            for g in groups:
+                k = g.keys(k_pool[g.cached_slots].to(dtype) * k_scale, k_new)
+                v = g.keys(v_pool[g.cached_slots].to(dtype) * v_scale, v_new)
+                padded.append(by_query_chunks(
+                    lambda rows, visible: mha.attention_padded(rows, k, v, visible, sm_scale=layer.sm_scale,
+                                                               logit_cap=layer.logit_cap),
+                    (g.queries(q),), g.visible_in_window(layer.sliding_window)))
+            outputs.append(_in_batch_order(groups, padded))
         else:  # mla
             N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
             q_nope = t["q"][..., :N]
@@ -241,9 +261,11 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
             padded = []
             for g in groups:
                 cached = latent_pool[g.cached_slots, 0].to(dtype)  # (cached tokens, C + R): ckv then kpe
-                padded.append(mla.attention_absorbed_padded(
-                    g.queries(q_nope), g.queries(q_pe), g.keys(cached[:, :C], t["ckv"]),
-                    g.keys(cached[:, C:], kpe_new), wt["w_kc"], wt["w_vc"], g.visible, sm_scale=layer.sm_scale))
+                ckv, kpe = g.keys(cached[:, :C], t["ckv"]), g.keys(cached[:, C:], kpe_new)
+                padded.append(by_query_chunks(
+                    lambda nope, pe, visible: mla.attention_absorbed_padded(
+                        nope, pe, ckv, kpe, wt["w_kc"], wt["w_vc"], visible, sm_scale=layer.sm_scale),
+                    (g.queries(q_nope), g.queries(q_pe)), g.visible))
             outputs.append(_in_batch_order(groups, padded))
     return ReferenceResult(outputs, linear_states)
 

@@ -59,13 +59,15 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
 
 def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
     """An extend batch with linear layers that SGLang's splitter cuts between requests (not two-chunk), and the
-    failure is in a linear layer: an out-of-bounds read by its conv kernel, or its outputs."""
+    failure is in a linear layer: an out-of-bounds read by its conv kernel (the interpreter's bounds checker on
+    the CPU; on CUDA the read past the batch's tokens is an illegal memory access), or its outputs."""
     if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
         return False
     if not any(layer.kind == "linear" for layer in spec.layers) or two_chunk_split_enabled(list(spec.extend_lens)):
         return False
     layer = _failing_layer(spec, verdict)
-    return "OutOfBounds" in verdict.reason or (layer is not None and layer.kind == "linear")
+    out_of_bounds = "OutOfBounds" in verdict.reason or "illegal memory access" in verdict.reason
+    return out_of_bounds or (layer is not None and layer.kind == "linear")
 
 
 def _layer_has_logit_cap(spec: BatchSpec, verdict: Verdict) -> bool:

@@ -127,6 +127,15 @@ class _SglangObject(AttentionBackend):
         batches = getattr(self, "batches", None)
         return next(iter(batches.values())) if batches else None
 
+    def mha_chunk_call_batch(self):
+        """The planned batch as SGLang's MLA model code hands it to ``init_mha_chunk_metadata``: with its prefix
+        chunk count set first (``num_prefix_chunks = 0`` on the one-shot path, forward_mha.py:406-409; the
+        chunked path sets it in ``prepare_chunked_prefix_cache_info`` just before, :366-373)."""
+        sfb = self.planned_sglang_batch()
+        if sfb is not None and sfb.num_prefix_chunks is None:
+            sfb.num_prefix_chunks = 0
+        return sfb
+
 
 class SglangBackend(_SglangObject):
     """One SGLang attention backend, built over the harness runner's pools on the first batch it plans
@@ -706,6 +715,9 @@ class SglangTbo(_SglangObject):
 
     def planned_sglang_batch(self):
         return self.primary.planned_sglang_batch()
+
+    def mha_chunk_call_batch(self):
+        return self.primary.mha_chunk_call_batch()
 
     def engine_objects(self) -> tuple[object | None, list[object], type]:
         return self.inner, [self.inner.primary, *self.inner.children], self.sgl.AttentionBackend

@@ -337,6 +337,7 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
         num_key_value_heads=hk, head_dim=d, linear_num_key_heads=hk_lin, linear_num_value_heads=hv,
         linear_key_head_dim=k, linear_value_head_dim=v, linear_conv_kernel_dim=w)
     cfg.harness_layer_types = hybrid.layer_types
+    cfg.architectures = ["Qwen3NextForCausalLM"]  # what a checkpoint's config names (FlashInfer reads it at build)
     return cfg
 
 

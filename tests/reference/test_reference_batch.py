@@ -90,16 +90,20 @@ def assert_batched_equals_per_request(spec: BatchSpec) -> None:
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12, msg=f"layer {layer.layer_id}")
 
 
-# Padding groups: the device's default, one request per group unless they pad perfectly, one group always.
-GROUPINGS = {"default": None, "split": (1.0, 0), "one group": (float("inf"), 0)}
+# Padding groups: the device's default, one request per group unless they pad perfectly, one group always; and
+# one group taken a few query rows at a time (a long prefill's chunks: at most 64 scores per call).
+GROUPINGS = {"default": None, "split": (1.0, 0, None), "one group": (float("inf"), 0, None),
+             "query chunks": (float("inf"), 0, 64)}
 
 
 @pytest.fixture(params=list(GROUPINGS))
 def grouping(request, monkeypatch):
     if GROUPINGS[request.param] is not None:
-        max_padding, budget = GROUPINGS[request.param]
+        max_padding, budget, max_scores = GROUPINGS[request.param]
         monkeypatch.setattr(batch, "MAX_PADDING", max_padding)
         monkeypatch.setattr(batch, "PADDING_BUDGET", {"cpu": budget, "cuda": budget})
+        if max_scores is not None:
+            monkeypatch.setattr(batch, "MAX_SCORES", max_scores)
     return request.param
 
 
