@@ -4,11 +4,11 @@ their own).
 
 A node at depth d sees the cached prefix, its ancestors and itself, at positions seq_len + depth: exactly
 what token d of its branch sees when the branch is extended causally after the same prefix. Every node lies
-on a root-to-leaf path, so each request's tree is re-run as its leaf paths: EXTEND batches whose requests are
-those paths (several share a request's cached prefix, as requests sharing a radix-cache prefix do; at most
-as many per batch as the tree batch had requests, since an engine sizes its per-request buffers by its
-request pool). The path tokens are the tree's own rows (inputs, positions and slots), so both runs read the
-same values, and each node is compared where its first path reaches it.
+on a root-to-leaf path, so each request's tree is re-run as its leaf paths: EXTEND batches of one path per
+request (round k holds every request's k-th leaf path), each after its request's cached prefix and starting
+from the linear-attention states the verify started from (a request's state slot holds one branch at a time).
+The path tokens are the tree's own rows (inputs, positions and slots), so both runs read the same values, and
+each node is compared where its first path reaches it.
 """
 
 from __future__ import annotations
@@ -66,14 +66,38 @@ def path_batch(fb: ForwardBatch, spec: BatchSpec, paths: list[tuple[int, list[in
     return batch, tok
 
 
+def path_rounds(paths: list[tuple[int, list[int]]]) -> list[list[tuple[int, list[int]]]]:
+    """``paths`` in batches holding at most one path of each request: round k has every request's k-th leaf
+    path. A linear layer's state lives in its request's slot, which two paths of one batch would both advance."""
+    rounds: list[list[tuple[int, list[int]]]] = []
+    taken: dict[int, int] = {}
+    for i, path in paths:
+        k = taken.get(i, 0)
+        taken[i] = k + 1
+        if k == len(rounds):
+            rounds.append([])
+        rounds[k].append((i, path))
+    return rounds
+
+
+def _linear_states(fb: ForwardBatch) -> list[torch.Tensor]:
+    pool = fb.mamba_pool
+    return [] if pool is None else [*pool.conv_states.values(), *pool.ssm_states.values()]
+
+
 def tree_branch_equals_chain(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     case = materialize(spec, device)
-    tree = execute(composition, case)
     fb, D = case.forward_batch, spec.spec.draft_token_num
+    before = [t.clone() for t in _linear_states(fb)]  # the committed states every branch starts from
+    tree = execute(composition, case)
     worst = Worst()
     paths, seen = leaf_paths(spec), set()
-    for start in range(0, len(paths), spec.batch_size):
-        group = paths[start:start + spec.batch_size]
+    for group in path_rounds(paths):
+        # A verify may advance the committed states in place (SGLang's GDN advances the conv state, see
+        # Capabilities.verify_advances_conv_state), and each round's extends advance them: every round starts
+        # from the states before the verify, as each branch did in the tree.
+        for t, saved in zip(_linear_states(fb), before):
+            t.copy_(saved)
         batch, tok = path_batch(fb, spec, group)
         inputs = [LayerInputs({k: t[tok.to(t.device)] for k, t in inp.tensors.items()}) for inp in case.inputs]
         backend = composition.build(spec, ModelRunner.of(fb, spec.layers))

@@ -184,6 +184,18 @@ def test_prefill_graph_runs_attention_in_sglangs_graph_breaks(device):
 
 
 @needs_sglang
+def test_tree_branches_start_from_the_states_before_the_verify(device):
+    # SGLang's GDN verify advances the committed conv state in place; the chain re-run of each branch must start
+    # from the state the verify started from (the H100 sweep of 2026-11-24 saw the root node "differ" by 105%
+    # before the property restored the states).
+    chain = SpecInput(3, 1, 2, ((-1, 0, 1), (-1, 0, 1)), (2, 1))  # linear layers verify chains only
+    verify = BatchSpec(ForwardMode.TARGET_VERIFY, (4, 6), (3, 3), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
+                       dtype="float16", spec=chain, seed=2)
+    verdict = PROPERTIES["tree_branch"].run(parse("hybrid(sglang.triton,sglang.gdn)"), verify, device)
+    assert verdict.ok, str(verdict)
+
+
+@needs_sglang
 def test_interpreted_kernels_are_bounds_checked():
     # An out-of-bounds access under Triton's CPU interpreter corrupts the heap and aborts the process far from
     # the cause; the adapter's shim turns it into an error naming the kernel (it found
