@@ -46,14 +46,17 @@ class ReferenceResult:
 # CPU it costs as much as a real one.
 MAX_PADDING = 1.5
 PADDING_BUDGET = {"cuda": 1 << 22, "cpu": 1 << 16}  # padded (query, key) pairs per group
+# Key rows a group gathers at most (requests x its longest sequence), whatever the padding: a group's keys are
+# float64 copies, and 160 decode requests of 32k tokens would hold 24 GiB of MLA latents in one.
+MAX_KEY_ROWS = 1 << 19
 
 
 def request_groups(spec: BatchSpec, device: torch.device) -> list[list[int]]:
     """The batch's requests split into groups that pad well together, longest sequences first.
 
     A group grows while ``len(group) * max extend_len * max kv_len`` stays within ``MAX_PADDING`` times
-    ``sum(extend_len * kv_len)`` or within the device's ``PADDING_BUDGET``. A small batch or a decode batch
-    is one group.
+    ``sum(extend_len * kv_len)`` or within the device's ``PADDING_BUDGET``, and ``len(group) * max kv_len``
+    within ``MAX_KEY_ROWS``. A small batch or a short decode batch is one group.
     """
     budget = PADDING_BUDGET.get(device.type, PADDING_BUDGET["cpu"])
     order = sorted(range(spec.batch_size), key=lambda i: (spec.kv_lens[i], spec.extend_lens[i]), reverse=True)
@@ -63,7 +66,8 @@ def request_groups(spec: BatchSpec, device: torch.device) -> list[list[int]]:
             group = groups[-1] + [i]
             padded = len(group) * max(spec.extend_lens[r] for r in group) * max(spec.kv_lens[r] for r in group)
             needed = sum(spec.extend_lens[r] * spec.kv_lens[r] for r in group)
-            if padded <= max(MAX_PADDING * needed, budget):
+            key_rows = len(group) * max(spec.kv_lens[r] for r in group)
+            if padded <= max(MAX_PADDING * needed, budget) and key_rows <= MAX_KEY_ROWS:
                 groups[-1] = group
                 continue
         groups.append([i])

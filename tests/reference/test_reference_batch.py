@@ -174,3 +174,11 @@ def test_request_groups_cover_the_batch_and_bound_the_padding():
         needed = sum(spec.extend_lens[i] * spec.kv_lens[i] for i in g)
         assert padded <= max(batch.MAX_PADDING * needed, batch.PADDING_BUDGET["cpu"])
     assert len(batch.request_groups(spec, torch.device("cuda"))) == 1  # within a GPU's budget
+
+
+def test_request_groups_bound_the_keys_they_gather():
+    # 160 decode requests of 32k tokens pad perfectly, but one group would gather 5M float64 key rows
+    spec = BatchSpec(ForwardMode.DECODE, (32767,) * 160, (1,) * 160, (mha_layer(0),), context_len=32768)
+    groups = batch.request_groups(spec, torch.device("cuda"))
+    assert sorted(i for g in groups for i in g) == list(range(160))
+    assert all(len(g) * 32768 <= batch.MAX_KEY_ROWS for g in groups) and len(groups) == 10
