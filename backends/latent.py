@@ -20,18 +20,20 @@ def latent_to_heads(latent: torch.Tensor, kv_lora_rank: int, w_kc: torch.Tensor,
     lat = latent.float()
     ckv, kpe = lat[:, :kv_lora_rank], lat[:, kv_lora_rank:]
     H = w_kc.shape[0]
-    k_nope = torch.matmul(w_kc.float().unsqueeze(0), ckv[:, None, :, None]).squeeze(-1)  # [L, H, nope]
+    # One product per head over all rows (a broadcast matmul would copy the weights once per row: a 32k-token
+    # prefix asked for 128 GiB)
+    k_nope = torch.einsum("hnc,lc->lhn", w_kc.float(), ckv)  # [L, H, nope]
     k = torch.cat([k_nope, kpe[:, None, :].expand(-1, H, -1)], dim=-1)
-    v = torch.matmul(ckv[:, None, None, :], w_vc.float().unsqueeze(0)).squeeze(-2)  # [L, H, Dv]
+    v = torch.einsum("lc,hcv->lhv", ckv, w_vc.float())  # [L, H, Dv]
     return k, v
 
 
 def query_to_latent(q_nope: torch.Tensor, w_kc: torch.Tensor) -> torch.Tensor:
     """Absorb ``w_kc`` into the non-rotary query: q_nope ``[T, H, nope]`` -> ``[T, H, kv_lora_rank]`` in
     float32 (``q_latent[t, h] = q_nope[t, h] @ w_kc[h]``)."""
-    return torch.matmul(q_nope.float().unsqueeze(-2), w_kc.float().unsqueeze(0)).squeeze(-2)
+    return torch.einsum("thn,hnc->thc", q_nope.float(), w_kc.float())
 
 
 def latent_to_output(o_latent: torch.Tensor, w_vc: torch.Tensor) -> torch.Tensor:
     """Up-project an absorbed output: ``[T, H, kv_lora_rank]`` -> ``[T, H, Dv]`` in float32."""
-    return torch.matmul(o_latent.float().unsqueeze(-2), w_vc.float().unsqueeze(0)).squeeze(-2)
+    return torch.einsum("thc,hcv->thv", o_latent.float(), w_vc.float())
