@@ -107,11 +107,6 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     return verdict.worst_error <= E4M3_ARITHMETIC_REL_L2
 
 
-def _draft_extend_several_tokens(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A DRAFT_EXTEND batch where some request extends by two or more tokens (one token agrees)."""
-    return spec.mode is ForwardMode.DRAFT_EXTEND and max(spec.extend_lens, default=0) >= 2
-
-
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
 TBO_HIDDEN = {"update_verify_buffers_to_fill_after_draft", "needs_cpu_seq_lens", "support_triton",
               # and over SGLang's hybrid wrapper (docs/findings/sglang-tbo-hides-update-verify-buffers.md)
@@ -146,7 +141,6 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,
     "hybrid_hides_known_overrides": _hybrid_hides_known_overrides,
     "tbo_linear_plain_split": _tbo_linear_plain_split,
-    "draft_extend_several_tokens": _draft_extend_several_tokens,
     "layer_has_logit_cap": _layer_has_logit_cap,
     "window_inside_extend": _window_inside_extend,
     "tree_not_chain": _tree_not_chain,

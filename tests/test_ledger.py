@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, MHALayer
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
 from properties import PROPERTIES
 from properties.verdict import Verdict
 from search import ledger
@@ -71,3 +71,13 @@ def test_e4m3_arithmetic_is_known_only_within_its_envelope():
     assert ledger.match("sglang.triton", "decode", "outputs", mha, failing(0.1)) is None  # its kernel is exact
     auto = BatchSpec(ForwardMode.DECODE, (30,), (1,), (MHALayer(0, 4, 2, 32, 32),))
     assert ledger.match("sglang.triton", "decode", "outputs", auto, failing(0.1)) is None
+
+
+def test_draft_extend_is_known_only_over_an_fp8_cache():
+    # docs/findings/sglang-triton-draft-extend-v2.md: the draft extend itself is right; only e4m3 arithmetic is known
+    layers, spec = (MHALayer(0, 4, 2, 32, 32),), SpecInput(2, 1, 1, ((-1, 0),), (2,))
+    fp8 = BatchSpec(ForwardMode.DRAFT_EXTEND, (1,), (2,), layers, spec=spec, kv_cache_dtype="fp8_e4m3")
+    auto = BatchSpec(ForwardMode.DRAFT_EXTEND, (1,), (2,), layers, spec=spec)
+    failing = Verdict("outputs", False, "out of bounds", 0.03, 1e-6, "layer 0: request 0, token 0")
+    assert ledger.match("sglang.triton", "draft_extend", "outputs", fp8, failing) is not None
+    assert ledger.match("sglang.triton", "draft_extend", "outputs", auto, failing) is None

@@ -19,6 +19,15 @@
    interpreter dereferences raw host addresses, so it corrupts the process's heap and aborts it later, far
    from the cause ("munmap_chunk(): invalid pointer"). Every masked load and store is checked against the
    storages of the kernel's tensor arguments, and one outside them raises ``OutOfBounds`` naming the kernel.
+6. fp8 downcasts: the interpreter's round-to-nearest-even downcast (``runtime/interpreter.py`` ``_convert_float``,
+   Triton 3.8.0) ORs the carry of a rounded-up mantissa into the exponent field instead of adding it, so a value
+   whose mantissa rounds up past all ones in a binade with an odd exponent field comes out halved (float32 1.97 ->
+   e4m3 1.0, not 2.0; 0.496 -> 0.25), and it rounds ties away from zero. A GPU converts with
+   ``cvt.rn.satfinite`` (nearest even, finite overflow saturates). SGLang's Triton kernels cast q and the softmax
+   probabilities to the cache's fp8 dtype (``extend_attention.py:619``), so under the interpreter an fp8 cache
+   gave errors a compiled kernel does not make (docs/findings/sglang-triton-draft-extend-v2.md). Float32/16 and
+   bfloat16 -> fp8e4nv/fp8e5 casts are done by torch instead (nearest even), clamped to the format's finite range.
+   Upstream: triton-lang/triton#8322 (ties), the carry reported on PR #9808 and fixed in the open PR #11897.
 """
 
 from __future__ import annotations
@@ -81,8 +90,34 @@ def _check(ptrs, mask, what: str) -> None:
                           f"argument {nearest[2]!r}, {nearest[1] - nearest[0]} bytes long)")
 
 
+def _fp8_downcaster(convert):
+    """``create_fp_to_fp`` with float32/float16/bfloat16 -> fp8e4nv/fp8e5 at nearest even done as a GPU does it
+    (shim 6); every other conversion goes to the interpreter's own ``convert``."""
+    import numpy as np
+    import torch
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    fp8 = {tl.float8e4nv: torch.float8_e4m3fn, tl.float8e5: torch.float8_e5m2}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        dst, source = dst_type.scalar, src.dtype.scalar
+        if (dst not in fp8 or rounding_mode != ir.ROUNDING_MODE.RTNE
+                or source not in (tl.float32, tl.float16, tl.bfloat16)):
+            return convert(self, src, dst_type, rounding_mode)
+        data = np.ascontiguousarray(src.data)
+        if source == tl.bfloat16:  # stored as uint16: its bits are a float32's top half, exactly
+            data = (data.astype(np.uint32) << 16).view(np.float32)
+        x = torch.from_numpy(data).float()  # exact widening: one rounding, to fp8, below
+        finite = torch.finfo(fp8[dst]).max
+        out = x.clamp(-finite, finite).to(fp8[dst]).view(torch.uint8).numpy()  # clamp keeps NaN
+        return interpreter.TensorHandle(out.reshape(np.shape(src.data)), dst)
+
+    return create_fp_to_fp
+
+
 def apply() -> None:
-    """Install the three shims (idempotent). Call after ``import sglang``, before any fla kernel runs."""
+    """Install the shims (idempotent). Call after ``import sglang``, before any fla kernel runs."""
     global _APPLIED
     if _APPLIED:
         return
@@ -129,6 +164,7 @@ def apply() -> None:
         return masked_store(self, ptrs, value, mask, *rest)
 
     builder.create_masked_load, builder.create_masked_store = load, store
+    builder.create_fp_to_fp = _fp8_downcaster(builder.create_fp_to_fp)
 
     executor = interpreter.GridExecutor
     init_args = executor._init_args_hst
