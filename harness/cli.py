@@ -26,7 +26,7 @@ from harness.options import (
     resolve_device,
 )
 from harness.outlock import OutFolderLock
-from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated, poisons_cuda_context
+from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
@@ -161,7 +161,7 @@ def cmd_run(args) -> int:
                 if not result.ok and result.case_file:
                     print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
                 write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
-                if not isolate and device == "cuda" and not result.ok and poisons_cuda_context(result.failure):
+                if not isolate and device == "cuda" and result.cuda_context_lost:
                     # A device-side assert is sticky: every later row in this process would fail with it.
                     print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh "
                           f"process (`python -m harness sweep` runs each composition in its own)", file=sys.stderr)

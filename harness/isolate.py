@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.mutants.run import exit_description
-from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout, poisons_cuda_context
+from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED  # a sticky CUDA error: the rows left need a fresh process
 from search.casefile import CaseFile, case_name, safe_name
 from search.outcome import RowOutcome
@@ -100,7 +100,7 @@ def _child(task: dict, conn) -> None:
                 continue
             faulthandler.cancel_dump_traceback_later()
             conn.send(("done", row.id, _picklable(result)))
-            if device == "cuda" and not result.ok and poisons_cuda_context(result.failure):
+            if device == "cuda" and result.cuda_context_lost:
                 conn.close()
                 os._exit(EXIT_CONTEXT_POISONED)
     conn.close()

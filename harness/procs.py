@@ -69,11 +69,6 @@ def default_case_timeout(device: str) -> float:
 CASE_TIMEOUT_DEFAULTS = f"default {default_case_timeout('cuda'):.0f} on a GPU, {default_case_timeout('cpu'):.0f} on a CPU"
 
 
-def poisons_cuda_context(failure) -> bool:
-    """A device-side assert is sticky: every later case in the process would fail with it."""
-    return "CUDA error" in str(failure)
-
-
 class Terminated:
     """SIGTERM (what CI timeouts and ``kill`` send) stops a run or a sweep as Ctrl-C does: the first one raises
     KeyboardInterrupt; while the report is written, further ones are ignored."""

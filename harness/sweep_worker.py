@@ -100,7 +100,6 @@ def run_task(task: dict) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the sweep asks for the stack of a hung case
 
     from harness.mutants.catalogue import MUTANTS
-    from harness.procs import poisons_cuda_context
     from search.matrix import matrix_rows
     from search.profiles import profile as profile_of
     from search.search_row import search_row
@@ -137,8 +136,8 @@ def run_task(task: dict) -> int:
                     rounds[row_id] += 1
                     if not result.ok:
                         del rounds[row_id]  # a row with a finding is done for this sweep
-                        if device == "cuda" and poisons_cuda_context(result.failure):
-                            return EXIT_CONTEXT_POISONED
+                    if device == "cuda" and result.cuda_context_lost:
+                        return EXIT_CONTEXT_POISONED
     return 0
 
 

@@ -16,6 +16,12 @@ from properties.verdict import Verdict
 FINDING_STATUS = {"failure": "failed", "crash": "crashed", "hang": "hung", "error": "error"}
 
 
+def poisons_cuda_context(failure) -> bool:
+    """A CUDA error (an illegal address, a device-side assert) is sticky: every later case in the process
+    would fail with it, whatever it tests."""
+    return "CUDA error" in str(failure)
+
+
 def is_worse(err: float | None, bound: float | None, than_err: float | None, than_bound: float | None) -> bool:
     """Whether ``err / bound`` is a worse ratio than the one kept so far (none kept: any ratio is)."""
     if err is None or not bound:
@@ -44,6 +50,14 @@ class RowOutcome:
     first_failure_seconds: float | None = None
     shrink_seconds: float | None = None  # spent shrinking the failure to the reported case
     known: dict[str, int] = field(default_factory=dict)  # ledger id -> cases that failed as it describes
+    # A case left a sticky CUDA error (a known failure's included): the search of this row stopped there, and
+    # the rows after it need a fresh process
+    context_poisoned: bool = False
+
+    @property
+    def cuda_context_lost(self) -> bool:
+        """Whether the process that searched this row can run nothing more on its GPU."""
+        return self.context_poisoned or (not self.ok and poisons_cuda_context(self.failure))
 
     @property
     def cases_per_second(self) -> float:

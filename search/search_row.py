@@ -19,7 +19,7 @@ from properties.verdict import Verdict
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import Row, strategy_options
 from search import ledger
-from search.outcome import RowOutcome
+from search.outcome import RowOutcome, poisons_cuda_context
 from search.profiles import Profile, hypothesis_settings
 from search.strategies import batch_specs
 
@@ -30,6 +30,11 @@ class ShrinkBudgetSpent(BaseException):
     """Raised from the test once the time for shrinking is spent. Not an ``Exception``, so Hypothesis does not
     take it for a failure but stops at once (as on Ctrl-C); the last failure found, the smallest so far (the
     shrinker only tries smaller cases), is the row's result."""
+
+
+class ContextPoisoned(BaseException):
+    """Raised from the test once a case has left a sticky CUDA error: nothing after it in this process can run,
+    so Hypothesis stops at once (neither more examples nor shrinking)."""
 
 
 class PropertyFailed(AssertionError):
@@ -76,15 +81,21 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     @hypothesis_settings(profile, database=database, max_examples=max_examples, shrink=shrink_seconds != 0)
     @given(row_strategy(row, profile))
     def probe(spec: BatchSpec) -> None:
+        if result.context_poisoned:
+            raise ContextPoisoned
         if shrink_time_spent():
             raise ShrinkBudgetSpent
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
         result.cases += 1
+        poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
         known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
                                                       spec, verdict)
         if known is not None:  # triaged and reported: counted, and the search goes on for anything else
             result.known[known.id] = result.known.get(known.id, 0) + 1
+            if poisoned:  # ... unless it left the context unusable: every later case would fail with it
+                result.context_poisoned = True
+                raise ContextPoisoned
             return
         result.keep_worst(verdict.worst_error, verdict.bound)
         if not verdict.ok:
@@ -93,6 +104,9 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
                 result.case_file = failing_case(row, profile, device, spec, verdict).write(
                     out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
             failures.append((spec, verdict))
+            if poisoned:  # no shrinking: every later case in this process would fail with the same error
+                result.context_poisoned = True
+                raise ContextPoisoned
             raise PropertyFailed(verdict)
 
     # One database key per row, so replays of saved failures stay with their row.
@@ -110,6 +124,11 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     try:
         with with_reporter(reported.append):
             probe()
+    except ContextPoisoned:
+        stopped = True
+        if failures:  # the case that poisoned it, unshrunk (written when it failed)
+            spec, verdict = failures[0]
+            result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
     except (PropertyFailed, ShrinkBudgetSpent) as e:
         stopped = isinstance(e, ShrinkBudgetSpent)
         spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
