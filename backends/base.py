@@ -119,7 +119,6 @@ class Capabilities:
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
-    cuda_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it is not run on CUDA yet)
     # DRAFT_EXTEND batches cover the whole draft window for every request (EAGLE v2: accepted tokens first, the
     # rest padding), never a ragged accepted count
     fixed_width_draft_extend: bool = False
@@ -192,7 +191,6 @@ class Support:
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
-    cuda_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it is not run on CUDA yet
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
@@ -225,7 +223,6 @@ class Support:
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
-                   cuda_gaps={prop: why for c in caps for prop, why in c.cuda_gaps},
                    fixed_width_draft_extend=any(c.fixed_width_draft_extend for c in caps),
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),

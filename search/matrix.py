@@ -168,8 +168,7 @@ def matrix(device: str, profile: Profile, backends: list[str] | None = None, pro
                 continue
             for prop in wanted_props:
                 why = prop.applies(c, mode) or c.support().gaps.get(prop.name) or \
-                    (c.support().cpu_gaps.get(prop.name) if device == "cpu" else None) or \
-                    (c.support().cuda_gaps.get(prop.name) if device == "cuda" else None)
+                    (c.support().cpu_gaps.get(prop.name) if device == "cpu" else None)
                 if why is None:
                     rows.append(Row(c, mode, prop))
                 else:
