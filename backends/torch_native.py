@@ -154,14 +154,18 @@ class TorchNativeBackend(AttentionBackend):
         for i in range(fb.batch_size):
             rows = slice(qo[i], qo[i + 1])
             n = qo[i + 1] - qo[i]
-            o, lse = attention_with_lse(q[rows], k[rows], v[rows], sm_scale=layer.scaling,
+            # The partial outputs stay in float32 until the last merge: with chunks of MLA_PREFIX_CHUNK keys a
+            # 16k-token prefix takes a thousand merges, and rounding each to bfloat16 (as an engine's merge_state
+            # does over its few 128k-token chunks) grew the error to 8u.
+            q_i = q[rows].float()
+            o, lse = attention_with_lse(q_i, k[rows], v[rows], sm_scale=layer.scaling,
                                         mask=causal_mask(n, n, -1, q.device))
             for indptr, indices in chunk["chunks"]:
                 idx = indices[int(indptr[i]):int(indptr[i + 1])]
                 if idx.numel() == 0:
                     continue
                 k_c, v_c = latent_to_heads(latent[idx, 0], C, layer.weights["w_kc"], layer.weights["w_vc"])
-                o_c, lse_c = attention_with_lse(q[rows], k_c.to(q.dtype), v_c.to(q.dtype), sm_scale=layer.scaling)
+                o_c, lse_c = attention_with_lse(q_i, k_c.to(q.dtype), v_c.to(q.dtype), sm_scale=layer.scaling)
                 o, lse = merge_attention_states(o, lse, o_c, lse_c)
             out[rows] = o
         return out
