@@ -87,6 +87,23 @@ def graph_width(mode: ForwardMode, spec_info: SpecInfo | None) -> int:
     return 1 if mode.is_decode() else spec_info.draft_token_num
 
 
+def load_token_rows(runner, fb: ForwardBatch, inputs: list[LayerInputs], t: int) -> None:
+    """Copy the real batch's ``t`` token rows into a graph runner's static token buffers (``positions``,
+    ``out_cache_loc``, ``mrope_positions``, ``inputs``) and pad the rest: positions and slots 0 (slot 0 is the
+    padding slot), per-token inputs the runner's ``pad_value``."""
+    runner.out_cache_loc.zero_()
+    runner.out_cache_loc[:t].copy_(fb.out_cache_loc)
+    runner.positions.zero_()
+    runner.positions[:t].copy_(fb.positions)
+    if runner.mrope_positions is not None:
+        runner.mrope_positions.zero_()
+        runner.mrope_positions[:, :t].copy_(fb.mrope_positions)
+    for static, real in zip(runner.inputs, inputs):
+        for name, x in static.tensors.items():
+            x.fill_(runner.pad_value if x.is_floating_point() else 0)
+            x[:t].copy_(real.tensors[name])
+
+
 class GraphRunner:
     """Captures ``backend`` for batches like ``template`` (its mode and speculative shape) at ``bs`` requests
     over ``model_runner``'s pools. ``pad_value`` fills the padded rows' per-token inputs (a property passes
@@ -239,18 +256,8 @@ class GraphRunner:
         self.req_pool_indices[:n].copy_(fb.req_pool_indices)
         self.seq_lens.fill_(self.fill)
         self.seq_lens[:n].copy_(fb.seq_lens)
-        self.out_cache_loc.zero_()
-        self.out_cache_loc[:t].copy_(fb.out_cache_loc)
-        self.positions.zero_()
-        self.positions[:t].copy_(fb.positions)
-        if self.mrope_positions is not None:
-            self.mrope_positions.zero_()
-            self.mrope_positions[:, :t].copy_(fb.mrope_positions)
+        load_token_rows(self, fb, inputs, t)
         self.state_slots.copy_(self.mr.req_to_state_slot[self.req_pool_indices])
-        for static, real in zip(self.inputs, inputs):
-            for name, x in static.tensors.items():
-                x.fill_(self.pad_value if x.is_floating_point() else 0)
-                x[:t].copy_(real.tensors[name])
         self._refresh_host_fields()
         self.fb.num_padding = self.bs - n
         self.fb.spec_info = self._padded_spec_info(fb.spec_info if fb.batch_size else None)
@@ -384,17 +391,7 @@ class PrefillGraphRunner:
         t = fb.extend_num_tokens
         if t > self.bs:
             raise ValueError(f"an extend of {t} tokens does not fit a prefill graph captured for {self.bs}")
-        self.positions.zero_()
-        self.positions[:t].copy_(fb.positions)
-        self.out_cache_loc.zero_()
-        self.out_cache_loc[:t].copy_(fb.out_cache_loc)
-        if self.mrope_positions is not None:
-            self.mrope_positions.zero_()
-            self.mrope_positions[:, :t].copy_(fb.mrope_positions)
-        for static, real in zip(self.inputs, inputs):
-            for name, x in static.tensors.items():
-                x.fill_(self.pad_value if x.is_floating_point() else 0)
-                x[:t].copy_(real.tensors[name])
+        load_token_rows(self, fb, inputs, t)
         static = self._static(fb, t)
         prepare_batch(self.backend, static, self.layer_specs)
         with self.backend.prefill_graph_scope(static):
