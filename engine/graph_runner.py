@@ -62,14 +62,18 @@ def capture_sizes(max_requests: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
+def _smallest_fitting(sizes: tuple[int, ...], n: int, what: str) -> int:
+    """The first of the ascending ``sizes`` that holds ``n``."""
+    for size in sizes:
+        if size >= n:
+            return size
+    raise ValueError(f"{what} of {n} is larger than the largest capture size {sizes[-1]}")
+
+
 def padded_size(bs: int, max_requests: int) -> int:
     """The capture size a batch of ``bs`` requests replays at, over a request pool of ``max_requests`` (an idle
     batch: the smallest)."""
-    sizes = capture_sizes(max_requests)
-    for size in sizes:
-        if size >= bs:
-            return size
-    raise ValueError(f"batch of {bs} is larger than the largest capture size {sizes[-1]}")
+    return _smallest_fitting(capture_sizes(max_requests), bs, "batch")
 
 
 def capture_mode(mode: ForwardMode) -> ForwardMode:
@@ -197,6 +201,11 @@ class GraphRunner:
         if self.split_tbo:
             attach_tbo_children(self.fb)
 
+    @property
+    def captured(self) -> str:
+        """The captured shape, requests x tokens per request."""
+        return f"at {self.bs} x {self.width}"
+
     # ---- capture ----
     def _captured(self, spec) -> bool:
         return spec.kind != "linear" or self.capture_linear or CAPTURE_LINEAR_LAYERS
@@ -306,11 +315,7 @@ PREFILL_CAPTURE_TOKENS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 163
 
 def prefill_bucket(num_tokens: int) -> int:
     """The token bucket an EXTEND batch of ``num_tokens`` replays at."""
-    for size in PREFILL_CAPTURE_TOKENS:
-        if size >= num_tokens:
-            return size
-    raise ValueError(f"an extend of {num_tokens} tokens is larger than the largest prefill bucket "
-                     f"{PREFILL_CAPTURE_TOKENS[-1]}")
+    return _smallest_fitting(PREFILL_CAPTURE_TOKENS, num_tokens, "an extend (tokens)")
 
 
 class PrefillGraphRunner:
@@ -323,10 +328,9 @@ class PrefillGraphRunner:
     captured. The backend provides the engine's scope and capture (``prefill_graph_scope(fb)``,
     ``capture_prefill_graph(fn)``): a composition declares ``Support.prefill_graph``.
 
-    On the CPU nothing is captured: each replay runs the layers under the same scope, which exercises the
-    padding and the engine's routing (its graph breaks run straight through without a capture)."""
-
-    width = 0  # tokens per request vary: the report's "captured at T x 0" reads as a token bucket
+    On the CPU nothing is captured: the dummy batch is planned as at capture, and each replay runs the layers
+    under the same scope, which exercises the padding and the engine's routing (its graph breaks run straight
+    through without a capture)."""
 
     def __init__(self, backend, model_runner: ModelRunner, template: ForwardBatch, layer_specs,
                  weights: list[LayerWeights], inputs_like: list[LayerInputs], num_tokens: int,
@@ -374,11 +378,15 @@ class PrefillGraphRunner:
         return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
                 for s, i, w in zip(self.layer_specs, self.inputs, self.weights)]
 
+    @property
+    def captured(self) -> str:
+        return f"for {self.bs} tokens"
+
     def capture(self) -> None:
-        if not self.use_cuda_graph:
-            return
         dummy = self._dummy()
         self.backend.init_forward_metadata(dummy)
+        if not self.use_cuda_graph:
+            return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), self.backend.prefill_graph_scope(dummy):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
-from batch.forward_batch import FP8_KV_DTYPE, ForwardBatch, LayerInputs, LayerWeights
+from batch.forward_batch import FP8_KV_DTYPE, ForwardBatch, LayerInputs, LayerWeights, dequantize_kv, quantize_kv
 from batch.layers import make_layer, mla_uses_absorbed
 from batch.spec import Layer
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
@@ -68,7 +68,7 @@ def on_fp8_grid(x: torch.Tensor, scale: float) -> torch.Tensor:
     path) or read them back from the cache they just wrote (TorchNative, FlashInfer's paged paths); on the grid
     both give the same keys, so every correct backend computes one function (properties/tolerances.py).
     """
-    return (x / scale).to(FP8_KV_DTYPE).to(x.dtype) * scale
+    return dequantize_kv(quantize_kv(x, FP8_KV_DTYPE, scale), x.dtype, scale)
 
 
 def mla_latent(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_sections=None) -> torch.Tensor:

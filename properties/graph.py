@@ -85,4 +85,4 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
             worst.add(compare(t[1:], eager_pools[name][1:].to(torch.float64), bound,
                               label=f"{label} pool {name}:"), bound)
     return worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "
-                               f"in a {runner.mode.value} graph captured at {runner.bs} x {runner.width}")
+                               f"in a {runner.mode.value} graph captured {runner.captured}")

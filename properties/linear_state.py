@@ -81,7 +81,7 @@ def verify_commits_every_position(composition: Composition, spec: BatchSpec, dev
     case, reference, backend = verified(composition, spec, device)
     fb = case.forward_batch
     pool = fb.mamba_pool
-    after_verify = {name: {i: t.clone() for i, t in d.items()} for name, d in _pools(pool).items()}
+    after_verify = _pools(pool.clone())
     batch_slots = fb.state_slots.tolist()
     num_slots = next(iter(pool.ssm_states.values())).shape[0]
     D = spec.spec.draft_token_num

@@ -86,7 +86,7 @@ def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
 
 def _tree_not_chain(spec: BatchSpec, verdict: Verdict) -> bool:
     """A verify batch with a draft tree that is not a chain (some node is not its predecessor's child)."""
-    return spec.spec is not None and any(list(tree) != list(range(-1, len(tree) - 1)) for tree in spec.spec.parents)
+    return spec.spec is not None and not spec.spec.is_chain()
 
 
 def _leaf_lacks_verify_refresh(spec: BatchSpec, verdict: Verdict) -> bool:

@@ -78,7 +78,7 @@ def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> st
         return f"declares none of the profile's page sizes {profile.page_sizes}"
     if row_dtype(c, profile, device) is None:
         wanted = " or ".join(d for d in (profile.dtype, profile.fallback_dtype) if d)
-        where = " on the CPU" if device == "cpu" and wanted.split(" or ")[0] in support.dtypes else ""
+        where = " on the CPU" if device == "cpu" and profile.dtype in support.dtypes else ""
         return f"does not support the profile's dtype {wanted}{where}"
     if "mha" in support.attention_kinds and not options["head_configs"]:
         dims = sorted({h[2] for h in profile.heads})

@@ -81,8 +81,6 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     @hypothesis_settings(profile, database=database, max_examples=max_examples, shrink=shrink_seconds != 0)
     @given(row_strategy(row, profile))
     def probe(spec: BatchSpec) -> None:
-        if result.context_poisoned:
-            raise ContextPoisoned
         if shrink_time_spent():
             raise ShrinkBudgetSpent
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)

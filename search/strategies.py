@@ -238,7 +238,7 @@ def kv_caches(draw, layers, kv_cache_dtypes: tuple[str, ...], kv_scales: bool):
 def context_len_for(kv_len: int) -> int:
     """The req_to_token row length of a batch whose longest request has ``kv_len`` keys: 4096, or the next
     power of two that holds it (long contexts)."""
-    n = 4096
+    n = BatchSpec.context_len  # the default row length
     while n < kv_len:
         n *= 2
     return n

@@ -24,7 +24,7 @@ def test_declared_as_sglang_cuda_leaves(name):
     assert caps.attention_kinds == ({"mha"} if name == "sglang.flashinfer" else {"mla"})
     # What the adapter translates (no draft_extend, no idle yet); every mode listed is served.
     assert caps.modes == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY}
-    assert not caps.cuda_graph_modes  # graph() over SGLang's backends is not adapted
+    assert not caps.cuda_graph_modes  # graph() over SGLang's FlashInfer backends is not adapted
     reason = caps.unavailable_reason("cpu")
     assert reason is not None and "cuda" in reason
     terms = {str(c) for c in all_compositions()}

@@ -64,16 +64,7 @@ def tbo_mrope_dim0():
 
 def hybrid_lacks_mha_chunk():
     from backends.hybrid import HybridLinearAttnBackend
-
-    @contextlib.contextmanager
-    def cm():
-        saved = HybridLinearAttnBackend.init_mha_chunk_metadata
-        del HybridLinearAttnBackend.init_mha_chunk_metadata
-        try:
-            yield
-        finally:
-            HybridLinearAttnBackend.init_mha_chunk_metadata = saved
-    return cm()
+    return _without(HybridLinearAttnBackend, "init_mha_chunk_metadata")
 
 
 def hybrid_extra_kwarg():
@@ -180,8 +171,6 @@ def prefix_drops_last_token():
 
 def verify_mask_transposed():
     import backends.planner as planner
-    import backends.torch_native as torch_native
-    import backends.triton as triton
     from batch.masks import tree_mask
     original = planner.plan_token_level
 
@@ -194,13 +183,7 @@ def verify_mask_transposed():
                 blocks.append(torch.cat([torch.ones(tree.shape[0], seq_len, dtype=torch.bool), tree], 1).reshape(-1))
             meta.custom_mask = torch.cat(blocks).to(fb.device)
         return meta
-    # The backends imported the planner's function by name: patch it where they look it up.
-    @contextlib.contextmanager
-    def patched():
-        with _replace(torch_native, "plan_token_level", plan_token_level), \
-                _replace(triton, "plan_token_level", plan_token_level):
-            yield
-    return patched()
+    return _patch_token_plans(plan_token_level)
 
 
 def draft_positions_by_index():
