@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
 
 # The modes a backend of SGLang 0.5.23 serves, named one by one: a mode added to ForwardMode later joins no
 # backend's declaration until someone declares it.
@@ -133,6 +133,9 @@ class Capabilities:
     length_boundaries: frozenset[int] = frozenset()
     # Takes EXTEND/MIXED requests with no new tokens after a cached prefix (BatchSpec's docstring: where
     # engines produce them).
+    # Whether the backend verifies draft trees (speculative_eagle_topk > 1); False: a model with it is served
+    # with topk 1 only (the backend refuses more when it is built), so its batches verify chains.
+    draft_trees: bool = True
     empty_extend: bool = False
     # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
     # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
@@ -181,15 +184,21 @@ class Support:
     logit_cap: bool
     mrope: bool
     cuda_graph_modes: frozenset[ForwardMode]
-    fp32_matmul_roundoff: float
+    fp32_matmul_roundoff: float  # the full-attention leaves' (every leaf's when there is none)
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
     length_boundaries: frozenset[int]  # every leaf's: a composition runs all its leaves' kernels
     empty_extend: bool
     verify_window: bool
+    draft_trees: bool = True
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
+    linear_fp32_matmul_roundoff: float = 2.0**-24  # the linear-attention leaves': each layer is held to its backend's
+
+    def matmul_roundoff(self, layer_kind: str) -> float:
+        """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind``."""
+        return self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -203,7 +212,7 @@ class Support:
         fields must hold for every leaf and which for the full-attention ones only); TARGET_VERIFY is dropped
         unless every leaf takes custom masks."""
         full = [c for c in caps if c.attention_kinds & {"mha", "mla"}]
-        linear = [c for c in caps if "linear" in c.attention_kinds]
+        linear = [c for c in caps if c.attention_kinds & RECURRENT_KINDS]
 
         def meet(values):  # None (any) is the identity
             """Intersection of the sets that are not None; None (any) when every one is None."""
@@ -219,7 +228,8 @@ class Support:
                    sliding_window=all(c.sliding_window for c in full), logit_cap=all(c.logit_cap for c in full),
                    mrope=all(c.mrope for c in caps),
                    cuda_graph_modes=frozenset.intersection(*(c.cuda_graph_modes for c in caps)),
-                   fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in caps),
+                   fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in (full or caps)),
+                   linear_fp32_matmul_roundoff=max((c.fp32_matmul_roundoff for c in linear), default=2.0**-24),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
@@ -234,6 +244,7 @@ class Support:
                    prefill_graph=all(c.prefill_graph for c in caps),
                    length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
                    empty_extend=all(c.empty_extend for c in caps),
+                   draft_trees=all(c.draft_trees for c in caps),
                    verify_window=all(c.verify_window for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
@@ -247,6 +258,8 @@ class Support:
             return f"page_size {spec.page_size} not supported"
         if spec.mrope is not None and not self.mrope:
             return "mrope not supported"
+        if spec.spec is not None and spec.spec.topk > 1 and not self.draft_trees:
+            return "draft trees (topk > 1) not supported: verify chains only"
         if 0 in spec.extend_lens and not self.empty_extend:
             return "empty extends (a request with no new tokens) not supported"
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:

@@ -42,7 +42,7 @@ import torch
 
 from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.planner import exclusive_cumsum, page_kv_indices
-from batch.spec import ForwardMode
+from batch.spec import ForwardMode, is_recurrent
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # float workspace per backend instance, as FlashInfer recommends
 MERGE_STATE_MAX_THREADS = 1024  # merge_state launches (head_dim / vec_size) x num_heads threads per block
@@ -120,7 +120,7 @@ def req_to_token_of(backend) -> torch.Tensor:
 
 def layers_with_kv(layers) -> int:
     """The id of the first layer that has KV buffers (MHA or MLA), or -1."""
-    return next((l.layer_id for l in layers if l.kind != "linear"), -1)
+    return next((l.layer_id for l in layers if not is_recurrent(l)), -1)
 
 
 def layer_kv_dtype(forward_batch, layer_id: int) -> torch.dtype:

@@ -60,5 +60,8 @@ def make_layer(spec: Layer, weights: LayerWeights, mode: ForwardMode) -> Attenti
         return AttentionLayer(spec.layer_id, "mla", spec.num_heads, spec.num_heads, spec.num_heads,
                               spec.qk_nope_head_dim + R, spec.v_head_dim, spec.sm_scale,
                               spec=spec, weights=weights.tensors, absorbed=False)
+    if spec.kind == "lightning":  # Bailing's linear layers are plain RadixAttention objects of H heads
+        return AttentionLayer(spec.layer_id, "lightning", spec.num_heads, spec.num_heads, spec.num_heads,
+                              spec.head_dim, spec.head_dim, spec.scale, spec=spec)
     return AttentionLayer(spec.layer_id, "linear", spec.num_v_heads, spec.num_k_heads, spec.num_v_heads,
                           spec.head_k_dim, spec.head_v_dim, spec.scale, spec=spec, weights=weights.tensors)

@@ -169,8 +169,40 @@ class LinearLayer:
         _require(self.conv_kernel >= 2, f"{where}.conv_kernel must be >= 2, got {self.conv_kernel}")
 
 
-Layer = Union[MHALayer, MLALayer, LinearLayer]
-_LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer}
+@dataclass(frozen=True)
+class LightningLayer:
+    """Lightning attention (Bailing/Ling's linear layers, reference/lightning.py): per head a state ``(K, V)``
+    decayed by a fixed per-head rate, no softmax; q, k and v have ``num_heads`` heads each (no grouping).
+
+    The decay rates are the model's: ALiBi slopes for ``num_heads``, scaled by the layer's depth in a model of
+    :attr:`BatchSpec.num_model_layers` layers. The model hands the backend q, k, v in float32 (Bailing casts
+    its projections before attention), without RoPE (``linear_rope`` off: RoPE is the model's, not attention's).
+    """
+
+    layer_id: int
+    num_heads: int
+    head_dim: int = 128
+    kind: str = field(default="lightning", init=False)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        _require(self.num_heads >= 1, f"{where}.num_heads must be >= 1, got {self.num_heads}")
+        _require(self.head_dim >= 1, f"{where}.head_dim must be >= 1, got {self.head_dim}")
+
+
+Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer]
+_LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer, "lightning": LightningLayer}
+# Layers with a recurrent state per request (linear attention) instead of a KV cache: the gated delta rule
+# ("linear", Qwen3-Next's GDN) and lightning attention. A hybrid model has one of them beside its full layers.
+RECURRENT_KINDS = frozenset({"linear", "lightning"})
+
+
+def is_recurrent(layer: Layer) -> bool:
+    return layer.kind in RECURRENT_KINDS
 
 
 @dataclass(frozen=True)
@@ -284,7 +316,12 @@ class BatchSpec:
         """Layer ids that go to the full-attention backend of a hybrid model."""
         if self.draft_worker:
             return (0,)
-        return tuple(layer.layer_id for layer in self.layers if layer.kind != "linear")
+        return tuple(layer.layer_id for layer in self.layers if not is_recurrent(layer))
+
+    @property
+    def num_model_layers(self) -> int:
+        """Layers of the model the batch's layers belong to: ids run from 0 to the largest."""
+        return max((layer.layer_id for layer in self.layers), default=0) + 1
 
     @property
     def mrope_sections(self) -> tuple[int, int, int] | None:
@@ -338,12 +375,14 @@ class BatchSpec:
         for layer in self.layers:
             layer.validate()
         self._validate_kv_cache()
+        recurrent = sorted(self.attention_kinds & RECURRENT_KINDS)
+        _require(len(recurrent) <= 1, f"layers of kinds {recurrent}: a hybrid model has one kind of linear attention")
         windows = sorted({l.sliding_window for l in self.layers if l.kind == "mha" and l.sliding_window})
         _require(len(windows) <= 1, f"layers use sliding windows {windows}: a model has one sliding window, "
                                     f"which each layer uses or not")
         ids = [layer.layer_id for layer in self.layers]
         if self.draft_worker:
-            _require(all(i == 0 for i in ids) and all(l.kind != "linear" for l in self.layers),
+            _require(all(i == 0 for i in ids) and not any(is_recurrent(l) for l in self.layers),
                      "draft_worker batches have only full-attention layers, all with layer_id 0")
         else:
             _require(len(set(ids)) == len(ids), f"layer ids must be distinct, got {ids}")
@@ -398,7 +437,7 @@ class BatchSpec:
         if m.is_target_verify():
             _require(all(e == s.draft_token_num for e in self.extend_lens),
                      "target_verify batches have extend_lens all equal to spec.draft_token_num")
-            if "linear" in self.attention_kinds:
+            if self.attention_kinds & RECURRENT_KINDS:
                 _require(s.is_chain(), "linear-attention layers verify chains only (topk=1): spec.parents must be chains")
         if m.is_draft_extend():
             _require(self.extend_lens == s.accept_lens, "draft_extend batches have extend_lens == spec.accept_lens")
@@ -480,7 +519,7 @@ class BatchSpec:
             ld = dict(ld)
             kind = ld.pop("kind", None)
             _require(isinstance(kind, str) and kind in _LAYER_TYPES,
-                     f"layers[{n}].kind must be one of mha, mla, linear, got {_show(kind)}")
+                     f"layers[{n}].kind must be one of {', '.join(_LAYER_TYPES)}, got {_show(kind)}")
             layers.append(_build(_LAYER_TYPES[kind], ld, f"layers[{n}]"))
         d["layers"] = tuple(layers)
         if d.get("spec") is not None:

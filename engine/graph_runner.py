@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 
 from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights, ModelRunner, SpecInfo
-from batch.spec import ForwardMode
+from batch.spec import ForwardMode, is_recurrent
 from batch.tbo_split import attach_tbo_children
 from engine.model import prepare_batch, run_layer_overlapped
 
@@ -208,7 +208,7 @@ class GraphRunner:
 
     # ---- capture ----
     def _captured(self, spec) -> bool:
-        return spec.kind != "linear" or self.capture_linear or CAPTURE_LINEAR_LAYERS
+        return not is_recurrent(spec) or self.capture_linear or CAPTURE_LINEAR_LAYERS
 
     def _layer_fn(self, i: int):
         return lambda: run_layer_overlapped(self.backend, self.layer_specs[i], self.inputs[i], self.weights[i],

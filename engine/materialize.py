@@ -179,6 +179,16 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
                 "w_kc": draw.normal(layer.num_heads, layer.qk_nope_head_dim, C, scale=C**-0.5, device=device),
                 "w_vc": draw.normal(layer.num_heads, C, layer.v_head_dim, scale=C**-0.5, device=device),
             }))
+        elif layer.kind == "lightning":
+            H, Dh = layer.num_heads, layer.head_dim
+            # No conv state (SGLang's pool for Bailing keeps an empty one, conv_kernel 1, "to keep the interface")
+            conv_states[layer.layer_id] = draw.normal(num_state_slots, 0, 0, device=device)
+            ssm_states[layer.layer_id] = draw.normal(num_state_slots, H, Dh, Dh, scale=0.5, device=device)
+            if spec.mode.is_target_verify():
+                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, 0, 0, device=device)
+                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, Dh, Dh, device=device)
+            inputs.append(LayerInputs({n: draw.normal(T, H, Dh, device=device) for n in ("q", "k", "v")}))
+            weights.append(LayerWeights({}))  # the decay rates are the model's (reference/lightning.py)
         else:
             W, Hv, K, V = layer.conv_kernel, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
             conv_states[layer.layer_id] = draw.normal(num_state_slots, layer.conv_dim, W - 1, device=device)

@@ -3,7 +3,8 @@
 This is the caller's side of the protocol, written the way a serving engine's model code calls a backend,
 so that wrapper bugs (a missing ``forward``, a skipped ``init_mha_chunk_metadata``, dispatch by type) show
 up here exactly as they would in a model. Backend outputs come back in the layer's output space: MHA
-``[T, Hq, Dv]``, MLA ``[T, H, v_head_dim]`` (absorbed outputs are up-projected here), linear ``[T, Hv, V]``.
+``[T, Hq, Dv]``, MLA ``[T, H, v_head_dim]`` (absorbed outputs are up-projected here), linear ``[T, Hv, V]``,
+lightning ``[T, H, D]`` (float32, as Bailing's layers compute it).
 """
 
 from __future__ import annotations
@@ -88,6 +89,10 @@ def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeig
     if spec.kind == "mha":
         q, k, v = mha_qkv(spec, inputs, fb, mrope_sections)
         return backend.forward(q, k, v, layer, fb)
+    if spec.kind == "lightning":
+        # Bailing's linear layer casts its q/k/v projections to float32 and calls its RadixAttention
+        # (models/bailing_moe_linear.py, BailingMoELinearAttention.forward): the state and output are float32.
+        return backend.forward(t["q"].float(), t["k"].float(), t["v"].float(), layer, fb)
     # MLA
     N, R, C = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
     dtype = t["q"].dtype

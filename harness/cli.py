@@ -81,7 +81,7 @@ def cmd_list(args) -> int:
 def drawn_axes(c, profile) -> str:
     """The storage axes the profile draws for ``c``: its KV cache dtypes (with or without KV scales), and the
     linear-attention state-slot layouts."""
-    from batch.spec import STATE_SLOT_LAYOUTS
+    from batch.spec import RECURRENT_KINDS, STATE_SLOT_LAYOUTS
     from search.matrix import strategy_options
 
     options = strategy_options(c, profile)
@@ -89,7 +89,7 @@ def drawn_axes(c, profile) -> str:
     text = ""
     if "mha" in c.attention_kinds() and kv != ("auto",):
         text += f"  kv cache: {','.join(kv)}{'' if options['kv_scales'] else ' (unit scales only)'}"
-    if "linear" in c.attention_kinds():
+    if c.attention_kinds() & RECURRENT_KINDS:
         text += f"  state slots: {','.join(STATE_SLOT_LAYOUTS)}"
     return text
 

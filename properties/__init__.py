@@ -12,7 +12,7 @@ from typing import Callable
 
 from backends.base import SERVING_MODES
 from backends.registry import Composition
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
 from properties.cache import cache_writes_exact
 from properties.conformance import conformance, dispatch
 from properties.equivalence import (
@@ -43,15 +43,15 @@ class Property:
     needs_wrapper: str | None = None  # e.g. "tbo": only compositions with that outer wrapper
     excludes_wrapper: str | None = None
     strategy_options: tuple[tuple[str, object], ...] = ()  # extra keyword arguments of batch_specs
-    needs_kind: str | None = None  # e.g. "linear": only compositions that serve that layer kind
+    needs_state: bool = False  # only compositions that serve a linear-attention (recurrent) layer kind
     under_graph: bool = False  # also on graph() compositions, its forward replayed in a captured graph
 
     def applies(self, composition: Composition, mode: ForwardMode) -> str | None:
         """None if the property applies to this row, else why not."""
         if mode not in self.modes:
             return f"{self.name} needs {'/'.join(sorted(m.value for m in self.modes))} batches"
-        if self.needs_kind and self.needs_kind not in composition.attention_kinds():
-            return f"{self.name} needs {self.needs_kind} layers"
+        if self.needs_state and not composition.attention_kinds() & RECURRENT_KINDS:
+            return f"{self.name} needs linear-attention layers"
         outer = self.needs_wrapper in ("tbo", "graph")
         if outer and composition.name != self.needs_wrapper:
             return f"{self.name} needs a {self.needs_wrapper}() composition"
@@ -97,10 +97,10 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
     Property("verify_commit", verify_commits_every_position,
              "after one verify, committing any accepted position (and the radix cache's tracked copies) leaves "
              "each request's state slot holding the reference state there; nothing else changes",
-             modes=frozenset({ForwardMode.TARGET_VERIFY}), needs_kind="linear",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), needs_state=True,
              # TBO commits through its primary, whose plan is the whole batch: left out to keep CI's time
              excludes_wrapper="tbo", under_graph=True,
-             strategy_options=(("chain", True), ("require_kind", "linear"))),
+             strategy_options=(("chain", True), ("require_recurrent", True))),
     Property("tree_branch", tree_branch_equals_chain,
              "every draft-tree node's output equals its root-to-node branch extended as a chain (no reference)",
              modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",

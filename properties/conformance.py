@@ -20,7 +20,7 @@ from backends.base import BASE_DEFAULTS, PROTOCOL_METHODS, PROTOCOL_PROPERTIES, 
 from backends.registry import Composition
 from batch.forward_batch import ModelRunner
 from batch.layers import make_layer
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import BatchSpec, ForwardMode, is_recurrent
 from batch.tbo_split import attach_tbo_children
 from engine.execute import execute
 from engine.materialize import materialize
@@ -404,8 +404,8 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
         execute(composition, case, backend=backend)
     except Exception as e:  # a misrouted layer usually crashes in the wrong backend; report where it went
         error = f"{type(e).__name__}: {e}"
-    full_ids = {l.layer_id for l in spec.layers if l.kind != "linear"}
-    linear_ids = {l.layer_id for l in spec.layers if l.kind == "linear"}
+    full_ids = {l.layer_id for l in spec.layers if not is_recurrent(l)}
+    linear_ids = {l.layer_id for l in spec.layers if is_recurrent(l)}
     wrong = sorted((full_seen & linear_ids) | (linear_seen & full_ids))
     if wrong:
         return Verdict(name, False, f"layer id(s) {wrong} reached the wrong backend "

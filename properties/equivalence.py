@@ -10,14 +10,14 @@ import torch
 from backends.registry import Composition
 from batch.case import TORCH_DTYPES
 from batch.forward_batch import LayerInputs, ModelRunner
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode, is_recurrent
 from batch.tbo_split import sub_batch
 from engine.execute import execute
 from engine.materialize import materialize
 from engine.model import run_layers
 from properties.outputs import linear_state_comparisons
 from properties.run import Run, run_case
-from properties.tolerances import layer_bound
+from properties.tolerances import input_dtype, layer_bound
 from properties.verdict import Verdict, Worst, compare, compare_outputs, token_starts
 from reference.batch import reference_outputs
 
@@ -56,7 +56,9 @@ def _chunked(composition: Composition, spec: BatchSpec, device: str, first_part,
     batch2 = sub_batch(fb, torch.tensor(reqs2, device=fb.device), tok2.to(fb.device),
                        [spec.prefix_lens[i] + e1[i] for i in reqs2], e2, mode=mode2)
     backend = composition.build(spec, ModelRunner.of(fb, spec.layers))
-    outs = [torch.empty_like(o, dtype=TORCH_DTYPES[spec.dtype]) for o in reference.outputs]
+    # Each layer's outputs in the precision it computes in (lightning layers: float32, whatever the batch's dtype)
+    outs = [torch.empty_like(o, dtype=TORCH_DTYPES[input_dtype(spec, layer)])
+            for o, layer in zip(reference.outputs, spec.layers)]
     for batch, tok in ((batch1, tok1), (batch2, tok2)):
         inputs = [LayerInputs({k: t[tok.to(t.device)] for k, t in inp.tensors.items()}) for inp in case.inputs]
         for out, part in zip(outs, run_layers(backend, batch, spec.layers, inputs, case.weights, spec.mrope_sections)):
@@ -91,11 +93,11 @@ def verify_chain_equals_extend(composition: Composition, spec: BatchSpec, device
     outs = run_layers(composition.build(spec, ModelRunner.of(fb, spec.layers)), as_extend, spec.layers, case.inputs,
                       case.weights, spec.mrope_sections)
     compare_outputs(outs, run.reference.outputs, composition, spec, worst, "as extend ")
-    if "linear" in spec.attention_kinds:
+    if spec.attention_kinds & RECURRENT_KINDS:
         run.execution.backend.update_mamba_state_after_mtp_verify(fb.spec_info.accept_length - 1)
         pool, slots = run.case.forward_batch.mamba_pool, run.case.forward_batch.state_slots.tolist()
         for layer in spec.layers:
-            if layer.kind != "linear":
+            if not is_recurrent(layer):
                 continue
             bound = layer_bound(composition, spec, layer)
             steps = run.reference.linear_states[layer.layer_id]

@@ -28,7 +28,7 @@ import torch
 from backends.registry import Composition
 from batch.case import Case
 from batch.forward_batch import ModelRunner
-from batch.spec import BatchSpec
+from batch.spec import RECURRENT_KINDS, BatchSpec, is_recurrent
 from engine.graph_runner import GraphRunner, padded_size
 from engine.materialize import materialize
 from properties.run import run_case
@@ -76,7 +76,7 @@ def verified(composition: Composition, spec: BatchSpec, device: str) -> tuple[Ca
 
 
 def verify_commits_every_position(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
-    if "linear" not in spec.attention_kinds:
+    if not spec.attention_kinds & RECURRENT_KINDS:
         return Verdict(NAME, True, "not applicable: no linear-attention layer")
     case, reference, backend = verified(composition, spec, device)
     fb = case.forward_batch
@@ -85,7 +85,7 @@ def verify_commits_every_position(composition: Composition, spec: BatchSpec, dev
     batch_slots = fb.state_slots.tolist()
     num_slots = next(iter(pool.ssm_states.values())).shape[0]
     D = spec.spec.draft_token_num
-    linear = [layer for layer in spec.layers if layer.kind == "linear"]
+    linear = [layer for layer in spec.layers if is_recurrent(layer)]
     worst = Worst()
     for r in range(D):
         for name, d in _pools(pool).items():

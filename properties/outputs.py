@@ -4,7 +4,7 @@ linear-attention states left in the pools agree with the reference's states."""
 from __future__ import annotations
 
 from backends.registry import Composition
-from batch.spec import BatchSpec
+from batch.spec import BatchSpec, is_recurrent
 from properties.run import Run, run_case
 from properties.tolerances import layer_bound
 from properties.verdict import Verdict, Worst, compare, compare_outputs
@@ -17,7 +17,7 @@ def linear_state_comparisons(run: Run, composition: Composition, worst: Worst) -
     spec, pool = run.case.spec, run.case.forward_batch.mamba_pool
     slots = run.case.forward_batch.state_slots.tolist()
     for layer in spec.layers:
-        if layer.kind != "linear":
+        if not is_recurrent(layer):
             continue
         expected = run.reference.linear_states[layer.layer_id]
         bound = layer_bound(composition, spec, layer)

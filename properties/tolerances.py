@@ -17,6 +17,13 @@ size 2**-22) declares 2**-21, and we use the larger of the two.
   term float32 cases with one key failed by a hair (3.7e-7 against 3.0e-7) though every step rounded
   correctly: at u = 2**-24 the accumulation is the whole budget, so it must be counted in full. Measured on an H100 with bf16 inputs, correct
   kernels stay at 1.9e-3 .. 3.3e-3 (DESIGN.md), well inside 4u = 1.6e-2.
+* A lightning (linear-attention) layer is handed float32 q/k/v by its model, so its bound is float32's whatever
+  the batch's dtype (``input_dtype``), with its kernels' matrix-product precision (SGLang's seg_la: TF32 on
+  NVIDIA GPUs, declared as 2**-10 because tensor cores truncate an fp32 operand to TF32). Its output is not a
+  convex combination (scores are not normalised), but each path to it chains the same four operand roundings as
+  softmax attention (q and k before the score product, the score and v before the value product; the carried
+  state and the query for the state read), each a relative error of at most u of its term, so 4u still bounds
+  it. Measured on an H100: 1.1e-3 .. 1.8e-3 against 4 * 2**-10 = 3.9e-3.
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -80,7 +87,7 @@ import math
 from dataclasses import dataclass
 
 from backends.registry import Composition
-from batch.spec import BatchSpec, Layer, MHALayer, MLALayer
+from batch.spec import BatchSpec, Layer, LightningLayer, MHALayer, MLALayer
 
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
 ACCUMULATION_ROUNDOFF = 2.0**-24  # float32 accumulators in every kernel and in the PyTorch backends
@@ -115,7 +122,8 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Boun
     """The output bound of one layer: its dtype, the longest reduction, the kernels' matmul precision."""
     support = composition.support()
     reduction = max(spec.kv_lens, default=1)
-    bound = output_bound(spec.dtype, reduction, support.fp32_matmul_roundoff, inner_dim=score_dot_len(layer))
+    bound = output_bound(input_dtype(spec, layer), reduction, support.matmul_roundoff(layer.kind),
+                         inner_dim=score_dot_len(layer))
     cap = getattr(layer, "logit_cap", None)
     if cap and support.softcap_via_sigmoid:
         extra = 2 * cap * ACCUMULATION_ROUNDOFF
@@ -124,9 +132,16 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Boun
     return bound
 
 
+def input_dtype(spec: BatchSpec, layer: Layer) -> str:
+    """The precision a layer's inputs reach the backend in: the batch's dtype, except for lightning layers,
+    whose model hands q/k/v over in float32 (Bailing casts its projections, engine/model.py). The reference reads
+    the same values (drawn in the batch's dtype), so only the backend's float32 arithmetic is left."""
+    return "float32" if layer.kind == "lightning" else spec.dtype
+
+
 def score_dot_len(layer: Layer) -> int:
     """Length of the dot product behind each attention score (or each state read of a recurrence)."""
-    if isinstance(layer, MHALayer):
+    if isinstance(layer, (MHALayer, LightningLayer)):
         return layer.head_dim
     if isinstance(layer, MLALayer):
         return layer.kv_lora_rank + layer.qk_rope_head_dim
@@ -140,15 +155,16 @@ def branch_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Bou
     """The bound between a draft-tree node's output and its branch's as a chain (module docstring): two
     runs of one backend on the same rotated inputs."""
     support = composition.support()
-    u = UNIT_ROUNDOFF[spec.dtype]
-    if spec.dtype == "float32":
-        u = max(u, support.fp32_matmul_roundoff)
+    dtype = input_dtype(spec, layer)
+    u = UNIT_ROUNDOFF[dtype]
+    if dtype == "float32":
+        u = max(u, support.matmul_roundoff(layer.kind))
     runs = 2
     acc = runs * (math.sqrt(max(max(spec.kv_lens, default=1), 1)) + math.sqrt(score_dot_len(layer))) \
         * ACCUMULATION_ROUNDOFF
     rel = runs * BRANCH_ROUNDINGS * u + acc
     element = ELEMENT_FACTOR * u + acc
-    reason = (f"{spec.dtype}: u={u:.3g}: rel_l2 <= 2 runs x {BRANCH_ROUNDINGS} roundings x u + 2(sqrt(L)+sqrt(D))"
+    reason = (f"{dtype}: u={u:.3g}: rel_l2 <= 2 runs x {BRANCH_ROUNDINGS} roundings x u + 2(sqrt(L)+sqrt(D))"
               f"*2^-24, element <= {ELEMENT_FACTOR:g}u*max|out| + the same accumulation")
     cap = getattr(layer, "logit_cap", None)
     if cap and support.softcap_via_sigmoid:

@@ -16,7 +16,7 @@ import torch
 from batch.case import Case
 from batch.masks import tree_mask
 from batch.spec import BatchSpec
-from reference import gdn, mha, mla
+from reference import gdn, lightning, mha, mla
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 
 
@@ -26,7 +26,7 @@ class LinearStates:
 
     ``conv[i]`` ``[conv_dim, W-1]`` and ``ssm[i]`` ``[Hv, K, V]`` are the final states; in TARGET_VERIFY
     ``conv_steps[i]`` ``[D, conv_dim, W-1]`` and ``ssm_steps[i]`` ``[D, Hv, K, V]`` hold the state after
-    each draft position.
+    each draft position. A lightning layer has no conv state (``[0, 0]``) and ``ssm[i]`` ``[H, K, V]``.
     """
 
     conv: list[torch.Tensor]
@@ -233,6 +233,9 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
         if layer.kind == "linear":
             out, linear_states[layer.layer_id] = _linear_layer(case, layer, t, wt, dtype)
             outputs.append(out)
+        elif layer.kind == "lightning":
+            out, linear_states[layer.layer_id] = _lightning_layer(case, layer, t, dtype)
+            outputs.append(out)
         elif not groups:  # an idle batch
             outputs.append(_empty(layer, dtype, case.device))
         elif layer.kind == "mha":
@@ -310,9 +313,37 @@ def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, t
     return (torch.cat(per_request) if per_request else _empty(layer, dtype, case.device)), states
 
 
+def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch.dtype
+                     ) -> tuple[torch.Tensor, LinearStates]:
+    """One lightning-attention layer, request by request, from each request's carried state (none without a
+    prefix: a fresh request starts from zeros)."""
+    spec = case.spec
+    verify = spec.mode.is_target_verify()
+    states = LinearStates([], [], [] if verify else None, [] if verify else None)
+    decay = lightning.decay_rates(layer.num_heads, layer.layer_id, spec.num_model_layers).to(case.device)
+    pool = case.mamba_pool_before.ssm_states[layer.layer_id]
+    no_conv = t["v"].new_zeros(0, 0)
+    per_request, start = [], 0
+    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
+        rows = slice(start, start + spec.extend_lens[i])
+        start = rows.stop
+        res = lightning.lightning_attention(
+            t["q"][rows], t["k"][rows], t["v"][rows], decay, scale=layer.scale,
+            initial_state=pool[slot].to(dtype) if spec.prefix_lens[i] > 0 else None, keep_states=verify)
+        per_request.append(res.o)
+        states.conv.append(no_conv)
+        states.ssm.append(res.state)
+        if verify:
+            states.conv_steps.append(t["v"].new_zeros(rows.stop - rows.start, 0, 0))
+            states.ssm_steps.append(res.states)
+    return (torch.cat(per_request) if per_request else _empty(layer, dtype, case.device)), states
+
+
 def _empty(layer, dtype, device) -> torch.Tensor:
     if layer.kind == "mha":
         return torch.zeros(0, layer.num_q_heads, layer.v_head_dim, dtype=dtype, device=device)
     if layer.kind == "mla":
         return torch.zeros(0, layer.num_heads, layer.v_head_dim, dtype=dtype, device=device)
+    if layer.kind == "lightning":
+        return torch.zeros(0, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
     return torch.zeros(0, layer.num_v_heads, layer.head_v_dim, dtype=dtype, device=device)

@@ -161,6 +161,12 @@ def estimated_bytes(spec: BatchSpec) -> int:
             total += T * (layer.num_heads * (layer.qk_nope_head_dim + R + layer.v_head_dim) + C + R) * draw * 2
             total += layer.num_heads * C * (layer.qk_nope_head_dim + layer.v_head_dim) * 4
             heads = layer.num_heads
+        elif layer.kind == "lightning":
+            H, Dh = layer.num_heads, layer.head_dim
+            total += reqs * H * Dh * Dh * (1 + D) * (4 + 4)  # states (and per-draft-step states), float32
+            total += T * 3 * H * Dh * draw * 2
+            total += (T if D else 1) * H * Dh * Dh * 8  # the reference's float64 state (one per verified token)
+            heads = 0
         else:
             Hv, K, V, W = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel
             state = layer.conv_dim * (W - 1) + Hv * K * V

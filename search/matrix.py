@@ -58,6 +58,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "boundaries": support.length_boundaries,
         "empty_extend": support.empty_extend,
         "verify_window": support.verify_window,
+        "chain": not support.draft_trees,
     }
 
 

@@ -64,6 +64,9 @@ class Profile:
     slow_row_examples: int | None = None
     # KV cache storages drawn where a composition declares them (the first is where shrinking goes).
     kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3")
+    # Lightning layers (num_heads, head_dim): Ling's head dim, 128, whatever the profile (SGLang's seg_la decode
+    # splits the key dim in blocks of 128, and Bailing configs have head_dim 128).
+    lightning: tuple[int, int] = (2, 128)
 
     @property
     def heads(self) -> tuple[HeadConfig, ...]:
@@ -97,7 +100,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
             max_requests=16, max_prefix=600, max_extend=200, max_layers=4, max_examples=20, max_boundary=600,
             rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
                                    (8, 8, 64, 64), (8, 2, 256, 256), (8, 1, 256, 256)),
-            long_context=(16384, 32768), wide_batch=(64, 160),
+            long_context=(16384, 32768), wide_batch=(64, 160), lightning=(8, 128),
             description="GPU runners: bf16, serving head dims (64/128/256, MHA to MQA), 16k-32k contexts"),
 ]}
 

@@ -12,8 +12,8 @@ import functools
 
 from hypothesis import strategies as st
 
-from batch.spec import (KV_LAYOUTS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer,
-                        MLALayer, MropeLayout, SpecInput)
+from batch.spec import (KV_LAYOUTS, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan,
+                        LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput, is_recurrent)
 from search.profiles import Profile
 
 
@@ -90,7 +90,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 page_sizes: tuple[int, ...] | None = None, sliding_window: bool = True, logit_cap: bool = True,
                 mrope: bool = True, hybrid: bool = False, chain: bool = False, tree: bool = False,
                 fixed_width: bool = False, dtype: str | None = None, kv_cache_dtypes: tuple[str, ...] = ("auto",),
-                kv_scales: bool = True, require_kind: str | None = None,
+                kv_scales: bool = True, require_recurrent: bool = False,
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False) -> BatchSpec:
@@ -100,9 +100,9 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     ``chain`` makes every draft tree a chain (topk 1), ``tree`` gives trees two or more children per node
     where the layers allow it (linear layers verify chains only); ``fixed_width`` makes every draft extend
     cover the whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run
-    it); ``dtype`` overrides the profile's; ``require_kind`` ("linear") puts at least one layer of that kind in
-    every batch (for properties about that kind); ``state_slot_layout`` is drawn for batches with linear
-    layers. ``head_configs`` (default the profile's) are the MHA shapes the composition compiles;
+    it); ``dtype`` overrides the profile's; ``require_recurrent`` puts at least one linear-attention layer (of
+    the kind the composition serves) in every batch (for properties about states); ``state_slot_layout`` is
+    drawn for batches with linear layers. ``head_configs`` (default the profile's) are the MHA shapes the composition compiles;
     ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
     tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches.
     """
@@ -125,17 +125,18 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     else:
         full_kind = draw(st.sampled_from(full_kinds)) if full_kinds else None
         n_layers = draw(st.integers(1, profile.max_layers))
-        layer_kinds = [draw(st.sampled_from([k for k in (full_kind, "linear" if "linear" in kinds else None) if k]))
-                       for _ in range(n_layers)]
-        if require_kind is not None and require_kind not in layer_kinds:
-            layer_kinds[-1] = require_kind
+        recurrent_kind = min(kinds & RECURRENT_KINDS, default=None)  # a model has one kind of linear attention
+        layer_kinds = [draw(st.sampled_from([k for k in (full_kind, recurrent_kind) if k])) for _ in range(n_layers)]
+        if require_recurrent and recurrent_kind is not None and recurrent_kind not in layer_kinds:
+            layer_kinds[-1] = recurrent_kind
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
+                       else LightningLayer(i, *profile.lightning) if k == "lightning"
                        else _full_layer(k, i, profile, draw, window, head) for i, k in enumerate(layer_kinds))
     sliding_window = sliding_window and (verify_window or not mode.is_target_verify())
     if not sliding_window or not logit_cap:
         layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
     kv_cache_dtype, layers = draw(kv_caches(layers, kv_cache_dtypes, kv_scales))
-    has_linear = any(l.kind == "linear" for l in layers)
+    has_linear = any(is_recurrent(l) for l in layers)
     state_slot_layout = draw(st.sampled_from(STATE_SLOT_LAYOUTS)) if has_linear else STATE_SLOT_LAYOUTS[0]
 
     # Requests: how many, then their lengths.

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import search.casefile
-from batch.spec import BatchSpec, ForwardMode, MHALayer
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, MHALayer, SpecInput
 from harness.cli import main
 from harness.options import UsageError, parse_budget
 from search.casefile import CaseFile, estimated_bytes
@@ -165,6 +165,10 @@ def test_estimate_leaves_ordinary_cases_alone():
                      dtype="bfloat16")
     assert estimated_bytes(spec) < 2**30  # the largest ordinary batch the gpu profile draws (its long-context
     # and wide edge cases take a few GiB: search/strategies.py SHAPES)
+    # Every layer kind is estimated (a lightning layer's state is H x 128 x 128 per request and per draft step)
+    verify = BatchSpec(ForwardMode.TARGET_VERIFY, (600,) * 16, (4,) * 16, (LightningLayer(0, 8, 128),),
+                       spec=SpecInput(4, 1, 3, ((-1, 0, 1, 2),) * 16, (1,) * 16), dtype="bfloat16")
+    assert 2**20 < estimated_bytes(verify) < 2**30
 
 
 def test_repro_dump_onto_a_file(tmp_path, capsys):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecError, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, MLALayer, SpecError, SpecInput
 from search.profiles import PROFILES
 from search.strategies import batch_specs
 
@@ -21,8 +21,8 @@ ALL_KINDS = frozenset({"mha", "linear"})
 def any_spec(draw):
     mode = draw(st.sampled_from(list(ForwardMode)))
     kinds = draw(st.sampled_from([frozenset({"mha"}), frozenset({"mla"}), frozenset({"mha", "linear"}),
-                                  frozenset({"mla", "linear"}), frozenset({"linear"})]))
-    return draw(batch_specs(CI, mode, kinds, hybrid="linear" in kinds and len(kinds) > 1))
+                                  frozenset({"mla", "linear"}), frozenset({"linear"}), frozenset({"mha", "lightning"})]))
+    return draw(batch_specs(CI, mode, kinds, hybrid=len(kinds) > 1))
 
 
 @given(any_spec())
@@ -89,11 +89,20 @@ def test_empty_extends_and_windows_in_verify_are_batches():
     assert verify.positions() == [3, 4, 4, 1, 2, 2]  # positions by tree depth, the window's too
 
 
-def test_linear_verify_needs_chains():
+@pytest.mark.parametrize("linear", [LinearLayer(1, 2, 4, 8, 8), LightningLayer(1, 2, 16)], ids=["gdn", "lightning"])
+def test_linear_verify_needs_chains(linear):
     with pytest.raises(SpecError, match="chains only"):
         good(mode=ForwardMode.TARGET_VERIFY, prefix_lens=(3, 1), extend_lens=(3, 3),
-             layers=(mha(0), LinearLayer(1, 2, 4, 8, 8)),
+             layers=(mha(0), linear),
              spec=SpecInput(3, 2, 1, ((-1, 0, 0), (-1, 0, 0)), (1, 1)))
+
+
+def test_a_model_has_one_kind_of_linear_attention():
+    with pytest.raises(SpecError, match="one kind of linear attention"):
+        good(layers=(mha(0), LinearLayer(1, 2, 4, 8, 8), LightningLayer(2, 2, 16)))
+    spec = good(layers=(LightningLayer(3, 2, 16), mha(0)))
+    assert spec.full_attn_layers == (0,) and spec.num_model_layers == 4
+    assert BatchSpec.from_json(spec.to_json()) == spec
 
 
 @pytest.mark.parametrize("mutate, message", [
