@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from backends.base import AttentionBackend, Capabilities, Support
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
 
 LEAVES: dict[str, str] = {
     "torch_native": "backends.torch_native:TorchNativeBackend",
@@ -27,6 +27,7 @@ LEAVES: dict[str, str] = {
     "sglang.torch_native": "backends.sglang.adapter:SglangTorchNative",
     "sglang.triton": "backends.sglang.adapter:SglangTriton",
     "sglang.gdn": "backends.sglang.adapter:SglangGdn",
+    "sglang.lightning": "backends.sglang.adapter:SglangLightning",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
 }
@@ -119,7 +120,7 @@ class Composition:
         missing = spec.attention_kinds - self.attention_kinds()
         if missing:
             return f"no backend for {', '.join(sorted(missing))} layers"
-        if self.name == "hybrid" and spec.draft_worker and "linear" in self.children[0].attention_kinds():
+        if self.name == "hybrid" and spec.draft_worker and self.children[0].attention_kinds() & RECURRENT_KINDS:
             return "draft workers run full attention only"
         if "graph" in self.wrappers() and spec.mode not in self.support().modes:
             return f"graph() captures {'/'.join(sorted(m.value for m in self.support().modes)) or 'no mode'}, " \
@@ -134,7 +135,8 @@ class Composition:
         if self.name == "hybrid" and self.engine != "harness":
             from backends.sglang.adapter import SglangHybrid  # SGLang builds its hybrid wrapper itself
 
-            return SglangHybrid(leaf_class(self.children[0].name), model_runner, draft_worker=spec.draft_worker)
+            return SglangHybrid(leaf_class(self.children[0].name), model_runner, draft_worker=spec.draft_worker,
+                                linear=leaf_class(self.children[1].name))
         if self.name == "hybrid":
             from backends.hybrid import HybridLinearAttnBackend
             full, linear = self.children
@@ -203,9 +205,9 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
                                f"wrappers, and graph() over a backend or tbo() of one, are adapted so far, in {whole!r}")
     if name == "hybrid":
         full, linear = children
-        if "linear" in full.attention_kinds() or full.attention_kinds() - {"mha", "mla"}:
+        if full.attention_kinds() - {"mha", "mla"}:
             raise CompositionError(f"hybrid's first argument must be a full-attention backend in {whole!r}")
-        if linear.attention_kinds() != {"linear"}:
+        if len(linear.attention_kinds()) != 1 or not linear.attention_kinds() <= RECURRENT_KINDS:
             raise CompositionError(f"hybrid's second argument must be a linear-attention backend in {whole!r}")
     return Composition(name, tuple(children)), rest
 
@@ -222,6 +224,12 @@ def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
                                    or (child.name == "tbo" and child.children[0].is_leaf))
 
 
+def _is_linear_leaf(name: str) -> bool:
+    """A leaf that serves one kind of linear attention (a hybrid's second argument)."""
+    kinds = leaf_capabilities(name).attention_kinds
+    return len(kinds) == 1 and kinds <= RECURRENT_KINDS
+
+
 def all_compositions() -> list[Composition]:
     """Every composition the declarations allow, whether or not it can run here.
 
@@ -233,7 +241,7 @@ def all_compositions() -> list[Composition]:
     """
     ours = [n for n in LEAVES if leaf_capabilities(n).engine == "harness"]
     full = [n for n in ours if leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
-    linear = [n for n in ours if leaf_capabilities(n).attention_kinds == {"linear"}]
+    linear = [n for n in ours if _is_linear_leaf(n)]
     base = [Composition(n) for n in full + linear]
     for f in full:
         for lin in linear:
@@ -245,7 +253,7 @@ def all_compositions() -> list[Composition]:
     # An engine's classes compose with its own wrappers only. SGLang builds a linear backend only inside its
     # hybrid wrapper, so its linear leaves appear as hybrid's second argument, never alone.
     theirs_full = [n for n in LEAVES if n not in ours and leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
-    theirs_linear = [n for n in LEAVES if n not in ours and leaf_capabilities(n).attention_kinds == {"linear"}]
+    theirs_linear = [n for n in LEAVES if n not in ours and _is_linear_leaf(n)]
     theirs = [Composition(n) for n in theirs_full]
     theirs += [Composition("hybrid", (Composition(f), Composition(lin))) for f in theirs_full for lin in theirs_linear
                if leaf_capabilities(f).engine == leaf_capabilities(lin).engine

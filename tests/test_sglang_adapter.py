@@ -13,10 +13,11 @@ from backends.registry import CompositionError, all_compositions, parse
 from batch.forward_batch import ModelRunner
 from backends.sglang import runtime
 from backends.sglang.adapter import retrieve_links
-from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, SpecInput
 from engine.materialize import materialize
 from properties import PROPERTIES
-from search.matrix import matrix
+from properties.run import run_case
+from search.matrix import matrix, strategy_options
 from search.profiles import PROFILES
 
 
@@ -249,3 +250,37 @@ def test_interpreted_fp8_casts_round_as_a_gpu_does():
         cast[(1,)](x.to(source), out, BLOCK=8)
         want = x.to(source).float().clamp(-448, 448).to(torch.float8_e4m3fn)
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), (source, out.float())
+
+
+@needs_sglang
+def test_sglang_builds_its_lightning_hybrid_for_a_bailing_model(device):
+    # A Bailing/Ling-shaped model: SGLang's attn_backend_wrapper picks LightningAttentionBackend for its
+    # BailingHybridConfig, the full layers by id; the lightning layers are plain RadixAttention objects.
+    layers = (LightningLayer(0, 2, 128), MHALayer(1, 4, 2, 16, 16), LightningLayer(2, 2, 128))
+    extend = BatchSpec(ForwardMode.EXTEND, (5, 0, 3), (4, 7, 1), layers, seed=9)
+    run = run_case(parse("hybrid(sglang.torch_native,sglang.lightning)"), extend, device)
+    sgl = runtime.load()
+    hybrid = run.execution.backend.inner
+    assert type(hybrid) is sgl.HybridLinearAttnBackend and hybrid.full_attn_layers == [1]
+    assert type(hybrid.linear_attn_backend).__name__ == "LightningAttentionBackend"
+    radix = run.execution.backend.radix
+    assert {i: type(r).__name__ for i, r in radix.items()} == {0: "RadixAttention", 1: "RadixAttention",
+                                                               2: "RadixAttention"}
+    # Its per-layer decay rates: ALiBi slopes scaled by depth in a model of three layers
+    from reference.lightning import decay_rates
+    for layer_id in (0, 2):
+        torch.testing.assert_close(hybrid.linear_attn_backend.tp_slope[layer_id].flatten().double().cpu(),
+                                   decay_rates(2, layer_id, 3), rtol=1e-6, atol=0)
+    assert PROPERTIES["outputs"].run(parse("hybrid(sglang.torch_native,sglang.lightning)"), extend, device).ok
+
+
+@needs_sglang
+def test_lightning_hybrids_verify_chains_only():
+    # LightningAttentionBackend refuses speculative_eagle_topk > 1 when it is built (lightning_backend.py:82-93):
+    # declared, so its compositions draw chains and a tree batch is refused with the reason.
+    c = parse("hybrid(sglang.triton,sglang.lightning)")
+    tree = BatchSpec(ForwardMode.TARGET_VERIFY, (3,), (3,), (MHALayer(0, 4, 2, 16, 16),),
+                     spec=SpecInput(3, 2, 1, ((-1, 0, 0),), (1,)))
+    assert c.unsupported_reason(tree) == "draft trees (topk > 1) not supported: verify chains only"
+    assert strategy_options(c, PROFILES["ci"], "cpu")["chain"]
+    assert not strategy_options(parse("hybrid(sglang.triton,sglang.gdn)"), PROFILES["ci"], "cpu")["chain"]

@@ -182,9 +182,10 @@ class SglangBackend(_SglangObject):
                 num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
                 num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
                 v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
-            if self.sgl_runner.kv_cache_dtype == torch.float8_e4m3fn:
+            if self.sgl_runner.kv_cache_dtype == torch.float8_e4m3fn and layer.kind != "lightning":
                 # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
-                # (layers/quantization/kv_cache.py, process_weights_after_loading).
+                # (layers/quantization/kv_cache.py, process_weights_after_loading). A lightning layer has no KV
+                # cache and keeps k_scale None, as in a bf16 checkpoint served with --kv-cache-dtype fp8_e4m3.
                 radix.k_scale = torch.nn.Parameter(torch.tensor(float(layer.k_scale)), requires_grad=False)
                 radix.v_scale = torch.nn.Parameter(torch.tensor(float(layer.v_scale)), requires_grad=False)
                 radix.k_scale_float, radix.v_scale_float = float(layer.k_scale), float(layer.v_scale)
@@ -348,9 +349,14 @@ class SglangBackend(_SglangObject):
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         T = q.shape[0]
         with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
-            o = self._layer(layer)(q.reshape(T, layer.tp_q_head_num * layer.head_dim),
+            # Models hand their RadixAttention q flat, except Bailing's lightning layers, which pass [T, H, D]
+            # (models/bailing_moe_linear.py:577-581; seg_la reads the heads from q's shape)
+            o = self._layer(layer)(q if layer.kind == "lightning" else q.reshape(T, layer.tp_q_head_num * layer.head_dim),
                                    k.reshape(T, layer.tp_k_head_num * layer.head_dim),
                                    v.reshape(T, layer.tp_v_head_num * layer.v_head_dim), sfb, save_kv_cache=save_kv_cache)
+        if layer.kind == "lightning":  # a linear layer all the same: its states come back into the harness's pools
+            self.states.pull(layer.layer_id, forward_batch.state_slots,
+                             verify=forward_batch.forward_mode.is_target_verify())
         return o.reshape(T, layer.tp_q_head_num, layer.v_head_dim)
 
     def _run_linear(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
@@ -504,25 +510,70 @@ class SglangGdn(SglangBackend):
         raise RuntimeError("SGLang builds its GDN backend inside the hybrid wrapper: use hybrid(sglang.X,sglang.gdn)")
 
 
+class SglangLightning(SglangBackend):
+    """SGLang's lightning linear-attention backend (``LightningAttentionBackend``, seg_la kernels), the linear
+    layers of Bailing/Ling models. As GDN, SGLang builds it only inside its hybrid wrapper: it runs as
+    ``hybrid(sglang.X, sglang.lightning)``. Its layers are plain ``RadixAttention`` objects
+    (models/bailing_moe_linear.py:485), so SGLang's hybrid must tell them from full layers by layer id."""
+
+    sglang_name = "lightning"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"lightning"}),
+        # No linear layer runs in a draft extend (as for GDN: the draft model's layers are full).
+        modes=ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND},
+        # Its out_graph plans decode/idle and target_verify like the GDN backend (lightning_backend.py,
+        # init_forward_metadata_out_graph over MambaAttnBackendBase._replay_metadata); the decode graphs capture
+        # its layers. A breakable prefill graph breaks at RadixAttention, which Bailing's linear layers are.
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
+        graph_captures_linear=True,
+        prefill_graph=True,
+        # The model hands q/k/v in float32 whatever its dtype, and seg_la computes in float32: every model dtype
+        # runs, on the CPU too (no half-precision tl.dot).
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        # seg_la's tl.dot on float32 runs as TF32 on NVIDIA GPUs (Triton's default input precision; seg_la.py
+        # passes none): 10 explicit mantissa bits, and the tensor cores read an fp32 operand's top 19 bits, so an
+        # operand's relative error is below 2^-10 (truncation), not 2^-11. Measured on the H100 (device runs 1-2 of
+        # 2026-11-24): rel_l2 1.1e-3 in ordinary extends, up to 1.8e-3 in chunked prefill.
+        fp32_matmul_roundoff=2.0**-10,
+        # Built with speculative_eagle_topk > 1 it raises: seg_la verifies a draft as a chain
+        # (lightning_backend.py:82-93). A Bailing model is served with topk 1.
+        draft_trees=False,
+        requires=("sglang", "triton"),
+        cpu_needs_env="TRITON_INTERPRET",
+        slow_on_cpu="the interpreted seg_la kernels take seconds a case (head dim 128, a program per 32x32 block)",
+        # The commit after verify is the hybrid base's (fused_mamba_state_scatter_with_mask): CUDA/XPU only.
+        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
+                  ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only")),
+        engine="sglang",
+    )
+
+    def make_inner(self, sgl_runner):
+        raise RuntimeError("SGLang builds its lightning backend inside the hybrid wrapper: use "
+                           "hybrid(sglang.X,sglang.lightning)")
+
+
 class SglangHybrid(SglangBackend):
-    """SGLang's ``HybridLinearAttnBackend`` over one of its full-attention backends and ``GDNAttnBackend``,
-    built as SGLang builds it: ``attn_backend_wrapper(runner, full)`` on a runner whose model is a GDN hybrid
-    (Qwen3-Next-shaped config with the drawn layer layout). SGLang picks the full-attention layer ids itself:
-    the config's, or ``[0]`` on a draft worker's runner."""
+    """SGLang's ``HybridLinearAttnBackend`` over one of its full-attention backends and a linear-attention one
+    (``GDNAttnBackend`` or ``LightningAttentionBackend``), built as SGLang builds it: ``attn_backend_wrapper(runner,
+    full)`` on a runner whose model is such a hybrid (a Qwen3-Next- or Bailing-shaped config with the drawn layer
+    layout). SGLang picks the full-attention layer ids itself: the config's, or ``[0]`` on a draft worker's
+    runner."""
 
     is_wrapper = True
 
-    def __init__(self, full: type[SglangBackend], model_runner, draft_worker: bool = False) -> None:
+    def __init__(self, full: type[SglangBackend], model_runner, draft_worker: bool = False,
+                 linear: type[SglangBackend] = SglangGdn) -> None:
         super().__init__(model_runner)
         self.sglang_name = full.sglang_name
-        self.hybrid = runtime.HybridModel.of(model_runner, draft_worker)
+        (kind,) = linear.capabilities.attention_kinds
+        self.hybrid = runtime.HybridModel.of(model_runner, draft_worker, kind)
 
     def make_inner(self, sgl_runner):
         # Looked up on SGLang's module at call time, as SGLang's own runner setup does.
         wrap = self.sgl.attention_registry.attn_backend_wrapper
         inner = wrap(sgl_runner, self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner))
         if not isinstance(inner, self.sgl.HybridLinearAttnBackend):
-            raise RuntimeError(f"SGLang built {type(inner).__name__} for a GDN hybrid model")
+            raise RuntimeError(f"SGLang built {type(inner).__name__} for a hybrid model")
         return inner
 
     @property

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import torch
 
 from batch.forward_batch import ModelRunner
+from batch.spec import RECURRENT_KINDS
 
 SUPPORTED_VERSIONS = ("0.5.23",)
 INSTALL_HINT = "bash ci/install-sglang.sh"
@@ -180,6 +181,7 @@ def load() -> SimpleNamespace:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType
+    from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
     from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     from sglang.srt.layers.attention import attention_registry
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
@@ -195,7 +197,7 @@ def load() -> SimpleNamespace:
 
     # One attention rank, no torch.distributed. The override must stay entered for the whole process:
     # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").
-    parallel = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
+    parallel = get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_rank=0)
     parallel.__enter__()
     if os.environ.get("TRITON_INTERPRET") == "1":
         from backends.sglang import interpreter_shims
@@ -280,64 +282,88 @@ def model_window(runner: ModelRunner) -> int | None:
     return windows.pop() if windows else None
 
 
-# A GDN layer shape for hybrid models whose batch runs no linear layer (a draft worker's, or a batch of full
-# layers only): SGLang still builds the GDN child and its state pool from the model's config.
-_IDLE_GDN_SHAPE = (2, 4, 16, 16, 4)  # key heads, value heads, key dim, value dim, conv kernel
+# A linear layer shape for hybrid models whose batch runs no linear layer (a draft worker's, or a batch of full
+# layers only): SGLang still builds the linear child and its state pool from the model's config.
+_IDLE_LINEAR_SHAPES = {
+    "linear": (2, 4, 16, 16, 4),  # GDN: key heads, value heads, key dim, value dim, conv kernel
+    "lightning": (2, 128),  # heads, head dim (seg_la's decode splits the key dim in blocks of 128)
+}
+
+
+def _linear_shape(layer) -> tuple[int, ...]:
+    if layer.kind == "lightning":
+        return (layer.num_heads, layer.head_dim)
+    return (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel)
 # The KV pool shape a model without MHA layers still hands the full-attention child (which never runs).
 _IDLE_MHA_SHAPE = (1, 1, 16, 16)
 
 
 @dataclass(frozen=True)
 class HybridModel:
-    """What SGLang's hybrid wrapper is built from: the model's layer types by id and its GDN shape, and
-    whether this runner is an MTP draft worker."""
+    """What SGLang's hybrid wrapper is built from: the model's layer types by id, its kind of linear attention
+    and that layer's shape, and whether this runner is an MTP draft worker."""
 
-    layer_types: tuple[str, ...]  # "attention" / "linear_attention", as Qwen3-Next's layers_block_type
-    gdn_shape: tuple[int, int, int, int, int]
+    layer_types: tuple[str, ...]  # "attention" / "linear_attention", as the configs' layers_block_type
+    linear_kind: str  # "linear": GDN (a Qwen3-Next-shaped model); "lightning": Bailing/Ling's lightning layers
+    shape: tuple[int, ...]  # see _IDLE_LINEAR_SHAPES
     draft_worker: bool
 
     @classmethod
-    def of(cls, runner: ModelRunner, draft_worker: bool) -> "HybridModel":
-        linear = [l for l in runner.layers if l.kind == "linear"]
-        shape = (_IDLE_GDN_SHAPE if not linear else
-                 (linear[0].num_k_heads, linear[0].num_v_heads, linear[0].head_k_dim, linear[0].head_v_dim,
-                  linear[0].conv_kernel))
+    def of(cls, runner: ModelRunner, draft_worker: bool, linear_kind: str = "linear") -> "HybridModel":
+        linear = [l for l in runner.layers if l.kind == linear_kind]
+        shape = _linear_shape(linear[0]) if linear else _IDLE_LINEAR_SHAPES[linear_kind]
         if draft_worker:
             # An MTP draft runs one full layer, id 0, but its runner carries the target model's config
             # (Qwen3-Next: every fourth layer is full, ids 3, 7, ...); SGLang builds the draft's hybrid wrapper
             # with full_attn_layers=[0] (attention_registry.py, attn_backend_wrapper).
-            return cls(("linear_attention",) * 3 + ("attention",), shape, True)
+            return cls(("linear_attention",) * 3 + ("attention",), linear_kind, shape, True)
         ids = {l.layer_id for l in linear}
         n = max((l.layer_id for l in runner.layers), default=0) + 1
         types = ["linear_attention" if i in ids else "attention" for i in range(n)]
         if not ids:  # a hybrid model has linear layers even when this batch's layers are all full
             types.append("linear_attention")
-        return cls(tuple(types), shape, False)
+        return cls(tuple(types), linear_kind, shape, False)
 
 
 @cache
-def _hybrid_config_class():
+def _hybrid_config_class(linear_kind: str):
+    """The model config SGLang builds a hybrid of ``linear_kind`` for: Qwen3-Next's for GDN, Bailing's for
+    lightning; either with the harness's layer layout instead of the model's every-Nth-layer rule."""
     sgl = load()
+    base = sgl.BailingHybridConfig if linear_kind == "lightning" else sgl.Qwen3NextConfig
 
-    class HarnessHybridConfig(sgl.Qwen3NextConfig):
-        """Qwen3-Next's config, so that SGLang builds its GDN hybrid for it, with the harness's layer layout
-        instead of Qwen3-Next's every-fourth-layer rule."""
+    class HarnessHybridConfig(base):
+        def __init__(self, **kwargs) -> None:  # transformers gives a subclass without one a generated __init__
+            super().__init__(**kwargs)
 
         @property
         def layers_block_type(self):
             return list(self.harness_layer_types)
 
+    HarnessHybridConfig.__name__ = f"Harness{base.__name__}"
     return HarnessHybridConfig
 
 
 def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
-    hk_lin, hv, k, v, w = hybrid.gdn_shape
-    cfg = _hybrid_config_class()(
-        num_hidden_layers=len(hybrid.layer_types), hidden_size=hq * d, num_attention_heads=hq,
-        num_key_value_heads=hk, head_dim=d, linear_num_key_heads=hk_lin, linear_num_value_heads=hv,
-        linear_key_head_dim=k, linear_value_head_dim=v, linear_conv_kernel_dim=w)
+    """The hybrid model's config. A GDN model's full layers have ``hq``/``hk`` heads of ``d``, its GDN layers the
+    drawn shape. Bailing's config has one head count and head dim, which its lightning layers take (its MHA
+    layers' shapes reach SGLang's full backend through the runner's model config, not this one)."""
+    n = len(hybrid.layer_types)
+    if hybrid.linear_kind == "lightning":
+        heads, head_dim = hybrid.shape
+        cfg = _hybrid_config_class("lightning")(num_hidden_layers=n, hidden_size=heads * head_dim,
+                                                num_attention_heads=heads, num_key_value_heads=heads,
+                                                head_dim=head_dim)
+        architecture = "BailingMoeV2_5ForCausalLM"  # Ling 2.5/2.6 (models/bailing_moe_linear.py EntryClass)
+    else:
+        hk_lin, hv, k, v, w = hybrid.shape
+        cfg = _hybrid_config_class("linear")(
+            num_hidden_layers=n, hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
+            linear_num_key_heads=hk_lin, linear_num_value_heads=hv, linear_key_head_dim=k,
+            linear_value_head_dim=v, linear_conv_kernel_dim=w)
+        architecture = "Qwen3NextForCausalLM"
     cfg.harness_layer_types = hybrid.layer_types
-    cfg.architectures = ["Qwen3NextForCausalLM"]  # what a checkpoint's config names (FlashInfer reads it at build)
+    cfg.architectures = [architecture]  # what a checkpoint's config names (FlashInfer reads it at build)
     return cfg
 
 
@@ -402,11 +428,11 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     hybrid wrapper.
     """
     sgl = load()
-    kinds = {layer.kind for layer in runner.layers} - {"linear"}
+    kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
     if hybrid is None and kinds not in ({"mha"}, {"mla"}):
         raise ValueError(f"the SGLang adapter runs a model of MHA or of MLA layers, not {sorted(kinds) or 'neither'}")
     if hybrid is not None and kinds - {"mha"}:
-        raise ValueError("SGLang's GDN hybrid is adapted over MHA full-attention layers only")
+        raise ValueError("SGLang's linear-attention hybrids are adapted over MHA full-attention layers only")
     use_mla = kinds == {"mla"}
     layers = [layer for layer in runner.layers if layer.kind in kinds]
     page_size = runner.page_size
@@ -422,11 +448,16 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
 
     class Runner(sgl.SglModelRunner):
         # Derived from hf_config in SGLang; a dense model has none of them.
-        hybrid_lightning_config = kimi_linear_config = linear_attn_model_spec = mamba2_config = \
-            property(lambda self: None)
-        # A GDN hybrid's config is its hf_config (a Qwen3NextConfig); a dense model has none.
-        hybrid_gdn_config = mambaish_config = property(
-            lambda self: self.model_config.hf_config if self.harness_hybrid is not None else None)
+        kimi_linear_config = linear_attn_model_spec = mamba2_config = property(lambda self: None)
+        # A hybrid's config is its hf_config (Qwen3NextConfig for GDN, BailingHybridConfig for lightning); a
+        # dense model has none.
+        mambaish_config = property(lambda self: self.model_config.hf_config if self.harness_hybrid else None)
+        hybrid_gdn_config = property(lambda self: self._hybrid_config_of("linear"))
+        hybrid_lightning_config = property(lambda self: self._hybrid_config_of("lightning"))
+
+        def _hybrid_config_of(self, kind: str):
+            hybrid = self.harness_hybrid
+            return self.model_config.hf_config if hybrid is not None and hybrid.linear_kind == kind else None
 
         def __init__(self) -> None:  # noqa: D107 - no super().__init__: it would load a model
             pass
@@ -510,15 +541,22 @@ def _hybrid_request_pool(sgl, config, runner: ModelRunner, dtype: torch.dtype, d
 class StateSync:
     """Copies the linear-attention states between the harness's pools and SGLang's, which differ in layout:
     SGLang keeps one tensor per kind over all linear layers, ``conv[L, slots, conv_dim, W-1]`` and
-    ``temporal[L, slots, Hv, V, K]`` (value before key), the harness ``conv_states[id][slots, conv_dim, W-1]``
+    ``temporal[L, slots, Hv, V, K]`` (GDN: value before key), the harness ``conv_states[id][slots, conv_dim, W-1]``
     and ``ssm_states[id][slots, Hv, K, V]``. Speculative steps: SGLang's ``intermediate_ssm[L, slots, D, Hv, V, K]``
-    and ``intermediate_conv_window[0][L, slots, D, conv_dim, W-1]``. States go in before a batch is planned and
-    come back after each linear layer runs, every slot both ways, so a write to a wrong slot is seen."""
+    and ``intermediate_conv_window[0][L, slots, D, conv_dim, W-1]``. Lightning layers keep ``temporal[..., H, K,
+    V]`` as the harness does (seg_la's state is key-major), and an empty conv state. States go in before a batch
+    is planned and come back after each linear layer runs, every slot both ways, so a write to a wrong slot is
+    seen."""
 
     def __init__(self, sgl_runner, runner: ModelRunner) -> None:
         self.pool = sgl_runner.req_to_token_pool
         self.harness = runner.mamba_pool
         self.runner = runner
+        self.value_major = {layer.layer_id for layer in runner.layers if layer.kind == "linear"}
+
+    def _layout(self, layer_id: int, state: torch.Tensor) -> torch.Tensor:
+        """A state between SGLang's layout and the harness's (the same swap both ways)."""
+        return state.transpose(-1, -2) if layer_id in self.value_major else state
 
     def push(self, fb) -> None:
         """The harness's states and request->slot map into SGLang's pools, then what SGLang's scheduler does
@@ -542,7 +580,7 @@ class StateSync:
         for layer_id, conv in self.harness.conv_states.items():
             cache = self.pool.mamba2_layer_cache(layer_id)
             cache.conv[0].copy_(conv)
-            cache.temporal.copy_(self.harness.ssm_states[layer_id].transpose(-1, -2))
+            cache.temporal.copy_(self._layout(layer_id, self.harness.ssm_states[layer_id]))
 
     def pull(self, layer_id: int, state_slots: torch.Tensor | None = None, verify: bool = False) -> None:
         """SGLang's states of one linear layer back into the harness's pools; after a verify, also its
@@ -553,10 +591,10 @@ class StateSync:
             return
         cache = self.pool.mamba2_layer_cache(layer_id)
         self.harness.conv_states[layer_id].copy_(cache.conv[0])
-        self.harness.ssm_states[layer_id].copy_(cache.temporal.transpose(-1, -2))
+        self.harness.ssm_states[layer_id].copy_(self._layout(layer_id, cache.temporal))
         if verify and layer_id in self.harness.intermediate_ssm_states:
             ours_ssm = self.harness.intermediate_ssm_states[layer_id]
             ours_conv = self.harness.intermediate_conv_states[layer_id]
             rows, d = state_slots.shape[0], ours_ssm.shape[1]
-            ours_ssm.index_copy_(0, state_slots, cache.intermediate_ssm[:rows, :d].transpose(-1, -2))
+            ours_ssm.index_copy_(0, state_slots, self._layout(layer_id, cache.intermediate_ssm[:rows, :d]))
             ours_conv.index_copy_(0, state_slots, cache.intermediate_conv_window[0][:rows, :d])
