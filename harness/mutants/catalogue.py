@@ -525,6 +525,20 @@ def sglang_draft_target_layout():
     return _replace(registry, "attn_backend_wrapper", attn_backend_wrapper)
 
 
+def sglang_hybrid_dispatch_by_type():
+    from backends.sglang.runtime import load
+    sgl = load()
+
+    def _is_full_attn(self, layer, layer_id=None):
+        # sgl-project/sglang#23331's shortcut (reverted to id dispatch by #27120): the layer object's type first
+        if isinstance(layer, sgl.RadixLinearAttention):
+            return False
+        if isinstance(layer, sgl.RadixAttention):
+            return True
+        return (layer.layer_id if layer_id is None else layer_id) in self.full_attn_layers
+    return _replace(sgl.HybridLinearAttnBackend, "_is_full_attn", _is_full_attn)
+
+
 @contextlib.contextmanager
 def _without(cls, name):
     """``cls`` without its own ``name`` (hasattr turns False, unlike patching it to None)."""
@@ -611,6 +625,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
     Mutant("sglang_draft_target_layout", "SGLang's MTP draft worker builds its HybridLinearAttnBackend with the "
            "target model's full-attention layer ids (before sgl-project/sglang#27120); the draft's layer 0 goes "
            "to the GDN backend", ("hybrid(sglang.torch_native,sglang.gdn)",), ("dispatch", "outputs"),
+           engine="sglang"),
+    Mutant("sglang_hybrid_dispatch_by_type", "SGLang's HybridLinearAttnBackend classifies a layer by its type "
+           "before its id (sgl-project/sglang#23331; fixed by #26474/#27120): Bailing/Ling's lightning layers are "
+           "plain RadixAttention objects, so they go to the full-attention backend (Ling 2.5/2.6 and Ring-2.5 crashed "
+           "at warm-up, #26474, #26623)", ("hybrid(sglang.torch_native,sglang.lightning)",), ("outputs",),
            engine="sglang"),
     Mutant("sglang_hybrid_lacks_mha_chunk", "SGLang's HybridLinearAttnBackend without init_mha_chunk_metadata "
            "(fixed by sgl-project/sglang#27316; CPU form: the full child given the method MLA backends have); "
