@@ -690,7 +690,7 @@ CATALOGUE: list[Mutant] = [
            "buffer at capture only, so replays read the capture's dummy mask; every verified draft sees all the "
            "others and acceptance collapses under CUDA graphs only", ("graph(triton)",), ("graph_replay",)),
     Mutant("decode_ignores_sliding_window", "decode kernel launched without the layer's sliding window; "
-           "long contexts attend too far", ("triton",)),
+           "long contexts attend too far", ("triton",), modes=("decode",)),
     Mutant("extend_drops_logit_cap", "extend kernel launched without the logit soft-cap; Gemma-style "
            "models drift", ("triton",)),
     Mutant("mla_last_chunk_dropped", "MLA chunked-prefix plan drops the last prefix chunk; long-prefix "
