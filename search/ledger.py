@@ -19,9 +19,9 @@ from functools import cache
 from pathlib import Path
 from typing import Callable
 
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import BatchSpec, ForwardMode, is_recurrent
 from batch.tbo_split import two_chunk_split_enabled
-from properties.tolerances import E4M3_ARITHMETIC_REL_L2
+from properties.tolerances import E4M3_ARITHMETIC_REL_L2, E4M3_UNIT_ROUNDOFF
 from properties.verdict import Verdict
 
 LEDGER = Path(__file__).resolve().parents[1] / "docs" / "findings" / "known-failures.toml"
@@ -58,16 +58,16 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
-    """An extend batch with linear layers that SGLang's splitter cuts between requests (not two-chunk), and the
-    failure is in a linear layer: an out-of-bounds read by its conv kernel (the interpreter's bounds checker on
-    the CPU; on CUDA the read past the batch's tokens is an illegal memory access), or its outputs."""
+    """An extend batch with linear layers (GDN or lightning) that SGLang's splitter cuts between requests (not
+    two-chunk), and the failure is in a linear layer: an out-of-bounds read by its kernels (GDN's conv, lightning's
+    seg_la; the interpreter's bounds checker on the CPU, an illegal memory access on CUDA), or its outputs."""
     if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
         return False
-    if not any(layer.kind == "linear" for layer in spec.layers) or two_chunk_split_enabled(list(spec.extend_lens)):
+    if not any(is_recurrent(layer) for layer in spec.layers) or two_chunk_split_enabled(list(spec.extend_lens)):
         return False
     layer = _failing_layer(spec, verdict)
     out_of_bounds = "OutOfBounds" in verdict.reason or "illegal memory access" in verdict.reason
-    return out_of_bounds or (layer is not None and layer.kind == "linear")
+    return out_of_bounds or (layer is not None and is_recurrent(layer))
 
 
 def _layer_has_logit_cap(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -105,6 +105,37 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     if spec.mode is ForwardMode.DECODE and layer.num_q_heads == layer.num_kv_heads:
         return False
     return verdict.worst_error <= E4M3_ARITHMETIC_REL_L2
+
+
+def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
+    """An fp8 KV cache, the worst element in a lightning layer of a decode batch (or of the decode step of a
+    chunked or prefill-then-decode check), and an error within two e4m3 roundings: SGLang's lightning decode
+    casts q to the KV cache's e4m3 and seg_la then writes its output in q's dtype (docs/findings/
+    sglang-lightning-fp8-decode.md): q and the output each round with relative error up to 2^-4."""
+    layer = _failing_layer(spec, verdict)
+    if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "lightning" or verdict.worst_error is None:
+        return False
+    decoding = spec.mode is ForwardMode.DECODE or "then decode" in verdict.reason
+    return decoding and verdict.worst_error <= 2 * E4M3_UNIT_ROUNDOFF
+
+
+def _lightning_single_token_verify(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A verify of one token per request, failing in a lightning layer's states: seg_la_fwd picks its kernel from
+    the tokens per request (one: the decode kernel), so it advances the committed state in place and records no
+    per-step state (docs/findings/sglang-lightning-single-token-verify.md)."""
+    if not spec.mode.is_target_verify() or spec.spec.draft_token_num != 1:
+        return False
+    m = re.search(r"layer (\d+)", f"{verdict.where or ''} {verdict.reason}")
+    layer = None if m is None else next((l for l in spec.layers if l.layer_id == int(m.group(1))), None)
+    return layer is not None and layer.kind == "lightning" and "ssm" in f"{verdict.where or ''} {verdict.reason}"
+
+
+def _idle_lightning_layer(spec: BatchSpec, verdict: Verdict) -> bool:
+    """An idle batch of a model with lightning layers whose run crashed where SGLang's hybrid answers a linear
+    layer of an idle batch from ``mixed_qkv``, which only GDN layers pass (docs/findings/
+    sglang-hybrid-idle-lightning.md)."""
+    return (spec.mode is ForwardMode.IDLE and any(layer.kind == "lightning" for layer in spec.layers)
+            and "'NoneType' object has no attribute 'new_empty'" in verdict.reason)
 
 
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
@@ -147,6 +178,9 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
     "e4m3_arithmetic": _e4m3_arithmetic,
     "tree_window_by_row": _tree_window_by_row,
+    "lightning_fp8_decode": _lightning_fp8_decode,
+    "idle_lightning_layer": _idle_lightning_layer,
+    "lightning_single_token_verify": _lightning_single_token_verify,
 }
 
 

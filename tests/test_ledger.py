@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, MHALayer, SpecInput
 from properties import PROPERTIES
 from properties.verdict import Verdict
 from search import ledger
@@ -81,3 +81,48 @@ def test_draft_extend_is_known_only_over_an_fp8_cache():
     failing = Verdict("outputs", False, "out of bounds", 0.03, 1e-6, "layer 0: request 0, token 0")
     assert ledger.match("sglang.triton", "draft_extend", "outputs", fp8, failing) is not None
     assert ledger.match("sglang.triton", "draft_extend", "outputs", auto, failing) is None
+
+
+LIGHT = "hybrid(sglang.triton,sglang.lightning)"
+LIGHT_LAYERS = (MHALayer(0, 4, 2, 32, 32), LightningLayer(1, 2, 128))
+
+
+def test_lightning_fp8_decode_is_known_only_in_decode_over_an_fp8_cache():
+    # docs/findings/sglang-lightning-fp8-decode.md: decode rounds q and the output to e4m3 (two roundings, <= 2^-3)
+    decode = BatchSpec(ForwardMode.DECODE, (9,), (1,), LIGHT_LAYERS, kv_cache_dtype="fp8_e4m3")
+    failing = lambda error, where="layer 1: request 0, token 0": Verdict(  # noqa: E731
+        "outputs", False, "out of bounds", error, 1e-3, where)
+    assert ledger.match(LIGHT, "decode", "outputs", decode, failing(0.05)) is not None
+    assert ledger.match(LIGHT, "decode", "outputs", decode, failing(0.3)) is None  # more than two e4m3 roundings
+    full_layer = ledger.match(LIGHT, "decode", "outputs", decode, failing(0.05, "layer 0: request 0, token 0"))
+    assert full_layer is None or full_layer.id != "sglang-lightning-fp8-decode"  # (Triton's own e4m3 entry may)
+    auto = BatchSpec(ForwardMode.DECODE, (9,), (1,), LIGHT_LAYERS)
+    assert ledger.match(LIGHT, "decode", "outputs", auto, failing(0.05)) is None
+    extend = BatchSpec(ForwardMode.EXTEND, (9,), (4,), LIGHT_LAYERS, kv_cache_dtype="fp8_e4m3")
+    assert ledger.match(LIGHT, "extend", "outputs", extend, failing(0.05)) is None  # extend does not cast q
+    then_decode = Verdict("prefill_then_decode", False, "first chunk [3], then decode [1]: out of bounds", 0.05,
+                          1e-3, "chunked layer 1: request 0, token 3")
+    assert ledger.match(LIGHT, "extend", "prefill_then_decode", extend, then_decode) is not None
+
+
+def test_single_token_verify_is_known_only_for_one_draft_token():
+    # docs/findings/sglang-lightning-single-token-verify.md: seg_la takes its decode kernel when tokens == requests
+    def verify(d):
+        return BatchSpec(ForwardMode.TARGET_VERIFY, (5,), (d,), LIGHT_LAYERS,
+                         spec=SpecInput(d, 1, max(d - 1, 1), (tuple(range(-1, d - 1)),), (1,)))
+    states = Verdict("outputs", False, "out of bounds", 1.0, 1e-3, "layer 1 request 0 ssm steps: index (0, 1, 2, 3)")
+    assert ledger.match(LIGHT, "target_verify", "outputs", verify(1), states) is not None
+    assert ledger.match(LIGHT, "target_verify", "outputs", verify(2), states) is None
+    full = Verdict("outputs", False, "out of bounds", 1.0, 1e-3, "layer 0: request 0, token 0")
+    assert ledger.match(LIGHT, "target_verify", "outputs", verify(1), full) is None
+    moved = Verdict("cache", False, "layer 1 ssm_states: slot 3 changed but must not (verify leaves it alone)",
+                    where="state slot 3")
+    assert ledger.match(LIGHT, "target_verify", "cache", verify(1), moved) is not None
+
+
+def test_idle_crash_is_known_only_with_lightning_layers():
+    crash = Verdict("outputs", False, "crashed: AttributeError: 'NoneType' object has no attribute 'new_empty' "
+                                      "(hybrid_linear_attn_backend.py:1483)")
+    assert ledger.match(LIGHT, "idle", "outputs", BatchSpec(ForwardMode.IDLE, (), (), LIGHT_LAYERS), crash) is not None
+    mha_only = BatchSpec(ForwardMode.IDLE, (), (), LIGHT_LAYERS[:1])
+    assert ledger.match(LIGHT, "idle", "outputs", mha_only, crash) is None
