@@ -471,23 +471,40 @@ class SglangTriton(SglangBackend):
     )
 
 
-class SglangGdn(SglangBackend):
-    """SGLang's GDN linear-attention backend (``GDNAttnBackend``). SGLang builds it only inside its hybrid
-    wrapper (``attn_backend_wrapper``), and its base-class ``forward`` cannot take the linear layer's keyword
-    call, so it runs as the second argument of ``hybrid(sglang.X, sglang.gdn)``, never alone."""
+# What SGLang's hybrid wrapper does with any linear-attention child (hybrid_linear_attn_backend.py). An MTP draft
+# model runs full-attention layers only: the hybrid plans no linear metadata for DRAFT_EXTEND_V2
+# (init_forward_metadata), so no linear layer runs there. Its out_graph refills the linear layers' state indices
+# (padded rows PAD_SLOT_ID) and query_start_loc in static buffers for decode/idle and target_verify (:368-384,
+# _replay_metadata :747-943; other modes raise at :911), so its decode graphs capture them. Its commit after
+# verify (fused_mamba_state_scatter_with_mask, kernels/ops/mamba/mamba_state_scatter_triton.py) refuses CPU
+# tensors; the gpu profile runs it.
+LINEAR_CHILD_MODES = ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND}
+LINEAR_CHILD_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE})
+LINEAR_CHILD_CPU_GAPS = (("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
+                         ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only"))
+
+
+class _LinearChild(SglangBackend):
+    """A linear-attention backend of SGLang's, which SGLang builds only inside its hybrid wrapper
+    (``attn_backend_wrapper``): it runs as the second argument of ``hybrid(sglang.X, sglang.<name>)``, never
+    alone."""
+
+    def make_inner(self, sgl_runner):
+        raise RuntimeError(f"SGLang builds its {self.sglang_name} backend inside the hybrid wrapper: use "
+                           f"hybrid(sglang.X,sglang.{self.sglang_name})")
+
+
+class SglangGdn(_LinearChild):
+    """SGLang's GDN linear-attention backend (``GDNAttnBackend``); its base-class ``forward`` cannot take the
+    linear layer's keyword call either."""
 
     sglang_name = "gdn"
     capabilities = Capabilities(
         attention_kinds=frozenset({"linear"}),
-        # An MTP draft model runs full-attention layers only: SGLang's hybrid plans no linear metadata for
-        # DRAFT_EXTEND_V2 (hybrid_linear_attn_backend.py, init_forward_metadata), so no linear layer runs there.
-        modes=ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND},
-        # Its decode graphs capture the GDN layers: the hybrid's out_graph refills their state indices (padded
-        # rows PAD_SLOT_ID) and query_start_loc in static buffers for decode/idle and target_verify
-        # (hybrid_linear_attn_backend.py:368-384, _replay_metadata :747-943; other modes raise at :911).
-        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
+        modes=LINEAR_CHILD_MODES,
+        cuda_graph_modes=LINEAR_CHILD_GRAPH_MODES,
         graph_captures_linear=True,
-        # ... while a breakable prefill graph must not capture them: RadixLinearAttention breaks out to eager
+        # A breakable prefill graph must not capture its layers: RadixLinearAttention breaks out to eager
         # (_eager_linear_attention, radix_linear_attention.py:97-121, 159-165; sgl-project/sglang#25110)
         prefill_graph=True,
         # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
@@ -499,32 +516,24 @@ class SglangGdn(SglangBackend):
         # (kernels/ops/mamba/causal_conv1d_triton.py, _causal_conv1d_update_kernel); the commit rewrites it.
         verify_advances_conv_state=True,
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
-        # SGLang's commit after verify (fused_mamba_state_scatter_with_mask, kernels/ops/mamba/
-        # mamba_state_scatter_triton.py) refuses CPU tensors; the gpu profile runs it.
-        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
-                  ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only")),
+        cpu_gaps=LINEAR_CHILD_CPU_GAPS,
         engine="sglang",
     )
 
-    def make_inner(self, sgl_runner):
-        raise RuntimeError("SGLang builds its GDN backend inside the hybrid wrapper: use hybrid(sglang.X,sglang.gdn)")
 
-
-class SglangLightning(SglangBackend):
+class SglangLightning(_LinearChild):
     """SGLang's lightning linear-attention backend (``LightningAttentionBackend``, seg_la kernels), the linear
-    layers of Bailing/Ling models. As GDN, SGLang builds it only inside its hybrid wrapper: it runs as
-    ``hybrid(sglang.X, sglang.lightning)``. Its layers are plain ``RadixAttention`` objects
+    layers of Bailing/Ling models. Its layers are plain ``RadixAttention`` objects
     (models/bailing_moe_linear.py:485), so SGLang's hybrid must tell them from full layers by layer id."""
 
     sglang_name = "lightning"
     capabilities = Capabilities(
         attention_kinds=frozenset({"lightning"}),
-        # No linear layer runs in a draft extend (as for GDN: the draft model's layers are full).
-        modes=ADAPTED_MODES - {ForwardMode.DRAFT_EXTEND},
-        # Its out_graph plans decode/idle and target_verify like the GDN backend (lightning_backend.py,
-        # init_forward_metadata_out_graph over MambaAttnBackendBase._replay_metadata); the decode graphs capture
-        # its layers. A breakable prefill graph breaks at RadixAttention, which Bailing's linear layers are.
-        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
+        modes=LINEAR_CHILD_MODES,
+        # Its own out_graph plans decode/idle and target_verify over MambaAttnBackendBase._replay_metadata
+        # (lightning_backend.py, init_forward_metadata_out_graph). A breakable prefill graph breaks at
+        # RadixAttention, which Bailing's linear layers are.
+        cuda_graph_modes=LINEAR_CHILD_GRAPH_MODES,
         graph_captures_linear=True,
         prefill_graph=True,
         # The model hands q/k/v in float32 whatever its dtype, and seg_la computes in float32: every model dtype
@@ -541,15 +550,9 @@ class SglangLightning(SglangBackend):
         requires=("sglang", "triton"),
         cpu_needs_env="TRITON_INTERPRET",
         slow_on_cpu="the interpreted seg_la kernels take seconds a case (head dim 128, a program per 32x32 block)",
-        # The commit after verify is the hybrid base's (fused_mamba_state_scatter_with_mask): CUDA/XPU only.
-        cpu_gaps=(("verify_chain", "SGLang's state commit after verify runs on CUDA/XPU tensors only"),
-                  ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only")),
+        cpu_gaps=LINEAR_CHILD_CPU_GAPS,
         engine="sglang",
     )
-
-    def make_inner(self, sgl_runner):
-        raise RuntimeError("SGLang builds its lightning backend inside the hybrid wrapper: use "
-                           "hybrid(sglang.X,sglang.lightning)")
 
 
 class SglangHybrid(SglangBackend):
