@@ -125,7 +125,8 @@ class Capabilities:
     # (wrapper, mode, why): a mode not run when this backend is under that wrapper (e.g. a known engine bug
     # whose symptom would take the process down instead of failing a check)
     wrapped_gaps: tuple[tuple[str, ForwardMode, str], ...] = ()
-    # Unit roundoff of the kernel's matrix products for float32 inputs (TF32 tensor cores: 2**-11).
+    # Unit roundoff of the kernel's matrix products for float32 inputs. Triton's default TF32 dot truncates an
+    # fp32 operand to TF32's 10 explicit mantissa bits (triton-lang/triton#4574): 2**-10; tf32x3: 2**-21.
     fp32_matmul_roundoff: float = 2.0**-24
     # Key or query counts at which the kernels change shape (a new key block, a KV split that becomes
     # non-empty, a prefix chunk): the strategies draw lengths at and across each (L - 1, L, L + 1), within
@@ -133,10 +134,10 @@ class Capabilities:
     length_boundaries: frozenset[int] = frozenset()
     # Takes EXTEND/MIXED requests with no new tokens after a cached prefix (BatchSpec's docstring: where
     # engines produce them).
+    empty_extend: bool = False
     # Whether the backend verifies draft trees (speculative_eagle_topk > 1); False: a model with it is served
     # with topk 1 only (the backend refuses more when it is built), so its batches verify chains.
     draft_trees: bool = True
-    empty_extend: bool = False
     # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
     # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
     verify_window: bool = False
@@ -195,16 +196,16 @@ class Support:
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     linear_fp32_matmul_roundoff: float = 2.0**-24  # the linear-attention leaves': each layer is held to its backend's
-
-    def matmul_roundoff(self, layer_kind: str) -> float:
-        """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind``."""
-        return self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
     graph_captures_linear: bool = False  # every linear leaf's layers are captured (see Capabilities)
     prefill_graph: bool = False  # every leaf runs EXTEND batches through a breakable prefill graph
+
+    def matmul_roundoff(self, layer_kind: str) -> float:
+        """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind``."""
+        return self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":

@@ -207,7 +207,7 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
         full, linear = children
         if full.attention_kinds() - {"mha", "mla"}:
             raise CompositionError(f"hybrid's first argument must be a full-attention backend in {whole!r}")
-        if len(linear.attention_kinds()) != 1 or not linear.attention_kinds() <= RECURRENT_KINDS:
+        if not _serves_one_linear_kind(linear.attention_kinds()):
             raise CompositionError(f"hybrid's second argument must be a linear-attention backend in {whole!r}")
     return Composition(name, tuple(children)), rest
 
@@ -224,10 +224,13 @@ def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
                                    or (child.name == "tbo" and child.children[0].is_leaf))
 
 
-def _is_linear_leaf(name: str) -> bool:
-    """A leaf that serves one kind of linear attention (a hybrid's second argument)."""
-    kinds = leaf_capabilities(name).attention_kinds
+def _serves_one_linear_kind(kinds: frozenset[str]) -> bool:
+    """What a hybrid's second argument serves: one kind of linear attention."""
     return len(kinds) == 1 and kinds <= RECURRENT_KINDS
+
+
+def _is_linear_leaf(name: str) -> bool:
+    return _serves_one_linear_kind(leaf_capabilities(name).attention_kinds)
 
 
 def all_compositions() -> list[Composition]:

@@ -184,6 +184,9 @@ class LightningLayer:
     head_dim: int = 128
     kind: str = field(default="lightning", init=False)
 
+    # The dtype the model hands q/k/v over in, and the layer computes in, whatever the batch's dtype
+    compute_dtype = "float32"
+
     @property
     def scale(self) -> float:
         return self.head_dim**-0.5

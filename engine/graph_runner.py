@@ -15,8 +15,8 @@ fill value, ``out_cache_loc`` and positions 0, per-token inputs ``pad_value``), 
 ``init_forward_metadata_out_graph(fb, in_capture=False)`` (which must refresh every host-planned buffer the
 graph reads) and replays (the recorded in-graph metadata ops first). One graph per layer; linear-attention
 layers run eagerly between them (piecewise: their kernels plan on the host and must not be frozen into a graph)
-unless the composition declares them graph-safe (``capture_linear``: SGLang's decode graphs capture its GDN
-layers, planned on static buffers); the in-graph metadata step is its own graph.
+unless the composition declares them graph-safe (``capture_linear``: SGLang's decode graphs capture its GDN and
+lightning layers, planned on static buffers); the in-graph metadata step is its own graph.
 
 Two-batch overlap: as SGLang's ``TboCudaGraphRunnerPlugin``, the runner splits the static batch at capture
 (``split_tbo``) and the layers run each half through the wrapper's child backends; at replay the wrapper

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
+from batch.case import TORCH_DTYPES
 from batch.forward_batch import FP8_KV_DTYPE, ForwardBatch, LayerInputs, LayerWeights, dequantize_kv, quantize_kv
 from batch.layers import make_layer, mla_uses_absorbed
 from batch.spec import Layer
@@ -92,7 +93,8 @@ def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeig
     if spec.kind == "lightning":
         # Bailing's linear layer casts its q/k/v projections to float32 and calls its RadixAttention
         # (models/bailing_moe_linear.py, BailingMoELinearAttention.forward): the state and output are float32.
-        return backend.forward(t["q"].float(), t["k"].float(), t["v"].float(), layer, fb)
+        dtype = TORCH_DTYPES[spec.compute_dtype]
+        return backend.forward(t["q"].to(dtype), t["k"].to(dtype), t["v"].to(dtype), layer, fb)
     # MLA
     N, R, C = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.kv_lora_rank
     dtype = t["q"].dtype

@@ -3,7 +3,8 @@
 Outputs are compared with a float64 reference computed from the same (dtype-rounded) inputs, so the only
 error a correct backend may show is its own rounding. Let u be the unit roundoff of the input dtype
 (2**-p for p bits of precision): bfloat16 2**-8, float16 2**-11, float32 2**-24. A kernel whose float32
-matrix products run on TF32 tensor cores declares 2**-11 for them (``Capabilities.fp32_matmul_roundoff``),
+matrix products run on TF32 tensor cores declares 2**-10 for them (``Capabilities.fp32_matmul_roundoff``: TF32
+keeps 10 explicit mantissa bits, and Triton truncates an fp32 operand to them, triton-lang/triton#4574),
 one using three-pass TF32 ("tf32x3": a = hi + lo, a.b ~ hi.hi + hi.lo + lo.hi, dropping lo.lo of relative
 size 2**-22) declares 2**-21, and we use the larger of the two.
 
@@ -22,8 +23,10 @@ size 2**-22) declares 2**-21, and we use the larger of the two.
   NVIDIA GPUs, declared as 2**-10 because tensor cores truncate an fp32 operand to TF32). Its output is not a
   convex combination (scores are not normalised), but each path to it chains the same four operand roundings as
   softmax attention (q and k before the score product, the score and v before the value product; the carried
-  state and the query for the state read), each a relative error of at most u of its term, so 4u still bounds
-  it. Measured on an H100: 1.1e-3 .. 1.8e-3 against 4 * 2**-10 = 3.9e-3.
+  state and the query for the state read), each a relative error of at most u of its term. For a signed sum
+  that bounds the error relative to the sum of the terms' sizes, not to the sum; the rounding errors are
+  independent, so error and sum both grow as sqrt(L) and 4u holds as it does for softmax attention. Measured on
+  an H100: 1.1e-3 .. 1.8e-3 against 4 * 2**-10 = 3.9e-3.
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -136,7 +139,7 @@ def input_dtype(spec: BatchSpec, layer: Layer) -> str:
     """The precision a layer's inputs reach the backend in: the batch's dtype, except for lightning layers,
     whose model hands q/k/v over in float32 (Bailing casts its projections, engine/model.py). The reference reads
     the same values (drawn in the batch's dtype), so only the backend's float32 arithmetic is left."""
-    return "float32" if layer.kind == "lightning" else spec.dtype
+    return getattr(layer, "compute_dtype", spec.dtype)
 
 
 def score_dot_len(layer: Layer) -> int:

@@ -135,7 +135,7 @@ def _idle_lightning_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     layer of an idle batch from ``mixed_qkv``, which only GDN layers pass (docs/findings/
     sglang-hybrid-idle-lightning.md)."""
     return (spec.mode is ForwardMode.IDLE and any(layer.kind == "lightning" for layer in spec.layers)
-            and "'NoneType' object has no attribute 'new_empty'" in verdict.reason)
+            and "'NoneType' object has no attribute 'new_empty' (hybrid_linear_attn_backend.py:1483)" in verdict.reason)
 
 
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.

@@ -125,7 +125,9 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     else:
         full_kind = draw(st.sampled_from(full_kinds)) if full_kinds else None
         n_layers = draw(st.integers(1, profile.max_layers))
-        recurrent_kind = min(kinds & RECURRENT_KINDS, default=None)  # a model has one kind of linear attention
+        recurrent = kinds & RECURRENT_KINDS
+        assert len(recurrent) <= 1, f"a model has one kind of linear attention, the composition serves {recurrent}"
+        recurrent_kind = next(iter(recurrent), None)
         layer_kinds = [draw(st.sampled_from([k for k in (full_kind, recurrent_kind) if k])) for _ in range(n_layers)]
         if require_recurrent and recurrent_kind is not None and recurrent_kind not in layer_kinds:
             layer_kinds[-1] = recurrent_kind

@@ -126,3 +126,6 @@ def test_idle_crash_is_known_only_with_lightning_layers():
     assert ledger.match(LIGHT, "idle", "outputs", BatchSpec(ForwardMode.IDLE, (), (), LIGHT_LAYERS), crash) is not None
     mha_only = BatchSpec(ForwardMode.IDLE, (), (), LIGHT_LAYERS[:1])
     assert ledger.match(LIGHT, "idle", "outputs", mha_only, crash) is None
+    full_branch = Verdict("outputs", False, "crashed: AttributeError: 'NoneType' object has no attribute 'new_empty' "
+                                            "(hybrid_linear_attn_backend.py:1486)")  # the full layers' answer
+    assert ledger.match(LIGHT, "idle", "outputs", BatchSpec(ForwardMode.IDLE, (), (), LIGHT_LAYERS), full_branch) is None

@@ -540,9 +540,8 @@ class SglangLightning(_LinearChild):
         # runs, on the CPU too (no half-precision tl.dot).
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
         # seg_la's tl.dot on float32 runs as TF32 on NVIDIA GPUs (Triton's default input precision; seg_la.py
-        # passes none): 10 explicit mantissa bits, and the tensor cores read an fp32 operand's top 19 bits, so an
-        # operand's relative error is below 2^-10 (truncation), not 2^-11. Measured on the H100 (device runs 1-2 of
-        # 2026-11-24): rel_l2 1.1e-3 in ordinary extends, up to 1.8e-3 in chunked prefill.
+        # passes none), whose operands Triton truncates: 2^-10 (properties/tolerances.py). Measured on the H100
+        # (2026-11-24): rel_l2 1.1e-3 in ordinary extends, up to 1.8e-3 in chunked prefill.
         fp32_matmul_roundoff=2.0**-10,
         # Built with speculative_eagle_topk > 1 it raises: seg_la verifies a draft as a chain
         # (lightning_backend.py:82-93). A Bailing model is served with topk 1.

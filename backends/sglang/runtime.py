@@ -423,9 +423,9 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     SGLang's ``ModelRunner.__init__`` loads a model; like the engine's own unit-test kit, this skips it and
     sets only what attention backends read. A model of MLA layers gets SGLang's MLA pool and model config
     and ``use_mla_backend`` (which is how SGLang's registry picks, e.g., FlashInfer's MLA backend for
-    "flashinfer"); a model of MHA layers the MHA ones. ``hybrid``: the model is a GDN hybrid (Qwen3-Next-shaped
-    config, hybrid request pool with state pools, MHA full layers), so ``attn_backend_wrapper`` builds SGLang's
-    hybrid wrapper.
+    "flashinfer"); a model of MHA layers the MHA ones. ``hybrid``: the model is a linear-attention hybrid (a
+    Qwen3-Next-shaped config for GDN, a Bailing one for lightning; hybrid request pool with state pools, MHA full
+    layers), so ``attn_backend_wrapper`` builds SGLang's hybrid wrapper.
     """
     sgl = load()
     kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
@@ -447,18 +447,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     window = None if use_mla else model_window(runner)
 
     class Runner(sgl.SglModelRunner):
-        # Derived from hf_config in SGLang; a dense model has none of them.
-        kimi_linear_config = linear_attn_model_spec = mamba2_config = property(lambda self: None)
-        # A hybrid's config is its hf_config (Qwen3NextConfig for GDN, BailingHybridConfig for lightning); a
-        # dense model has none.
-        mambaish_config = property(lambda self: self.model_config.hf_config if self.harness_hybrid else None)
-        hybrid_gdn_config = property(lambda self: self._hybrid_config_of("linear"))
-        hybrid_lightning_config = property(lambda self: self._hybrid_config_of("lightning"))
-
-        def _hybrid_config_of(self, kind: str):
-            hybrid = self.harness_hybrid
-            return self.model_config.hf_config if hybrid is not None and hybrid.linear_kind == kind else None
-
+        # (SGLang's backends and registry read the hybrid configs as functions of model_config,
+        # configs/hybrid_arch.py, never as runner attributes: a hybrid is recognised from its hf_config alone.)
         def __init__(self) -> None:  # noqa: D107 - no super().__init__: it would load a model
             pass
 
@@ -518,7 +508,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
 
 def _hybrid_request_pool(sgl, config, runner: ModelRunner, dtype: torch.dtype, device: str, max_draft_tokens: int,
                          topk: int):
-    """SGLang's request pool of a hybrid model: request rows plus the GDN state pools, one state slot per row
+    """SGLang's request pool of a hybrid model: request rows plus the linear layers' state pools, one state slot per row
     of the harness's pools (slot 0 reserved in both).
 
     Conv states are kept in the model's dtype, as ``SGLANG_MAMBA_CONV_DTYPE=<model dtype>`` makes SGLang do (its

@@ -629,7 +629,7 @@ SGLANG_CATALOGUE: list[Mutant] = [
     Mutant("sglang_hybrid_dispatch_by_type", "SGLang's HybridLinearAttnBackend classifies a layer by its type "
            "before its id (sgl-project/sglang#23331; fixed by #26474/#27120): Bailing/Ling's lightning layers are "
            "plain RadixAttention objects, so they go to the full-attention backend (Ling 2.5/2.6 and Ring-2.5 crashed "
-           "at warm-up, #26474, #26623)", ("hybrid(sglang.torch_native,sglang.lightning)",), ("outputs",),
+           "at warm-up, #26474, #26623)", ("hybrid(sglang.torch_native,sglang.lightning)",), ("dispatch", "outputs"),
            engine="sglang"),
     Mutant("sglang_hybrid_lacks_mha_chunk", "SGLang's HybridLinearAttnBackend without init_mha_chunk_metadata "
            "(fixed by sgl-project/sglang#27316; CPU form: the full child given the method MLA backends have); "
