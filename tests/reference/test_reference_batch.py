@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import reference.batch as batch
 from batch.case import Case
 from batch.masks import tree_mask
-from batch.spec import BatchSpec, ForwardMode, ImageSpan, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput
+from batch.spec import (BatchSpec, ForwardMode, ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout,
+                        SpecInput)
 from engine.materialize import materialize
 from reference import mha, mla
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
@@ -182,3 +183,31 @@ def test_request_groups_bound_the_keys_they_gather():
     groups = batch.request_groups(spec, torch.device("cuda"))
     assert sorted(i for g in groups for i in g) == list(range(160))
     assert all(len(g) * 32768 <= batch.MAX_KEY_ROWS for g in groups) and len(groups) == 10
+
+
+def test_lightning_layers_read_a_carried_state_and_ignore_a_fresh_slot():
+    # A request with a cached prefix starts from its slot's state; a fresh one from zeros, whatever its slot
+    # holds (materialize fills it with garbage); in TARGET_VERIFY the state after every draft token is kept.
+    from reference.lightning import decay_rates, lightning_attention
+
+    layers = (MHALayer(0, 4, 2, 16, 16), LightningLayer(1, 2, 16))
+    extend = BatchSpec(ForwardMode.EXTEND, (4, 0), (3, 5), layers, seed=3)
+    case = materialize(extend, "cpu")
+    ref = batch.reference_outputs(case)
+    pool = case.mamba_pool_before.ssm_states[1].double()
+    slots = case.forward_batch.state_slots.tolist()
+    assert pool[slots[1]].abs().sum() > 0  # the fresh request's slot holds garbage the reference must not read
+    decay = decay_rates(2, 1, 2)
+    q, k, v = (case.inputs[1].tensors[n].double() for n in ("q", "k", "v"))
+    first = lightning_attention(q[:3], k[:3], v[:3], decay, scale=16**-0.5, initial_state=pool[slots[0]])
+    fresh = lightning_attention(q[3:], k[3:], v[3:], decay, scale=16**-0.5)
+    torch.testing.assert_close(ref.outputs[1], torch.cat([first.o, fresh.o]), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ref.linear_states[1].ssm[1], fresh.state, rtol=1e-12, atol=1e-12)
+    assert ref.linear_states[1].conv[0].shape == (0, 0)  # no conv state
+
+    chain = SpecInput(3, 1, 2, ((-1, 0, 1),), (2,))
+    verify = BatchSpec(ForwardMode.TARGET_VERIFY, (5,), (3,), layers, spec=chain, seed=4)
+    vcase = materialize(verify, "cpu")
+    vref = batch.reference_outputs(vcase)
+    assert vref.linear_states[1].ssm_steps[0].shape == (3, 2, 16, 16)
+    torch.testing.assert_close(vref.linear_states[1].ssm_steps[0][-1], vref.linear_states[1].ssm[0])
