@@ -109,8 +109,11 @@ class Worst:
         pool = [x for x in self.items if not x[0].ok] or self.items
         c, bound = max(pool, key=lambda x: x[0].rel_l2 / x[1].rel_l2)
         reason = f"{what}: within bounds" if self.ok else f"{what}: out of bounds ({bound.reason})"
-        return Verdict(name, self.ok, reason, c.rel_l2, bound.rel_l2, c.where,
-                       {"max_abs": c.max_abs, "compared": len(self.items), "bound": bound})
+        details = {"max_abs": c.max_abs, "compared": len(self.items), "bound": bound}
+        if not self.ok:  # every failing comparison, worst first: the ledger must explain each of them
+            failing = sorted((x for x in self.items if not x[0].ok), key=lambda x: -x[0].rel_l2 / x[1].rel_l2)
+            details["failing"] = tuple((x[0].where, x[0].rel_l2, x[1].rel_l2) for x in failing)
+        return Verdict(name, self.ok, reason, c.rel_l2, bound.rel_l2, c.where, details)
 
 
 def compare_outputs(outputs: list[torch.Tensor], reference: list[torch.Tensor], composition: Composition,
