@@ -132,6 +132,14 @@ def _lightning_single_token_verify(spec: BatchSpec, verdict: Verdict) -> bool:
     return layer is not None and layer.kind == "lightning" and "ssm" in f"{verdict.where or ''} {verdict.reason}"
 
 
+def _tbo_verify_tensor_token_blocks(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A verify under TBO on a long-context server whose KV-index kernel would not compile: a TBO child's
+    ``seq_lens_sum`` is a tensor, so the token-block count derived from it is one too, and Triton refuses it as
+    the constexpr TOKEN_BLOCK_PARALLEL (docs/findings/sglang-tbo-verify-token-blocks-tensor.md)."""
+    return (spec.mode.is_target_verify() and spec.context_len >= 32768
+            and "UnsupportedLanguageConstruct" in verdict.reason and "TOKEN_BLOCK_PARALLEL" in verdict.reason)
+
+
 def _idle_lightning_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     """An idle batch of a model with lightning layers whose run crashed where SGLang's hybrid answers a linear
     layer of an idle batch from ``mixed_qkv``, which only GDN layers pass (docs/findings/
@@ -183,6 +191,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "lightning_fp8_decode": _lightning_fp8_decode,
     "idle_lightning_layer": _idle_lightning_layer,
     "lightning_single_token_verify": _lightning_single_token_verify,
+    "tbo_verify_tensor_token_blocks": _tbo_verify_tensor_token_blocks,
 }
 
 

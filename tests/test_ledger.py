@@ -149,3 +149,15 @@ def test_a_known_bug_in_one_layer_does_not_hide_a_new_one_in_another():
                         failing(lightning, ("layer 1 request 0 ssm state:", 0.04, 3.9e-3))) is None
     assert ledger.match(term, "decode", "outputs", decode,
                         failing(lightning, ("layer 0: request 0, token 0, head 2", 1e-5, 1e-6))) is None
+
+
+def test_tbo_verify_token_blocks_is_known_only_for_the_compile_error_at_long_context():
+    layers, chain = (MHALayer(0, 4, 2, 32, 32),), SpecInput(2, 1, 1, ((-1, 0),), (1,))
+    crash = Verdict("outputs", False, "crashed: UnsupportedLanguageConstruct: at 35:4: if TOKEN_BLOCK_PARALLEL: "
+                                      "`if` conditionals can only accept values of type {int, bool, NoneType}, not "
+                                      "objects of type Tensor (compiler.py:80)")
+    long = BatchSpec(ForwardMode.TARGET_VERIFY, (16384,), (2,), layers, spec=chain, context_len=32768)
+    short = BatchSpec(ForwardMode.TARGET_VERIFY, (100,), (2,), layers, spec=chain)
+    assert ledger.match("tbo(sglang.flashinfer)", "target_verify", "outputs", long, crash) is not None
+    assert ledger.match("tbo(sglang.flashinfer)", "target_verify", "outputs", short, crash) is None
+    assert ledger.match("sglang.flashinfer", "target_verify", "outputs", long, crash) is None  # TBO only
