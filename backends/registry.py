@@ -135,8 +135,8 @@ class Composition:
         if self.name == "hybrid" and self.engine != "harness":
             from backends.sglang.adapter import SglangHybrid  # SGLang builds its hybrid wrapper itself
 
-            return SglangHybrid(leaf_class(self.children[0].name), model_runner, draft_worker=spec.draft_worker,
-                                linear=leaf_class(self.children[1].name))
+            return SglangHybrid(leaf_class(self.children[0].name), leaf_class(self.children[1].name), model_runner,
+                                draft_worker=spec.draft_worker)
         if self.name == "hybrid":
             from backends.hybrid import HybridLinearAttnBackend
             full, linear = self.children

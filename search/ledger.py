@@ -28,11 +28,16 @@ from properties.verdict import Verdict
 LEDGER = Path(__file__).resolve().parents[1] / "docs" / "findings" / "known-failures.toml"
 
 
-def _failing_layer(spec: BatchSpec, verdict: Verdict):
-    m = re.search(r"layer (\d+)", verdict.where or "")
+def _layer_named(spec: BatchSpec, text: str):
+    """The layer of ``spec`` that ``text`` names first ("layer N"), or None."""
+    m = re.search(r"layer (\d+)", text)
     if m is None:
         return None
     return next((layer for layer in spec.layers if layer.layer_id == int(m.group(1))), None)
+
+
+def _failing_layer(spec: BatchSpec, verdict: Verdict):
+    return _layer_named(spec, verdict.where or "")
 
 
 def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -127,9 +132,9 @@ def _lightning_single_token_verify(spec: BatchSpec, verdict: Verdict) -> bool:
     per-step state (docs/findings/sglang-lightning-single-token-verify.md)."""
     if not spec.mode.is_target_verify() or spec.spec.draft_token_num != 1:
         return False
-    m = re.search(r"layer (\d+)", f"{verdict.where or ''} {verdict.reason}")
-    layer = None if m is None else next((l for l in spec.layers if l.layer_id == int(m.group(1))), None)
-    return layer is not None and layer.kind == "lightning" and "ssm" in f"{verdict.where or ''} {verdict.reason}"
+    text = f"{verdict.where or ''} {verdict.reason}"  # a cache verdict names the layer in its reason
+    layer = _layer_named(spec, text)
+    return layer is not None and layer.kind == "lightning" and "ssm" in text
 
 
 def _tbo_verify_tensor_token_blocks(spec: BatchSpec, verdict: Verdict) -> bool:

@@ -563,8 +563,8 @@ class SglangHybrid(SglangBackend):
 
     is_wrapper = True
 
-    def __init__(self, full: type[SglangBackend], model_runner, draft_worker: bool = False,
-                 linear: type[SglangBackend] = SglangGdn) -> None:
+    def __init__(self, full: type[SglangBackend], linear: type[SglangBackend], model_runner,
+                 draft_worker: bool = False) -> None:
         super().__init__(model_runner)
         self.sglang_name = full.sglang_name
         (kind,) = linear.capabilities.attention_kinds

@@ -309,7 +309,7 @@ class HybridModel:
     draft_worker: bool
 
     @classmethod
-    def of(cls, runner: ModelRunner, draft_worker: bool, linear_kind: str = "linear") -> "HybridModel":
+    def of(cls, runner: ModelRunner, draft_worker: bool, linear_kind: str) -> "HybridModel":
         linear = [l for l in runner.layers if l.kind == linear_kind]
         shape = _linear_shape(linear[0]) if linear else _IDLE_LINEAR_SHAPES[linear_kind]
         if draft_worker:
