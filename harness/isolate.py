@@ -28,7 +28,7 @@ from pathlib import Path
 from harness.mutants.run import exit_description
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED  # a sticky CUDA error: the rows left need a fresh process
-from search.casefile import CaseFile, case_name, safe_name
+from search.casefile import CaseFile, case_name, modified, safe_name
 from search.outcome import RowOutcome
 from search.profiles import SHRINK_ROWS_PER_RUN, Profile
 from search.search_row import search_row
@@ -170,9 +170,7 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                                                            time.time() - activity)
                     break
                 pending = out_dir / "pending" / f"{safe_name(current)}.json" if current else None
-                active = activity
-                if pending is not None and pending.exists():
-                    active = max(active, pending.stat().st_mtime)
+                active = max(activity, (modified(pending) if pending else None) or activity)
                 now = time.time()
                 if active != grace_anchor:
                     grace, grace_anchor = 0.0, active

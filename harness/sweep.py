@@ -44,7 +44,7 @@ from harness.options import UsageError, duration, parse_budget, parse_shard, pro
 from harness.outlock import OutFolderLock
 from harness.procs import CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, Terminated, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
-from search.casefile import CaseFile, case_name, safe_name
+from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
 from search.outcome import RowOutcome, is_worse
 
@@ -265,11 +265,8 @@ class Sweep:
             self.exited(task, code)
             return
         active = task.last_activity
-        if task.current:
-            try:  # rewritten before every example: its age is the running case's
-                active = max(active, self.pending_file(task.current).stat().st_mtime)
-            except FileNotFoundError:
-                pass
+        if task.current:  # rewritten before every example: its age is the running case's
+            active = max(active, modified(self.pending_file(task.current)) or active)
         now = time.time()
         if active != task.grace_anchor:
             task.grace, task.grace_anchor = 0.0, active

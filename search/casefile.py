@@ -31,6 +31,26 @@ def package_versions() -> dict[str, str | None]:
     return out
 
 
+_PARTIAL = ".tmp-"  # CaseFile.write's file before its rename: never a case yet
+
+
+def modified(path: Path) -> float | None:
+    """``path``'s modification time, or None when it is gone: a searching process removes its pending case
+    when the row ends, so a supervisor's look at it may come just after."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def pending_cases(directory: Path) -> list[Path]:
+    """The finished case files in ``directory``, oldest first; the one being written (and renamed under a
+    supervisor's feet) is left out, as is any removed while looking."""
+    found = [(t, p) for p in directory.glob("*.json")
+             if not p.name.startswith(_PARTIAL) and (t := modified(p)) is not None]
+    return [p for _, p in sorted(found)]
+
+
 @dataclass
 class CaseFile:
     composition: str
@@ -61,7 +81,7 @@ class CaseFile:
         """Write atomically (a crash mid-write never leaves half a file)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_PARTIAL, suffix=".json")
         with os.fdopen(fd, "w") as f:
             f.write(self.to_json() + "\n")
         os.replace(tmp, path)

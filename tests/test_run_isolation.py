@@ -112,3 +112,19 @@ def test_shrink_seconds_zero_reports_the_failure_as_found(tmp_path):
     assert not result.ok and Path(result.case_file).exists()
     first_failing = next(spec for spec, _ in calls if spec.num_tokens >= 2)
     assert result.spec == first_failing  # not shrunk
+
+
+def test_a_supervisor_sees_only_finished_pending_cases(tmp_path):
+    # CaseFile.write renames a `.tmp-*.json` into place: a supervisor that listed it just before the rename must
+    # neither stat it (it is gone) nor take it for a reproducer (it may be half written). CI once failed on the
+    # FileNotFoundError of exactly that race.
+    import os
+
+    from search.casefile import modified, pending_cases
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text("{}")
+    new.write_text("{}")
+    os.utime(old, (1_000, 1_000))
+    (tmp_path / ".tmp-abc.json").write_text("{")
+    assert pending_cases(tmp_path) == [old, new]
+    assert modified(tmp_path / "gone.json") is None

@@ -14,6 +14,7 @@ from pathlib import Path
 from backends.registry import parse
 from harness.mutants.catalogue import Mutant
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
+from search.casefile import modified, pending_cases
 from search.matrix import matrix_rows
 from search.profiles import Profile
 from search.search_row import search_row
@@ -114,7 +115,7 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
                 return MutantResult(**queue.get(timeout=1.0))
             except queue_module.Empty:
                 pass
-            pending = sorted(pending_dir.glob("*.json"), key=lambda p: p.stat().st_mtime)
+            pending = pending_cases(pending_dir)
             if not proc.is_alive():
                 return MutantResult(mutant.name, "killed", time.perf_counter() - start, property="crash",
                                     reason=f"the process died ({exit_description(proc.exitcode)})",
@@ -124,9 +125,9 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
                 grace += now - last_look
                 compiled += now - last_look
             last_look = now
-            if not pending:
+            active = modified(pending[-1]) if pending else None
+            if active is None:
                 continue
-            active = pending[-1].stat().st_mtime
             if active != grace_anchor:
                 grace, grace_anchor = 0.0, active
             if now - active - grace > case_timeout_s or now - active > COMPILE_TIMEOUT_S:
