@@ -10,6 +10,8 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from backends.base import SERVING_MODES
 from backends.registry import Composition
 from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
@@ -66,7 +68,10 @@ class Property:
     def run(self, composition: Composition, spec: BatchSpec, device: str) -> Verdict:
         """Run the check; a crash is a failing verdict that names the exception and where it was raised."""
         try:
-            return self.check(composition, spec, device)
+            verdict = self.check(composition, spec, device)
+            if device == "cuda":  # a kernel fault is reported asynchronously: it belongs to this case, not the next
+                torch.cuda.synchronize()
+            return verdict
         except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
             frame = traceback.extract_tb(e.__traceback__)[-1]
             return Verdict(self.name, False, f"crashed: {type(e).__name__}: {e} "

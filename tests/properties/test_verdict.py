@@ -31,3 +31,19 @@ def test_non_finite_and_mismatched_shapes_fail():
     assert not c.ok and c.index == (2, 1) and "non-finite" in c.where
     assert not compare(expected[:3], expected, BOUND).ok
     assert compare(expected[:0], expected[:0], BOUND).ok
+
+
+def test_an_asynchronous_kernel_fault_is_the_case_that_launched_it(monkeypatch):
+    # On CUDA a faulting kernel raises at the next synchronizing call. Unless a case ends with one, its fault
+    # surfaces in the next case (a GPU sweep once blamed a materialize for an earlier case's illegal access).
+    from properties import Property
+    from properties.verdict import Verdict
+
+    def fault():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", fault)
+    prop = Property("probe", lambda composition, spec, device: Verdict("probe", True, "ok"), "test")
+    assert prop.run(None, None, "cpu").ok  # no device to wait for
+    verdict = prop.run(None, None, "cuda")
+    assert not verdict.ok and "illegal memory access" in verdict.reason
