@@ -66,16 +66,28 @@ class Property:
         return None
 
     def run(self, composition: Composition, spec: BatchSpec, device: str) -> Verdict:
-        """Run the check; a crash is a failing verdict that names the exception and where it was raised."""
+        """Run the check; a crash is a failing verdict that names the exception and where it was raised.
+
+        On CUDA the case ends by waiting for its kernels, whatever its verdict: a kernel fault is reported
+        asynchronously, and unless this case asks, the next case's first launch reports it. The device's answer
+        is also the one reliable word on whether the context is still usable: a Triton launcher reports a fault
+        in its own words ("Triton Error [CUDA]: ..."), after which every CUDA call fails."""
         try:
             verdict = self.check(composition, spec, device)
-            if device == "cuda":  # a kernel fault is reported asynchronously: it belongs to this case, not the next
-                torch.cuda.synchronize()
-            return verdict
         except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
-            frame = traceback.extract_tb(e.__traceback__)[-1]
-            return Verdict(self.name, False, f"crashed: {type(e).__name__}: {e} "
-                                             f"({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})")
+            verdict = Verdict(self.name, False, _crash(e))
+        if device == "cuda":
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a fault of this case's kernels: the context is lost
+                before = "" if verdict.ok else f"; before it, the case had failed: {verdict.reason}"
+                verdict = Verdict(self.name, False, _crash(e) + before)
+        return verdict
+
+
+def _crash(e: Exception) -> str:
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    return f"crashed: {type(e).__name__}: {e} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})"
 
 
 PROPERTIES: dict[str, Property] = {p.name: p for p in [

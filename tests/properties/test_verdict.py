@@ -35,15 +35,24 @@ def test_non_finite_and_mismatched_shapes_fail():
 
 def test_an_asynchronous_kernel_fault_is_the_case_that_launched_it(monkeypatch):
     # On CUDA a faulting kernel raises at the next synchronizing call. Unless a case ends with one, its fault
-    # surfaces in the next case (a GPU sweep once blamed a materialize for an earlier case's illegal access).
+    # surfaces in the next case: a GPU sweep blamed a materialize for the fault of a case whose Triton kernel had
+    # raised "Triton Error [CUDA]: an illegal memory access", words that did not read as a lost context.
     from properties import Property
     from properties.verdict import Verdict
+    from search.outcome import poisons_cuda_context
 
     def fault():
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
+    def triton_raises(composition, spec, device):
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
     monkeypatch.setattr(torch.cuda, "synchronize", fault)
-    prop = Property("probe", lambda composition, spec, device: Verdict("probe", True, "ok"), "test")
-    assert prop.run(None, None, "cpu").ok  # no device to wait for
-    verdict = prop.run(None, None, "cuda")
-    assert not verdict.ok and "illegal memory access" in verdict.reason
+    passing = Property("probe", lambda composition, spec, device: Verdict("probe", True, "ok"), "test")
+    assert passing.run(None, None, "cpu").ok  # no device to wait for
+    verdict = passing.run(None, None, "cuda")
+    assert not verdict.ok and poisons_cuda_context(verdict.reason)
+    crashing = Property("probe", triton_raises, "test")
+    verdict = crashing.run(None, None, "cuda")
+    assert poisons_cuda_context(verdict.reason) and "Triton Error" in verdict.reason  # both, in the order seen
+    assert verdict.reason.index("CUDA error") < verdict.reason.index("Triton Error")
