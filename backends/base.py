@@ -89,7 +89,10 @@ class Capabilities:
     attention_kinds: frozenset[str]
     modes: frozenset[ForwardMode]  # declared explicitly: a new mode joins no backend by default
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
-    head_dims: Optional[frozenset[int]] = None  # qk head dims (MHA) it compiles for; None = any
+    head_dims: Optional[frozenset[int]] = None  # qk head dims it compiles for (MHA, lightning layers); None = any
+    # The engine builds one KV pool and one linear-attention config per model: every layer of a kind has one
+    # shape (its Layer.SHAPE fields). Our own backends size each layer's pools by the layer.
+    one_shape_per_kind: bool = False
     page_sizes: Optional[frozenset[int]] = None  # None = any
     custom_mask: bool = True
     sliding_window: bool = True
@@ -128,6 +131,9 @@ class Capabilities:
     # Unit roundoff of the kernel's matrix products for float32 inputs. Triton's default TF32 dot truncates an
     # fp32 operand to TF32's 10 explicit mantissa bits (triton-lang/triton#4574): 2**-10; tf32x3: 2**-21.
     fp32_matmul_roundoff: float = 2.0**-24
+    # The same on the CPU path, where it is finer: Triton's interpreter computes tl.dot as an exact float32 numpy
+    # product whatever its input_precision (triton/runtime/interpreter.py, create_dot). None: as on CUDA.
+    cpu_fp32_matmul_roundoff: float | None = None
     # Key or query counts at which the kernels change shape (a new key block, a KV split that becomes
     # non-empty, a prefix chunk): the strategies draw lengths at and across each (L - 1, L, L + 1), within
     # the profile's Profile.max_boundary. Compiled and interpreted configurations both listed.
@@ -166,6 +172,14 @@ class Capabilities:
         return None
 
 
+
+def _roundoffs(caps: list[Capabilities]) -> dict[str, float]:
+    """device -> the coarsest float32 matrix-product roundoff among ``caps`` there (none: float32's own)."""
+    def on(c: Capabilities, device: str) -> float:
+        cpu = c.cpu_fp32_matmul_roundoff
+        return cpu if device == "cpu" and cpu is not None else c.fp32_matmul_roundoff
+    return {device: max((on(c, device) for c in caps), default=2.0**-24) for device in ("cpu", "cuda")}
+
 @dataclass(frozen=True)
 class Support:
     """What a composition of backends supports: its leaves' declarations combined, read in one place by the
@@ -179,13 +193,13 @@ class Support:
     attention_kinds: frozenset[str]
     modes: frozenset[ForwardMode]
     dtypes: frozenset[str]
-    head_dims: Optional[frozenset[int]]
+    head_dims: Optional[frozenset[int]]  # the full-attention leaves' (MHA layers)
     page_sizes: Optional[frozenset[int]]
     sliding_window: bool
     logit_cap: bool
     mrope: bool
     cuda_graph_modes: frozenset[ForwardMode]
-    fp32_matmul_roundoff: float  # the full-attention leaves' (every leaf's when there is none)
+    fp32_matmul_roundoff: dict[str, float]  # device -> the full-attention leaves' (every leaf's when there is none)
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
@@ -195,17 +209,22 @@ class Support:
     draft_trees: bool = True
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
-    linear_fp32_matmul_roundoff: float = 2.0**-24  # the linear-attention leaves': each layer is held to its backend's
+    # device -> the linear-attention leaves': each layer is held to its own backend's precision
+    linear_fp32_matmul_roundoff: dict[str, float] = field(default_factory=dict)
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
     kv_scales: bool = True
     graph_captures_linear: bool = False  # every linear leaf's layers are captured (see Capabilities)
     prefill_graph: bool = False  # every leaf runs EXTEND batches through a breakable prefill graph
+    linear_head_dims: Optional[frozenset[int]] = None  # the linear leaves' (lightning layers)
+    one_shape_per_kind: bool = False  # any leaf's (see Capabilities)
 
-    def matmul_roundoff(self, layer_kind: str) -> float:
-        """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind``."""
-        return self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
+    def matmul_roundoff(self, layer_kind: str, device: str) -> float:
+        """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind`` on
+        ``device`` ("cpu" or "cuda")."""
+        per_device = self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
+        return per_device.get("cpu" if device == "cpu" else "cuda", 2.0**-24)
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -226,11 +245,13 @@ class Support:
         return cls(attention_kinds=frozenset().union(*(c.attention_kinds for c in caps)), modes=modes,
                    dtypes=frozenset.intersection(*(c.dtypes for c in caps)),
                    head_dims=meet([c.head_dims for c in full]), page_sizes=meet([c.page_sizes for c in caps]),
+                   linear_head_dims=meet([c.head_dims for c in linear]),
+                   one_shape_per_kind=any(c.one_shape_per_kind for c in caps),
                    sliding_window=all(c.sliding_window for c in full), logit_cap=all(c.logit_cap for c in full),
                    mrope=all(c.mrope for c in caps),
                    cuda_graph_modes=frozenset.intersection(*(c.cuda_graph_modes for c in caps)),
-                   fp32_matmul_roundoff=max(c.fp32_matmul_roundoff for c in (full or caps)),
-                   linear_fp32_matmul_roundoff=max((c.fp32_matmul_roundoff for c in linear), default=2.0**-24),
+                   fp32_matmul_roundoff=_roundoffs(full or caps),
+                   linear_fp32_matmul_roundoff=_roundoffs(linear),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
@@ -267,7 +288,16 @@ class Support:
             return f"kv_cache_dtype {spec.kv_cache_dtype} not supported"
         if not self.kv_scales and any(l.kind == "mha" and (l.k_scale != 1.0 or l.v_scale != 1.0) for l in spec.layers):
             return "KV scales other than 1 not supported"
+        if self.one_shape_per_kind:
+            for kind in sorted(spec.attention_kinds):
+                shapes = sorted({l.shape for l in spec.layers if l.kind == kind})
+                if len(shapes) > 1:
+                    return f"{kind} layers of shapes {shapes}: one shape per layer kind (the engine sizes one " \
+                           f"pool and one config per model)"
         for layer in spec.layers:
+            if layer.kind == "lightning" and self.linear_head_dims is not None \
+                    and layer.head_dim not in self.linear_head_dims:
+                return f"lightning head_dim {layer.head_dim} not supported"
             if layer.kind != "mha":
                 continue
             if self.head_dims is not None and layer.head_dim not in self.head_dims:

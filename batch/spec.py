@@ -93,6 +93,11 @@ class MHALayer:
     k_scale: float = 1.0
     v_scale: float = 1.0
     kind: str = field(default="mha", init=False)
+    SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")  # what sizes its KV pool and weights
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE)
 
     @property
     def sm_scale(self) -> float:
@@ -100,7 +105,7 @@ class MHALayer:
 
     def validate(self) -> None:
         where = f"layers[id={self.layer_id}]"
-        for name in ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim"):
+        for name in self.SHAPE:
             _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         _require(self.num_q_heads % self.num_kv_heads == 0,
                  f"{where}: num_q_heads={self.num_q_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
@@ -128,6 +133,11 @@ class MLALayer:
     v_head_dim: int = 128
     rope_theta: float = 10000.0
     kind: str = field(default="mla", init=False)
+    SHAPE = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE)
 
     @property
     def sm_scale(self) -> float:
@@ -135,7 +145,7 @@ class MLALayer:
 
     def validate(self) -> None:
         where = f"layers[id={self.layer_id}]"
-        for name in ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim"):
+        for name in self.SHAPE:
             _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
         _require(self.qk_rope_head_dim % 2 == 0, f"{where}.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
 
@@ -151,6 +161,11 @@ class LinearLayer:
     head_v_dim: int
     conv_kernel: int = 4
     kind: str = field(default="linear", init=False)
+    SHAPE = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE)
 
     @property
     def conv_dim(self) -> int:
@@ -183,6 +198,11 @@ class LightningLayer:
     num_heads: int
     head_dim: int = 128
     kind: str = field(default="lightning", init=False)
+    SHAPE = ("num_heads", "head_dim")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE)
 
     # The dtype the model hands q/k/v over in, and the layer computes in, whatever the batch's dtype
     compute_dtype = "float32"

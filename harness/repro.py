@@ -10,7 +10,7 @@ from backends.registry import parse
 from harness.options import UsageError
 from properties import PROPERTIES
 from properties.run import run_case
-from properties.tolerances import layer_bound
+from properties.tolerances import layer_bound, widen_for_cancellation
 from properties.verdict import compare, token_starts
 from search.casefile import CaseFile
 
@@ -43,7 +43,8 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
     starts = token_starts(case.spec)
     print(f"{'layer':>6} {'rel_l2':>10} {'bound':>10} {'max_abs':>10}  worst element")
     for layer, out, ref in zip(case.spec.layers, run.execution.outputs, run.reference.outputs):
-        bound = layer_bound(composition, case.spec, layer)
+        bound = widen_for_cancellation(layer_bound(composition, case.spec, layer, device), ref,
+                                       run.reference.magnitudes.get(layer.layer_id))
         c = compare(out, ref, bound, starts)
         print(f"{layer.layer_id:>6} {c.rel_l2:>10.3e} {bound.rel_l2:>10.3e} {c.max_abs:>10.3e}  "
               f"{c.where}{'' if c.ok else '  <-- out of bounds'}")

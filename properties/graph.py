@@ -76,12 +76,12 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
                           eager_case.weights, spec.mrope_sections, split_tbo=split_tbo)
         label = "replay" if attempt == 0 else "replay with new inputs"
         for layer, a, b in zip(spec.layers, replayed, eager):
-            bound = layer_bound(composition, spec, layer)
+            bound = layer_bound(composition, spec, layer, device)
             worst.add(compare(a, b.to(torch.float64), bound, starts, f"{label} layer {layer.layer_id}:"), bound)
         eager_pools = _pools(eager_case.forward_batch)
         for name, t in _pools(fb).items():
             # Slot 0 takes the padded rows' writes; every other slot must match eager execution.
-            bound = layer_bound(composition, spec, spec.layers[0])
+            bound = layer_bound(composition, spec, spec.layers[0], device)
             worst.add(compare(t[1:], eager_pools[name][1:].to(torch.float64), bound,
                               label=f"{label} pool {name}:"), bound)
     return worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "

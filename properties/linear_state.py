@@ -97,7 +97,7 @@ def verify_commits_every_position(composition: Composition, spec: BatchSpec, dev
             as_tensor(steps), as_tensor(track_slots), as_tensor(track_steps))
         written: set[int] = set()
         for layer in linear:
-            bound = layer_bound(composition, spec, layer)
+            bound = layer_bound(composition, spec, layer, device)
             ref = reference.linear_states[layer.layer_id]
             targets = [(slot, i, step, "committed") for i, (slot, step) in enumerate(zip(batch_slots, steps))]
             targets += [(slot, i, step, "tracked") for i, (slot, step) in enumerate(zip(track_slots, track_steps))

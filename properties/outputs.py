@@ -12,7 +12,7 @@ from properties.verdict import Verdict, Worst, compare, compare_outputs
 NAME = "outputs"
 
 
-def linear_state_comparisons(run: Run, composition: Composition, worst: Worst) -> None:
+def linear_state_comparisons(run: Run, composition: Composition, device: str, worst: Worst) -> None:
     """Pool states at each request's slot vs the reference (per draft position in TARGET_VERIFY)."""
     spec, pool = run.case.spec, run.case.forward_batch.mamba_pool
     slots = run.case.forward_batch.state_slots.tolist()
@@ -20,7 +20,7 @@ def linear_state_comparisons(run: Run, composition: Composition, worst: Worst) -
         if not is_recurrent(layer):
             continue
         expected = run.reference.linear_states[layer.layer_id]
-        bound = layer_bound(composition, spec, layer)
+        bound = layer_bound(composition, spec, layer, device)
         for i, slot in enumerate(slots):
             if spec.mode.is_target_verify():
                 n = spec.extend_lens[i]
@@ -40,6 +40,6 @@ def outputs_match_reference(composition: Composition, spec: BatchSpec, device: s
             return Verdict(NAME, False, f"layer {layer.layer_id} returned {out.shape[0]} rows for "
                                         f"{spec.num_tokens} query tokens")
     worst = Worst()
-    compare_outputs(run.execution.outputs, run.reference.outputs, composition, spec, worst)
-    linear_state_comparisons(run, composition, worst)
+    compare_outputs(run.execution.outputs, run.reference, composition, spec, device, worst)
+    linear_state_comparisons(run, composition, device, worst)
     return worst.verdict(NAME, "outputs and states vs float64 reference")

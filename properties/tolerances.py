@@ -6,7 +6,9 @@ error a correct backend may show is its own rounding. Let u be the unit roundoff
 matrix products run on TF32 tensor cores declares 2**-10 for them (``Capabilities.fp32_matmul_roundoff``: TF32
 keeps 10 explicit mantissa bits, and Triton truncates an fp32 operand to them, triton-lang/triton#4574),
 one using three-pass TF32 ("tf32x3": a = hi + lo, a.b ~ hi.hi + hi.lo + lo.hi, dropping lo.lo of relative
-size 2**-22) declares 2**-21, and we use the larger of the two.
+size 2**-22) declares 2**-21, and we use the larger of the two. These are the GPU's; on the CPU, Triton's
+interpreter runs tl.dot as an exact float32 product, and a backend may declare that finer precision there
+(``Capabilities.cpu_fp32_matmul_roundoff``), so CPU CI keeps its sensitivity instead of inheriting TF32's.
 
 * Relative L2 error of a layer's output <= ``REL_L2_FACTOR * u + sqrt(L) * 2**-24``. Four roundings of
   relative size u sit between the reference and a correct kernel: q and k are rounded to the dtype after
@@ -24,9 +26,13 @@ size 2**-22) declares 2**-21, and we use the larger of the two.
   convex combination (scores are not normalised), but each path to it chains the same four operand roundings as
   softmax attention (q and k before the score product, the score and v before the value product; the carried
   state and the query for the state read), each a relative error of at most u of its term. For a signed sum
-  that bounds the error relative to the sum of the terms' sizes, not to the sum; the rounding errors are
-  independent, so error and sum both grow as sqrt(L) and 4u holds as it does for softmax attention. Measured on
-  an H100: at most 1.1e-3 (80 lightning-only batches of every mode) against 4 * 2**-10 = 3.9e-3.
+  that bounds the error relative to the terms' sizes, not to the sum. Independent roundings grow as the root
+  sum of squares of the terms, as the sum itself does when nothing cancels, so 4u holds as it does for softmax
+  attention; where the terms cancel (a short request whose q.k scores nearly vanish), the output is small beside
+  them, and the bound is widened by ||RSS of the terms|| / ||output|| (``widen_for_cancellation``; the reference
+  computes the RSS, ``term_magnitudes``), never narrowed. Without it a one-token request failed on the CPU at 1.06
+  of float32's bound: its output 0.4e-6 off, and 10 times smaller than its terms (widened: 0.10). Measured on an H100: at most
+  1.1e-3 (80 lightning-only batches of every mode) against 4 * 2**-10 = 3.9e-3.
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -89,6 +95,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from backends.registry import Composition
 from batch.spec import BatchSpec, Layer, LightningLayer, MHALayer, MLALayer
 
@@ -121,11 +129,12 @@ def output_bound(dtype: str, reduction_len: int, fp32_matmul_roundoff: float = 2
                  f"(sqrt(L)+sqrt(D))*2^-24*max|ref|")
 
 
-def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Bound:
-    """The output bound of one layer: its dtype, the longest reduction, the kernels' matmul precision."""
+def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device: str) -> Bound:
+    """The output bound of one layer on ``device``: its dtype, the longest reduction, the kernels' matmul
+    precision there."""
     support = composition.support()
     reduction = max(spec.kv_lens, default=1)
-    bound = output_bound(input_dtype(spec, layer), reduction, support.matmul_roundoff(layer.kind),
+    bound = output_bound(input_dtype(spec, layer), reduction, support.matmul_roundoff(layer.kind, device),
                          inner_dim=score_dot_len(layer))
     cap = getattr(layer, "logit_cap", None)
     if cap and support.softcap_via_sigmoid:
@@ -133,6 +142,21 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Boun
         bound = Bound(bound.rel_l2 + extra, bound.element + extra,
                       f"{bound.reason}; + 2*cap*2^-24 = {extra:.2g} (soft-cap tanh via sigmoid, cap {cap:g})")
     return bound
+
+
+def widen_for_cancellation(bound: Bound, expected: torch.Tensor, magnitudes: torch.Tensor | None) -> Bound:
+    """``bound`` times ||magnitudes|| / ||expected|| where that exceeds 1 (module docstring): ``magnitudes`` is
+    the root sum of squares of the terms each element of ``expected`` sums (None: a layer whose outputs are
+    convex combinations, which cannot cancel)."""
+    if magnitudes is None or expected.numel() == 0:
+        return bound
+    size, norm = torch.stack([torch.linalg.vector_norm(magnitudes.to(torch.float64)),
+                              torch.linalg.vector_norm(expected.to(torch.float64))]).tolist()
+    if norm == 0.0 or size <= norm:
+        return bound
+    factor = size / norm
+    return Bound(bound.rel_l2 * factor, bound.element * factor,
+                 f"{bound.reason}; x{factor:.3g}: the terms' RSS over the output (cancellation)")
 
 
 def input_dtype(spec: BatchSpec, layer: Layer) -> str:
@@ -154,14 +178,14 @@ def score_dot_len(layer: Layer) -> int:
 BRANCH_ROUNDINGS = 2  # per run: the probabilities before P.V and the output (q, k are shared by both runs)
 
 
-def branch_bound(composition: Composition, spec: BatchSpec, layer: Layer) -> Bound:
+def branch_bound(composition: Composition, spec: BatchSpec, layer: Layer, device: str) -> Bound:
     """The bound between a draft-tree node's output and its branch's as a chain (module docstring): two
     runs of one backend on the same rotated inputs."""
     support = composition.support()
     dtype = input_dtype(spec, layer)
     u = UNIT_ROUNDOFF[dtype]
     if dtype == "float32":
-        u = max(u, support.matmul_roundoff(layer.kind))
+        u = max(u, support.matmul_roundoff(layer.kind, device))
     runs = 2
     acc = runs * (math.sqrt(max(max(spec.kv_lens, default=1), 1)) + math.sqrt(score_dot_len(layer))) \
         * ACCUMULATION_ROUNDOFF

@@ -115,7 +115,7 @@ def tree_branch_equals_chain(composition: Composition, spec: BatchSpec, device: 
         mine = torch.tensor([r for r, *_ in rows], dtype=torch.int64)
         nodes = torch.tensor([i * D + node for _, i, node, _ in rows], dtype=torch.int64)
         for layer, out_tree, out_path in zip(spec.layers, tree.outputs, outs):
-            bound = branch_bound(composition, spec, layer)
+            bound = branch_bound(composition, spec, layer, device)
             c = compare(out_path[mine.to(out_path.device)], out_tree[nodes.to(out_tree.device)].to(torch.float64),
                         bound)
             if c.index:  # row k of the comparison is rows[k]: name its request and node

@@ -8,7 +8,8 @@ import torch
 
 from backends.registry import Composition
 from batch.spec import BatchSpec
-from properties.tolerances import Bound, layer_bound
+from properties.tolerances import Bound, layer_bound, widen_for_cancellation
+from reference.batch import ReferenceResult
 
 
 @dataclass
@@ -116,9 +117,10 @@ class Worst:
         return Verdict(name, self.ok, reason, c.rel_l2, bound.rel_l2, c.where, details)
 
 
-def compare_outputs(outputs: list[torch.Tensor], reference: list[torch.Tensor], composition: Composition,
-                    spec: BatchSpec, worst: Worst, label: str = "") -> None:
+def compare_outputs(outputs: list[torch.Tensor], reference: ReferenceResult, composition: Composition,
+                    spec: BatchSpec, device: str, worst: Worst, label: str = "") -> None:
     starts = token_starts(spec)
-    for layer, out, ref in zip(spec.layers, outputs, reference):
-        worst.add(compare(out, ref, layer_bound(composition, spec, layer), starts,
-                          f"{label}layer {layer.layer_id}:"), layer_bound(composition, spec, layer))
+    for layer, out, ref in zip(spec.layers, outputs, reference.outputs):
+        bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), ref,
+                                       reference.magnitudes.get(layer.layer_id))
+        worst.add(compare(out, ref, bound, starts, f"{label}layer {layer.layer_id}:"), bound)

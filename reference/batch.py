@@ -9,7 +9,7 @@ so a wrong position, slot or split on the backend side shows up as a difference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +39,9 @@ class LinearStates:
 class ReferenceResult:
     outputs: list[torch.Tensor]  # one per layer, [T, H, Dv] in the reference dtype
     linear_states: dict[int, LinearStates]  # by layer id
+    # By layer id, for layers whose outputs are signed sums (lightning): the root sum of squares of each output
+    # element's terms (reference/lightning.py, term_magnitudes), which the tolerances measure cancellation by
+    magnitudes: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # A group of requests may be padded to at most this many times the attention scores its requests need, or
@@ -224,6 +227,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
     spec = case.spec
     outputs: list[torch.Tensor] = []
     linear_states: dict[int, LinearStates] = {}
+    magnitudes: dict[int, torch.Tensor] = {}
     groups = [PaddedBatch.build(case, g) for g in request_groups(spec, case.device)]
     rope = _Rope(case)
     pool = case.kv_pool_before
@@ -234,7 +238,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
             out, linear_states[layer.layer_id] = _linear_layer(case, layer, t, wt, dtype)
             outputs.append(out)
         elif layer.kind == "lightning":
-            out, linear_states[layer.layer_id] = _lightning_layer(case, layer, t, dtype)
+            out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _lightning_layer(case, layer, t, dtype)
             outputs.append(out)
         elif not groups:  # an idle batch
             outputs.append(_empty(layer, dtype, case.device))
@@ -274,7 +278,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                         nope, pe, ckv, kpe, wt["w_kc"], wt["w_vc"], visible, sm_scale=layer.sm_scale),
                     (g.queries(q_nope), g.queries(q_pe)), g.visible))
             outputs.append(_in_batch_order(groups, padded))
-    return ReferenceResult(outputs, linear_states)
+    return ReferenceResult(outputs, linear_states, magnitudes)
 
 
 def fp8_grid(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
@@ -314,29 +318,33 @@ def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, t
 
 
 def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch.dtype
-                     ) -> tuple[torch.Tensor, LinearStates]:
+                     ) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
     """One lightning-attention layer, request by request, from each request's carried state (none without a
-    prefix: a fresh request starts from zeros)."""
+    prefix: a fresh request starts from zeros); with its outputs' term magnitudes."""
     spec = case.spec
     verify = spec.mode.is_target_verify()
     states = LinearStates([], [], [] if verify else None, [] if verify else None)
     decay = lightning.decay_rates(layer.num_heads, layer.layer_id, spec.num_model_layers).to(case.device)
     pool = case.mamba_pool_before.ssm_states[layer.layer_id]
     no_conv = t["v"].new_zeros(0, 0)
-    per_request, start = [], 0
+    per_request, magnitudes, start = [], [], 0
     for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
         rows = slice(start, start + spec.extend_lens[i])
         start = rows.stop
-        res = lightning.lightning_attention(
-            t["q"][rows], t["k"][rows], t["v"][rows], decay, scale=layer.scale,
-            initial_state=pool[slot].to(dtype) if spec.prefix_lens[i] > 0 else None, keep_states=verify)
+        carried = pool[slot].to(dtype) if spec.prefix_lens[i] > 0 else None
+        res = lightning.lightning_attention(t["q"][rows], t["k"][rows], t["v"][rows], decay, scale=layer.scale,
+                                            initial_state=carried, keep_states=verify)
         per_request.append(res.o)
+        magnitudes.append(lightning.term_magnitudes(t["q"][rows], t["k"][rows], t["v"][rows], decay,
+                                                    scale=layer.scale, initial_state=carried))
         states.conv.append(no_conv)
         states.ssm.append(res.state)
         if verify:
             states.conv_steps.append(t["v"].new_zeros(rows.stop - rows.start, 0, 0))
             states.ssm_steps.append(res.states)
-    return (torch.cat(per_request) if per_request else _empty(layer, dtype, case.device)), states
+    if not per_request:
+        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
+    return torch.cat(per_request), states, torch.cat(magnitudes)
 
 
 def _empty(layer, dtype, device) -> torch.Tensor:

@@ -81,6 +81,17 @@ def lightning_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay
     return LightningResult(o, S, kept)
 
 
+def term_magnitudes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *, scale: float,
+                    initial_state: torch.Tensor | None = None) -> torch.Tensor:
+    """Per output element, the root sum of squares of the terms :func:`lightning_attention` adds up for it
+    (``scale * q_t[i] * k_s[i] * v_s * exp(-lambda * (t - s))``, and the carried state's): the size the output
+    would have without cancellation. The output is a signed sum, not a convex combination, so where its terms
+    cancel it is small beside them, and so is any relative error measured against it. Each term squared is the
+    same recurrence over squared inputs with twice the decay."""
+    sq = None if initial_state is None else initial_state.to(v.dtype) ** 2
+    return lightning_attention(q * q, k * k, v * v, 2 * decay, scale=scale**2, initial_state=sq).o.sqrt()
+
+
 def lightning_attention_closed_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, *,
                                     scale: float, initial_state: torch.Tensor | None = None) -> torch.Tensor:
     """The same outputs as :func:`lightning_attention`, written as one sum per token (no state update): a second

@@ -284,3 +284,40 @@ def test_lightning_hybrids_verify_chains_only():
     assert c.unsupported_reason(tree) == "draft trees (topk > 1) not supported: verify chains only"
     assert strategy_options(c, PROFILES["ci"], "cpu")["chain"]
     assert not strategy_options(parse("hybrid(sglang.triton,sglang.gdn)"), PROFILES["ci"], "cpu")["chain"]
+
+
+@needs_sglang
+def test_lightning_layers_are_held_to_the_precision_of_the_device_they_run_on():
+    # seg_la's float32 dots are TF32 on an NVIDIA GPU, exact float32 in Triton's interpreter. Holding the CPU to
+    # TF32's bound let the fp8 decode finding pass CPU CI's prefill-then-decode rows at 0.97 of the bound.
+    from properties.tolerances import layer_bound
+    c = parse("hybrid(sglang.triton,sglang.lightning)")
+    spec = BatchSpec(ForwardMode.EXTEND, (3,), (5,), (LightningLayer(0, 2), MHALayer(1, 4, 2, 16, 16)),
+                     dtype="float32")
+    lightning, mha = spec.layers
+    assert c.support().matmul_roundoff("lightning", "cuda") == 2.0**-10
+    assert c.support().matmul_roundoff("lightning", "cpu") == 2.0**-24
+    assert layer_bound(c, spec, lightning, "cpu").rel_l2 < layer_bound(c, spec, lightning, "cuda").rel_l2 / 1000
+    # the full layers keep SGLang Triton's own declaration (tf32x3) on both
+    assert layer_bound(c, spec, mha, "cpu") == layer_bound(c, spec, mha, "cuda")
+
+
+@needs_sglang
+def test_shapes_sglang_cannot_build_are_refused_in_one_line_not_blamed_on_it(tmp_path, capsys):
+    # SGLang sizes one KV pool and one linear config per model, and seg_la's decode splits the key dim in blocks
+    # of 128. A hand-written case outside that used to crash inside the adapter or seg_la and read as a finding.
+    from harness.cli import main
+    from search.casefile import CaseFile
+    mixed_mha = BatchSpec(ForwardMode.EXTEND, (2,), (3,), (MHALayer(0, 4, 2, 16, 16), MHALayer(1, 4, 2, 32, 32)))
+    mixed_lightning = BatchSpec(ForwardMode.EXTEND, (5,), (3,), (LightningLayer(0, 2), LightningLayer(1, 4),
+                                                               MHALayer(2, 4, 2, 16, 16)))
+    narrow = BatchSpec(ForwardMode.DECODE, (5,), (1,), (LightningLayer(0, 2, 64), MHALayer(1, 4, 2, 16, 16)))
+    hybrid = parse("hybrid(sglang.triton,sglang.lightning)")
+    assert "mha layers of shapes [(4, 2, 16, 16), (4, 2, 32, 32)]" in parse("sglang.triton").unsupported_reason(mixed_mha)
+    assert "lightning layers of shapes [(2, 128), (4, 128)]" in hybrid.unsupported_reason(mixed_lightning)
+    assert hybrid.unsupported_reason(narrow) == "lightning head_dim 64 not supported"
+    assert parse("torch_native").unsupported_reason(mixed_mha) is None  # ours sizes each layer's pool by the layer
+    case = CaseFile(str(hybrid), "outputs", narrow, "cpu", "ci").write(tmp_path / "case.json")
+    assert main(["repro", str(case)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "head_dim 64" in err[0], err

@@ -429,6 +429,7 @@ class SglangTorchNative(SglangBackend):
         # num_tokens_per_req = num_draft_tokens): the batches the adapter translates are drawn that way.
         fixed_width_draft_extend=True,
         engine="sglang",
+        one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         empty_extend=True,  # its per-request SDPA loop takes a request with no new tokens
     )
@@ -464,6 +465,7 @@ class SglangTriton(SglangBackend):
         kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
         fixed_width_draft_extend=True,  # EAGLE v2's draft extend, as for SglangTorchNative
         engine="sglang",
+        one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
         wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
         length_boundaries=SGLANG_TRITON_BOUNDARIES,
         verify_window=True,  # declared, so a disagreement is a finding (see docs/findings/)
@@ -518,6 +520,7 @@ class SglangGdn(_LinearChild):
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
         cpu_gaps=LINEAR_CHILD_CPU_GAPS,
         engine="sglang",
+        one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
     )
 
 
@@ -543,6 +546,13 @@ class SglangLightning(_LinearChild):
         # passes none), whose operands Triton truncates: 2^-10 (properties/tolerances.py). Measured on the H100
         # (2026-11-24): rel_l2 at most 1.1e-3 over 80 lightning-only batches of every mode, 9.6e-4 in verify_chain.
         fp32_matmul_roundoff=2.0**-10,
+        # The interpreter's dots are exact float32: held to float32's own bound on the CPU. Measured there
+        # (2026-11-24, ~250 ci-profile cases of every mode and property over hybrid, tbo and
+        # graph compositions): at most 0.29 of that bound, once the ledger's known fp8 decode cases are set aside.
+        cpu_fp32_matmul_roundoff=2.0**-24,
+        # seg_la's decode splits the key dim in blocks of 128 (HEAD_DIM // 128 of them, seg_la.py:671-682) and its
+        # prefill takes tl.arange(0, HEAD_DIM): powers of two from 128. Ling's is 128.
+        head_dims=frozenset({128, 256}),
         # Built with speculative_eagle_topk > 1 it raises: seg_la verifies a draft as a chain
         # (lightning_backend.py:82-93). A Bailing model is served with topk 1.
         draft_trees=False,
@@ -551,6 +561,7 @@ class SglangLightning(_LinearChild):
         slow_on_cpu="the interpreted seg_la kernels take seconds a case (head dim 128, a program per 32x32 block)",
         cpu_gaps=LINEAR_CHILD_CPU_GAPS,
         engine="sglang",
+        one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
     )
 
 

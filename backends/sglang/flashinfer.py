@@ -78,6 +78,7 @@ class SglangFlashInfer(SglangBackend):
         devices=frozenset({"cuda"}),
         requires=("sglang", "flashinfer"),
         engine="sglang",
+        one_shape_per_kind=True,  # one KV pool per model (runtime.py)
     )
 
     def planned_metadata(self) -> PlannedMetadata:
@@ -134,6 +135,7 @@ class SglangFlashInferMLA(SglangBackend):
         devices=frozenset({"cuda"}),
         requires=("sglang", "flashinfer"),
         engine="sglang",
+        one_shape_per_kind=True,  # one KV pool per model (runtime.py)
     )
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:

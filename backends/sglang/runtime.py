@@ -290,10 +290,6 @@ _IDLE_LINEAR_SHAPES = {
 }
 
 
-def _linear_shape(layer) -> tuple[int, ...]:
-    if layer.kind == "lightning":
-        return (layer.num_heads, layer.head_dim)
-    return (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel)
 # The KV pool shape a model without MHA layers still hands the full-attention child (which never runs).
 _IDLE_MHA_SHAPE = (1, 1, 16, 16)
 
@@ -311,7 +307,7 @@ class HybridModel:
     @classmethod
     def of(cls, runner: ModelRunner, draft_worker: bool, linear_kind: str) -> "HybridModel":
         linear = [l for l in runner.layers if l.kind == linear_kind]
-        shape = _linear_shape(linear[0]) if linear else _IDLE_LINEAR_SHAPES[linear_kind]
+        shape = _one_shape(linear) if linear else _IDLE_LINEAR_SHAPES[linear_kind]
         if draft_worker:
             # An MTP draft runs one full layer, id 0, but its runner carries the target model's config
             # (Qwen3-Next: every fourth layer is full, ids 3, 7, ...); SGLang builds the draft's hybrid wrapper
@@ -367,18 +363,19 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
     return cfg
 
 
-def _one_shape(layers, fields: tuple[str, ...]):
-    """The one value of ``fields`` every layer shares (SGLang models have one KV pool shape)."""
-    shapes = {tuple(getattr(l, f) for f in fields) for l in layers}
+def _one_shape(layers) -> tuple[int, ...]:
+    """The one shape (``Layer.SHAPE``) the layers share: SGLang sizes one KV pool and one linear config per model
+    (declared, ``Capabilities.one_shape_per_kind``: a batch of mixed shapes is refused before it gets here)."""
+    shapes = {l.shape for l in layers}
     if len(shapes) > 1:
-        raise ValueError(f"one KV pool shape per model, got {sorted(shapes)}")
+        raise ValueError(f"one shape per layer kind, got {sorted(shapes)}")
     return shapes.pop()
 
 
 def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):  # dtype: the KV cache's (fp8 or the model's)
     """SGLang's ``MHATokenToKVPool`` over the harness's buffers (shared storage); the model config. A hybrid
     model whose batch has no MHA layer gets a placeholder pool its full child is built over and never reads."""
-    hq, hk, d, dv = _one_shape(layers, ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")) if layers \
+    hq, hk, d, dv = _one_shape(layers) if layers \
         else _IDLE_MHA_SHAPE
     page_size, pool = runner.page_size, runner.token_to_kv_pool
     slots = next(iter(pool.k_buffers.values())).shape[0] if pool.k_buffers else 2 * page_size
@@ -401,7 +398,7 @@ def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):  # dtype: t
 def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
     """SGLang's ``MLATokenToKVPool`` over the harness's latent buffers (``[slots, 1, kv_lora_rank + rope]``,
     the same layout; shared storage); the model config."""
-    _one_shape(layers, ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim"))
+    _one_shape(layers)
     page_size, pool = runner.page_size, runner.token_to_kv_pool
     slots = next(iter(pool.k_buffers.values())).shape[0]
     layer_num = max(l.layer_id for l in layers) + 1

@@ -43,9 +43,9 @@ def test_a_correct_backend_passes_on_trees_with_a_window(device):
 
 
 def test_the_bound_is_two_roundings_of_two_runs():
-    bound = branch_bound(parse("torch_native"), SPEC, SPEC.layers[0])
+    bound = branch_bound(parse("torch_native"), SPEC, SPEC.layers[0], "cuda")
     u = UNIT_ROUNDOFF["float32"]
     # two roundings of two runs (4u) and the accumulation of both runs over L = 16 keys of D = 32
     assert bound.rel_l2 == pytest.approx(4 * u + 2 * (16**0.5 + 32**0.5) * 2**-24, rel=1e-12)
-    bf16 = branch_bound(parse("torch_native"), dataclasses.replace(SPEC, dtype="bfloat16"), SPEC.layers[0])
+    bf16 = branch_bound(parse("torch_native"), dataclasses.replace(SPEC, dtype="bfloat16"), SPEC.layers[0], "cuda")
     assert abs(bf16.rel_l2 - 4 * 2**-8) < 1e-5

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from properties.tolerances import Bound
@@ -56,3 +57,12 @@ def test_an_asynchronous_kernel_fault_is_the_case_that_launched_it(monkeypatch):
     verdict = crashing.run(None, None, "cuda")
     assert poisons_cuda_context(verdict.reason) and "Triton Error" in verdict.reason  # both, in the order seen
     assert verdict.reason.index("CUDA error") < verdict.reason.index("Triton Error")
+
+
+def test_a_bound_widens_by_as_much_as_the_terms_cancel_and_never_narrows():
+    from properties.tolerances import widen_for_cancellation
+    out = torch.tensor([[3.0, 4.0]], dtype=torch.float64)  # norm 5
+    cancelled = widen_for_cancellation(BOUND, out, torch.tensor([[30.0, 40.0]], dtype=torch.float64))
+    assert cancelled.rel_l2 == pytest.approx(10 * BOUND.rel_l2) and cancelled.element == pytest.approx(10 * BOUND.element)
+    assert widen_for_cancellation(BOUND, out, torch.tensor([[1.0, 1.0]], dtype=torch.float64)) == BOUND
+    assert widen_for_cancellation(BOUND, out, None) == BOUND  # a convex combination cannot cancel

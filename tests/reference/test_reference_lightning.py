@@ -50,6 +50,24 @@ def test_a_state_carried_across_a_split_equals_one_pass():
     torch.testing.assert_close(second.state, whole.state, rtol=1e-12, atol=1e-12)
 
 
+def test_term_magnitudes_are_the_root_sum_of_squares_of_each_outputs_terms():
+    # Written out term by term from the closed form: scale * q_t.k_s * v_s * e^-lambda(t-s) summed over key dims
+    # and tokens, and the carried state's scale * q_t[i] * S0[i] * e^-lambda(t+1) over key dims.
+    T, H, K, V = 4, 2, 3, 2
+    q, k, v, s0 = rand(T, H, K, seed=11), rand(T, H, K, seed=12), rand(T, H, V, seed=13), rand(H, K, V, seed=14)
+    decay = torch.tensor([0.7, 0.1], dtype=F64)
+    got = lightning.term_magnitudes(q, k, v, decay, scale=0.4, initial_state=s0)
+    want = torch.zeros(T, H, V, dtype=F64)
+    for t in range(T):
+        for h in range(H):
+            for j in range(V):
+                terms = [0.4 * q[t, h, i] * k[s, h, i] * v[s, h, j] * math.exp(-decay[h] * (t - s))
+                         for s in range(t + 1) for i in range(K)]
+                terms += [0.4 * q[t, h, i] * s0[h, i, j] * math.exp(-decay[h] * (t + 1)) for i in range(K)]
+                want[t, h, j] = math.sqrt(sum(float(x) ** 2 for x in terms))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=0)
+
+
 def test_a_state_passed_in_is_not_aliased():
     state = rand(1, 2, 2, seed=8)
     before = state.clone()
