@@ -63,13 +63,19 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
 
 
-def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
+def _tbo_linear_plain_cut(spec: BatchSpec, verdict: Verdict) -> bool:
     """An extend batch with linear layers (GDN or lightning) that SGLang's splitter cuts between requests (not
-    two-chunk), and the failure is in a linear layer: an out-of-bounds read by its kernels (GDN's conv, lightning's
-    seg_la; the interpreter's bounds checker on the CPU, an illegal memory access on CUDA), or its outputs."""
+    two-chunk): its second half's linear kernels index their tokens with start locations that were not rebased."""
     if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
         return False
-    if not any(is_recurrent(layer) for layer in spec.layers) or two_chunk_split_enabled(list(spec.extend_lens)):
+    return any(is_recurrent(layer) for layer in spec.layers) and not two_chunk_split_enabled(list(spec.extend_lens))
+
+
+def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A plainly cut batch with linear layers (``_tbo_linear_plain_cut``), and the failure is in a linear layer: an
+    out-of-bounds access by its kernels (GDN's conv, lightning's seg_la; the interpreter's bounds checker on the
+    CPU, an illegal memory access on CUDA), or its outputs."""
+    if not _tbo_linear_plain_cut(spec, verdict):
         return False
     layer = _failing_layer(spec, verdict)
     out_of_bounds = "OutOfBounds" in verdict.reason or "illegal memory access" in verdict.reason
@@ -197,6 +203,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "idle_lightning_layer": _idle_lightning_layer,
     "lightning_single_token_verify": _lightning_single_token_verify,
     "tbo_verify_tensor_token_blocks": _tbo_verify_tensor_token_blocks,
+    "tbo_linear_plain_cut": _tbo_linear_plain_cut,
 }
 
 
@@ -215,13 +222,16 @@ class KnownFailure:
     upstream: str
     reason: str
     triage: str  # the docs/findings/ page
+    devices: tuple[str, ...] = ()  # empty: every device
 
     def covers(self, composition: str, mode: str, prop: str) -> bool:
         return (fnmatch.fnmatchcase(composition, self.composition) and prop in self.properties
                 and (not self.modes or mode in self.modes))
 
-    def matches(self, composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict) -> bool:
-        return not verdict.ok and self.covers(composition, mode, prop) and CONDITIONS[self.condition](spec, verdict)
+    def matches(self, composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict,
+                device: str) -> bool:
+        return (not verdict.ok and self.covers(composition, mode, prop)
+                and (not self.devices or device in self.devices) and CONDITIONS[self.condition](spec, verdict))
 
     @property
     def case_path(self) -> Path:
@@ -231,15 +241,17 @@ class KnownFailure:
 def parse_ledger(text: str) -> list[KnownFailure]:
     entries = []
     for i, d in enumerate(tomllib.loads(text).get("known", [])):
-        fields = {"id", "composition", "properties", "modes", "condition", "case", "upstream", "reason", "triage"}
-        missing, unknown = fields - {"modes"} - set(d), set(d) - fields
+        fields = {"id", "composition", "properties", "modes", "condition", "case", "upstream", "reason", "triage",
+                  "devices"}
+        missing, unknown = fields - {"modes", "devices"} - set(d), set(d) - fields
         if missing or unknown:
             raise LedgerError(f"known[{i}]: missing {sorted(missing)} / unknown {sorted(unknown)} field(s)")
         if d["condition"] not in CONDITIONS:
             raise LedgerError(f"known[{i}] ({d['id']}): unknown condition {d['condition']!r}; "
                               f"known: {', '.join(CONDITIONS)}")
         entries.append(KnownFailure(d["id"], d["composition"], tuple(d["properties"]), tuple(d.get("modes", ())),
-                                    d["condition"], d["case"], d["upstream"], d["reason"], d["triage"]))
+                                    d["condition"], d["case"], d["upstream"], d["reason"], d["triage"],
+                                    tuple(d.get("devices", ()))))
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise LedgerError(f"ledger ids repeat: {ids}")
@@ -251,14 +263,15 @@ def known_failures() -> tuple[KnownFailure, ...]:
     return tuple(parse_ledger(LEDGER.read_text())) if LEDGER.exists() else ()
 
 
-def match(composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict) -> KnownFailure | None:
+def match(composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict,
+          device: str = "cpu") -> KnownFailure | None:
     """The ledger entry that explains this failing case, or None (then it is a finding).
 
     A verdict that failed several comparisons (properties.verdict.Worst: ``details["failing"]``) is known only if
     an entry explains each of them, judged one at a time as if it were the worst: a known bug in one layer must not
     hide a new one in another layer of the same batch. The entry returned is the one for the worst comparison."""
     def explained(part: Verdict) -> KnownFailure | None:
-        return next((e for e in known_failures() if e.matches(composition, mode, prop, spec, part)), None)
+        return next((e for e in known_failures() if e.matches(composition, mode, prop, spec, part, device)), None)
     failing = verdict.details.get("failing", ())
     parts = [dataclasses.replace(verdict, where=where, worst_error=error, bound=bound)
              for where, error, bound in failing] if len(failing) > 1 else [verdict]

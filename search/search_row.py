@@ -88,7 +88,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         result.cases += 1
         poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
         known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
-                                                      spec, verdict)
+                                                      spec, verdict, device)
         if known is not None:  # triaged and reported: counted, and the search goes on for anything else
             result.known[known.id] = result.known.get(known.id, 0) + 1
             if poisoned:  # ... unless it left the context unusable: every later case would fail with it

@@ -46,9 +46,11 @@ def test_entry_still_fails_as_described(entry, device):
     reason = composition.unavailable_reason(device)
     if reason:
         pytest.skip(f"{entry.id}: {reason}")
+    if entry.devices and device not in entry.devices:
+        pytest.skip(f"{entry.id}: known on {'/'.join(entry.devices)} only")
     verdict = PROPERTIES[case.property].run(composition, case.spec, device)
     assert not verdict.ok, f"{entry.id} no longer fails: the bug is fixed upstream; remove the entry ({verdict})"
-    assert entry.matches(case.composition, case.spec.mode.value, case.property, case.spec, verdict), \
+    assert entry.matches(case.composition, case.spec.mode.value, case.property, case.spec, verdict, device), \
         f"{entry.id}: its case fails differently now: {verdict}"
 
 
@@ -161,3 +163,20 @@ def test_tbo_verify_token_blocks_is_known_only_for_the_compile_error_at_long_con
     assert ledger.match("tbo(sglang.flashinfer)", "target_verify", "outputs", long, crash) is not None
     assert ledger.match("tbo(sglang.flashinfer)", "target_verify", "outputs", short, crash) is None
     assert ledger.match("sglang.flashinfer", "target_verify", "outputs", long, crash) is None  # TBO only
+
+
+def test_tbo_start_loc_explains_any_failure_of_a_plainly_cut_linear_batch_on_cuda_only():
+    # On CUDA the unrebased start locations make GDN's kernels write past the half's tensors, so a full layer's
+    # output or KV buffer can be the casualty (H100, 2026-11-24); on the CPU the interpreter stops at the first
+    # out-of-bounds access, and only failures in the linear layers (or that access) are this bug.
+    from batch.spec import LinearLayer
+    layers = (MHALayer(0, 4, 2, 32, 32), LinearLayer(1, 2, 4, 16, 16))
+    plain = BatchSpec(ForwardMode.EXTEND, (0, 0, 0), (40, 3, 41), layers)
+    two_chunk = BatchSpec(ForwardMode.EXTEND, (0,), (80,), layers)
+    full_nan = Verdict("outputs", False, "out of bounds", float("nan"), 0.0156, "layer 0: request 0, token 0, head 0")
+    term = "tbo(hybrid(sglang.triton,sglang.gdn))"
+    cuda = ledger.match(term, "extend", "outputs", plain, full_nan, "cuda")
+    assert cuda is not None and cuda.id == "sglang-tbo-linear-child-start-loc-cuda-writes"
+    assert ledger.match(term, "extend", "outputs", plain, full_nan, "cpu") is None
+    assert ledger.match(term, "extend", "outputs", two_chunk, full_nan, "cuda") is None  # a single request: no cut
+    assert ledger.match("tbo(sglang.triton)", "extend", "outputs", plain, full_nan, "cuda") is None  # no hybrid
