@@ -360,8 +360,8 @@ class Sweep:
         if task.stopping or code == 0:
             return
         if code == EXIT_CONTEXT_POISONED:
-            self.progress.event(f"{task.composition}: the CUDA context is unusable after a failure; "
-                                f"its remaining rows go to a fresh process")
+            self.progress.event(f"{task.composition}: the process is unusable after a failure (a lost CUDA "
+                                f"context, or a known bug's stray writes); its remaining rows go to a fresh process")
             return
         from harness.mutants.run import exit_description
 

@@ -6,6 +6,7 @@ their rows from ``PROPERTIES`` and ``applies``.
 
 from __future__ import annotations
 
+import dataclasses
 import traceback
 from dataclasses import dataclass
 from typing import Callable
@@ -71,7 +72,7 @@ class Property:
         On CUDA the case ends by waiting for its kernels, whatever its verdict: a kernel fault is reported
         asynchronously, and unless this case asks, the next case's first launch reports it. The device's answer
         is also the one reliable word on whether the context is still usable: a Triton launcher reports a fault
-        in its own words ("Triton Error [CUDA]: ..."), after which every CUDA call fails."""
+        in its own words ("Triton Error [CUDA]: ..."), and only the synchronize after it says "CUDA error"."""
         try:
             verdict = self.check(composition, spec, device)
         except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
@@ -81,7 +82,7 @@ class Property:
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - a fault of this case's kernels: the context is lost
                 before = "" if verdict.ok else f"; before it, the case had failed: {verdict.reason}"
-                verdict = Verdict(self.name, False, _crash(e) + before)
+                verdict = dataclasses.replace(verdict, ok=False, reason=_crash(e) + before)
         return verdict
 
 

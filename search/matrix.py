@@ -81,6 +81,10 @@ def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> st
         wanted = " or ".join(d for d in (profile.dtype, profile.fallback_dtype) if d)
         where = " on the CPU" if device == "cpu" and profile.dtype in support.dtypes else ""
         return f"does not support the profile's dtype {wanted}{where}"
+    if "lightning" in support.attention_kinds and support.linear_head_dims is not None \
+            and profile.lightning[1] not in support.linear_head_dims:
+        return (f"does not support the profile's lightning head_dim {profile.lightning[1]} "
+                f"(declares {sorted(support.linear_head_dims)})")
     if "mha" in support.attention_kinds and not options["head_configs"]:
         dims = sorted({h[2] for h in profile.heads})
         return f"supports none of the profile's head_dims {dims} (declares {sorted(support.head_dims)})"

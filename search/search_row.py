@@ -91,7 +91,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
                                                       spec, verdict, device)
         if known is not None:  # triaged and reported: counted, and the search goes on for anything else
             result.known[known.id] = result.known.get(known.id, 0) + 1
-            if poisoned:  # ... unless it left the context unusable: every later case would fail with it
+            if poisoned or known.corrupts_process:  # ... unless it left the context (or memory) unusable
                 result.context_poisoned = True
                 raise ContextPoisoned
             return

@@ -128,3 +128,23 @@ def test_a_supervisor_sees_only_finished_pending_cases(tmp_path):
     (tmp_path / ".tmp-abc.json").write_text("{")
     assert pending_cases(tmp_path) == [old, new]
     assert modified(tmp_path / "gone.json") is None
+
+
+def test_a_known_bug_that_writes_outside_its_tensors_ends_the_rows_process(tmp_path, monkeypatch):
+    # After a match of a ledger entry whose kernels corrupt memory (corrupts_process), the cases after it in the
+    # same process could fail anywhere: the row stops and reports a lost process, as after a lost CUDA context.
+    import dataclasses
+
+    from search import ledger
+    entry = next(e for e in ledger.known_failures() if e.corrupts_process)
+    calls: list = []
+    row = _slow_failing_row(calls, tmp_path, 0.0)
+    monkeypatch.setattr(ledger, "match", lambda *args: entry)
+    result = search_row(row, PROFILES["ci"], "cpu", max_examples=50, out_dir=tmp_path, shrink_seconds=0)
+    assert result.context_poisoned and result.known == {entry.id: 1}
+    assert len([spec for spec, _ in calls if spec.num_tokens >= 2]) == 1  # nothing ran after the match
+    harmless = dataclasses.replace(entry, corrupts_process=False)
+    monkeypatch.setattr(ledger, "match", lambda *args: harmless)
+    calls.clear()
+    result = search_row(row, PROFILES["ci"], "cpu", max_examples=50, out_dir=tmp_path, shrink_seconds=0)
+    assert not result.context_poisoned and result.known[entry.id] > 1

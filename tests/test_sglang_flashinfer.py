@@ -110,7 +110,7 @@ def test_flashinfer_ledger_conditions_are_narrow():
     capped = (MHALayer(0, 8, 2, 128, 128), MHALayer(1, 8, 2, 128, 128, logit_cap=5.0))
     spec = BatchSpec(ForwardMode.DECODE, (30,), (1,), capped, dtype="bfloat16")
     fail = lambda where, **d: Verdict("outputs", False, "out of bounds", 1.0, 1e-2, where, details=d)  # noqa: E731
-    known = lambda comp, sp, v, mode="decode", prop="outputs": ledger.match(comp, mode, prop, sp, v)  # noqa: E731
+    known = lambda comp, sp, v, mode="decode", prop="outputs": ledger.match(comp, mode, prop, sp, v, "cuda")  # noqa: E731
     assert known("sglang.flashinfer", spec, fail("layer 1: request 0")).id == "sglang-flashinfer-softcap-dropped"
     assert known("sglang.flashinfer", spec, fail("layer 0: request 0")) is None  # an uncapped layer: a finding
     assert known("sglang.triton", spec, fail("layer 1: request 0")) is None
