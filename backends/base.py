@@ -180,6 +180,7 @@ def _roundoffs(caps: list[Capabilities]) -> dict[str, float]:
         return cpu if device == "cpu" and cpu is not None else c.fp32_matmul_roundoff
     return {device: max((on(c, device) for c in caps), default=2.0**-24) for device in ("cpu", "cuda")}
 
+
 @dataclass(frozen=True)
 class Support:
     """What a composition of backends supports: its leaves' declarations combined, read in one place by the
@@ -200,6 +201,7 @@ class Support:
     mrope: bool
     cuda_graph_modes: frozenset[ForwardMode]
     fp32_matmul_roundoff: dict[str, float]  # device -> the full-attention leaves' (every leaf's when there is none)
+    linear_fp32_matmul_roundoff: dict[str, float]  # device -> the linear leaves': each layer is held to its own's
     cpu_dtypes: frozenset[str]
     gaps: dict[str, str]  # property -> why it does not apply
     softcap_via_sigmoid: bool
@@ -209,8 +211,6 @@ class Support:
     draft_trees: bool = True
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
-    # device -> the linear-attention leaves': each layer is held to its own backend's precision
-    linear_fp32_matmul_roundoff: dict[str, float] = field(default_factory=dict)
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -224,7 +224,7 @@ class Support:
         """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind`` on
         ``device`` ("cpu" or "cuda")."""
         per_device = self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
-        return per_device.get("cpu" if device == "cpu" else "cuda", 2.0**-24)
+        return per_device["cpu" if device == "cpu" else "cuda"]
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":

@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 SCHEMA_VERSION = 1
 DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -73,8 +73,19 @@ def _require(cond: bool, msg: str) -> None:
         raise SpecError(msg)
 
 
+class _Shaped:
+    """A layer's ``shape``: the values of its ``SHAPE`` fields, what sizes its pools and weights (an engine that
+    builds one pool and one config per model needs every layer of a kind to share it)."""
+
+    SHAPE: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, f) for f in self.SHAPE)
+
+
 @dataclass(frozen=True)
-class MHALayer:
+class MHALayer(_Shaped):
     """Full attention with GQA: q head h reads kv head h // (num_q_heads // num_kv_heads)."""
 
     layer_id: int
@@ -93,11 +104,7 @@ class MHALayer:
     k_scale: float = 1.0
     v_scale: float = 1.0
     kind: str = field(default="mha", init=False)
-    SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")  # what sizes its KV pool and weights
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in self.SHAPE)
+    SHAPE = ("num_q_heads", "num_kv_heads", "head_dim", "v_head_dim")
 
     @property
     def sm_scale(self) -> float:
@@ -122,7 +129,7 @@ class MHALayer:
 
 
 @dataclass(frozen=True)
-class MLALayer:
+class MLALayer(_Shaped):
     """DeepSeek multi-head latent attention; the cache holds ckv[kv_lora_rank] and kpe[qk_rope_head_dim]."""
 
     layer_id: int
@@ -136,10 +143,6 @@ class MLALayer:
     SHAPE = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "kv_lora_rank", "v_head_dim")
 
     @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in self.SHAPE)
-
-    @property
     def sm_scale(self) -> float:
         return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
 
@@ -151,7 +154,7 @@ class MLALayer:
 
 
 @dataclass(frozen=True)
-class LinearLayer:
+class LinearLayer(_Shaped):
     """Gated delta rule layer; value head j reads q/k head j // (num_v_heads // num_k_heads)."""
 
     layer_id: int
@@ -162,10 +165,6 @@ class LinearLayer:
     conv_kernel: int = 4
     kind: str = field(default="linear", init=False)
     SHAPE = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in self.SHAPE)
 
     @property
     def conv_dim(self) -> int:
@@ -185,7 +184,7 @@ class LinearLayer:
 
 
 @dataclass(frozen=True)
-class LightningLayer:
+class LightningLayer(_Shaped):
     """Lightning attention (Bailing/Ling's linear layers, reference/lightning.py): per head a state ``(K, V)``
     decayed by a fixed per-head rate, no softmax; q, k and v have ``num_heads`` heads each (no grouping).
 
@@ -199,10 +198,6 @@ class LightningLayer:
     head_dim: int = 128
     kind: str = field(default="lightning", init=False)
     SHAPE = ("num_heads", "head_dim")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, f) for f in self.SHAPE)
 
     # The dtype the model hands q/k/v over in, and the layer computes in, whatever the batch's dtype
     compute_dtype = "float32"

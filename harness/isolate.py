@@ -170,7 +170,7 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                                                            time.time() - activity)
                     break
                 pending = out_dir / "pending" / f"{safe_name(current)}.json" if current else None
-                active = max(activity, (modified(pending) if pending else None) or activity)
+                active = max(activity, modified(pending) or activity) if pending else activity
                 now = time.time()
                 if active != grace_anchor:
                     grace, grace_anchor = 0.0, active

@@ -64,7 +64,7 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
 
 
-def _tbo_linear_plain_cut(spec: BatchSpec, verdict: Verdict) -> bool:
+def _tbo_linear_plain_cut(spec: BatchSpec) -> bool:
     """An extend batch with linear layers (GDN or lightning) that SGLang's splitter cuts between requests (not
     two-chunk): its second half's linear kernels index their tokens with start locations that were not rebased."""
     if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
@@ -76,7 +76,7 @@ def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
     """A plainly cut batch with linear layers (``_tbo_linear_plain_cut``), and the failure is in a linear layer: an
     out-of-bounds access by its kernels (GDN's conv, lightning's seg_la; the interpreter's bounds checker on the
     CPU, an illegal memory access on CUDA), or its outputs."""
-    if not _tbo_linear_plain_cut(spec, verdict):
+    if not _tbo_linear_plain_cut(spec):
         return False
     layer = _failing_layer(spec, verdict)
     out_of_bounds = "OutOfBounds" in verdict.reason or "illegal memory access" in verdict.reason
@@ -87,7 +87,7 @@ def _tbo_linear_stray_writes(spec: BatchSpec, verdict: Verdict) -> bool:
     """A plainly cut batch with linear layers (``_tbo_linear_plain_cut``) failing as stray writes make a batch fail
     on CUDA, wherever they land: a crash, a non-finite value, or a pool slot the case did not write changed (an
     H100 showed one of each). A wrong but finite output of a full layer is not taken for it."""
-    if not _tbo_linear_plain_cut(spec, verdict):
+    if not _tbo_linear_plain_cut(spec):
         return False
     nonfinite = verdict.worst_error is not None and not math.isfinite(verdict.worst_error)
     return nonfinite or any(s in verdict.reason for s in ("crashed", "non-finite", "changed", "illegal memory access"))

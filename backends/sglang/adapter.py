@@ -486,6 +486,17 @@ LINEAR_CHILD_CPU_GAPS = (("verify_chain", "SGLang's state commit after verify ru
                          ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only"))
 
 
+def _linear_child_capabilities(**own) -> Capabilities:
+    """A linear child's declaration: what every one shares (above), its own facts in ``own``. Each child's layers
+    break out of a breakable prefill graph (``prefill_graph``; GDN's RadixLinearAttention goes eager,
+    radix_linear_attention.py:97-121, 159-165, sgl-project/sglang#25110; lightning's layers are RadixAttention
+    objects, where the graph breaks anyway)."""
+    return Capabilities(modes=LINEAR_CHILD_MODES, cuda_graph_modes=LINEAR_CHILD_GRAPH_MODES,
+                        graph_captures_linear=True, prefill_graph=True, requires=("sglang", "triton"),
+                        cpu_needs_env="TRITON_INTERPRET", cpu_gaps=LINEAR_CHILD_CPU_GAPS, engine="sglang",
+                        one_shape_per_kind=True, **own)
+
+
 class _LinearChild(SglangBackend):
     """A linear-attention backend of SGLang's, which SGLang builds only inside its hybrid wrapper
     (``attn_backend_wrapper``): it runs as the second argument of ``hybrid(sglang.X, sglang.<name>)``, never
@@ -501,26 +512,15 @@ class SglangGdn(_LinearChild):
     linear layer's keyword call either."""
 
     sglang_name = "gdn"
-    capabilities = Capabilities(
+    capabilities = _linear_child_capabilities(
         attention_kinds=frozenset({"linear"}),
-        modes=LINEAR_CHILD_MODES,
-        cuda_graph_modes=LINEAR_CHILD_GRAPH_MODES,
-        graph_captures_linear=True,
-        # A breakable prefill graph must not capture its layers: RadixLinearAttention breaks out to eager
-        # (_eager_linear_attention, radix_linear_attention.py:97-121, 159-165; sgl-project/sglang#25110)
-        prefill_graph=True,
         # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
         dtypes=frozenset({"bfloat16", "float16"}),
         cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken
-        requires=("sglang", "triton"),
-        cpu_needs_env="TRITON_INTERPRET",
         # The verify conv kernel advances the request's conv state through the draft tokens in place
         # (kernels/ops/mamba/causal_conv1d_triton.py, _causal_conv1d_update_kernel); the commit rewrites it.
         verify_advances_conv_state=True,
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
-        cpu_gaps=LINEAR_CHILD_CPU_GAPS,
-        engine="sglang",
-        one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
     )
 
 
@@ -530,15 +530,10 @@ class SglangLightning(_LinearChild):
     (models/bailing_moe_linear.py:485), so SGLang's hybrid must tell them from full layers by layer id."""
 
     sglang_name = "lightning"
-    capabilities = Capabilities(
+    # Its own out_graph plans decode/idle and target_verify over MambaAttnBackendBase._replay_metadata
+    # (lightning_backend.py, init_forward_metadata_out_graph), as the hybrid's does for GDN.
+    capabilities = _linear_child_capabilities(
         attention_kinds=frozenset({"lightning"}),
-        modes=LINEAR_CHILD_MODES,
-        # Its own out_graph plans decode/idle and target_verify over MambaAttnBackendBase._replay_metadata
-        # (lightning_backend.py, init_forward_metadata_out_graph). A breakable prefill graph breaks at
-        # RadixAttention, which Bailing's linear layers are.
-        cuda_graph_modes=LINEAR_CHILD_GRAPH_MODES,
-        graph_captures_linear=True,
-        prefill_graph=True,
         # The model hands q/k/v in float32 whatever its dtype, and seg_la computes in float32: every model dtype
         # runs, on the CPU too (no half-precision tl.dot).
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
@@ -556,12 +551,7 @@ class SglangLightning(_LinearChild):
         # Built with speculative_eagle_topk > 1 it raises: seg_la verifies a draft as a chain
         # (lightning_backend.py:82-93). A Bailing model is served with topk 1.
         draft_trees=False,
-        requires=("sglang", "triton"),
-        cpu_needs_env="TRITON_INTERPRET",
         slow_on_cpu="the interpreted seg_la kernels take seconds a case (head dim 128, a program per 32x32 block)",
-        cpu_gaps=LINEAR_CHILD_CPU_GAPS,
-        engine="sglang",
-        one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
     )
 
 

@@ -375,8 +375,7 @@ def _one_shape(layers) -> tuple[int, ...]:
 def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):  # dtype: the KV cache's (fp8 or the model's)
     """SGLang's ``MHATokenToKVPool`` over the harness's buffers (shared storage); the model config. A hybrid
     model whose batch has no MHA layer gets a placeholder pool its full child is built over and never reads."""
-    hq, hk, d, dv = _one_shape(layers) if layers \
-        else _IDLE_MHA_SHAPE
+    hq, hk, d, dv = _one_shape(layers) if layers else _IDLE_MHA_SHAPE
     page_size, pool = runner.page_size, runner.token_to_kv_pool
     slots = next(iter(pool.k_buffers.values())).shape[0] if pool.k_buffers else 2 * page_size
     layer_num = max((l.layer_id for l in layers), default=0) + 1
