@@ -157,9 +157,15 @@ class TorchNativeBackend(AttentionBackend):
             # The partial outputs stay in float32 until the last merge: with chunks of MLA_PREFIX_CHUNK keys a
             # 16k-token prefix takes a thousand merges, and rounding each to bfloat16 (as an engine's merge_state
             # does over its few 128k-token chunks) grew the error to 8u.
+            # So does the running log-sum-exp, in float64: each chunk's own LSE is float32 as an engine's, but the
+            # running one is rounded again at every merge, and each rounding of size u*|lse| (|lse| ~ 10) rescales
+            # everything merged so far. Over a thousand merges that doubled the relative error (0.6 of the bound at
+            # an 8k prefix in float32, against 0.28 for the single-pass MHA path): an error of our chunk count, not
+            # of the arithmetic an engine does over its few chunks.
             q_i = q[rows].float()
             o, lse = attention_with_lse(q_i, k[rows], v[rows], sm_scale=layer.scaling,
                                         mask=causal_mask(n, n, -1, q.device))
+            lse = lse.double()
             for indptr, indices in chunk["chunks"]:
                 idx = indices[int(indptr[i]):int(indptr[i + 1])]
                 if idx.numel() == 0:

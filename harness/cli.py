@@ -30,7 +30,7 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
-LIGHT_COMMANDS = ("list", "run", "mutants", "repro")
+LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize")
 
 
 def cmd_list(args) -> int:
@@ -223,6 +223,25 @@ def cmd_repro(args) -> int:
     return replay(case, device, Path(args.dump) if args.dump else None)
 
 
+def cmd_summarize(args) -> int:
+    import json
+
+    from harness.report import campaign_markdown
+
+    reports = []
+    for folder in args.folders:
+        path = Path(folder) / "report.json" if Path(folder).is_dir() else Path(folder)
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
+                raise ValueError("no rows")
+        except (OSError, ValueError) as e:
+            raise UsageError(f"{folder}: not a harness report (report.json of a run or sweep): {e}") from None
+        reports.append((str(folder), data))
+    print(campaign_markdown(reports), end="")
+    return 0
+
+
 def cmd_mutants(args) -> int:
     budget = parse_budget(args.budget)
     check_positive("--case-timeout", args.case_timeout)
@@ -311,6 +330,10 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--isolate", action="store_true",
                     help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)
+
+    sp = sub.add_parser("summarize", help="one table of several runs' reports: cases, findings, headroom")
+    sp.add_argument("folders", nargs="+", help="output folders of run or sweep (or their report.json)")
+    sp.set_defaults(fn=cmd_summarize)
 
     sp = sub.add_parser("repro", help="replay a case file and show where outputs differ")
     sp.add_argument("file")

@@ -10,7 +10,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from search.outcome import throughput
+from properties.verdict import CHECKS
+from search.outcome import AT_RISK_RATIO, checks_at_risk, throughput
 
 
 def row_record(r) -> dict:
@@ -70,12 +71,23 @@ def _cell(rows: list[dict]) -> str:
 
 
 def how_badly(r: dict | None) -> str:
-    """'0.21 / 6.6e-07 (×3.2e+05) at layer 0: request 0, token 1, head 3' for a row's failing case, else '-'."""
+    """'element 0.21 / 6.6e-07 (×3.2e+05) at layer 0: request 0, token 1, head 3' for a row's failing case (the
+    check that failed, its value and bound), else '-'."""
     at = (r or {}).get("failure_at") or {}
     err, bound, where = at.get("worst_error"), at.get("bound"), at.get("where")
     if err is None or not bound:
         return f"at {where}" if where else "-"
-    return f"{err:.3g} / {bound:.3g} (×{err / bound:.3g})" + (f" at {where}" if where else "")
+    check = f"{at['check']} " if at.get("check") else ""
+    return f"{check}{err:.3g} / {bound:.3g} (×{err / bound:.3g})" + (f" at {where}" if where else "")
+
+
+def headroom_cell(rows: list[dict]) -> str:
+    """The largest ratio of each check over the rows' passing cases, ``0.12 / 0.31`` (relative L2 / element),
+    bold where above :data:`AT_RISK_RATIO`."""
+    merged = {c: max([(r.get("headroom") or {}).get(c, 0.0) for r in rows] or [0.0]) for c in CHECKS}
+    if not any((r.get("headroom") or {}) for r in rows):
+        return "-"
+    return " / ".join(f"**{merged[c]:.2f}**" if merged[c] > AT_RISK_RATIO else f"{merged[c]:.2f}" for c in CHECKS)
 
 
 def markdown(data: dict, plot_names: list[str]) -> str:
@@ -142,6 +154,16 @@ def markdown(data: dict, plot_names: list[str]) -> str:
         out.append(f"| {c} | " + " | ".join(cells) + " |")
     if "worst_error.png" in plot_names:
         out += ["", "![worst error / bound](worst_error.png)"]
+    at_risk = [r for r in rows if checks_at_risk(r.get("headroom"))]
+    out += ["", f"## Headroom: the largest error / bound on passing cases (relative L2 / element; above "
+                f"{AT_RISK_RATIO:g}: at risk)", "",
+            "A bound that correct code comes close to is a false finding waiting to happen, or a sign that the bound "
+            "is right and the code is not.", ""]
+    out += ([f"**At risk** ({len(at_risk)} row(s)):", ""]
+            + [f"- `{r['row']}`: " + ", ".join(f"{c} {r['headroom'][c]:.2f}" for c in checks_at_risk(r["headroom"]))
+               for r in at_risk] + [""]) if at_risk else ["No row at risk.", ""]
+    out += ["| composition | " + " | ".join(props) + " |", "|---|" + "---|" * len(props)]
+    out += [f"| {c} | " + " | ".join(headroom_cell(by_prop[c, p]) for p in props) + " |" for c in comps]
     out += ["", "## Throughput", "", "| composition | cases | seconds | cases/s |", "|---|---:|---:|---:|"]
     for c, n, s in throughput(rows):
         out.append(f"| {c} | {n} | {s:.1f} | {n / s if s else 0:.2f} |")
@@ -152,14 +174,53 @@ def markdown(data: dict, plot_names: list[str]) -> str:
     return "\n".join(out) + "\n"
 
 
+def campaign_markdown(reports: list[tuple[str, dict]]) -> str:
+    """Several runs' ``report.json`` (each named by where it came from) as one table per device: per composition,
+    the cases checked, the findings (rows that failed) and the known failures matched, then the largest headroom
+    ratio per property over the composition's passing cases (relative L2 / element; bold: at risk)."""
+    out = ["| run | device | profile | rows | cases | findings | known | at risk |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for name, data in reports:
+        rows = data["rows"]
+        out.append(f"| {name} | {data['device']} | {data['profile']} | {len(rows)} | {sum(r['cases'] for r in rows)} | "
+                   f"{sum(not r['ok'] for r in rows)} | {sum(sum((r.get('known') or {}).values()) for r in rows)} | "
+                   f"{sum(bool(checks_at_risk(r.get('headroom'))) for r in rows)} |")
+    for device in dict.fromkeys(data["device"] for _, data in reports):
+        rows = [r for _, data in reports if data["device"] == device for r in data["rows"]]
+        props = list(dict.fromkeys(r["property"] for r in rows))
+        comps = list(dict.fromkeys(r["composition"] for r in rows))
+        by_comp, by_cell = defaultdict(list), defaultdict(list)
+        for r in rows:
+            by_comp[r["composition"]].append(r)
+            by_cell[r["composition"], r["property"]].append(r)
+        out += ["", f"### {device}: per composition (headroom: relative L2 / element, largest over passing cases)", "",
+                "| composition | cases | findings | known | " + " | ".join(props) + " |",
+                "|---|---:|---:|---:|" + "---|" * len(props)]
+        for c in comps:
+            rs = by_comp[c]
+            out.append(f"| {c} | {sum(r['cases'] for r in rs)} | {sum(not r['ok'] for r in rs)} | "
+                       f"{sum(sum((r.get('known') or {}).values()) for r in rs)} | "
+                       + " | ".join(headroom_cell(by_cell[c, p]) if by_cell[c, p] else "-" for p in props) + " |")
+        out += ["", "| property | " + " | ".join(CHECKS) + " |", "|---|" + "---:|" * len(CHECKS)]
+        for p in props:
+            heads = [r.get("headroom") or {} for r in rows if r["property"] == p]
+            out.append(f"| {p} | " + " | ".join(f"{max([h.get(c, 0.0) for h in heads] or [0.0]):.3f}"
+                                                for c in CHECKS) + " |")
+    findings = [(name, f) for name, data in reports for f in data.get("findings") or
+                [{"kind": r["status"], "row": r["row"], "reason": r["failure"]} for r in data["rows"] if not r["ok"]]]
+    out += ["", "### Findings", ""] + ([f"- {name}: {f['kind']} `{f.get('row')}`: {f.get('reason')}"
+                                        for name, f in findings] or ["none"])
+    return "\n".join(out) + "\n"
+
+
 def print_summary(results, skipped, seconds: float) -> None:
     print()
     comp_w = max([len(r.composition) for r in results] + [11])
     print(f"{'composition':<{comp_w}} {'mode':<13} {'property':<20} {'cases':>5} {'worst/bound':>11}  status")
     for r in results:
         ratio = "-" if r.worst_error is None else f"{r.worst_error / r.bound:.3f}"
+        risk = "".join(f" (AT RISK: {c} {r.headroom[c]:.2f})" for c in checks_at_risk(r.headroom))
         print(f"{r.composition:<{comp_w}} {r.mode:<13} {r.property:<20} {r.cases:>5} {ratio:>11}  "
-              f"{'ok' if r.ok else r.status.upper()}")
+              f"{'ok' if r.ok else r.status.upper()}{risk}")
     for comp, why in skipped:
         print(f"{comp:<{comp_w}} unavailable: {why}")
     failed = [r for r in results if not r.ok]

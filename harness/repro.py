@@ -11,7 +11,7 @@ from harness.options import UsageError
 from properties import PROPERTIES
 from properties.run import run_case
 from properties.tolerances import layer_bound, widen_for_cancellation
-from properties.verdict import compare, token_starts
+from properties.verdict import CHECK_WORDS, compare, token_starts
 from search.casefile import CaseFile
 
 
@@ -41,13 +41,14 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
         print(f"(no per-layer diff: the plain run crashed with {type(e).__name__}: {e})")
         return 0 if verdict.ok else 1
     starts = token_starts(case.spec)
-    print(f"{'layer':>6} {'rel_l2':>10} {'bound':>10} {'max_abs':>10}  worst element")
+    print(f"{'layer':>6} {'rel_l2':>10} {'bound':>10} {'element':>10} {'bound':>10}  element nearest its bound")
     for layer, out, ref in zip(case.spec.layers, run.execution.outputs, run.reference.outputs):
         bound = widen_for_cancellation(layer_bound(composition, case.spec, layer, device), ref,
                                        run.reference.magnitudes.get(layer.layer_id))
-        c = compare(out, ref, bound, starts)
-        print(f"{layer.layer_id:>6} {c.rel_l2:>10.3e} {bound.rel_l2:>10.3e} {c.max_abs:>10.3e}  "
-              f"{c.where}{'' if c.ok else '  <-- out of bounds'}")
+        c = compare(out, ref, bound, starts, scale=run.reference.element_scales.get(layer.layer_id))
+        failed = [CHECK_WORDS[check] for check, ratio in c.ratios().items() if ratio > 1.0]
+        print(f"{layer.layer_id:>6} {c.rel_l2:>10.3e} {bound.rel_l2:>10.3e} {c.element_error:>10.3e} "
+              f"{c.element_bound:>10.3e}  {c.where}{'  <-- ' + ', '.join(failed) + ' out of bounds' if failed else ''}")
     if dump_dir is not None:
         try:
             dump_dir.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, Terminated, 
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
-from search.outcome import RowOutcome, is_worse
+from search.outcome import RowOutcome, checks_at_risk, is_worse, merge_headroom
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
@@ -104,6 +104,7 @@ class RowState:
     seconds: float = 0.0
     worst_error: float | None = None
     bound: float | None = None
+    headroom: dict = field(default_factory=dict)  # check -> largest ratio to its bound on passing cases, all rounds
     finding: dict | None = None
     known: dict = field(default_factory=dict)  # ledger id -> cases that failed as it describes, all rounds
 
@@ -116,12 +117,14 @@ class RowState:
         err, bound = result.get("worst_error"), result.get("bound")
         if is_worse(err, bound, self.worst_error, self.bound):
             self.worst_error, self.bound = err, bound
+        self.headroom = merge_headroom(self.headroom, result.get("headroom"))
 
     def record(self) -> dict:
         """The row as ``harness.report`` reads it (a finding's kind gives its status)."""
         r, f = self.row, self.finding
         return RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, self.cases, self.seconds,
                           self.rounds, ok=f is None, worst_error=self.worst_error, bound=self.bound,
+                          headroom=dict(self.headroom),
                           failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
                           case_file=None if f is None else f.get("case_file"), known=dict(self.known)).record()
 
@@ -303,6 +306,8 @@ class Sweep:
         if result["ok"]:
             ratio = "" if result["worst_error"] is None else \
                 f", worst {result['worst_error'] / result['bound']:.2f} of bound"
+            ratio += "".join(f", AT RISK: {check} at {result['headroom'][check]:.2f}"
+                             for check in checks_at_risk(result.get("headroom")))
             self.progress.event(f"ok {r.id} round {round_ + 1}: {result['cases']} cases{ratio} "
                                 f"({result['seconds']:.1f}s)")
             return

@@ -35,7 +35,8 @@ def tbo_split_equals_unsplit(composition: Composition, spec: BatchSpec, device: 
     for layer, a, b, expected in zip(spec.layers, split_run.execution.outputs, whole.outputs, reference.outputs):
         bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), expected,
                                        reference.magnitudes.get(layer.layer_id))
-        worst.add(compare(a, b.to(torch.float64), bound, starts, f"layer {layer.layer_id}: split vs unsplit"), bound)
+        worst.add(compare(a, b.to(torch.float64), bound, starts, f"layer {layer.layer_id}: split vs unsplit",
+                          reference.element_scales.get(layer.layer_id)), bound)
     s = split_run.execution.split
     kind = "two-chunk" if s.two_chunk else "balanced"
     return worst.verdict(name, f"{kind} split at request {s.split_seq}, token {s.split_token}")

@@ -42,6 +42,9 @@ class ReferenceResult:
     # By layer id, for layers whose outputs are signed sums (lightning): the root sum of squares of each output
     # element's terms (reference/lightning.py, term_magnitudes), which the tolerances measure cancellation by
     magnitudes: dict[int, torch.Tensor] = field(default_factory=dict)
+    # By layer id, for softmax-attention layers (MHA, MLA): each output element's probability-weighted magnitude
+    # of the values it averages, ``sum_j p_j |v_j|`` (shape of the output), the scale of its element bound
+    element_scales: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # A group of requests may be padded to at most this many times the attention scores its requests need, or
@@ -161,15 +164,16 @@ class PaddedBatch:
 MAX_SCORES = 1 << 26
 
 
-def by_query_chunks(attend, queries: tuple[torch.Tensor, ...], visible: torch.Tensor) -> torch.Tensor:
+def by_query_chunks(attend, queries: tuple[torch.Tensor, ...], visible: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``attend(*queries, visible)`` over ``(B, Lq, H, ...)`` queries and ``(B, Lq, Lk)`` visibility, a chunk of
-    query rows at a time (at most :data:`MAX_SCORES` scores each), joined on the query dimension."""
+    query rows at a time (at most :data:`MAX_SCORES` scores each); each of the tensors it returns joined on the
+    query dimension."""
     B, Lq, Lk = visible.shape
     rows = max(1, MAX_SCORES // max(1, B * queries[0].shape[2] * Lk))
     if rows >= Lq:
         return attend(*queries, visible)
-    return torch.cat([attend(*(q[:, a:a + rows] for q in queries), visible[:, a:a + rows])
-                      for a in range(0, Lq, rows)], dim=1)
+    chunks = [attend(*(q[:, a:a + rows] for q in queries), visible[:, a:a + rows]) for a in range(0, Lq, rows)]
+    return tuple(torch.cat(parts, dim=1) for parts in zip(*chunks))
 
 
 def _in_batch_order(groups: list[PaddedBatch], padded: list[torch.Tensor]) -> torch.Tensor:
@@ -222,12 +226,14 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
     ``tests/reference/test_reference_batch.py`` checks that this equals the single-request definitions
     applied one request at a time. Linear-attention layers are a recurrence and run request by request.
 
-    Returns outputs ``(T, H, Dv)`` per layer, in ``dtype``, and the linear layers' states.
+    Returns outputs ``(T, H, Dv)`` per layer, in ``dtype``, the linear layers' states, and the magnitudes the
+    tolerances scale by (softmax layers: ``element_scales``; lightning layers: ``magnitudes``).
     """
     spec = case.spec
     outputs: list[torch.Tensor] = []
     linear_states: dict[int, LinearStates] = {}
     magnitudes: dict[int, torch.Tensor] = {}
+    element_scales: dict[int, torch.Tensor] = {}
     groups = [PaddedBatch.build(case, g) for g in request_groups(spec, case.device)]
     rope = _Rope(case)
     pool = case.kv_pool_before
@@ -242,6 +248,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
             outputs.append(out)
         elif not groups:  # an idle batch
             outputs.append(_empty(layer, dtype, case.device))
+            element_scales[layer.layer_id] = _empty(layer, dtype, case.device)
         elif layer.kind == "mha":
             q = rope(t["q"], layer.head_dim, layer.rope_theta)
             k_new, v_new = rope(t["k"], layer.head_dim, layer.rope_theta), t["v"]
@@ -260,9 +267,10 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                 v = g.keys(v_pool[g.cached_slots].to(dtype) * v_scale, v_new)
                 padded.append(by_query_chunks(
                     lambda rows, visible: mha.attention_padded(rows, k, v, visible, sm_scale=layer.sm_scale,
-                                                               logit_cap=layer.logit_cap),
+                                                               logit_cap=layer.logit_cap, magnitudes=True),
                     (g.queries(q),), g.visible_in_window(layer.sliding_window)))
-            outputs.append(_in_batch_order(groups, padded))
+            outputs.append(_in_batch_order(groups, [out for out, _ in padded]))
+            element_scales[layer.layer_id] = _in_batch_order(groups, [scale for _, scale in padded])
         else:  # mla
             N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
             q_nope = t["q"][..., :N]
@@ -275,10 +283,12 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                 ckv, kpe = g.keys(cached[:, :C], t["ckv"]), g.keys(cached[:, C:], kpe_new)
                 padded.append(by_query_chunks(
                     lambda nope, pe, visible: mla.attention_absorbed_padded(
-                        nope, pe, ckv, kpe, wt["w_kc"], wt["w_vc"], visible, sm_scale=layer.sm_scale),
+                        nope, pe, ckv, kpe, wt["w_kc"], wt["w_vc"], visible, sm_scale=layer.sm_scale,
+                        magnitudes=True),
                     (g.queries(q_nope), g.queries(q_pe)), g.visible))
-            outputs.append(_in_batch_order(groups, padded))
-    return ReferenceResult(outputs, linear_states, magnitudes)
+            outputs.append(_in_batch_order(groups, [out for out, _ in padded]))
+            element_scales[layer.layer_id] = _in_batch_order(groups, [scale for _, scale in padded])
+    return ReferenceResult(outputs, linear_states, magnitudes, element_scales)
 
 
 def fp8_grid(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

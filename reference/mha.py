@@ -99,7 +99,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: fl
 
 
 def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, *,
-                     sm_scale: float, logit_cap: float | None = None) -> torch.Tensor:
+                     sm_scale: float, logit_cap: float | None = None,
+                     magnitudes: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` for a batch of requests padded to common lengths, visibility given explicitly.
 
     The same formula, one request per leading index: for request ``b`` with ``lq`` query rows and ``lk``
@@ -120,11 +121,16 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         ``(B, Lq, Lk)``, bool, True = may attend (causality, windows and padding all folded in).
     sm_scale, logit_cap
         As in :func:`attention`.
+    magnitudes : bool
+        Also return each output element's magnitude ``sum_j p_j |v_j|``: the probability-weighted size of the
+        values it averages, which the rounding of every term it is computed from scales with (the element
+        bound of ``properties/tolerances.py``).
 
     Returns
     -------
-    torch.Tensor
-        ``(B, Lq, num_qo_heads, v_head_dim)`` in q's dtype; GQA as in :func:`attention`.
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+        ``(B, Lq, num_qo_heads, v_head_dim)`` in q's dtype; GQA as in :func:`attention`. With ``magnitudes``,
+        a second tensor of the same shape.
     """
     B, Lq, H, D = q.shape
     Hk = k.shape[2]
@@ -138,4 +144,7 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     hidden = ~visible[:, None, None]  # (B, 1, 1, Lq, Lk), broadcast over heads
     probs = torch.softmax(scores.masked_fill_(hidden, float("-inf")), dim=-1)
     probs = probs.masked_fill_(hidden, 0.0)  # rows with no visible key: NaN -> 0, as in attention
-    return torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Lq, H, v.shape[-1])
+    out = torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Lq, H, v.shape[-1])
+    if not magnitudes:
+        return out
+    return out, torch.einsum("bkgqs,bskd->bqkgd", probs, v.abs()).reshape(B, Lq, H, v.shape[-1])

@@ -119,7 +119,8 @@ def attention_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tens
 
 def attention_absorbed_padded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
                               w_kc: torch.Tensor, w_vc: torch.Tensor, visible: torch.Tensor, *,
-                              sm_scale: float) -> torch.Tensor:
+                              sm_scale: float, magnitudes: bool = False
+                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_absorbed` for a batch of requests padded to common lengths (see
     :func:`reference.mha.attention_padded`): ``out[b, :lq]`` is request ``b``'s result with
     ``mask=visible[b, :lq, :lk]`` and ``causal=False``.
@@ -139,12 +140,22 @@ def attention_absorbed_padded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: tor
     visible : torch.Tensor
         ``(B, Lq, Lk)``, bool, True = may attend.
 
+    magnitudes : bool
+        Also return each output element's magnitude: ``sum_c (sum_j p_j |ckv_j[c]|) |w_vc[h, c, v]|``, the size of
+        the terms an absorbed kernel sums (the latent average, then its product with ``w_vc``). It is at least
+        ``sum_j p_j |v_j|`` of the expanded values ``v_j = ckv_j . w_vc`` (triangle inequality), so it covers
+        an expanded kernel's roundings too.
+
     Returns
     -------
-    torch.Tensor
-        ``(B, Lq, num_heads, v_head_dim)`` in q_nope's dtype.
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+        ``(B, Lq, num_heads, v_head_dim)`` in q_nope's dtype; with ``magnitudes``, a second such tensor.
     """
     q = torch.cat([absorb_query(q_nope, w_kc), q_pe], dim=-1)  # (B, Lq, H, C + R)
     k = torch.cat([ckv, kpe.to(ckv.dtype)], dim=-1)[:, :, None, :]  # (B, Lk, 1, C + R): one kv head for all
-    o_latent = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale)  # (B, Lq, H, C)
-    return torch.einsum("blhc,hcv->blhv", o_latent, w_vc.to(o_latent.dtype))
+    w_vc = w_vc.to(q.dtype)
+    if not magnitudes:
+        o_latent = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale)  # (B, Lq, H, C)
+        return torch.einsum("blhc,hcv->blhv", o_latent, w_vc)
+    o_latent, m_latent = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale, magnitudes=True)
+    return torch.einsum("blhc,hcv->blhv", o_latent, w_vc), torch.einsum("blhc,hcv->blhv", m_latent, w_vc.abs())

@@ -118,16 +118,22 @@ def _leaf_lacks_verify_refresh(spec: BatchSpec, verdict: Verdict) -> bool:
     return list(verdict.details.get("hidden", ())) == ["update_verify_buffers_to_fill_after_draft"]
 
 
+def _rel_l2(verdict: Verdict) -> float | None:
+    """The failing comparison's relative L2 error, whichever check failed (an envelope of whole-tensor error, as the
+    e4m3 ones below, is one of relative L2 error)."""
+    return verdict.rel_l2 if verdict.rel_l2 is not None else verdict.worst_error
+
+
 def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     """An fp8 KV cache, the worst element in a layer whose kernel computes in e4m3 (SGLang's Triton rounds q and
     P to e4m3 in its extend kernel and its GQA decode kernel; its decode kernel for one q head per kv head
     computes in q's dtype), and an error within what e4m3 arithmetic explains (properties/tolerances.py)."""
     layer = _failing_layer(spec, verdict)
-    if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or verdict.worst_error is None:
+    if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or _rel_l2(verdict) is None:
         return False
     if spec.mode is ForwardMode.DECODE and layer.num_q_heads == layer.num_kv_heads:
         return False
-    return verdict.worst_error <= E4M3_ARITHMETIC_REL_L2
+    return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 
 def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -136,11 +142,11 @@ def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
     casts q to the KV cache's e4m3 and seg_la then writes its output in q's dtype (docs/findings/
     sglang-lightning-fp8-decode.md): q and the output each round with relative error up to 2^-4."""
     layer = _failing_layer(spec, verdict)
-    if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "lightning" or verdict.worst_error is None:
+    if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "lightning" or _rel_l2(verdict) is None:
         return False
     decoding = spec.mode is ForwardMode.DECODE or "then decode" in verdict.reason
     state = any(s in (verdict.where or "") for s in ("ssm", "conv"))  # the cast leaves the state alone
-    return decoding and not state and verdict.worst_error <= 2 * E4M3_UNIT_ROUNDOFF
+    return decoding and not state and _rel_l2(verdict) <= 2 * E4M3_UNIT_ROUNDOFF
 
 
 def _lightning_single_token_verify(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -296,7 +302,7 @@ def match(composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verd
     def explained(part: Verdict) -> KnownFailure | None:
         return next((e for e in known_failures() if e.matches(composition, mode, prop, spec, part, device)), None)
     failing = verdict.details.get("failing", ())
-    parts = [dataclasses.replace(verdict, where=where, worst_error=error, bound=bound)
-             for where, error, bound in failing] if len(failing) > 1 else [verdict]
+    parts = [dataclasses.replace(verdict, where=where, check=check, worst_error=error, bound=bound, rel_l2=rel_l2)
+             for where, check, error, bound, rel_l2 in failing] if len(failing) > 1 else [verdict]
     entries = [explained(part) for part in parts]
     return None if any(e is None for e in entries) else entries[0]

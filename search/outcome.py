@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from batch.spec import BatchSpec
-from properties.verdict import Verdict
+from properties.verdict import CHECK_WORDS, Verdict
 
 # How a finding's kind reads as the row's status; a row without a finding has passed, or not run at all.
 FINDING_STATUS = {"failure": "failed", "crash": "crashed", "hang": "hung", "error": "error"}
@@ -45,6 +45,8 @@ class RowOutcome:
     ok: bool = True
     worst_error: float | None = None
     bound: float | None = None
+    # check (rel_l2, element) -> the largest ratio of error to bound over the row's passing cases
+    headroom: dict[str, float] = field(default_factory=dict)
     failure: Verdict | str | None = None
     finding_kind: str | None = None  # failure, crash, hang or error (None while ok)
     spec: BatchSpec | None = None
@@ -71,13 +73,20 @@ class RowOutcome:
             return "passed" if self.cases else "not run"
         return FINDING_STATUS[self.finding_kind or "failure"]
 
-    def keep_worst(self, err: float | None, bound: float | None) -> None:
-        if is_worse(err, bound, self.worst_error, self.bound):
-            self.worst_error, self.bound = err, bound
+    def keep_worst(self, verdict: Verdict) -> None:
+        if is_worse(verdict.worst_error, verdict.bound, self.worst_error, self.bound):
+            self.worst_error, self.bound = verdict.worst_error, verdict.bound
+        if verdict.ok:
+            self.headroom = merge_headroom(self.headroom, verdict.details.get("headroom"))
+
+    @property
+    def at_risk(self) -> list[str]:
+        return checks_at_risk(self.headroom)
 
     def summary(self) -> str:
         if self.ok:
             err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
+            err += "".join(f", AT RISK: {check} at {self.headroom[check]:.2f} of its bound" for check in self.at_risk)
             known = "".join(f", {n} known failure(s) {k}" for k, n in self.known.items())
             return f"ok ({self.cases} cases{err}{known})"
         return f"FAILED: {self.headline()}"
@@ -95,6 +104,7 @@ class RowOutcome:
         return {"row": self.row_id, "composition": self.composition, "mode": self.mode, "property": self.property,
                 "ok": self.ok, "status": self.status, "rounds": self.rounds, "cases": self.cases,
                 "seconds": round(self.seconds, 3), "worst_error": self.worst_error, "bound": self.bound,
+                "headroom": dict(self.headroom), "at_risk": self.at_risk,
                 "failure": None if self.ok else str(self.failure),
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "batch_size": None if spec is None else spec.batch_size,
@@ -107,7 +117,8 @@ def failure_at(failure: Verdict | str | None) -> dict | None:
     """The failing case's own worst error, bound and place (the row's ``worst_error`` is over all its cases)."""
     if not isinstance(failure, Verdict):
         return None
-    return {"worst_error": failure.worst_error, "bound": failure.bound, "where": failure.where}
+    return {"check": failure.check, "worst_error": failure.worst_error, "bound": failure.bound,
+            "where": failure.where, "rel_l2": failure.rel_l2}
 
 
 def failure_headline(failure: Verdict | str | None) -> str:
@@ -123,8 +134,26 @@ def failure_headline(failure: Verdict | str | None) -> str:
         return f"{failure.property}: {reason}" + (f" at {failure.where}" if failure.where else "")
     ratio = failure.worst_error / failure.bound
     where = f" at {failure.where}" if failure.where else ""
-    return (f"{failure.worst_error:.3g} / bound {failure.bound:.3g} (×{ratio:.3g}){where}: "
+    what = f"{CHECK_WORDS[failure.check]} " if failure.check in CHECK_WORDS else ""
+    return (f"{what}{failure.worst_error:.3g} / bound {failure.bound:.3g} (×{ratio:.3g}){where}: "
             f"{failure.property}: {reason}")
+
+
+# A passing row whose worst case came this close to a bound is at risk: correct code that near its bound is a false
+# finding waiting to happen, or the bound is right and the code is not (properties/tolerances.py)
+AT_RISK_RATIO = 0.5
+
+
+def merge_headroom(kept: dict[str, float], new: dict[str, float] | None) -> dict[str, float]:
+    """Each check's larger ratio of the two (a check either lacks is taken from the other)."""
+    out = dict(kept)
+    for check, ratio in (new or {}).items():
+        out[check] = max(out.get(check, 0.0), ratio)
+    return out
+
+
+def checks_at_risk(headroom: dict[str, float] | None) -> list[str]:
+    return sorted(check for check, ratio in (headroom or {}).items() if ratio > AT_RISK_RATIO)
 
 
 def throughput(records: list[dict]) -> list[tuple[str, int, float]]:

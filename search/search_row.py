@@ -52,8 +52,8 @@ def failing_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdi
     """The case file of a failing example: its spec, the verdict, and the bound that verdict enforced."""
     bound = verdict.details.get("bound")  # the bound the verdict enforced (None: an exact check)
     return CaseFile(str(row.composition), row.property.name, spec, device, profile.name,
-                    verdict={"reason": verdict.reason, "worst_error": verdict.worst_error,
-                             "bound": verdict.bound, "where": verdict.where},
+                    verdict={"reason": verdict.reason, "check": verdict.check, "worst_error": verdict.worst_error,
+                             "bound": verdict.bound, "where": verdict.where, "rel_l2": verdict.rel_l2},
                     tolerances=None if bound is None else {
                         "rel_l2": bound.rel_l2, "element": bound.element, "reason": bound.reason})
 
@@ -95,7 +95,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
                 result.context_poisoned = True
                 raise ContextPoisoned
             return
-        result.keep_worst(verdict.worst_error, verdict.bound)
+        result.keep_worst(verdict)
         if not verdict.ok:
             if result.first_failure_seconds is None:
                 result.first_failure_seconds = time.perf_counter() - start

@@ -150,9 +150,10 @@ def test_a_known_bug_in_one_layer_does_not_hide_a_new_one_in_another():
     term = "hybrid(sglang.torch_native,sglang.lightning)"
     decode = BatchSpec(ForwardMode.DECODE, (9,), (1,), LIGHT_LAYERS, kv_cache_dtype="fp8_e4m3")
 
-    def failing(*comparisons):
+    def failing(*comparisons):  # (where, relative L2 error, its bound), as properties.verdict.Worst lists them
+        listed = tuple((where, "rel_l2", error, bound, error) for where, error, bound in comparisons)
         return Verdict("outputs", False, "out of bounds", comparisons[0][1], comparisons[0][2], comparisons[0][0],
-                       {"failing": comparisons})
+                       {"failing": listed}, "rel_l2", comparisons[0][1])
     lightning = ("layer 1: request 0, token 0, head 1", 0.05, 3.9e-3)
     assert ledger.match(term, "decode", "outputs", decode, failing(lightning), "cpu") is not None
     assert ledger.match(term, "decode", "outputs", decode,

@@ -101,3 +101,24 @@ def test_known_failures_are_listed_apart(tmp_path):
            "known": {"sglang-triton-swa-decode-one-key-short": 2}}
     text = markdown({"device": "cpu", "profile": "ci", "rows": [row], "unavailable": []}, [])
     assert "## Known failures" in text and "| sglang.triton-decode-outputs | `sglang-triton-swa-decode-one-key-short` | 2 |" in text
+
+
+def test_rows_near_their_bound_are_marked_at_risk_in_the_report_and_the_campaign_table(tmp_path, capsys):
+    import json
+
+    from harness.cli import main
+    safe = rec("torch_native", "extend", "outputs", "passed", 1e-7, 1e-6) | {"headroom": {"rel_l2": 0.1, "element": 0.2}}
+    risky = rec("torch_native", "decode", "outputs", "passed", 6e-7, 1e-6) | {"headroom": {"rel_l2": 0.6, "element": 0.1}}
+    data = {"device": "cpu", "profile": "ci", "rows": [safe, risky], "unavailable": []}
+    md = markdown(data, [])
+    assert "**At risk** (1 row(s))" in md and "- `torch_native-decode-outputs`: rel_l2 0.60" in md
+    assert "| torch_native | **0.60** / 0.20 |" in md  # the composition x property cell: largest of each check
+    assert "No row at risk." in markdown({**data, "rows": [safe]}, [])
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "report.json").write_text(json.dumps(data))
+    assert main(["summarize", str(tmp_path / "a")]) == 0
+    table = capsys.readouterr().out
+    assert f"| {tmp_path / 'a'} | cpu | ci | 2 | 8 | 0 | 0 | 1 |" in table
+    assert "| torch_native | 8 | 0 | 0 | **0.60** / 0.20 |" in table and "| outputs | 0.600 | 0.200 |" in table
+    assert main(["summarize", str(tmp_path / "missing")]) == 2  # bad input: one line, exit 2
+    assert "not a harness report" in capsys.readouterr().err
