@@ -46,7 +46,7 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, Terminated, 
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
-from search.outcome import RowOutcome, checks_at_risk, is_worse, merge_headroom
+from search.outcome import RowOutcome, is_worse, merge_headroom, row_at_risk, unexplained_headroom
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
@@ -105,6 +105,8 @@ class RowState:
     worst_error: float | None = None
     bound: float | None = None
     headroom: dict = field(default_factory=dict)  # check -> largest ratio to its bound on passing cases, all rounds
+    unexplained: dict = field(default_factory=dict)  # the same over passing cases no ledger entry explains
+    near_misses_known: dict = field(default_factory=dict)  # ledger id -> passing near misses it explains
     finding: dict | None = None
     known: dict = field(default_factory=dict)  # ledger id -> cases that failed as it describes, all rounds
 
@@ -118,13 +120,17 @@ class RowState:
         if is_worse(err, bound, self.worst_error, self.bound):
             self.worst_error, self.bound = err, bound
         self.headroom = merge_headroom(self.headroom, result.get("headroom"))
+        self.unexplained = merge_headroom(self.unexplained, result.get("unexplained_headroom", result.get("headroom")))
+        for known_id, n in (result.get("near_misses_known") or {}).items():
+            self.near_misses_known[known_id] = self.near_misses_known.get(known_id, 0) + n
 
     def record(self) -> dict:
         """The row as ``harness.report`` reads it (a finding's kind gives its status)."""
         r, f = self.row, self.finding
         return RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, self.cases, self.seconds,
                           self.rounds, ok=f is None, worst_error=self.worst_error, bound=self.bound,
-                          headroom=dict(self.headroom),
+                          headroom=dict(self.headroom), unexplained=dict(self.unexplained),
+                          near_misses_known=dict(self.near_misses_known),
                           failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
                           case_file=None if f is None else f.get("case_file"), known=dict(self.known)).record()
 
@@ -306,8 +312,8 @@ class Sweep:
         if result["ok"]:
             ratio = "" if result["worst_error"] is None else \
                 f", worst {result['worst_error'] / result['bound']:.2f} of bound"
-            ratio += "".join(f", AT RISK: {check} at {result['headroom'][check]:.2f}"
-                             for check in checks_at_risk(result.get("headroom")))
+            ratio += "".join(f", AT RISK: {check} at {unexplained_headroom(result)[check]:.2f}"
+                             for check in row_at_risk(result))
             self.progress.event(f"ok {r.id} round {round_ + 1}: {result['cases']} cases{ratio} "
                                 f"({result['seconds']:.1f}s)")
             return

@@ -45,8 +45,12 @@ class RowOutcome:
     ok: bool = True
     worst_error: float | None = None
     bound: float | None = None
-    # check (rel_l2, element) -> the largest ratio of error to bound over the row's passing cases
+    # check (rel_l2, element) -> the largest ratio of error to bound over the row's passing cases; ``unexplained``:
+    # over those of them that no ledger entry explains (a known bug's mild instance, below its bound, is not a risk
+    # of the bound's); ``near_misses_known``: ledger id -> passing cases above AT_RISK_RATIO it explains
     headroom: dict[str, float] = field(default_factory=dict)
+    unexplained: dict[str, float] = field(default_factory=dict)
+    near_misses_known: dict[str, int] = field(default_factory=dict)
     failure: Verdict | str | None = None
     finding_kind: str | None = None  # failure, crash, hang or error (None while ok)
     spec: BatchSpec | None = None
@@ -73,20 +77,27 @@ class RowOutcome:
             return "passed" if self.cases else "not run"
         return FINDING_STATUS[self.finding_kind or "failure"]
 
-    def keep_worst(self, verdict: Verdict) -> None:
+    def keep_worst(self, verdict: Verdict, explained_by: str | None = None) -> None:
+        """Keep the verdict's error if it is the row's worst; a passing verdict's headroom too (``explained_by``:
+        the ledger entry whose mechanism explains this passing case's near miss, if any)."""
         if is_worse(verdict.worst_error, verdict.bound, self.worst_error, self.bound):
             self.worst_error, self.bound = verdict.worst_error, verdict.bound
         if verdict.ok:
-            self.headroom = merge_headroom(self.headroom, verdict.details.get("headroom"))
+            headroom = verdict.details.get("headroom")
+            self.headroom = merge_headroom(self.headroom, headroom)
+            if explained_by is None:
+                self.unexplained = merge_headroom(self.unexplained, headroom)
+            else:
+                self.near_misses_known[explained_by] = self.near_misses_known.get(explained_by, 0) + 1
 
     @property
     def at_risk(self) -> list[str]:
-        return checks_at_risk(self.headroom)
+        return checks_at_risk(self.unexplained)
 
     def summary(self) -> str:
         if self.ok:
             err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
-            err += "".join(f", AT RISK: {check} at {self.headroom[check]:.2f} of its bound" for check in self.at_risk)
+            err += "".join(f", AT RISK: {check} at {self.unexplained[check]:.2f} of its bound" for check in self.at_risk)
             known = "".join(f", {n} known failure(s) {k}" for k, n in self.known.items())
             return f"ok ({self.cases} cases{err}{known})"
         return f"FAILED: {self.headline()}"
@@ -104,7 +115,8 @@ class RowOutcome:
         return {"row": self.row_id, "composition": self.composition, "mode": self.mode, "property": self.property,
                 "ok": self.ok, "status": self.status, "rounds": self.rounds, "cases": self.cases,
                 "seconds": round(self.seconds, 3), "worst_error": self.worst_error, "bound": self.bound,
-                "headroom": dict(self.headroom), "at_risk": self.at_risk,
+                "headroom": dict(self.headroom), "unexplained_headroom": dict(self.unexplained),
+                "near_misses_known": dict(self.near_misses_known), "at_risk": self.at_risk,
                 "failure": None if self.ok else str(self.failure),
                 "case_file": None if self.case_file is None else str(self.case_file),
                 "batch_size": None if spec is None else spec.batch_size,
@@ -154,6 +166,22 @@ def merge_headroom(kept: dict[str, float], new: dict[str, float] | None) -> dict
 
 def checks_at_risk(headroom: dict[str, float] | None) -> list[str]:
     return sorted(check for check, ratio in (headroom or {}).items() if ratio > AT_RISK_RATIO)
+
+
+def near_miss(headroom: dict[str, float] | None) -> bool:
+    """Whether a passing case came close enough to a bound for the row to be at risk, unless a ledger entry
+    explains it."""
+    return bool(checks_at_risk(headroom))
+
+
+def unexplained_headroom(record: dict) -> dict[str, float]:
+    """A row record's headroom over the passing cases no ledger entry explains (a record without the split: all)."""
+    return record.get("unexplained_headroom", record.get("headroom")) or {}
+
+
+def row_at_risk(record: dict) -> list[str]:
+    """The checks a row's record is at risk on: those whose unexplained headroom is above AT_RISK_RATIO."""
+    return checks_at_risk(unexplained_headroom(record))
 
 
 def throughput(records: list[dict]) -> list[tuple[str, int, float]]:
