@@ -108,6 +108,10 @@ class Capabilities:
     prefill_graph: bool = False
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     requires: tuple[str, ...] = ()  # importable module names
+    # An engine's leaf: the features of the installed engine it is built with beyond the adapter's core
+    # (backends/sglang/features.py), and those its CPU path needs too
+    engine_features: tuple[str, ...] = ()
+    cpu_engine_features: tuple[str, ...] = ()
     cpu_needs_env: str | None = None  # an environment flag the CPU path needs (Triton's interpreter)
     cpu_dtypes: frozenset[str] | None = None  # where the CPU path supports fewer dtypes (None: all of dtypes)
     # The soft-cap's tanh is computed as 2*sigmoid(2x) - 1, which cancels for small scores: the capped score
@@ -163,7 +167,7 @@ class Capabilities:
         if self.engine == "sglang":
             from backends.sglang.runtime import unavailable_reason
 
-            reason = unavailable_reason()
+            reason = unavailable_reason(self.engine_features + (self.cpu_engine_features if device == "cpu" else ()))
             if reason:
                 return reason
         for module in self.requires:

@@ -98,8 +98,16 @@ class Composition:
         if "graph" in self.wrappers():
             prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
             support = dataclasses.replace(support, modes=support.modes & (support.cuda_graph_modes | prefill))
-        gapped = {mode for _, mode, _ in self.wrapped_gaps()}
+        gapped = {mode for _, mode, _ in self.wrapped_gaps()} | {mode for mode, _ in self.engine_mode_gaps()}
         return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support
+
+    def engine_mode_gaps(self) -> list[tuple[ForwardMode, str]]:
+        """(mode, why) for each mode the installed engine lacks a feature for (an engine's composition only)."""
+        if self.engine != "sglang":
+            return []
+        from backends.sglang.features import mode_gaps
+
+        return [(ForwardMode(mode), f"the installed SGLang lacks {why}") for mode, why in mode_gaps(self.wrappers())]
 
     def wrapped_gaps(self) -> list[tuple[str, ForwardMode, str]]:
         """The (wrapper, mode, why) declarations of this composition's leaves that its wrappers trigger."""
@@ -113,6 +121,12 @@ class Composition:
             reason = leaf_capabilities(n).unavailable_reason(device)
             if reason:
                 return f"{n}: {reason}"
+        if self.engine == "sglang" and self.wrappers():
+            from backends.sglang.features import wrapper_gaps
+
+            gaps = wrapper_gaps(self.wrappers())
+            if gaps:
+                return f"the installed SGLang lacks {'; '.join(gaps)}"
         return None
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:

@@ -102,6 +102,9 @@ def mode_reason(c: Composition, mode: ForwardMode) -> str:
     for wrapper, gapped, why in c.wrapped_gaps():
         if gapped is mode:
             return f"under {wrapper}(): {why}"
+    for gapped, why in c.engine_mode_gaps():
+        if gapped is mode:
+            return why
     for n in c.leaves():
         if mode not in leaf_capabilities(n).cuda_graph_modes:
             return f"{n} captures no {mode.value} graph"

@@ -66,12 +66,16 @@ def test_sglang_graph_modes_are_declared_from_sglangs_graph_runners():
     assert {ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE} <= parse("sglang.torch_native").support().modes
 
 
-def test_unavailable_reason_names_the_install_command_or_the_version(monkeypatch):
+def test_unavailable_reason_names_the_install_command_and_never_a_version(monkeypatch):
     monkeypatch.setattr(runtime, "installed_version", lambda: None)
     assert runtime.INSTALL_HINT in runtime.unavailable_reason()
+    # Any version string: only the features decide (tests/test_sglang_features.py)
     monkeypatch.setattr(runtime, "installed_version", lambda: "0.4.0")
     monkeypatch.setattr(runtime.importlib.util, "find_spec", lambda name: object())
-    assert runtime.unavailable_reason() == "sglang 0.4.0 is installed; the adapter supports 0.5.23"
+    monkeypatch.setattr(runtime.features, "missing", lambda names: ("tbo (two-batch overlap): gone",))
+    assert runtime.unavailable_reason() == "sglang 0.4.0 lacks tbo (two-batch overlap): gone"
+    monkeypatch.setattr(runtime.features, "missing", lambda names: ())
+    assert runtime.unavailable_reason() is None
 
 
 needs_sglang = pytest.mark.skipif(runtime.unavailable_reason() is not None,

@@ -514,6 +514,8 @@ class SglangGdn(_LinearChild):
     sglang_name = "gdn"
     capabilities = _linear_child_capabilities(
         attention_kinds=frozenset({"linear"}),
+        engine_features=("hybrid_linear", "gdn_model"),
+        cpu_engine_features=("fla_kernels_path",),  # the interpreter shims patch the vendored fla kernels there
         # The vendored fla chunk kernels refuse float32 (they assert a half-precision input).
         dtypes=frozenset({"bfloat16", "float16"}),
         cpu_dtypes=frozenset({"float16"}),  # the interpreter's bf16 tl.dot is broken
@@ -534,6 +536,7 @@ class SglangLightning(_LinearChild):
     # (lightning_backend.py, init_forward_metadata_out_graph), as the hybrid's does for GDN.
     capabilities = _linear_child_capabilities(
         attention_kinds=frozenset({"lightning"}),
+        engine_features=("hybrid_linear", "lightning_model"),
         # The model hands q/k/v in float32 whatever its dtype, and seg_la computes in float32: every model dtype
         # runs, on the CPU too (no half-precision tl.dot).
         dtypes=frozenset({"float32", "bfloat16", "float16"}),

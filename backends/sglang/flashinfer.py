@@ -130,6 +130,7 @@ class SglangFlashInferMLA(SglangBackend):
     sglang_name = "flashinfer"  # the MLA backend: the runner uses an MLA model
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
+        engine_features=("deepseek_mla",),
         modes=FLASHINFER_MODES,
         dtypes=FLASHINFER_DTYPES,
         devices=frozenset({"cuda"}),

@@ -121,19 +121,23 @@ def apply() -> None:
     global _APPLIED
     if _APPLIED:
         return
-    import sglang.kernels.ops.attention.fla.op as op
-    import sglang.kernels.ops.attention.fla.utils as fla_utils
     from triton.runtime import autotuner
 
-    stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
-    aliases = {id(getattr(op, name)): name for name in stand_ins}
-    for module_name, module in list(sys.modules.items()):  # op itself and every module that copied an alias
-        if module is None or not module_name.startswith("sglang.kernels"):
-            continue
-        for name in stand_ins:
-            if aliases.get(id(getattr(module, name, None))) == name:
-                setattr(module, name, stand_ins[name])
-    fla_utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+    from backends.sglang import features
+
+    if features.has("fla_kernels_path"):  # elsewhere (older releases) no GDN row is built on the CPU
+        import sglang.kernels.ops.attention.fla.op as op
+        import sglang.kernels.ops.attention.fla.utils as fla_utils
+
+        stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
+        aliases = {id(getattr(op, name)): name for name in stand_ins}
+        for module_name, module in list(sys.modules.items()):  # op itself and every module that copied an alias
+            if module is None or not module_name.startswith("sglang.kernels"):
+                continue
+            for name in stand_ins:
+                if aliases.get(id(getattr(module, name, None))) == name:
+                    setattr(module, name, stand_ins[name])
+        fla_utils.custom_device_ctx = lambda index: contextlib.nullcontext()
     run = autotuner.Autotuner.run
 
     def first_config(self, *args, **kwargs):

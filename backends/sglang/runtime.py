@@ -28,10 +28,10 @@ from types import SimpleNamespace
 
 import torch
 
+from backends.sglang import features
 from batch.forward_batch import ModelRunner
 from batch.spec import RECURRENT_KINDS
 
-SUPPORTED_VERSIONS = ("0.5.23",)
 INSTALL_HINT = "bash ci/install-sglang.sh"
 
 
@@ -42,13 +42,15 @@ def installed_version() -> str | None:
         return None
 
 
-def unavailable_reason() -> str | None:
-    """Why SGLang's backends cannot be loaded here (not installed, or a version the adapter does not know)."""
+def unavailable_reason(needs: tuple[str, ...] = ()) -> str | None:
+    """Why SGLang's backends (with the features ``needs`` beyond the core) cannot be built here: not installed, or
+    the installed SGLang lacks a feature the adapter builds with (features.py). No version is refused by name."""
     version = installed_version()
     if version is None or importlib.util.find_spec("sglang") is None:
         return f"sglang is not installed (install the extra: {INSTALL_HINT})"
-    if version not in SUPPORTED_VERSIONS:
-        return f"sglang {version} is installed; the adapter supports {', '.join(SUPPORTED_VERSIONS)}"
+    gaps = features.missing(features.CORE + tuple(needs))
+    if gaps:
+        return f"sglang {version} lacks {'; '.join(gaps)}"
     return None
 
 
@@ -162,38 +164,56 @@ def load() -> SimpleNamespace:
     import warnings
 
     warnings.filterwarnings("ignore", module="sglang")
+    # The core every SGLang row is built with (features.CORE; unavailable_reason checked it before)
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-    from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_flashinfer
-    from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
     from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.model_runner import ModelRunner as SglModelRunner
     from sglang.srt.runtime_context import get_context, get_exec, get_parallel, get_schedule
     from sglang.srt.environ import envs
-    from sglang.srt.batch_overlap import two_batch_overlap
-    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
-    from sglang.srt.speculative.eagle_info import EagleDraftExtendInput, EagleVerifyInput
+    from sglang.srt.speculative.eagle_info import EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
-    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType
-    from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
-    from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     from sglang.srt.layers.attention import attention_registry
-    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
-    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
-    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    # What only some rows need, imported where the installed SGLang has it (None where not: no row that needs
+    # it is built, features.py and the matrix say why)
+    EagleDraftExtendInput = None
+    if features.has("draft_extend_v2"):
+        from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    two_batch_overlap = TboAttnBackend = None
+    if features.has("tbo"):
+        from sglang.srt.batch_overlap import two_batch_overlap
+        from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    handle_attention_flashinfer = AttnForwardMethod = None
+    if features.has("deepseek_mla"):
+        from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_flashinfer
+        from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
+    HybridLinearAttnBackend = RadixLinearAttention = HybridReqToTokenPool = None
+    Mamba2CacheParams = Mamba2StateDType = Qwen3NextConfig = BailingHybridConfig = None
+    if features.has("hybrid_linear"):
+        from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType
+        from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+        from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+    if features.has("gdn_model"):
+        from sglang.srt.configs.qwen3_next import Qwen3NextConfig
+    if features.has("lightning_model"):
+        from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
     # The breakable prefill graph: its capture, its scope flags, the live batch its graph breaks read
-    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
-        BreakableCUDAGraph, BreakableCUDAGraphCapture)
-    from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
-        enable_breakable_cuda_graph)
-    from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
-    from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
+    BreakableCUDAGraph = BreakableCUDAGraphCapture = enable_breakable_cuda_graph = None
+    set_forward_batch = prefill_graph_scope = None
+    if features.has("prefill_graph"):
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
+            BreakableCUDAGraph, BreakableCUDAGraphCapture)
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+            enable_breakable_cuda_graph)
+        from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+        from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
 
     # One attention rank, no torch.distributed. The override must stay entered for the whole process:
     # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").

@@ -1,0 +1,248 @@
+"""What the installed SGLang provides, in one place: the version-dependent knowledge of the adapter.
+
+SGLang moves every release (SGLANG.md, "Releases"): modules appear (``runtime_context``, ``cuda_graph_config``, the
+breakable prefill graph), contracts change (the capture/replay hooks of the older base class became the
+three-method ``init_forward_metadata_out_graph`` / ``_in_graph`` contract), classes gain the members the adapter
+calls. The adapter does not ask which version is installed: it asks whether each *feature* it builds on is there,
+and a row whose features are missing is unavailable and names what is missing. Following a new release is an
+edit of :data:`FEATURES` (and of the code that uses a feature), with a test per contract.
+
+Features are found by reading the installed package's source with ``ast`` (nothing is imported, so ``harness
+list`` stays fast, and a release that would not even import still says what it lacks): a module exists, it defines
+or imports a top-level name, a class there defines a member in its own body. Detection decides what the harness
+can build, never what the engine is excused from: whether a wrapper overrides what its children override is
+checked by the conformance property against the installed base class, and behaviour is always checked, never
+detected.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One fact about the source: ``module`` (dotted, e.g. ``sglang.srt.runtime_context``) exists; it defines (or
+    imports) ``name`` at top level; the class ``name`` defines ``member`` in its body."""
+
+    module: str
+    name: str | None = None
+    member: str | None = None
+
+    def __str__(self) -> str:
+        return self.module + (f".{self.name}" if self.name else "") + (f".{self.member}" if self.member else "")
+
+
+@dataclass(frozen=True)
+class Feature:
+    what: str  # what the adapter builds with it
+    probes: tuple[Probe, ...]
+
+
+def _p(spec: str) -> Probe:
+    """``module:Name`` or ``module:Class.member`` (module under ``sglang.``), or ``module`` alone."""
+    module, _, name = spec.partition(":")
+    cls, _, member = name.partition(".")
+    return Probe(f"sglang.{module}", cls or None, member or None)
+
+
+_MEM = "srt.mem_cache.memory_pool"
+_BASE = "srt.layers.attention.base_attn_backend"
+FEATURES: dict[str, Feature] = {
+    # What every adapted backend is built with (backends/sglang/runtime.py, make_runner)
+    "attention_registry": Feature("SGLang's backends by server name", (
+        _p("srt.layers.attention.attention_registry:ATTENTION_BACKENDS"),
+        _p("srt.layers.attention.attention_registry:attn_backend_wrapper"),
+        _p(f"{_BASE}:AttentionBackend"), _p("srt.layers.radix_attention:RadixAttention"),
+        _p("srt.configs.model_config:AttentionArch"))),
+    "runtime_context": Feature("server args and parallel settings published through the runtime context "
+                               "(get_context().override_server_args, get_parallel().override)", (
+        _p("srt.runtime_context:get_context"), _p("srt.runtime_context:get_parallel"),
+        _p("srt.runtime_context:get_exec"), _p("srt.runtime_context:get_schedule"),
+        _p("srt.runtime_context:RuntimeContext.override_server_args"))),
+    "forward_context": Feature("the forward context layers read their backend from", (
+        _p("srt.model_executor.forward_context:ForwardContext"),
+        _p("srt.model_executor.forward_context:forward_context"))),
+    "cuda_graph_config": Feature("the server's CUDA-graph settings (turned off for eager rows)", (
+        _p("srt.model_executor.cuda_graph_config:CudaGraphConfig"),
+        _p("srt.model_executor.cuda_graph_config:PhaseConfig"),
+        _p("srt.model_executor.cuda_graph_config:Backend"))),
+    "kv_index_translator": Feature("the runner's KV index translator, bound to each batch's plan", (
+        _p("srt.mem_cache.kv_index_translator"),
+        _p("srt.model_executor.model_runner:ModelRunner.init_kv_index_translator"))),
+    "kv_pool_views": Feature("KV pools rebuilt over the harness's buffers (shared storage)", (
+        _p(f"{_MEM}:MHATokenToKVPool._build_kv_buffer_descs"),
+        _p(f"{_MEM}:MHATokenToKVPool._init_data_ptrs_and_strides"),
+        _p(f"{_MEM}:MLATokenToKVPool"), _p(f"{_MEM}:ReqToTokenPool"))),
+    "batch": Feature("SGLang's ForwardBatch and its modes (DRAFT_EXTEND is DRAFT_EXTEND_V2)", (
+        _p("srt.model_executor.forward_batch_info:ForwardBatch"),
+        _p("srt.model_executor.forward_batch_info:ForwardMode.DRAFT_EXTEND_V2"),
+        _p("srt.speculative.eagle_info:EagleVerifyInput"), _p("srt.speculative.spec_info:SpeculativeAlgorithm"))),
+    # Per mode, wrapper or leaf
+    "draft_extend_v2": Feature("EAGLE v2 draft extends (EagleDraftExtendInput)", (
+        _p("srt.speculative.eagle_info:EagleDraftExtendInput"),)),
+    "three_method_graph_contract": Feature(
+        "the metadata contract graph() drives: init_forward_metadata_out_graph(fb, in_capture) and "
+        "init_forward_metadata_in_graph(fb) (older releases: init_forward_metadata_capture/replay_cuda_graph)", (
+            _p(f"{_BASE}:AttentionBackend.init_forward_metadata_out_graph"),
+            _p(f"{_BASE}:AttentionBackend.init_forward_metadata_in_graph"))),
+    "prefill_graph": Feature("the breakable prefill graph (graph() rows of extend batches)", (
+        _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:BreakableCUDAGraph"),
+        _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:"
+           "BreakableCUDAGraphCapture"),
+        _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:enable_breakable_cuda_graph"),
+        _p("srt.model_executor.runner_utils.forward_batch:set_forward_batch"),
+        _p("srt.model_executor.runner_utils.prefill_graph:prefill_graph_scope"))),
+    "tbo": Feature("two-batch overlap: TboAttnBackend and its splitter", (
+        _p("srt.layers.attention.tbo_backend:TboAttnBackend"),
+        _p("srt.batch_overlap.two_batch_overlap:TboForwardBatchPreparer"),
+        _p("srt.batch_overlap.two_batch_overlap:compute_split_seq_index"))),
+    "hybrid_linear": Feature("the hybrid linear-attention wrapper and its state pools", (
+        _p("srt.layers.attention.hybrid_linear_attn_backend:HybridLinearAttnBackend"),
+        _p("srt.layers.radix_linear_attention:RadixLinearAttention"),
+        _p(f"{_MEM}:HybridReqToTokenPool"), _p(f"{_MEM}:MambaPool.clear_slots"),
+        _p("srt.configs.mamba_utils:Mamba2CacheParams"), _p("srt.configs.mamba_utils:Mamba2StateDType"))),
+    "gdn_model": Feature("a Qwen3-Next config for GDN hybrids", (_p("srt.configs.qwen3_next:Qwen3NextConfig"),)),
+    "lightning_model": Feature("a Bailing config for lightning hybrids", (
+        _p("srt.configs.bailing_hybrid:BailingHybridConfig"),)),
+    "deepseek_mla": Feature("DeepSeek's choice of MLA forward method (FlashInfer MLA rows)", (
+        _p("srt.models.deepseek_common.attention_backend_handler:handle_attention_flashinfer"),
+        _p("srt.models.deepseek_common.attention_forward_methods.forward_methods:AttnForwardMethod"))),
+    "fla_kernels_path": Feature("the fla kernels SGLang vendors, where the interpreter shims patch them (CPU)", (
+        _p("kernels.ops.attention.fla.op:exp"), _p("kernels.ops.attention.fla.utils:custom_device_ctx"))),
+}
+# Every SGLang row needs these
+CORE = ("attention_registry", "runtime_context", "forward_context", "cuda_graph_config", "kv_index_translator",
+        "kv_pool_views", "batch")
+
+
+def package_root(package: str = "sglang") -> Path | None:
+    """The installed package's folder, found without importing it (a release or a source checkout)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+@dataclass(frozen=True)
+class _Module:
+    names: frozenset[str]  # defined or imported at top level
+    members: dict[str, frozenset[str]]  # class -> what its body defines
+
+
+def _targets(node) -> list[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return [t.id for t in targets if isinstance(t, ast.Name)]
+
+
+def _body_names(body) -> set[str]:
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names.update(_targets(node))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.If, ast.Try)):  # guarded definitions (try: import ... except: ...)
+            for part in (node.body, getattr(node, "orelse", []), getattr(node, "finalbody", []),
+                         *[h.body for h in getattr(node, "handlers", [])]):
+                names |= _body_names(part)
+    return names
+
+
+@cache
+def _read(root: Path, module: str) -> _Module | None:
+    parts = module.split(".")[1:]
+    for path in (root.joinpath(*parts).with_suffix(".py"), root.joinpath(*parts, "__init__.py")):
+        if path.is_file():
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
+            members = {}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ClassDef):
+                    members[node.name] = frozenset(_body_names(node.body))
+            return _Module(frozenset(_body_names(tree.body)), members)
+    return None
+
+
+def probe_fails(root: Path, probe: Probe) -> str | None:
+    """Why ``probe`` does not hold in the package at ``root`` (None: it holds)."""
+    module = _read(root, probe.module)
+    if module is None:
+        return f"no module {probe.module}"
+    if probe.name is None:
+        return None
+    if probe.member is None:
+        return None if probe.name in module.names else f"{probe.module} has no {probe.name}"
+    if probe.name not in module.members:
+        return f"{probe.module} defines no class {probe.name}"
+    return None if probe.member in module.members[probe.name] else f"{probe.module}.{probe.name} has no {probe.member}"
+
+
+def missing_in(root: Path, names) -> list[str]:
+    """``feature (what it is for): why`` for each of ``names`` whose probes do not all hold at ``root``."""
+    out = []
+    for name in names:
+        feature = FEATURES[name]
+        why = list(dict.fromkeys(w for w in (probe_fails(root, p) for p in feature.probes) if w))
+        if why:
+            out.append(f"{name} ({feature.what}): {'; '.join(why)}")
+    return out
+
+
+@cache
+def missing(names: tuple[str, ...]) -> tuple[str, ...]:
+    """:func:`missing_in` for the installed SGLang (empty when it is not installed: that is said elsewhere)."""
+    root = package_root()
+    return () if root is None else tuple(missing_in(root, names))
+
+
+def has(name: str) -> bool:
+    return not missing((name,))
+
+
+def forget() -> None:
+    """Drop what was read (a test that changes the source it reads)."""
+    missing.cache_clear()
+    _read.cache_clear()
+
+
+# What a composition's wrappers and modes need beyond its leaves' features (backends/registry.py asks)
+WRAPPER_FEATURES = {"tbo": ("tbo",), "graph": ("three_method_graph_contract",)}
+
+
+def wrapper_gaps(wrappers: set[str]) -> list[str]:
+    """What the installed SGLang lacks for these wrappers over its backends."""
+    return list(missing(tuple(f for w in sorted(wrappers) for f in WRAPPER_FEATURES.get(w, ()))))
+
+
+def mode_gaps(wrappers: set[str]) -> list[tuple[str, str]]:
+    """(mode value, why) for each mode the installed SGLang cannot serve under these wrappers: EAGLE v2 draft
+    extends need EagleDraftExtendInput; graph() extends run through the breakable prefill graph."""
+    gaps = [("draft_extend", m) for m in missing(("draft_extend_v2",))]
+    if "graph" in wrappers:
+        gaps += [("extend", m) for m in missing(("prefill_graph",))]
+    return gaps
+
+
+@cache
+def source_identity() -> dict[str, str | bool]:
+    """For an SGLang installed from a git checkout (``pip install -e python/``), the checkout's commit and whether
+    its tree is dirty; empty for a release (its version says which it is)."""
+    import subprocess
+
+    root = package_root()
+    if root is None or "site-packages" in root.parts or "dist-packages" in root.parts:
+        return {}
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"commit": commit, "dirty": bool(status.strip())}

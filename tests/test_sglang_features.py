@@ -1,0 +1,118 @@
+"""The adapter follows the installed SGLang by its features, not by a version list (backends/sglang/features.py):
+each contract is a set of probes on the package's source, a row needs features, and a missing one makes the row
+unavailable with its name."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from backends.registry import parse
+from backends.sglang import features, runtime
+from batch.spec import ForwardMode
+
+
+def _tree(tmp_path, modules: dict[str, str]):
+    """A fake ``sglang`` package: {dotted module under sglang: source}."""
+    root = tmp_path / "sglang"
+    for module, source in modules.items():
+        path = root.joinpath(*module.split("."))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".py").write_text(textwrap.dedent(source))
+    return root
+
+
+@pytest.fixture
+def fake_sglang(tmp_path, monkeypatch):
+    """Point detection at a fake source tree (the installed SGLang's version string stays whatever it is)."""
+    def use(modules: dict[str, str]):
+        root = _tree(tmp_path, modules)
+        monkeypatch.setattr(features, "package_root", lambda package="sglang": root)
+        features.forget()
+        return root
+    yield use
+    features.forget()
+
+
+def test_probes_read_definitions_imports_guarded_imports_and_class_members(tmp_path):
+    root = _tree(tmp_path, {"srt.m": """
+        import os.path
+        from a.b import c as d
+        try:
+            from x import guarded
+        except ImportError:
+            guarded = None
+        X: int = 1
+        class K:
+            def own(self): ...
+            attr = 2
+            @property
+            def prop(self): ...
+        """})
+    for name in ("os", "d", "guarded", "X", "K"):
+        assert features.probe_fails(root, features.Probe("sglang.srt.m", name)) is None, name
+    for member in ("own", "attr", "prop"):
+        assert features.probe_fails(root, features.Probe("sglang.srt.m", "K", member)) is None, member
+    assert features.probe_fails(root, features.Probe("sglang.srt.m", "c")) == "sglang.srt.m has no c"
+    assert features.probe_fails(root, features.Probe("sglang.srt.m", "K", "gone")) == "sglang.srt.m.K has no gone"
+    assert features.probe_fails(root, features.Probe("sglang.srt.none")) == "no module sglang.srt.none"
+
+
+BASE = "srt.layers.attention.base_attn_backend"
+
+
+def test_the_metadata_contract_is_told_apart_by_the_base_class():
+    # 0.5.10-0.5.13: capture/replay hooks; 0.5.14 on: the three-method contract graph() drives
+    old = {BASE: "class AttentionBackend:\n def init_forward_metadata_capture_cuda_graph(self): ...\n"
+                 " def init_forward_metadata_replay_cuda_graph(self): ...\n"}
+    new = {BASE: "class AttentionBackend:\n def init_forward_metadata_out_graph(self, fb, in_capture=False): ...\n"
+                 " def init_forward_metadata_in_graph(self, fb): ...\n"}
+    import tempfile
+    from pathlib import Path
+    for source, gap in ((old, True), (new, False)):
+        root = _tree(Path(tempfile.mkdtemp()), source)
+        missing = features.missing_in(root, ["three_method_graph_contract"])
+        assert bool(missing) is gap
+        if gap:
+            assert "AttentionBackend has no init_forward_metadata_out_graph" in missing[0]
+
+
+@pytest.mark.skipif(runtime.installed_version() is None, reason="sglang is not installed (bash ci/install-sglang.sh)")
+def test_the_installed_release_has_what_the_adapter_builds_with_and_no_version_is_refused(monkeypatch):
+    assert features.missing(tuple(features.FEATURES)) == ()
+    monkeypatch.setattr(runtime, "installed_version", lambda: "0.6.0.dev1234+gabcdef")  # a checkout of main
+    assert runtime.unavailable_reason() is None
+
+
+@pytest.mark.skipif(runtime.installed_version() is None, reason="sglang is not installed (bash ci/install-sglang.sh)")
+def test_a_missing_feature_makes_its_rows_unavailable_and_names_it(fake_sglang):
+    root = features.package_root()
+    modules = {}
+    for feature in features.FEATURES.values():  # a copy of the installed source the probes read, file by file
+        for probe in feature.probes:
+            parts = probe.module.split(".")[1:]
+            path = root.joinpath(*parts).with_suffix(".py")
+            path = path if path.is_file() else root.joinpath(*parts, "__init__.py")
+            modules[".".join(parts) + (".__init__" if path.name == "__init__.py" else "")] = path.read_text()
+    fake = fake_sglang(modules)
+    assert features.missing(tuple(features.FEATURES)) == ()  # the copy has everything
+    # 0.5.22: no runner_utils/prefill_graph.py; graph() loses its extend rows, nothing else
+    (fake / "srt" / "model_executor" / "runner_utils" / "prefill_graph.py").unlink()
+    features.forget()
+    graph = parse("graph(sglang.triton)")
+    assert ForwardMode.EXTEND not in graph.support().modes and ForwardMode.DECODE in graph.support().modes
+    why = dict(graph.engine_mode_gaps())[ForwardMode.EXTEND]
+    assert "prefill_graph" in why and "no module sglang.srt.model_executor.runner_utils.prefill_graph" in why
+    assert ForwardMode.EXTEND in parse("sglang.triton").support().modes
+    # no TboAttnBackend: every tbo() row over SGLang is unavailable, named
+    (fake / "srt" / "layers" / "attention" / "tbo_backend.py").write_text("# gone\n")
+    features.forget()
+    reason = parse("tbo(sglang.torch_native)").unavailable_reason("cpu")
+    assert reason is not None and "tbo (two-batch overlap" in reason and "has no TboAttnBackend" in reason
+    # a core feature missing (0.5.14's runtime context has no override_server_args): every SGLang row
+    ctx = fake / "srt" / "runtime_context.py"
+    ctx.write_text(ctx.read_text().replace("def override_server_args", "def _renamed"))
+    features.forget()
+    reason = parse("sglang.torch_native").unavailable_reason("cpu")
+    assert reason is not None and "RuntimeContext has no override_server_args" in reason
