@@ -172,8 +172,12 @@ def _idle_lightning_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     """An idle batch of a model with lightning layers whose run crashed where SGLang's hybrid answers a linear
     layer of an idle batch from ``mixed_qkv``, which only GDN layers pass (docs/findings/
     sglang-hybrid-idle-lightning.md)."""
+    # By mechanism, not line number (lines move every release): the AttributeError of ``mixed_qkv.new_empty`` in the
+    # hybrid's forward. Its full-attention branch (``q.new_empty``) fails the same way for a different reason.
+    reason = verdict.reason
     return (spec.mode is ForwardMode.IDLE and any(layer.kind == "lightning" for layer in spec.layers)
-            and "'NoneType' object has no attribute 'new_empty' (hybrid_linear_attn_backend.py:1483)" in verdict.reason)
+            and "AttributeError: 'NoneType' object has no attribute 'new_empty'" in reason
+            and "hybrid_linear_attn_backend.py:" in reason and "mixed_qkv.new_empty(" in reason)
 
 
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
@@ -246,6 +250,9 @@ class KnownFailure:
     # The id of the entry whose case shows this bug fixed, where this entry's own case cannot (its symptom
     # depends on what lies where in GPU memory): tests/test_ledger.py replays that one instead
     stale_with: str | None = None
+    # The engine releases its case was seen failing on (a checkout of main is named by the version it reports);
+    # empty: not recorded. Matching does not depend on it: a mechanism is a mechanism on any release.
+    seen_in: tuple[str, ...] = ()
 
     def covers(self, composition: str, mode: str, prop: str) -> bool:
         return (fnmatch.fnmatchcase(composition, self.composition) and prop in self.properties
@@ -264,7 +271,7 @@ class KnownFailure:
 def parse_ledger(text: str) -> list[KnownFailure]:
     entries = []
     for i, d in enumerate(tomllib.loads(text).get("known", [])):
-        optional = {"modes", "devices", "corrupts_process", "stale_with"}
+        optional = {"modes", "devices", "corrupts_process", "stale_with", "seen_in"}
         fields = {"id", "composition", "properties", "condition", "case", "upstream", "reason", "triage"} | optional
         missing, unknown = fields - optional - set(d), set(d) - fields
         if missing or unknown:
@@ -275,9 +282,13 @@ def parse_ledger(text: str) -> list[KnownFailure]:
         if d["condition"] not in CONDITIONS:
             raise LedgerError(f"known[{i}] ({d['id']}): unknown condition {d['condition']!r}; "
                               f"known: {', '.join(CONDITIONS)}")
+        seen_in = d.get("seen_in", [])
+        if not isinstance(seen_in, list) or not all(isinstance(v, str) and v[:1].isdigit() for v in seen_in):
+            raise LedgerError(f"known[{i}] ({d['id']}): seen_in must be a list of release versions, got {seen_in!r}")
         entries.append(KnownFailure(d["id"], d["composition"], tuple(d["properties"]), tuple(d.get("modes", ())),
                                     d["condition"], d["case"], d["upstream"], d["reason"], d["triage"],
-                                    tuple(devices), bool(d.get("corrupts_process", False)), d.get("stale_with")))
+                                    tuple(devices), bool(d.get("corrupts_process", False)), d.get("stale_with"),
+                                    tuple(seen_in)))
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise LedgerError(f"ledger ids repeat: {ids}")

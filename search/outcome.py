@@ -13,7 +13,19 @@ from batch.spec import BatchSpec
 from properties.verdict import CHECK_WORDS, Verdict
 
 # How a finding's kind reads as the row's status; a row without a finding has passed, or not run at all.
-FINDING_STATUS = {"failure": "failed", "crash": "crashed", "hang": "hung", "error": "error"}
+FINDING_STATUS = {"failure": "failed", "crash": "crashed", "hang": "hung", "error": "error",
+                  "adapter_error": "adapter error"}
+# Not the engine's bug: the harness's own code failed around the engine's classes (properties.adapter_frame)
+ADAPTER_ERROR = "adapter_error"
+
+
+def exit_status(kinds) -> int:
+    """A run's exit status from its findings' kinds: 1 if any is a finding, 3 if all are adapter errors, else 0
+    (README, "Exit statuses")."""
+    kinds = list(kinds)
+    if any(k != ADAPTER_ERROR for k in kinds):
+        return 1
+    return 3 if kinds else 0
 
 
 def poisons_cuda_context(failure) -> bool:

@@ -20,7 +20,7 @@ from properties.verdict import Verdict
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import Row, strategy_options
 from search import ledger
-from search.outcome import RowOutcome, near_miss, poisons_cuda_context
+from search.outcome import ADAPTER_ERROR, RowOutcome, near_miss, poisons_cuda_context
 from search.profiles import Profile, hypothesis_settings
 from search.strategies import batch_specs
 
@@ -36,6 +36,11 @@ class ShrinkBudgetSpent(BaseException):
 class ContextPoisoned(BaseException):
     """Raised from the test once a case has left a sticky CUDA error: nothing after it in this process can run,
     so Hypothesis stops at once (neither more examples nor shrinking)."""
+
+
+class AdapterFailed(BaseException):
+    """Raised from the test when the harness's own code failed around the engine's classes: no shrinking (the
+    adapter, not the batch, is at fault) and no more examples (each would fail the same way)."""
 
 
 class PropertyFailed(AssertionError):
@@ -88,6 +93,13 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         verdict = row.property.run(row.composition, spec, device)
         result.cases += 1
         poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
+        if not verdict.ok and "adapter_error" in verdict.details:
+            result.first_failure_seconds = time.perf_counter() - start
+            result.case_file = failing_case(row, profile, device, spec, verdict).write(
+                out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
+            failures.append((spec, verdict))
+            result.context_poisoned = poisoned
+            raise AdapterFailed
         known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
                                                       spec, verdict, device)
         if known is not None:  # triaged and reported: counted, and the search goes on for anything else
@@ -130,6 +142,11 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     try:
         with with_reporter(reported.append):
             probe()
+    except AdapterFailed:
+        stopped = True
+        spec, verdict = failures[-1]
+        result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
+        result.finding_kind = ADAPTER_ERROR
     except ContextPoisoned:
         stopped = True
         if failures:  # the case that poisoned it, unshrunk (written when it failed)

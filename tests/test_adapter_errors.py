@@ -1,0 +1,70 @@
+"""An error in the harness's own code is never reported as the engine's bug: a crash is the engine's when its
+innermost frame of either side is the engine's package, the adapter's when it is the project's."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from batch.spec import BatchSpec, ForwardMode, MHALayer
+from properties import Property, _package_root, adapter_frame
+from search.outcome import exit_status
+
+ENGINE = SimpleNamespace(engine="fakeengine")  # what adapter_frame reads of a composition
+HARNESS = SimpleNamespace(engine="harness")
+
+
+@pytest.fixture
+def fake_engine(tmp_path, monkeypatch):
+    package = tmp_path / "fakeengine"
+    package.mkdir()
+    (package / "__init__.py").write_text(
+        "import torch\n\ndef boom():\n    torch.zeros(2)[5]  # an IndexError raised inside torch, called from here\n\n"
+        "def calls(fn):\n    return fn()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fakeengine", raising=False)
+    _package_root.cache_clear()  # where the engine is installed is cached per process; each test makes its own
+    import fakeengine
+
+    return fakeengine
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return e
+    raise AssertionError("did not raise")
+
+
+def _project_fails():
+    from backends.sglang.runtime import _one_shape
+
+    _one_shape([MHALayer(0, 4, 2, 16, 16), MHALayer(1, 8, 2, 16, 16)])  # a shape SGLang cannot build: ValueError
+
+
+def test_a_crash_in_the_engine_is_the_engines_even_below_torch(fake_engine):
+    assert adapter_frame(_raised(fake_engine.boom), ENGINE) is None
+
+
+def test_a_crash_in_the_harness_around_the_engine_is_an_adapter_error(fake_engine):
+    where = adapter_frame(_raised(_project_fails), ENGINE)
+    assert where is not None and where.startswith("backends/sglang/runtime.py:") and where.endswith("in _one_shape")
+    # the engine calling back into the harness, which fails: the harness's
+    assert adapter_frame(_raised(lambda: fake_engine.calls(_project_fails)), ENGINE).endswith("in _one_shape")
+    # the harness's own compositions: every crash is a finding of the backend under test
+    assert adapter_frame(_raised(_project_fails), HARNESS) is None
+
+
+def test_an_adapter_error_is_its_own_verdict_and_exit_status(fake_engine):
+    spec = BatchSpec(ForwardMode.EXTEND, (0,), (1,), (MHALayer(0, 4, 2, 16, 16),))
+    adapter = Property("outputs", lambda c, s, d: _project_fails(), "test").run(ENGINE, spec, "cpu")
+    assert not adapter.ok and adapter.reason.startswith("adapter error at backends/sglang/runtime.py:")
+    assert "adapter_error" in adapter.details
+    engine = Property("outputs", lambda c, s, d: fake_engine.boom(), "test").run(ENGINE, spec, "cpu")
+    assert not engine.ok and "adapter_error" not in engine.details and engine.reason.startswith("crashed: IndexError")
+    assert "in boom: `torch.zeros(2)[5]" in engine.reason  # what failed, not only where: the ledger matches that
+    assert exit_status([]) == 0 and exit_status(["adapter_error"]) == 3
+    assert exit_status(["adapter_error", "failure"]) == 1 and exit_status(["crash"]) == 1
