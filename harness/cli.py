@@ -1,7 +1,8 @@
 """``python -m harness``: list the matrix, run it, replay a reproducer.
 
 Bad input (an unknown backend, a malformed case file, no GPU for a GPU run) ends with one line on stderr
-and exit status 2; a property failure ends with exit status 1 after every finding has been written.
+and exit status 2; a property failure ends with exit status 1 after every finding has been written, and a run
+whose only failures are the harness's own (adapter errors around an engine's classes) with exit status 3.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
-LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize")
+LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize", "bisect")
 
 
 def cmd_list(args) -> int:
@@ -175,7 +176,9 @@ def cmd_run(args) -> int:
         write_reports(results, skipped, out_dir, device, profile.name)  # report.json again, report.md, plots
     if interrupted:
         return 130
-    return 0 if all(r.ok for r in results) else 1
+    from search.outcome import exit_status
+
+    return exit_status(r.finding_kind or "failure" for r in results if not r.ok)
 
 
 def _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant):
@@ -330,6 +333,9 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--isolate", action="store_true",
                     help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)
+
+    from harness import bisect
+    bisect.add_parser(sub)
 
     sp = sub.add_parser("summarize", help="one table of several runs' reports: cases, findings, headroom")
     sp.add_argument("folders", nargs="+", help="output folders of run or sweep (or their report.json)")

@@ -20,7 +20,10 @@ def row_record(r) -> dict:
 
 
 def _report_data(results, skipped, device: str, profile: str, findings=None, extra=None) -> dict:
-    data = {"device": device, "profile": profile, "rows": [row_record(r) for r in results],
+    from search.casefile import package_versions
+
+    data = {"device": device, "profile": profile, "versions": package_versions(),
+            "rows": [row_record(r) for r in results],
             "unavailable": [{"composition": c, "reason": why} for c, why in skipped]}
     if findings is not None:
         data["findings"] = list(findings)
@@ -103,6 +106,10 @@ def markdown(data: dict, plot_names: list[str]) -> str:
            f"device **{data['device']}**, profile **{data['profile']}**: {len(rows)} rows, "
            f"{sum(r['status'] == 'passed' for r in rows)} passed, {len(failed)} failed, "
            f"{sum(r['status'] == 'not run' for r in rows)} not run; {cases} cases in {seconds:.1f}s of search", ""]
+    versions = data.get("versions") or {}
+    if versions.get("sglang"):
+        commit = f" (checkout {versions['sglang-commit']})" if versions.get("sglang-commit") else ""
+        out += [f"engine: SGLang {versions['sglang']}{commit}", ""]
     sweep = data.get("sweep")
     if sweep:
         out += [f"sweep: budget {sweep['budget_s']:.0f}s, {sweep['elapsed_s']:.0f}s spent, rounds "
@@ -112,8 +119,16 @@ def markdown(data: dict, plot_names: list[str]) -> str:
                 + (", **interrupted**" if sweep.get("interrupted") else ""), ""]
     findings = data.get("findings")
     if findings is None:
-        findings = [{"kind": r["status"], "row": r["row"], "reason": r["failure"], "case_file": r["case_file"]}
-                    for r in failed]
+        findings = [{"kind": "adapter_error" if r["status"] == "adapter error" else r["status"], "row": r["row"],
+                     "reason": r["failure"], "case_file": r["case_file"]} for r in failed]
+    adapter_errors = [f for f in findings if f["kind"] == "adapter_error"]
+    findings = [f for f in findings if f["kind"] != "adapter_error"]
+    if adapter_errors:  # the harness's own failures around the engine's classes: never the engine's findings
+        out += ["## Adapter errors (the harness's, not the engine's: exit status 3 when nothing else failed)", "",
+                "| row | reason | case |", "|---|---|---|"]
+        out += [f"| {f.get('row') or f.get('composition')} | "
+                f"{(f.get('reason') or '').replace('|', chr(92) + '|').replace(chr(10), ' ')} | "
+                f"{f.get('case_file') or '-'} |" for f in adapter_errors] + [""]
     out += ["## Findings", ""]
     if findings:
         by_id = {r["row"]: r for r in rows}
@@ -186,12 +201,18 @@ def campaign_markdown(reports: list[tuple[str, dict]]) -> str:
     """Several runs' ``report.json`` (each named by where it came from) as one table per device: per composition,
     the cases checked, the findings (rows that failed) and the known failures matched, then the largest headroom
     ratio per property over the composition's passing cases (relative L2 / element; bold: at risk)."""
-    out = ["| run | device | profile | rows | cases | findings | known | at risk |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    out = ["| run | device | profile | SGLang | rows | unavailable | cases | findings | adapter errors | known | at risk |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, data in reports:
         rows = data["rows"]
-        out.append(f"| {name} | {data['device']} | {data['profile']} | {len(rows)} | {sum(r['cases'] for r in rows)} | "
-                   f"{sum(not r['ok'] for r in rows)} | {sum(sum((r.get('known') or {}).values()) for r in rows)} | "
-                   f"{sum(bool(row_at_risk(r)) for r in rows)} |")
+        versions = data.get("versions") or {}
+        engine = (versions.get("sglang") or "-") + (f" @{versions['sglang-commit']}" if versions.get("sglang-commit")
+                                                    else "")
+        adapter = sum(r["status"] == "adapter error" for r in rows)
+        out.append(f"| {name} | {data['device']} | {data['profile']} | {engine} | {len(rows)} | "
+                   f"{len(data.get('unavailable') or [])} | {sum(r['cases'] for r in rows)} | "
+                   f"{sum(not r['ok'] for r in rows) - adapter} | {adapter} | "
+                   f"{sum(sum((r.get('known') or {}).values()) for r in rows)} | {sum(bool(row_at_risk(r)) for r in rows)} |")
     for device in dict.fromkeys(data["device"] for _, data in reports):
         rows = [r for _, data in reports if data["device"] == device for r in data["rows"]]
         props = list(dict.fromkeys(r["property"] for r in rows))

@@ -22,12 +22,20 @@ VERSIONED_PACKAGES = ("torch", "triton", "hypothesis", "flashinfer-python", "fla
 
 
 def package_versions() -> dict[str, str | None]:
+    """Each versioned package's version; for an SGLang source checkout also ``sglang-commit`` (its git commit,
+    ``+dirty`` when its tree has changes): a dev version string alone does not say which code ran."""
     out = {}
     for name in VERSIONED_PACKAGES:
         try:
             out[name] = importlib.metadata.version(name)
         except importlib.metadata.PackageNotFoundError:
             out[name] = None
+    if out.get("sglang") is not None:
+        from backends.sglang.features import source_identity
+
+        source = source_identity()
+        if source:
+            out["sglang-commit"] = source["commit"] + ("+dirty" if source["dirty"] else "")
     return out
 
 

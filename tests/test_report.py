@@ -118,7 +118,7 @@ def test_rows_near_their_bound_are_marked_at_risk_in_the_report_and_the_campaign
     (tmp_path / "a" / "report.json").write_text(json.dumps(data))
     assert main(["summarize", str(tmp_path / "a")]) == 0
     table = capsys.readouterr().out
-    assert f"| {tmp_path / 'a'} | cpu | ci | 2 | 8 | 0 | 0 | 1 |" in table
+    assert f"| {tmp_path / 'a'} | cpu | ci | - | 2 | 0 | 8 | 0 | 0 | 0 | 1 |" in table
     assert "| torch_native | 8 | 0 | 0 | **0.60** / 0.20 |" in table and "| outputs | 0.600 | 0.200 |" in table
     assert main(["summarize", str(tmp_path / "missing")]) == 2  # bad input: one line, exit 2
     assert "not a harness report" in capsys.readouterr().err
