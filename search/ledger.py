@@ -107,6 +107,13 @@ def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
     return window is not None and max(spec.extend_lens, default=0) - 1 > window
 
 
+def _draft_extend_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A draft extend whose worst element is in a sliding-window layer: SGLang 0.5.22's Triton draft-extend graph
+    builds no window KV list (docs/findings/sglang-triton-draft-extend-graph-window.md)."""
+    layer = _failing_layer(spec, verdict)
+    return spec.mode is ForwardMode.DRAFT_EXTEND and getattr(layer, "sliding_window", None) is not None
+
+
 def _tree_not_chain(spec: BatchSpec, verdict: Verdict) -> bool:
     """A verify batch with a draft tree that is not a chain (some node is not its predecessor's child)."""
     return spec.spec is not None and not spec.spec.is_chain()
@@ -225,6 +232,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "lightning_single_token_verify": _lightning_single_token_verify,
     "tbo_verify_tensor_token_blocks": _tbo_verify_tensor_token_blocks,
     "tbo_linear_stray_writes": _tbo_linear_stray_writes,
+    "draft_extend_window_layer": _draft_extend_window_layer,
 }
 
 
@@ -251,8 +259,19 @@ class KnownFailure:
     # depends on what lies where in GPU memory): tests/test_ledger.py replays that one instead
     stale_with: str | None = None
     # The engine releases its case was seen failing on (a checkout of main is named by the version it reports);
-    # empty: not recorded. Matching does not depend on it: a mechanism is a mechanism on any release.
+    # empty: not recorded.
     seen_in: tuple[str, ...] = ()
+    # The first release where its case passes. On it and later the entry explains nothing (the same failure there
+    # is a regression, a finding), and its case must pass: tests/test_ledger.py replays it as the fix's test.
+    fixed_in: str | None = None
+
+    def applies_to(self, version: str | None) -> bool:
+        """Whether the bug lives in ``version`` of the engine (None: not installed, or not known)."""
+        if self.fixed_in is None or version is None:
+            return True
+        from backends.sglang.features import version_key
+
+        return version_key(version) < version_key(self.fixed_in)
 
     def covers(self, composition: str, mode: str, prop: str) -> bool:
         return (fnmatch.fnmatchcase(composition, self.composition) and prop in self.properties
@@ -260,7 +279,7 @@ class KnownFailure:
 
     def matches(self, composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict,
                 device: str) -> bool:
-        return (not verdict.ok and self.covers(composition, mode, prop)
+        return (not verdict.ok and self.covers(composition, mode, prop) and self.applies_to(engine_version())
                 and (not self.devices or device in self.devices) and CONDITIONS[self.condition](spec, verdict))
 
     @property
@@ -271,7 +290,7 @@ class KnownFailure:
 def parse_ledger(text: str) -> list[KnownFailure]:
     entries = []
     for i, d in enumerate(tomllib.loads(text).get("known", [])):
-        optional = {"modes", "devices", "corrupts_process", "stale_with", "seen_in"}
+        optional = {"modes", "devices", "corrupts_process", "stale_with", "seen_in", "fixed_in"}
         fields = {"id", "composition", "properties", "condition", "case", "upstream", "reason", "triage"} | optional
         missing, unknown = fields - optional - set(d), set(d) - fields
         if missing or unknown:
@@ -283,12 +302,26 @@ def parse_ledger(text: str) -> list[KnownFailure]:
             raise LedgerError(f"known[{i}] ({d['id']}): unknown condition {d['condition']!r}; "
                               f"known: {', '.join(CONDITIONS)}")
         seen_in = d.get("seen_in", [])
-        if not isinstance(seen_in, list) or not all(isinstance(v, str) and v[:1].isdigit() for v in seen_in):
-            raise LedgerError(f"known[{i}] ({d['id']}): seen_in must be a list of release versions, got {seen_in!r}")
+        from backends.sglang.features import version_key
+
+        fixed_in = d.get("fixed_in")
+        for v in seen_in if isinstance(seen_in, list) else [seen_in]:
+            try:
+                version_key(str(v))
+            except ValueError:
+                raise LedgerError(f"known[{i}] ({d['id']}): seen_in must list release versions, got {v!r}") from None
+        if fixed_in is not None:
+            try:
+                version_key(str(fixed_in))
+            except ValueError:
+                raise LedgerError(f"known[{i}] ({d['id']}): fixed_in must be a release version, got {fixed_in!r}") \
+                    from None
+            if any(version_key(v) >= version_key(fixed_in) for v in seen_in):
+                raise LedgerError(f"known[{i}] ({d['id']}): seen_in names a release at or after fixed_in {fixed_in}")
         entries.append(KnownFailure(d["id"], d["composition"], tuple(d["properties"]), tuple(d.get("modes", ())),
                                     d["condition"], d["case"], d["upstream"], d["reason"], d["triage"],
                                     tuple(devices), bool(d.get("corrupts_process", False)), d.get("stale_with"),
-                                    tuple(seen_in)))
+                                    tuple(seen_in), fixed_in))
     ids = [e.id for e in entries]
     if len(set(ids)) != len(ids):
         raise LedgerError(f"ledger ids repeat: {ids}")
@@ -296,6 +329,17 @@ def parse_ledger(text: str) -> list[KnownFailure]:
         if e.stale_with is not None and e.stale_with not in ids:
             raise LedgerError(f"{e.id}: stale_with names no entry: {e.stale_with!r}")
     return entries
+
+
+@cache
+def engine_version() -> str | None:
+    """The installed SGLang's version (None: not installed)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 @cache

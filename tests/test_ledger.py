@@ -4,6 +4,7 @@ narrow (a failure elsewhere in the same row stays a finding)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,12 @@ def test_entry_still_fails_as_described(entry, device):
     if entry.stale_with:
         pytest.skip(f"{entry.id}: judged stale by {entry.stale_with}'s case (its own depends on GPU memory layout)")
     verdict = PROPERTIES[case.property].run(composition, case.spec, device)
+    if not entry.applies_to(ledger.engine_version()):  # a release with the fix: its case is the fix's test
+        assert verdict.ok, f"{entry.id} was fixed in {entry.fixed_in}, but its case fails on " \
+                           f"{ledger.engine_version()} (a regression): {verdict}"
+        assert not entry.matches(case.composition, case.spec.mode.value, case.property, case.spec,
+                                 dataclasses.replace(verdict, ok=False), device)
+        return
     assert not verdict.ok, f"{entry.id} no longer fails: the bug is fixed upstream; remove the entry ({verdict})"
     assert entry.matches(case.composition, case.spec.mode.value, case.property, case.spec, verdict, device), \
         f"{entry.id}: its case fails differently now: {verdict}"

@@ -246,3 +246,15 @@ def source_identity() -> dict[str, str | bool]:
     except (OSError, subprocess.SubprocessError):
         return {}
     return {"commit": commit, "dirty": bool(status.strip())}
+
+
+def version_key(version: str) -> tuple[int, ...]:
+    """Order of SGLang versions: ``0.5.22 < 0.5.23rc0 < 0.5.23 < 0.5.23.post1 < 0.5.24.dev3+g1234`` (a pre-release
+    or dev build sorts before its release; a local suffix is ignored)."""
+    import re
+
+    m = re.match(r"(\d+)\.(\d+)\.(\d+)(?:\.?(rc|dev|post)\.?(\d+))?", version)
+    if m is None:
+        raise ValueError(f"not an SGLang version: {version!r}")
+    tag = {"dev": -2, "rc": -1, None: 0, "post": 1}[m[4]]
+    return int(m[1]), int(m[2]), int(m[3]), tag, int(m[5] or 0)
