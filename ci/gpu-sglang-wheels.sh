@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packs, on a machine with pip network access, what a GPU machine without network needs to run SGLang's
-# real attention backends (the sglang.* leaves, FlashInfer's included) under the harness: sglang 0.5.23
+# real attention backends (the sglang.* leaves, FlashInfer's included) under the harness: an sglang release
 # (--no-deps: its CUDA pins are never resolved), the FlashInfer it pins, and the packages it imports at import
 # time that such a machine lacks. Python 3.12 (cp312) manylinux wheels, for the GPU image of
 # ../shared/device/README.md (torch 2.11+cu130, triton 3.6, nvcc 13; it already has numpy, requests, packaging,
@@ -12,7 +12,16 @@
 # .sglwhl/site/, and packs that folder as .sglwhl/part-*, pieces of one .tar.xz of at most PART_MIB MiB
 # each (default 58). .sglwhl/ is ignored by git (.gitignore): never commit it.
 #
-# Usage, from the project root:   bash ci/gpu-sglang-wheels.sh
+# Usage, from the project root:   bash ci/gpu-sglang-wheels.sh [VERSION]
+#   VERSION: an sglang release, 0.5.10 or newer (default: the newest on the package index, as
+#   ci/install-sglang.sh picks it). Bad input is one line on stderr and exit status 2.
+#   DRY_RUN=1 downloads only the sglang wheel and prints the bundle's package list, packing nothing.
+# Which versions go in: sglang's own specifier wherever that release names a package (its == pin; else the
+# version below when it meets the release's range, else that range), read from the cp312 wheel's METADATA
+# by ci/sglang_pins.py; the versions below (seen working beside 0.5.23) for what the release leaves open.
+# FlashInfer's prebuilt cubins (flashinfer_cubin, pinned by older releases) stay out: FlashInfer
+# JIT-compiles its kernels with the machine's nvcc. transformers and sentencepiece are the image's, not the
+# release's pins: seen importing there with 0.5.23 only (0.5.14 needs transformers 5.8.1 on the CPU).
 # Then, on the GPU machine, with .sglwhl carried (all parts in one call, or parts copied to /tmp over
 # calls on one warm machine), before the harness runs:
 #   mkdir -p /tmp/site && cat .sglwhl/part-* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
@@ -20,16 +29,27 @@
 # The adapter (backends/sglang/runtime.py) stands in inert modules for IPython, sniffio and (on CUDA)
 # sgl_kernel where they are absent; nothing else is stubbed (opentelemetry travels for real: a stub would
 # turn the ImportError SGLang's tracing catches into a RuntimeError).
-# Seen on the lent H100 (2026-11-24): 48 MB packed (one part), unpacked in 10 s, sglang imported in 32 s.
+# Seen on the lent H100 (2026-11-24), 0.5.23: 48 MB packed (one part), unpacked in 10 s, sglang imported in 32 s.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=.sglwhl
 PART_MIB=${PART_MIB:-58}
 PY=${PYTHON:-python3}
-# sglang 0.5.23's own pins where it has them (flashinfer_python[cu13]==0.7.2, apache-tvm-ffi==0.1.11,
-# openai==2.8.0, compressed-tensors==0.18.0); the rest are the versions seen working beside it.
-PKGS=(
-  sglang==0.5.23
+HELPER=ci/sglang_pins.py
+fail() { echo "error: $*" >&2; exit 2; }
+[ $# -le 1 ] || fail "usage: bash ci/gpu-sglang-wheels.sh [VERSION]"
+# The release, checked before any network access, then asked of the package index (see install-sglang.sh).
+VERSION=""
+if [ -n "${1:-}" ]; then
+  VERSION=$("$PY" "$HELPER" check-version "$1") || exit 2
+fi
+LISTING=$("$PY" -m pip index versions --pre --disable-pip-version-check sglang 2>/dev/null) ||
+  fail "cannot list sglang's releases: 'pip index versions sglang' failed"
+VERSION=$("$PY" "$HELPER" select ${VERSION:+"$VERSION"} <<< "$LISTING") || exit 2
+# What goes in besides sglang: the versions seen working beside 0.5.23, each replaced by the release's own
+# specifier where it has one (0.5.23 pins flashinfer_python[cu13]==0.7.2, apache-tvm-ffi==0.1.11,
+# openai==2.8.0, compressed-tensors==0.18.0).
+DEFAULTS=(
   flashinfer-python==0.7.2 apache-tvm-ffi==0.1.11
   pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 typing-inspection==0.4.5
   openai==2.8.0 jiter==0.19.0 distro==1.9.0
@@ -42,12 +62,26 @@ PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
-rm -rf "$OUT/site" "$OUT"/part-*
-mkdir -p "$OUT/wheels"
-"$PY" -m pip download -q --disable-pip-version-check --no-deps "${PLATFORM[@]}" -d "$OUT/wheels" "${PKGS[@]}"
+if [ "${DRY_RUN:-0}" = "1" ]; then  # leaves .sglwhl/ as it is
+  WHEELS=$(mktemp -d)
+  trap 'rm -rf "$WHEELS"' EXIT
+else
+  # wheels/ is emptied too: a wheel left by an earlier run (another sglang, another FlashInfer) would be packed.
+  rm -rf "$OUT/site" "$OUT"/part-* "$OUT/wheels"
+  WHEELS=$OUT/wheels
+  mkdir -p "$WHEELS"
+fi
+"$PY" -m pip download -q --disable-pip-version-check --no-deps "${PLATFORM[@]}" -d "$WHEELS" "sglang==$VERSION"
+mapfile -t PKGS < <("$PY" "$HELPER" bundle "$WHEELS"/sglang-*.whl --python-version 3.12 "${DEFAULTS[@]}")
+[ ${#PKGS[@]} -eq ${#DEFAULTS[@]} ] || { echo "error: could not read sglang $VERSION's requirements" >&2; exit 1; }
+echo "sglang $VERSION for cp312 with: ${PKGS[*]}"
+if [ "${DRY_RUN:-0}" = "1" ]; then
+  exit 0
+fi
+"$PY" -m pip download -q --disable-pip-version-check --no-deps "${PLATFORM[@]}" -d "$WHEELS" "${PKGS[@]}"
 # abi3 and pure wheels too (pyzmq, pydantic-core ship cp312 or abi3 builds; pure ones are py3-none-any).
 "$PY" -m pip install -q --disable-pip-version-check --no-deps --no-compile --no-index --target "$OUT/site" \
-  "${PLATFORM[@]}" "$OUT"/wheels/*.whl
+  "${PLATFORM[@]}" "$WHEELS"/*.whl
 # Console scripts carry this machine's interpreter path; nothing there runs them.
 rm -rf "$OUT/site/bin"
 tar -C "$OUT/site" -cf - . | xz -T0 -6 | split -b "${PART_MIB}M" -d - "$OUT/part-"
