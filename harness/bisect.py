@@ -23,13 +23,14 @@ from harness.options import UsageError
 PROJECT = Path(__file__).resolve().parents[1]
 OLDEST = (0, 5, 10)  # the oldest release the install script supports
 DEFAULT_ENVS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "attn-harness" / "envs"
-_RELEASE = re.compile(r"^(\d+)\.(\d+)\.(\d+)(?:\.post(\d+))?$")  # no rc/dev: releases only
+_RELEASE = re.compile(r"^\d+\.\d+\.\d+(?:\.post\d+)?$")  # no rc/dev: releases only
 
 
 def release_key(version: str) -> tuple[int, ...] | None:
-    """Ordering key of a release version (``0.5.12.post1`` after ``0.5.12``); None for anything else."""
-    m = _RELEASE.match(version)
-    return None if m is None else (int(m[1]), int(m[2]), int(m[3]), int(m[4] or 0))
+    """Ordering key of a release version (``0.5.12.post1`` after ``0.5.12``); None for anything else (rc, dev)."""
+    from backends.sglang.features import version_key
+
+    return version_key(version) if _RELEASE.match(version) else None
 
 
 def index_releases() -> list[str]:
@@ -55,7 +56,7 @@ def chosen_versions(spec: list[str], available: list[str] | None = None) -> list
         key = release_key(v)
         if key is None:
             raise UsageError(f"--versions: {v!r} is not a release version (like 0.5.22 or 0.5.12.post1)")
-        if key[:3] < OLDEST:
+        if key[:3] < OLDEST:  # (major, minor, patch)
             raise UsageError(f"--versions: {v} is older than the oldest supported release "
                              f"{'.'.join(map(str, OLDEST))}")
     if len(spec) == 1 and ".." in spec[0]:

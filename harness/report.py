@@ -11,7 +11,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from properties.verdict import CHECKS
-from search.outcome import AT_RISK_RATIO, row_at_risk, throughput, unexplained_headroom
+from search.outcome import (ADAPTER_ERROR, AT_RISK_RATIO, finding_kind, row_at_risk, throughput,
+                            unexplained_headroom)
 
 
 def row_record(r) -> dict:
@@ -119,10 +120,10 @@ def markdown(data: dict, plot_names: list[str]) -> str:
                 + (", **interrupted**" if sweep.get("interrupted") else ""), ""]
     findings = data.get("findings")
     if findings is None:
-        findings = [{"kind": "adapter_error" if r["status"] == "adapter error" else r["status"], "row": r["row"],
-                     "reason": r["failure"], "case_file": r["case_file"]} for r in failed]
-    adapter_errors = [f for f in findings if f["kind"] == "adapter_error"]
-    findings = [f for f in findings if f["kind"] != "adapter_error"]
+        findings = [{"kind": r["status"] if finding_kind(r["status"]) != ADAPTER_ERROR else ADAPTER_ERROR,
+                     "row": r["row"], "reason": r["failure"], "case_file": r["case_file"]} for r in failed]
+    adapter_errors = [f for f in findings if f["kind"] == ADAPTER_ERROR]
+    findings = [f for f in findings if f["kind"] != ADAPTER_ERROR]
     if adapter_errors:  # the harness's own failures around the engine's classes: never the engine's findings
         out += ["## Adapter errors (the harness's, not the engine's: exit status 3 when nothing else failed)", "",
                 "| row | reason | case |", "|---|---|---|"]
@@ -208,7 +209,7 @@ def campaign_markdown(reports: list[tuple[str, dict]]) -> str:
         versions = data.get("versions") or {}
         engine = (versions.get("sglang") or "-") + (f" @{versions['sglang-commit']}" if versions.get("sglang-commit")
                                                     else "")
-        adapter = sum(r["status"] == "adapter error" for r in rows)
+        adapter = sum(finding_kind(r["status"]) == ADAPTER_ERROR for r in rows)
         out.append(f"| {name} | {data['device']} | {data['profile']} | {engine} | {len(rows)} | "
                    f"{len(data.get('unavailable') or [])} | {sum(r['cases'] for r in rows)} | "
                    f"{sum(not r['ok'] for r in rows) - adapter} | {adapter} | "

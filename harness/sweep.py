@@ -46,8 +46,8 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, Terminated, 
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
-from search.outcome import (FINDING_STATUS, RowOutcome, exit_status, is_worse, merge_headroom, row_at_risk,
-                            unexplained_headroom)
+from search.outcome import (ADAPTER_ERROR, RowOutcome, exit_status, finding_kind, is_worse, merge_headroom,
+                            row_at_risk, unexplained_headroom)
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
@@ -318,7 +318,7 @@ class Sweep:
             self.progress.event(f"ok {r.id} round {round_ + 1}: {result['cases']} cases{ratio} "
                                 f"({result['seconds']:.1f}s)")
             return
-        kind = "adapter_error" if result.get("status") == FINDING_STATUS["adapter_error"] else "failure"
+        kind = ADAPTER_ERROR if finding_kind(result.get("status", "")) == ADAPTER_ERROR else "failure"
         self.finding(state, kind, result["failure"], result["case_file"], str(r.composition), round_,
                      batch_size=result.get("batch_size"), num_tokens=result.get("num_tokens"))
 

@@ -7,10 +7,8 @@ their rows from ``PROPERTIES`` and ``applies``.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -18,6 +16,7 @@ import torch
 from backends.base import SERVING_MODES
 from backends.registry import Composition
 from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
+from properties.blame import adapter_frame
 from properties.cache import cache_writes_exact
 from properties.conformance import conformance, dispatch
 from properties.equivalence import (
@@ -99,43 +98,6 @@ def _crash(e: Exception) -> str:
     line = f": `{frame.line.strip()}`" if frame.line else ""
     return (f"crashed: {type(e).__name__}: {e} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in "
             f"{frame.name}{line})")
-
-
-_PROJECT = Path(__file__).resolve().parents[1]
-# The project's own packages (a virtualenv or an unpacked site folder may live inside the checkout too)
-_OWN = tuple(_PROJECT / d for d in ("backends", "batch", "engine", "harness", "properties", "reference", "search"))
-# Harness code on the engine's side: a mutant's patched-in function is the engine's code, and the interpreter's
-# bounds checker raises on behalf of the engine's kernel that read or wrote outside its tensors
-_ENGINE_STAND_INS = (_PROJECT / "harness" / "mutants", _PROJECT / "backends" / "sglang" / "interpreter_shims.py")
-
-
-@functools.cache
-def _package_root(package: str) -> Path | None:
-    """Where an engine's package is installed (a site-packages folder, or a source checkout's)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec(package)
-    return None if spec is None or not spec.origin else Path(spec.origin).resolve().parent
-
-
-def adapter_frame(e: BaseException, composition: Composition) -> str | None:
-    """Where the harness's own code failed, if a crash of an engine's composition is the harness's and not the
-    engine's: the innermost frame that is either the engine's package or this project decides (frames of torch,
-    Triton and other libraries are the callees of one of the two). A crash raised in the engine's code is a
-    finding; one raised in the project's (the adapter's translation, an import or a member it expected) is an
-    adapter error, never counted as the engine's bug. None for the harness's own compositions, whose crashes are
-    findings wherever they happen."""
-    if composition is None or composition.engine == "harness":
-        return None
-    engine_root = _package_root(composition.engine)
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
-        path = Path(frame.filename).resolve()
-        if (engine_root is not None and engine_root in path.parents) or \
-                any(d == path or d in path.parents for d in _ENGINE_STAND_INS):
-            return None
-        if any(d in path.parents for d in _OWN):
-            return f"{path.relative_to(_PROJECT)}:{frame.lineno} in {frame.name}"
-    return None
 
 
 PROPERTIES: dict[str, Property] = {p.name: p for p in [

@@ -333,13 +333,10 @@ def parse_ledger(text: str) -> list[KnownFailure]:
 
 @cache
 def engine_version() -> str | None:
-    """The installed SGLang's version (None: not installed)."""
-    import importlib.metadata
+    """The installed SGLang's version (None: not installed), once per process."""
+    from backends.sglang.runtime import installed_version
 
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return installed_version()
 
 
 @cache

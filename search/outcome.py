@@ -15,8 +15,13 @@ from properties.verdict import CHECK_WORDS, Verdict
 # How a finding's kind reads as the row's status; a row without a finding has passed, or not run at all.
 FINDING_STATUS = {"failure": "failed", "crash": "crashed", "hang": "hung", "error": "error",
                   "adapter_error": "adapter error"}
-# Not the engine's bug: the harness's own code failed around the engine's classes (properties.adapter_frame)
+# Not the engine's bug: the harness's own code failed around the engine's classes (properties.blame)
 ADAPTER_ERROR = "adapter_error"
+
+
+def finding_kind(status: str) -> str:
+    """The finding kind a row record's status reads as (the inverse of FINDING_STATUS; "failure" for any other)."""
+    return next((kind for kind, word in FINDING_STATUS.items() if word == status), "failure")
 
 
 def exit_status(kinds) -> int:

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from batch.spec import BatchSpec, ForwardMode, MHALayer
-from properties import Property, _package_root, adapter_frame
+from properties import Property
+from properties.blame import adapter_frame
 from search.outcome import exit_status
 
 ENGINE = SimpleNamespace(engine="fakeengine")  # what adapter_frame reads of a composition
@@ -25,7 +26,6 @@ def fake_engine(tmp_path, monkeypatch):
         "def calls(fn):\n    return fn()\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "fakeengine", raising=False)
-    _package_root.cache_clear()  # where the engine is installed is cached per process; each test makes its own
     import fakeengine
 
     return fakeengine

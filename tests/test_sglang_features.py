@@ -62,16 +62,14 @@ def test_probes_read_definitions_imports_guarded_imports_and_class_members(tmp_p
 BASE = "srt.layers.attention.base_attn_backend"
 
 
-def test_the_metadata_contract_is_told_apart_by_the_base_class():
+def test_the_metadata_contract_is_told_apart_by_the_base_class(tmp_path):
     # 0.5.10-0.5.13: capture/replay hooks; 0.5.14 on: the three-method contract graph() drives
     old = {BASE: "class AttentionBackend:\n def init_forward_metadata_capture_cuda_graph(self): ...\n"
                  " def init_forward_metadata_replay_cuda_graph(self): ...\n"}
     new = {BASE: "class AttentionBackend:\n def init_forward_metadata_out_graph(self, fb, in_capture=False): ...\n"
                  " def init_forward_metadata_in_graph(self, fb): ...\n"}
-    import tempfile
-    from pathlib import Path
-    for source, gap in ((old, True), (new, False)):
-        root = _tree(Path(tempfile.mkdtemp()), source)
+    for release, (source, gap) in enumerate(((old, True), (new, False))):
+        root = _tree(tmp_path / str(release), source)
         missing = features.missing_in(root, ["three_method_graph_contract"])
         assert bool(missing) is gap
         if gap:

@@ -1,0 +1,37 @@
+"""Whose a crash is: the engine's (a finding) or the harness's own, around the engine's classes (an adapter error)."""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+
+from backends.registry import Composition
+from backends.sglang.features import package_root
+
+_PROJECT = Path(__file__).resolve().parents[1]
+# The project's own packages (a virtualenv or an unpacked site folder may live inside the checkout too)
+_OWN = tuple(_PROJECT / d for d in ("backends", "batch", "engine", "harness", "properties", "reference", "search"))
+# Harness code on the engine's side: a mutant's patched-in function is the engine's code, and the interpreter's
+# bounds checker raises on behalf of the engine's kernel that read or wrote outside its tensors
+_ENGINE_STAND_INS = (_PROJECT / "harness" / "mutants", _PROJECT / "backends" / "sglang" / "interpreter_shims.py")
+
+
+def adapter_frame(e: BaseException, composition: Composition) -> str | None:
+    """Where the harness's own code failed, if a crash of an engine's composition is the harness's and not the
+    engine's: the innermost frame that is either the engine's package or this project decides (frames of torch,
+    Triton and other libraries are the callees of one of the two). A crash raised in the engine's code is a
+    finding; one raised in the project's (the adapter's translation, an import or a member it expected) is an
+    adapter error, never counted as the engine's bug. None for the harness's own compositions, whose crashes are
+    findings wherever they happen."""
+    if composition is None or composition.engine == "harness":
+        return None
+    engine_root = package_root(composition.engine)
+    engine_root = None if engine_root is None else engine_root.resolve()
+    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+        path = Path(frame.filename).resolve()
+        if (engine_root is not None and engine_root in path.parents) or \
+                any(d == path or d in path.parents for d in _ENGINE_STAND_INS):
+            return None
+        if any(d in path.parents for d in _OWN):
+            return f"{path.relative_to(_PROJECT)}:{frame.lineno} in {frame.name}"
+    return None
