@@ -24,6 +24,7 @@ from batch.spec import BatchSpec, ForwardMode, is_recurrent
 from batch.tbo_split import attach_tbo_children
 from engine.execute import execute
 from engine.materialize import materialize
+from properties.blame import adapter_frame
 from properties.verdict import Verdict
 
 
@@ -403,6 +404,8 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     try:
         execute(composition, case, backend=backend)
     except Exception as e:  # a misrouted layer usually crashes in the wrong backend; report where it went
+        if adapter_frame(e, composition) is not None:
+            raise  # the harness's own code failed: Property.run reports it as an adapter error, not a misroute
         error = f"{type(e).__name__}: {e}"
     full_ids = {l.layer_id for l in spec.layers if not is_recurrent(l)}
     linear_ids = {l.layer_id for l in spec.layers if is_recurrent(l)}

@@ -68,3 +68,28 @@ def test_an_adapter_error_is_its_own_verdict_and_exit_status(fake_engine):
     assert "in boom: `torch.zeros(2)[5]" in engine.reason  # what failed, not only where: the ledger matches that
     assert exit_status([]) == 0 and exit_status(["adapter_error"]) == 3
     assert exit_status(["adapter_error", "failure"]) == 1 and exit_status(["crash"]) == 1
+
+
+@pytest.mark.skipif(__import__("backends.sglang.runtime", fromlist=["x"]).unavailable_reason() is not None,
+                    reason="needs the SGLang extra (bash ci/install-sglang.sh)")
+def test_dispatch_reports_its_own_crash_as_an_adapter_error_not_a_misroute(monkeypatch, fake_engine):
+    # dispatch catches a crash of the run to say where layers went; one in the harness's own code must still reach
+    # Property.run as an adapter error, while one in the engine's stays a failed dispatch
+    import importlib
+    from pathlib import Path
+
+    from backends.registry import parse
+    from batch.spec import LightningLayer
+    from properties import PROPERTIES
+    conformance = importlib.import_module("properties.conformance")  # the module (the package exports a function)
+
+    spec = BatchSpec(ForwardMode.EXTEND, (0,), (2,), (MHALayer(0, 4, 2, 32, 32), LightningLayer(1, 2, 128)),
+                     dtype="float32")
+    composition = parse("hybrid(sglang.torch_native,sglang.lightning)")
+    monkeypatch.setattr(conformance, "execute", lambda *a, **k: _project_fails())
+    ours = PROPERTIES["dispatch"].run(composition, spec, "cpu")
+    assert not ours.ok and "adapter_error" in ours.details and ours.reason.startswith("adapter error at backends/")
+    monkeypatch.setattr(conformance, "execute", lambda *a, **k: fake_engine.boom())
+    monkeypatch.setattr("properties.blame.package_root", lambda package: Path(fake_engine.__file__).parent)
+    engine = PROPERTIES["dispatch"].run(composition, spec, "cpu")
+    assert not engine.ok and "adapter_error" not in engine.details and engine.reason.startswith("run crashed")
