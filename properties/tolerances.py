@@ -32,7 +32,10 @@ interpreter runs tl.dot as an exact float32 product, and a backend may declare t
   them, and the bound is widened by ||RSS of the terms|| / ||output|| (``widen_for_cancellation``; the reference
   computes the RSS, ``term_magnitudes``), never narrowed. Without it a one-token request failed on the CPU at 1.06
   of float32's bound: its output 0.4e-6 off, and 10 times smaller than its terms (widened: 0.10). Measured on an
-  H100: at most 1.1e-3 (80 lightning-only batches of every mode) against 4 * 2**-10 = 3.9e-3.
+  H100: at most 1.1e-3 (80 lightning-only batches of every mode) against 4 * 2**-10 = 3.9e-3. A gated-delta-rule
+  output is the same kind of signed sum, its state read ``scale * sum_k q_t[k] S_t[k, v]``, and is widened by
+  the RSS of that read's terms (``read_magnitudes``): a float32 GDN token with no state, whose output
+  ``beta (q.k) v`` cancels in q.k, came within 0.84 of its bound on the CPU (nightly sweep, seed 11).
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so

@@ -39,8 +39,9 @@ class LinearStates:
 class ReferenceResult:
     outputs: list[torch.Tensor]  # one per layer, [T, H, Dv] in the reference dtype
     linear_states: dict[int, LinearStates]  # by layer id
-    # By layer id, for layers whose outputs are signed sums (lightning): the root sum of squares of each output
-    # element's terms (reference/lightning.py, term_magnitudes), which the tolerances measure cancellation by
+    # By layer id, for layers whose outputs are signed sums (lightning, GDN): the root sum of squares of each output
+    # element's terms (reference/lightning.py, term_magnitudes; reference/gdn.py, read_magnitudes), which the
+    # tolerances measure cancellation by
     magnitudes: dict[int, torch.Tensor] = field(default_factory=dict)
     # By layer id, for softmax-attention layers (MHA, MLA): each output element's probability-weighted magnitude
     # of the values it averages, ``sum_j p_j |v_j|`` (shape of the output), the scale of its element bound
@@ -241,7 +242,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
         t = {n: x.to(dtype) for n, x in inp.tensors.items()}
         wt = {n: x.to(dtype) for n, x in w.tensors.items()}
         if layer.kind == "linear":
-            out, linear_states[layer.layer_id] = _linear_layer(case, layer, t, wt, dtype)
+            out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _linear_layer(case, layer, t, wt, dtype)
             outputs.append(out)
         elif layer.kind == "lightning":
             out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _lightning_layer(case, layer, t, dtype)
@@ -298,13 +299,14 @@ def fp8_grid(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
-                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates]:
-    """One gated-delta-rule layer, request by request (a recurrence over each request's tokens)."""
+                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One gated-delta-rule layer, request by request (a recurrence over each request's tokens); with its outputs'
+    state-read magnitudes (``gdn.read_magnitudes``)."""
     spec = case.spec
     verify = spec.mode.is_target_verify()
     states = LinearStates([], [], [] if verify else None, [] if verify else None)
     mp = case.mamba_pool_before
-    per_request = []
+    per_request, magnitudes = [], []
     start = 0
     for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
         rows = slice(start, start + spec.extend_lens[i])
@@ -319,12 +321,15 @@ def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, t
             ssm_state=mp.ssm_states[layer.layer_id][slot].to(dtype) if has_state else None,
             keep_states=verify)
         per_request.append(res.o)
+        magnitudes.append(res.read_magnitudes)
         states.conv.append(res.conv_state)
         states.ssm.append(res.ssm_state)
         if verify:
             states.conv_steps.append(res.conv_states)
             states.ssm_steps.append(res.ssm_states)
-    return (torch.cat(per_request) if per_request else _empty(layer, dtype, case.device)), states
+    if not per_request:
+        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
+    return torch.cat(per_request), states, torch.cat(magnitudes)
 
 
 def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch.dtype

@@ -272,6 +272,9 @@ class LinearLayerOutput:
     ssm_state: torch.Tensor
     conv_states: torch.Tensor | None = None
     ssm_states: torch.Tensor | None = None
+    # Per output element, the root sum of squares of the terms of its state read ``scale * sum_k q_t[k] S_t[k, v]``
+    # (see :func:`read_magnitudes`): what the output would be without cancellation in that read
+    read_magnitudes: torch.Tensor | None = None
 
 
 def linear_attention_layer(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
@@ -320,6 +323,20 @@ def linear_attention_layer(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Te
     v = y[:, 2 * qk_dim:].reshape(T, num_v_heads, head_v_dim)
     g, beta = gdn_gating(A_log, a.to(y.dtype), dt_bias, b)
     o, final_ssm, ssm_states = _recurrence(q, k, v, g, beta, scale=scale, initial_state=ssm_state,
-                                           keep_states=keep_states)
-    return LinearLayerOutput(o, final_conv, final_ssm, conv_states, ssm_states)
+                                           keep_states=True)
+    magnitudes = read_magnitudes(q, ssm_states, scale=scale)
+    return LinearLayerOutput(o, final_conv, final_ssm, conv_states, ssm_states if keep_states else None, magnitudes)
+
+
+def read_magnitudes(q: torch.Tensor, states: torch.Tensor, *, scale: float) -> torch.Tensor:
+    """``(T, HV, V)``: per output element, the root sum of squares of the terms of the state read that makes it,
+    ``scale * q_t[k] * S_t[k, v]`` over k, from the state after each token ``states (T, HV, K, V)``. The output is
+    a signed sum of them: where they cancel (a token whose key nearly misses its query, q.k near 0), it is small
+    beside them, and so is any error measured relative to it (``widen_for_cancellation``). Cancellation inside the
+    state's own update is not counted: it is a difference of two terms of the same rounding, both in the state."""
+    T, HV = states.shape[0], states.shape[1]
+    if T == 0:
+        return states.new_zeros(0, HV, states.shape[-1])
+    q = q.repeat_interleave(HV // q.shape[1], dim=1)
+    return scale * torch.einsum("thk,thkv->thv", q * q, states * states).sqrt()
 

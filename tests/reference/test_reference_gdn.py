@@ -260,3 +260,22 @@ def test_layer_with_no_tokens_returns_the_given_states():
     assert out.conv_states.shape == (0, CONV_DIM, W - 1) and out.ssm_states.shape == (0, HV, K, V)
     fresh = gdn.linear_attention_layer(x, a, b, **p)
     assert not fresh.conv_state.any() and not fresh.ssm_state.any()
+
+
+def test_read_magnitudes_measure_the_state_read_an_output_cancels_in():
+    # One token, no state: S = beta k v^T, o = scale (q.k) beta v. With q nearly orthogonal to k the output is
+    # small beside the terms q[i] k[i] beta v it sums, which is what the tolerance must be widened by.
+    from reference.gdn import read_magnitudes
+
+    K, V = 4, 3
+    q = torch.tensor([[[1.0, 1.0, 0.0, 0.0]]], dtype=torch.float64) / 2**0.5  # (T=1, H=1, K)
+    k = torch.tensor([[[1.0, -1.0 + 1e-6, 0.0, 0.0]]], dtype=torch.float64) / 2**0.5
+    v = torch.tensor([[[1.0, 2.0, -3.0]]], dtype=torch.float64)
+    beta, scale = 0.5, K ** -0.5
+    state = beta * torch.einsum("thk,thv->thkv", k, v)
+    o = scale * torch.einsum("thk,thkv->thv", q, state)
+    m = read_magnitudes(q, state, scale=scale)
+    assert m.shape == o.shape
+    expected = scale * beta * v.abs() * torch.sqrt((q * q * k * k).sum(-1, keepdim=True))
+    torch.testing.assert_close(m, expected)
+    assert (m / o.abs()).min() > 1e5  # the output cancelled; its terms did not
