@@ -90,6 +90,17 @@ class WrapperCache:
                 self.planned[name] = self.generation
 
 
+def merge_running(o_run: torch.Tensor, lse_run: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge one more partial attention into a running float32 one (lse base 2, FlashInfer's convention): the
+    running output stays in float32 over any number of chunks, so a long prefix is rounded to the model's dtype
+    once, at the end, rather than once per chunk (``flashinfer.merge_state`` returns the inputs' dtype)."""
+    m = torch.maximum(lse_run, lse_b)
+    w_a, w_b = torch.exp2(lse_run - m), torch.exp2(lse_b - m)
+    o = (o_run.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
+    return o, m + torch.log2(w_a + w_b)
+
+
 def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two partial attentions over disjoint keys: o ``[T, H, Dv]``, lse ``[T, H]`` float32 in base 2
@@ -101,10 +112,8 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_
         from flashinfer.cascade import merge_state
 
         return merge_state(o_a, lse_a, o_b, lse_b)
-    m = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp2(lse_a - m), torch.exp2(lse_b - m)
-    o = (o_a.float() * w_a[..., None] + o_b.float() * w_b[..., None]) / (w_a + w_b)[..., None]
-    return o.to(o_a.dtype), m + torch.log2(w_a + w_b)
+    o, lse = merge_running(o_a, lse_a, o_b, lse_b)
+    return o.to(o_a.dtype), lse
 
 
 def req_to_token_of(backend) -> torch.Tensor:

@@ -19,8 +19,9 @@ per-request view (pages of ``seq_len + D`` keys and the tree mask) and the per-r
 Expanded form (EXTEND, MIXED): ``init_mha_chunk_metadata`` plans a ragged prefill over the new tokens
 (causal) and the cached prefix in chunks of ``mla_prefix_chunk`` slots; ``forward_extend`` expands each chunk
 from the latent cache with the layer's ``w_kc`` / ``w_vc`` (``backends.latent.latent_to_heads``), runs the ragged
-prefill per chunk (non-causal) with log-sum-exp, and merges with ``flashinfer.merge_state``. A missing or
-stale chunk plan is a RuntimeError, as in torch_native.
+prefill per chunk (non-causal) with log-sum-exp, and merges the chunks into a float32 running state
+(``backends.flashinfer.merge_running``: one rounding to the model dtype, at the end). A missing or stale chunk
+plan is a RuntimeError, as in torch_native.
 
 CUDA graphs: DECODE, with an MLA wrapper built with ``use_cuda_graph=True`` over fixed ``qo_indptr``,
 ``kv_indptr``, ``kv_indices`` and ``kv_len_arr`` buffers, re-planned by ``init_forward_metadata_out_graph``
@@ -42,7 +43,7 @@ from backends.flashinfer import (
     decode_graph_plan,
     layer_kv_dtype,
     make_workspace,
-    merge_states,
+    merge_running,
     plan_batch,
     req_to_token_of,
 )
@@ -337,8 +338,8 @@ class FlashInferMLABackend(AttentionBackend):
             k_c, v_c = latent_to_heads(latent[slots, 0], C, layer.weights["w_kc"], layer.weights["w_vc"])
             o_c, lse_c = self._ragged(key, c, q.device).run(q, k_c.to(q.dtype).contiguous(),
                                                            v_c.to(q.dtype).contiguous(), return_lse=True)
-            o, lse = merge_states(o, lse, o_c, lse_c)
-        return o
+            o, lse = merge_running(o, lse, o_c, lse_c)  # float32 throughout: one rounding, at the end
+        return o.to(q.dtype)
 
     # ---- CUDA graphs (decode) ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
