@@ -82,6 +82,12 @@ def call_accepting(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+class EngineBrokeInvariant(AssertionError):
+    """What an engine handed the harness breaks an invariant of its own data (a child batch whose per-token
+    tensors do not match its token count, say). Raised by an adapter that checks what it reads before using it:
+    a finding, never an adapter error, although the adapter's frame raised it."""
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What one backend supports; the test matrix is derived from these declarations."""

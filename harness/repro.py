@@ -35,6 +35,8 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
     print(f"composition: {case.composition}\nproperty:    {case.property}\nbatch:       {describe(case.spec)}")
     verdict = PROPERTIES[case.property].run(composition, case.spec, device)
     print(f"verdict:     {verdict}")
+    for frame in verdict.details.get("traceback", ()):
+        print(f"  at {frame}")
     try:
         run = run_case(composition, case.spec, device)
     except Exception as e:  # noqa: BLE001 - the verdict above already reported it

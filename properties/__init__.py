@@ -77,11 +77,11 @@ class Property:
         try:
             verdict = self.check(composition, spec, device)
         except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
-            verdict = Verdict(self.name, False, _crash(e))
+            verdict = Verdict(self.name, False, _crash(e), details={"traceback": crash_frames(e)})
             culprit = adapter_frame(e, composition)
             if culprit is not None:  # the harness's own code failed around an engine's classes: not the engine's bug
                 verdict = Verdict(self.name, False, f"adapter error at {culprit}: {verdict.reason}",
-                                  details={"adapter_error": culprit})
+                                  details={"adapter_error": culprit, "traceback": verdict.details["traceback"]})
         if device == "cuda":
             try:
                 torch.cuda.synchronize()
@@ -89,6 +89,14 @@ class Property:
                 before = "" if verdict.ok else f"; before it, the case had failed: {verdict.reason}"
                 verdict = dataclasses.replace(verdict, ok=False, reason=_crash(e) + before)
         return verdict
+
+
+def crash_frames(e: BaseException, keep: int = 12) -> list[str]:
+    """The innermost ``keep`` frames of a crash, ``path:line in function``, paths from the package folder (a
+    replay prints them: the one-line reason names only the innermost frame, which says what failed, not who
+    called it wrongly)."""
+    frames = traceback.extract_tb(e.__traceback__)[-keep:]
+    return [f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} in {f.name}" for f in frames]
 
 
 def _crash(e: Exception) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import traceback
 from pathlib import Path
 
+from backends.base import EngineBrokeInvariant
 from backends.registry import Composition
 from backends.sglang.features import package_root
 
@@ -23,7 +24,7 @@ def adapter_frame(e: BaseException, composition: Composition) -> str | None:
     finding; one raised in the project's (the adapter's translation, an import or a member it expected) is an
     adapter error, never counted as the engine's bug. None for the harness's own compositions, whose crashes are
     findings wherever they happen."""
-    if composition is None or composition.engine == "harness":
+    if composition is None or composition.engine == "harness" or isinstance(e, EngineBrokeInvariant):
         return None
     engine_root = package_root(composition.engine)
     engine_root = None if engine_root is None else engine_root.resolve()

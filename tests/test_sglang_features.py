@@ -78,7 +78,9 @@ def test_the_metadata_contract_is_told_apart_by_the_base_class(tmp_path):
 
 @pytest.mark.skipif(runtime.installed_version() is None, reason="sglang is not installed (bash ci/install-sglang.sh)")
 def test_the_installed_release_has_what_the_adapter_builds_with_and_no_version_is_refused(monkeypatch):
-    assert features.missing(tuple(features.FEATURES)) == ()
+    # Every need, and every feature that is no release's alternative to another (those come and go by release)
+    alternatives = {alt for alts in features.CHOICES.values() for alt in alts}
+    assert features.missing(tuple(features.CHOICES) + tuple(set(features.FEATURES) - alternatives)) == ()
     monkeypatch.setattr(runtime, "installed_version", lambda: "0.6.0.dev1234+gabcdef")  # a checkout of main
     assert runtime.unavailable_reason() is None
 
@@ -92,9 +94,11 @@ def test_a_missing_feature_makes_its_rows_unavailable_and_names_it(fake_sglang):
             parts = probe.module.split(".")[1:]
             path = root.joinpath(*parts).with_suffix(".py")
             path = path if path.is_file() else root.joinpath(*parts, "__init__.py")
-            modules[".".join(parts) + (".__init__" if path.name == "__init__.py" else "")] = path.read_text()
+            if path.is_file():  # an older release's alternative is absent here
+                modules[".".join(parts) + (".__init__" if path.name == "__init__.py" else "")] = path.read_text()
     fake = fake_sglang(modules)
-    assert features.missing(tuple(features.FEATURES)) == ()  # the copy has everything
+    everything = tuple(features.CORE) + ("graph_contract", "prefill_graph", "tbo", "draft_extend_v2")
+    assert features.missing(everything) == ()  # the copy has everything the installed release has
     # 0.5.22: no runner_utils/prefill_graph.py; graph() loses its extend rows, nothing else
     (fake / "srt" / "model_executor" / "runner_utils" / "prefill_graph.py").unlink()
     features.forget()
@@ -108,9 +112,61 @@ def test_a_missing_feature_makes_its_rows_unavailable_and_names_it(fake_sglang):
     features.forget()
     reason = parse("tbo(sglang.torch_native)").unavailable_reason("cpu")
     assert reason is not None and "tbo (two-batch overlap" in reason and "has no TboAttnBackend" in reason
-    # a core feature missing (0.5.14's runtime context has no override_server_args): every SGLang row
-    ctx = fake / "srt" / "runtime_context.py"
-    ctx.write_text(ctx.read_text().replace("def override_server_args", "def _renamed"))
+    # a core need none of whose alternatives is there (no forward context, no backend field on the batch): every
+    # SGLang row is unavailable, naming each alternative and why
+    (fake / "srt" / "model_executor" / "forward_context.py").unlink()
     features.forget()
     reason = parse("sglang.torch_native").unavailable_reason("cpu")
-    assert reason is not None and "RuntimeContext has no override_server_args" in reason
+    assert reason is not None and "backend_handoff, one of: forward_context" in reason
+    assert "ForwardBatch has no attn_backend" in reason
+
+
+# What each release line's source looks like to the probes (the parts the choices read), from the facts in
+# docs/findings/releases.md: the newest, 0.5.14 (runtime context without server args, forward context, fla under
+# srt), 0.5.10 (no runtime context, the backend on the batch, capture/replay graph hooks)
+_NEWEST = {
+    "srt.runtime_context": "def get_context(): ...\ndef get_parallel(): ...\ndef get_exec(): ...\n"
+                           "def get_schedule(): ...\nclass RuntimeContext:\n def override_server_args(self): ...\n",
+    "srt.model_executor.forward_context": "class ForwardContext: ...\ndef forward_context(ctx): ...\n",
+    BASE: "class AttentionBackend:\n def init_forward_metadata_out_graph(self, fb, in_capture=False): ...\n"
+          " def init_forward_metadata_in_graph(self, fb): ...\n",
+}
+_0_5_14 = {
+    "srt.runtime_context": "def get_context(): ...\ndef get_parallel(): ...\n",
+    "srt.server_args": "class ServerArgs: ...\ndef set_global_server_args_for_scheduler(a): ...\n"
+                       "def get_global_server_args(): ...\n",
+    "srt.distributed.parallel_state": "_ATTN_TP = None\n",
+    "srt.layers.dp_attention": "def get_attention_tp_size(): ...\n",
+    "srt.model_executor.forward_context": _NEWEST["srt.model_executor.forward_context"],
+    BASE: _NEWEST[BASE],
+}
+_0_5_10 = {
+    "srt.server_args": _0_5_14["srt.server_args"],
+    "srt.distributed.parallel_state": "_ATTN_TP = None\n",
+    "srt.layers.dp_attention": "def get_attention_tp_size(): ...\n",
+    "srt.model_executor.forward_batch_info": "class ForwardBatch:\n attn_backend: object = None\n"
+                                             " token_to_kv_pool: object = None\n req_to_token_pool: object = None\n",
+    BASE: "class AttentionBackend:\n def init_forward_metadata_capture_cuda_graph(self): ...\n"
+          " def init_forward_metadata_replay_cuda_graph(self): ...\n",
+}
+
+
+@pytest.mark.parametrize("source, chosen", [
+    (_NEWEST, {"server_args": "runtime_context", "single_rank": "parallel_context",
+               "backend_handoff": "forward_context", "graph_contract": "three_method_graph_contract"}),
+    (_0_5_14, {"server_args": "global_server_args", "single_rank": "parallel_context",
+               "backend_handoff": "forward_context", "graph_contract": "three_method_graph_contract"}),
+    (_0_5_10, {"server_args": "global_server_args", "single_rank": "attn_tp_group",
+               "backend_handoff": "batch_attn_backend", "graph_contract": "capture_replay_graph_contract"}),
+], ids=["newest", "0.5.14", "0.5.10"])
+def test_each_release_line_gets_its_own_alternative_of_each_need(fake_sglang, source, chosen):
+    fake_sglang(source)
+    assert {need: features.chosen(need) for need in chosen} == chosen
+
+
+def test_a_tbo_graph_needs_the_three_method_contract(fake_sglang):
+    # 0.5.10 captures TBO graphs for even batch sizes only; the graph runner captures each batch at its own size
+    fake_sglang(_0_5_10)
+    assert features.wrapper_gaps({"graph"}) == []
+    gaps = features.wrapper_gaps({"graph", "tbo"})
+    assert any(g.startswith("three_method_graph_contract") for g in gaps)

@@ -23,8 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from backends.base import AttentionBackend, Capabilities, PlannedMetadata
-from backends.sglang import runtime
+from backends.base import AttentionBackend, Capabilities, EngineBrokeInvariant, PlannedMetadata
+from backends.sglang import compat, runtime
 from batch.spec import ForwardMode
 from batch.tbo_split import TboSplit, slice_spec_info
 
@@ -226,9 +226,8 @@ class SglangBackend(_SglangObject):
         out.global_num_token_non_padded_cpu = T if fb.num_token_non_padded is None else fb.num_token_non_padded
         if graph:  # as SGLang's replay view (decode_cuda_graph_runner.py:216, build_replay_fb_view)
             out.num_padding = fb.num_padding
-        translator = self.sgl_runner.kv_index_translator
-        # As every batch of SGLang's scheduler; a graph runner binds its own buffers (bind_runner_slots).
-        (translator.bind_runner_slots if graph else translator.bind_own_plan)(out)
+        compat.bind_kv_indices(self.sgl_runner, out, graph)
+        compat.attach_pools(out, self.sgl_runner)
         if mode.is_extend(include_draft_extend_v2=True):
             out.extend_prefix_lens = fb.extend_prefix_lens
             out.extend_prefix_lens_cpu = list(fb.extend_prefix_lens_cpu)
@@ -240,7 +239,7 @@ class SglangBackend(_SglangObject):
             info = fb.spec_info
             D = info.draft_token_num
             links = [retrieve_links(p) for p in info.parents.tolist()]
-            out.spec_info = sgl.EagleVerifyInput(
+            out.spec_info = sgl.EagleVerifyInput(**compat.accepted(sgl.EagleVerifyInput, dict(
                 draft_token=out.input_ids, custom_mask=info.custom_mask, positions=fb.positions,
                 retrieve_index=torch.arange(fb.batch_size * D, device=dev).reshape(fb.batch_size, D),
                 retrieve_next_token=torch.tensor([l[0] for l in links], dtype=torch.int64, device=dev),
@@ -248,7 +247,7 @@ class SglangBackend(_SglangObject):
                 retrieve_cum_len=torch.arange(fb.batch_size + 1, dtype=torch.int32, device=dev) * D,
                 spec_steps=info.spec_steps, topk=info.topk, draft_token_num=D,
                 capture_hidden_mode=sgl.CaptureHiddenMode.FULL, seq_lens_sum=out.seq_lens_sum,
-                seq_lens_cpu=out.seq_lens_cpu)
+                seq_lens_cpu=out.seq_lens_cpu), compat.VERIFY_RENAMES))
             out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
         if fb.forward_mode.is_draft_extend():
             out.spec_info = self._draft_extend_input(fb, out)
@@ -283,7 +282,7 @@ class SglangBackend(_SglangObject):
             # (runner/eager_runner.py:451-456), and every layer then returns an empty output.
             self.inner.forward_metadata = None
             return
-        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
+        with compat.backend_scope(self.sgl, self.inner, sfb):
             self.inner.init_forward_metadata(sfb)
 
     # ---- CUDA graphs: SGLang's three-method contract, over the graph runner's static batch ----
@@ -306,15 +305,15 @@ class SglangBackend(_SglangObject):
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         sfb = self._graph_batch(forward_batch, in_capture)
-        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
-            self.inner.init_forward_metadata_out_graph(sfb, in_capture=in_capture)
+        with compat.backend_scope(self.sgl, self.inner, sfb):
+            compat.plan_out_graph(self.inner, sfb, in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("init_forward_metadata_in_graph before init_forward_metadata_out_graph")
-        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
-            self.inner.init_forward_metadata_in_graph(sfb)
+        with compat.backend_scope(self.sgl, self.inner, sfb):
+            compat.plan_in_graph(self.inner, sfb)
 
     # ---- SGLang's breakable prefill graph (engine.graph_runner.PrefillGraphRunner) ----
     @contextlib.contextmanager
@@ -328,7 +327,7 @@ class SglangBackend(_SglangObject):
         sgl = self.sgl
         with sgl.enable_breakable_cuda_graph(), \
                 sgl.prefill_graph_scope(full_graph=False, raw_num_tokens=sfb.global_num_token_non_padded_cpu), \
-                sgl.set_forward_batch(sfb), sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+                sgl.set_forward_batch(sfb), compat.backend_scope(sgl, self.inner, sfb):
             yield
 
     def capture_prefill_graph(self, fn, stream):
@@ -348,7 +347,7 @@ class SglangBackend(_SglangObject):
         if sfb is None:
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         T = q.shape[0]
-        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
+        with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
             # Models hand their RadixAttention q flat, except Bailing's lightning layers, which pass [T, H, D]
             # (models/bailing_moe_linear.py:577-581; seg_la reads the heads from q's shape)
             o = self._layer(layer)(q if layer.kind == "lightning" else q.reshape(T, layer.tp_q_head_num * layer.head_dim),
@@ -366,7 +365,7 @@ class SglangBackend(_SglangObject):
         if sfb is None:
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         T, s = mixed_qkv.shape[0], layer.spec
-        with torch.no_grad(), self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=via or self.inner)):
+        with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
             o = self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b)
         self.states.pull(layer.layer_id, forward_batch.state_slots,
                          verify=forward_batch.forward_mode.is_target_verify())
@@ -664,7 +663,7 @@ class SglangTbo(_SglangObject):
             forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens,
             extend_lens=sfb.extend_seq_lens_cpu if sfb.forward_mode.is_extend() else None,
             token_num_per_seq=tbo.get_token_num_per_seq(sfb.forward_mode, sfb.spec_info))
-        with sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+        with compat.backend_scope(sgl, self.inner, sfb):
             tbo.TboForwardBatchPreparer.prepare(sfb)  # asserts the active backend is a TboAttnBackend
             self.inner.init_forward_metadata(sfb)
         self.primary.batches = {id(fb): sfb}
@@ -703,7 +702,7 @@ class SglangTbo(_SglangObject):
         self._capture_or_check(fb, in_capture)
         sfb = self.primary.translate(fb, graph=True)
         self.primary.batches = {id(fb): sfb}
-        with sgl.forward_context(sgl.ForwardContext(attn_backend=self.inner)):
+        with compat.backend_scope(sgl, self.inner, sfb):
             if in_capture:
                 sfb.tbo_split_seq_index = tbo.compute_split_seq_index(
                     forward_mode=sfb.forward_mode, num_tokens=fb.extend_num_tokens, extend_lens=None,
@@ -711,7 +710,7 @@ class SglangTbo(_SglangObject):
                 non_padded = torch.zeros(2, dtype=torch.int32, device=fb.device)
                 non_padded[...] = tbo.TboForwardBatchPreparer.compute_tbo_children_num_token_non_padded(sfb)
                 tbo.TboForwardBatchPreparer.prepare_raw(sfb, tbo_children_num_token_non_padded=non_padded)
-            self.inner.init_forward_metadata_out_graph(sfb, in_capture=in_capture)
+            compat.plan_out_graph(self.inner, sfb, in_capture)
         if in_capture:
             fb.tbo_children = None
             self._attach_children(fb, sfb)
@@ -723,8 +722,8 @@ class SglangTbo(_SglangObject):
         self.graph_sfb = sfb
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
-        with self.sgl.forward_context(self.sgl.ForwardContext(attn_backend=self.inner)):
-            self.inner.init_forward_metadata_in_graph(self.graph_sfb)
+        with compat.backend_scope(self.sgl, self.inner, self.graph_sfb):
+            compat.plan_in_graph(self.inner, self.graph_sfb)
 
     @staticmethod
     def _harness_child(fb, schild, req: slice):
@@ -739,6 +738,12 @@ class SglangTbo(_SglangObject):
         else:  # a decode child has none either: one new token after seq_len - 1 cached ones
             extend = cpu_list(schild.extend_seq_lens_cpu) or [1] * schild.batch_size
             prefix = cpu_list(schild.extend_prefix_lens_cpu) or [int(s) - 1 for s in seq]
+        for name in ("positions", "out_cache_loc", "mrope_positions"):  # what the child's layers read per token
+            value = getattr(schild, name)
+            if value is not None and value.shape[-1] != T:
+                raise EngineBrokeInvariant(
+                    f"SGLang's TBO child batch has {T} tokens but its {name} has {value.shape[-1]} "
+                    f"(TboForwardBatchPreparer did not slice {name})")
         return dataclasses.replace(
             fb, batch_size=schild.batch_size, req_pool_indices=schild.req_pool_indices,
             seq_lens=schild.seq_lens.to(fb.seq_lens.dtype), seq_lens_cpu=schild.seq_lens_cpu.to(torch.int64),

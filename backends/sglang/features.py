@@ -59,25 +59,47 @@ FEATURES: dict[str, Feature] = {
         _p("srt.layers.attention.attention_registry:attn_backend_wrapper"),
         _p(f"{_BASE}:AttentionBackend"), _p("srt.layers.radix_attention:RadixAttention"),
         _p("srt.configs.model_config:AttentionArch"))),
-    "runtime_context": Feature("server args and parallel settings published through the runtime context "
-                               "(get_context().override_server_args, get_parallel().override)", (
-        _p("srt.runtime_context:get_context"), _p("srt.runtime_context:get_parallel"),
-        _p("srt.runtime_context:get_exec"), _p("srt.runtime_context:get_schedule"),
-        _p("srt.runtime_context:RuntimeContext.override_server_args"))),
-    "forward_context": Feature("the forward context layers read their backend from", (
+    # Server args, parallel settings, the backend handoff and the KV surface moved between releases; each
+    # alternative is a feature, and compat.py chooses by them (a Choice needs one of its alternatives).
+    "runtime_context": Feature("server args published through the runtime context "
+                               "(get_context().override_server_args; 0.5.22 on)", (
+        _p("srt.runtime_context:get_context"), _p("srt.runtime_context:get_exec"),
+        _p("srt.runtime_context:get_schedule"), _p("srt.runtime_context:RuntimeContext.override_server_args"))),
+    "global_server_args": Feature("server args published as a process-wide ServerArgs dataclass "
+                                  "(set_global_server_args_for_scheduler; up to 0.5.21)", (
+        _p("srt.server_args:ServerArgs"), _p("srt.server_args:set_global_server_args_for_scheduler"),
+        _p("srt.server_args:get_global_server_args"))),
+    "parallel_context": Feature("one attention rank entered through get_parallel().override (0.5.14 on)", (
+        _p("srt.runtime_context:get_parallel"),)),
+    "attn_tp_group": Feature("one attention rank as the attention TP group that backends ask for its size "
+                             "(get_attention_tp_size; up to 0.5.13)", (
+        _p("srt.distributed.parallel_state:_ATTN_TP"), _p("srt.layers.dp_attention:get_attention_tp_size"))),
+    "forward_context": Feature("the forward context layers read their backend from (0.5.14 on)", (
         _p("srt.model_executor.forward_context:ForwardContext"),
         _p("srt.model_executor.forward_context:forward_context"))),
+    "batch_attn_backend": Feature("the backend carried by the ForwardBatch, with its pools (up to 0.5.13)", (
+        _p("srt.model_executor.forward_batch_info:ForwardBatch.attn_backend"),
+        _p("srt.model_executor.forward_batch_info:ForwardBatch.token_to_kv_pool"),
+        _p("srt.model_executor.forward_batch_info:ForwardBatch.req_to_token_pool"))),
     "cuda_graph_config": Feature("the server's CUDA-graph settings (turned off for eager rows)", (
         _p("srt.model_executor.cuda_graph_config:CudaGraphConfig"),
         _p("srt.model_executor.cuda_graph_config:PhaseConfig"),
         _p("srt.model_executor.cuda_graph_config:Backend"))),
-    "kv_index_translator": Feature("the runner's KV index translator, bound to each batch's plan", (
+    "kv_index_translator": Feature("the runner's KV index translator (0.5.19 on; before, backends read "
+                                   "req_to_token_pool.req_to_token themselves)", (
         _p("srt.mem_cache.kv_index_translator"),
         _p("srt.model_executor.model_runner:ModelRunner.init_kv_index_translator"))),
+    "kv_index_binding": Feature("the translator bound to each batch: bind_own_plan, or a graph runner's "
+                                "bind_runner_slots (0.5.22 on; 0.5.19 to 0.5.21 rebind a batch's write slots at "
+                                "ForwardBatch construction, rebind_write_loc)", (
+        _p("srt.mem_cache.kv_index_translator:KVIndexTranslator.bind_own_plan"),
+        _p("srt.mem_cache.kv_index_translator:KVIndexTranslator.bind_runner_slots"))),
     "kv_pool_views": Feature("KV pools rebuilt over the harness's buffers (shared storage)", (
+        _p(f"{_MEM}:MHATokenToKVPool"), _p(f"{_MEM}:MLATokenToKVPool"), _p(f"{_MEM}:ReqToTokenPool"))),
+    "kv_buffer_descs": Feature("the MHA pool's own pointer refresh (0.5.22 on; before, _create_buffers "
+                               "computes the pointers inline and the adapter recomputes them)", (
         _p(f"{_MEM}:MHATokenToKVPool._build_kv_buffer_descs"),
-        _p(f"{_MEM}:MHATokenToKVPool._init_data_ptrs_and_strides"),
-        _p(f"{_MEM}:MLATokenToKVPool"), _p(f"{_MEM}:ReqToTokenPool"))),
+        _p(f"{_MEM}:MHATokenToKVPool._init_data_ptrs_and_strides"))),
     "batch": Feature("SGLang's ForwardBatch and its modes (DRAFT_EXTEND is DRAFT_EXTEND_V2)", (
         _p("srt.model_executor.forward_batch_info:ForwardBatch"),
         _p("srt.model_executor.forward_batch_info:ForwardMode.DRAFT_EXTEND_V2"),
@@ -90,6 +112,12 @@ FEATURES: dict[str, Feature] = {
         "init_forward_metadata_in_graph(fb) (older releases: init_forward_metadata_capture/replay_cuda_graph)", (
             _p(f"{_BASE}:AttentionBackend.init_forward_metadata_out_graph"),
             _p(f"{_BASE}:AttentionBackend.init_forward_metadata_in_graph"))),
+    "capture_replay_graph_contract": Feature(
+        "the metadata contract of the older releases, which graph() drives as SGLang's graph runner did: "
+        "init_forward_metadata_capture_cuda_graph at capture, init_forward_metadata_replay_cuda_graph before each "
+        "replay (up to 0.5.13)", (
+            _p(f"{_BASE}:AttentionBackend.init_forward_metadata_capture_cuda_graph"),
+            _p(f"{_BASE}:AttentionBackend.init_forward_metadata_replay_cuda_graph"))),
     "prefill_graph": Feature("the breakable prefill graph (graph() rows of extend batches)", (
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:BreakableCUDAGraph"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:"
@@ -104,7 +132,7 @@ FEATURES: dict[str, Feature] = {
     "hybrid_linear": Feature("the hybrid linear-attention wrapper and its state pools", (
         _p("srt.layers.attention.hybrid_linear_attn_backend:HybridLinearAttnBackend"),
         _p("srt.layers.radix_linear_attention:RadixLinearAttention"),
-        _p(f"{_MEM}:HybridReqToTokenPool"), _p(f"{_MEM}:MambaPool.clear_slots"),
+        _p(f"{_MEM}:HybridReqToTokenPool"), _p(f"{_MEM}:HybridLinearKVPool"),
         _p("srt.configs.mamba_utils:Mamba2CacheParams"), _p("srt.configs.mamba_utils:Mamba2StateDType"))),
     "gdn_model": Feature("a Qwen3-Next config for GDN hybrids", (_p("srt.configs.qwen3_next:Qwen3NextConfig"),)),
     "lightning_model": Feature("a Bailing config for lightning hybrids", (
@@ -112,12 +140,24 @@ FEATURES: dict[str, Feature] = {
     "deepseek_mla": Feature("DeepSeek's choice of MLA forward method (FlashInfer MLA rows)", (
         _p("srt.models.deepseek_common.attention_backend_handler:handle_attention_flashinfer"),
         _p("srt.models.deepseek_common.attention_forward_methods.forward_methods:AttnForwardMethod"))),
-    "fla_kernels_path": Feature("the fla kernels SGLang vendors, where the interpreter shims patch them (CPU)", (
+    "mamba_clear_slots": Feature("the state pool clears a fresh request's slots (MambaPool.clear_slots, 0.5.14 "
+                                 "on; before, MambaPool.alloc zeroes what it hands out)", (
+        _p(f"{_MEM}:MambaPool.clear_slots"),)),
+    "fla_kernels": Feature("the fla kernels SGLang vendors, where the interpreter shims patch them (CPU; 0.5.22 on)", (
         _p("kernels.ops.attention.fla.op:exp"), _p("kernels.ops.attention.fla.utils:custom_device_ctx"))),
+    "fla_kernels_in_srt": Feature("the fla kernels SGLang vendors, under srt (up to 0.5.21)", (
+        _p("srt.layers.attention.fla.op:exp"), _p("srt.layers.attention.fla.utils:custom_device_ctx"))),
+}
+# Needs that one of several release-specific features meets (the first that holds is the one compat.py uses)
+CHOICES: dict[str, tuple[str, ...]] = {
+    "server_args": ("runtime_context", "global_server_args"),
+    "single_rank": ("parallel_context", "attn_tp_group"),
+    "backend_handoff": ("forward_context", "batch_attn_backend"),
+    "fla_kernels_path": ("fla_kernels", "fla_kernels_in_srt"),
+    "graph_contract": ("three_method_graph_contract", "capture_replay_graph_contract"),
 }
 # Every SGLang row needs these
-CORE = ("attention_registry", "runtime_context", "forward_context", "cuda_graph_config", "kv_index_translator",
-        "kv_pool_views", "batch")
+CORE = ("attention_registry", "server_args", "single_rank", "backend_handoff", "kv_pool_views", "batch")
 
 
 def package_root(package: str = "sglang") -> Path | None:
@@ -183,15 +223,29 @@ def probe_fails(root: Path, probe: Probe) -> str | None:
     return None if probe.member in module.members[probe.name] else f"{probe.module}.{probe.name} has no {probe.member}"
 
 
+def _feature_fails(root: Path, name: str) -> str | None:
+    feature = FEATURES[name]
+    why = list(dict.fromkeys(w for w in (probe_fails(root, p) for p in feature.probes) if w))
+    return f"{name} ({feature.what}): {'; '.join(why)}" if why else None
+
+
 def missing_in(root: Path, names) -> list[str]:
-    """``feature (what it is for): why`` for each of ``names`` whose probes do not all hold at ``root``."""
+    """``feature (what it is for): why`` for each of ``names`` (a feature or a :data:`CHOICES` need) that does not
+    hold at ``root``; a need none of whose alternatives holds names each alternative and why."""
     out = []
     for name in names:
-        feature = FEATURES[name]
-        why = list(dict.fromkeys(w for w in (probe_fails(root, p) for p in feature.probes) if w))
-        if why:
-            out.append(f"{name} ({feature.what}): {'; '.join(why)}")
+        if name in CHOICES:
+            fails = [_feature_fails(root, alt) for alt in CHOICES[name]]
+            if all(fails):
+                out.append(f"{name}, one of: " + " | ".join(fails))
+        elif (why := _feature_fails(root, name)) is not None:
+            out.append(why)
     return out
+
+
+def chosen(need: str) -> str | None:
+    """Which alternative of a :data:`CHOICES` need the installed SGLang has (the first that holds), or None."""
+    return next((alt for alt in CHOICES[need] if has(alt)), None)
 
 
 @cache
@@ -212,20 +266,34 @@ def forget() -> None:
 
 
 # What a composition's wrappers and modes need beyond its leaves' features (backends/registry.py asks)
-WRAPPER_FEATURES = {"tbo": ("tbo",), "graph": ("three_method_graph_contract",)}
+WRAPPER_FEATURES = {"tbo": ("tbo",), "graph": ("graph_contract",)}
+
+
+# Wrapper combinations that need more than each wrapper does: a CUDA graph of TBO batches is driven through the
+# three-method contract only. Up to 0.5.13 SGLang captures TBO graphs for even batch sizes alone (cuda_graph_runner.py,
+# get_batch_sizes_to_capture: mul_base 2; TboAttnBackend asserts two non-empty halves at capture), while the graph
+# runner captures each batch at its own size.
+COMBINATION_FEATURES = {frozenset({"graph", "tbo"}): ("three_method_graph_contract",)}
 
 
 def wrapper_gaps(wrappers: set[str]) -> list[str]:
     """What the installed SGLang lacks for these wrappers over its backends."""
-    return list(missing(tuple(f for w in sorted(wrappers) for f in WRAPPER_FEATURES.get(w, ()))))
+    needs = [f for w in sorted(wrappers) for f in WRAPPER_FEATURES.get(w, ())]
+    needs += [f for combo, fs in COMBINATION_FEATURES.items() if combo <= wrappers for f in fs]
+    return list(missing(tuple(dict.fromkeys(needs))))
 
 
 def mode_gaps(wrappers: set[str]) -> list[tuple[str, str]]:
     """(mode value, why) for each mode the installed SGLang cannot serve under these wrappers: EAGLE v2 draft
-    extends need EagleDraftExtendInput; graph() extends run through the breakable prefill graph."""
+    extends need EagleDraftExtendInput; graph() extends run through the breakable prefill graph, graph() draft
+    extends through the three-method contract."""
     gaps = [("draft_extend", m) for m in missing(("draft_extend_v2",))]
     if "graph" in wrappers:
         gaps += [("extend", m) for m in missing(("prefill_graph",))]
+        # Up to 0.5.12 draft extends are captured by their own runner (eagle_draft_extend_cuda_graph_runner.py),
+        # which rewrites the spec input's lengths and positions into its buffers before each replay hook; the
+        # adapter drives the older contract as the decode runner does only.
+        gaps += [("draft_extend", m) for m in missing(("three_method_graph_contract",))]
     return gaps
 
 

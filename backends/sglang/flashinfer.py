@@ -30,6 +30,7 @@ import torch
 
 from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
+from backends.sglang import compat
 from backends.sglang.adapter import SglangBackend
 from batch.spec import ForwardMode
 
@@ -116,8 +117,8 @@ def forward_method(sgl, sfb, spec):
     """SGLang's choice for one MLA layer of this batch (DeepSeek with the flashinfer backend), from its own
     dispatcher and the server settings the layer reads at construction."""
     attn = type("DeepseekAttention", (), {})()
-    attn.flashinfer_mla_disable_ragged = sgl.get_exec().kernel.flashinfer_mla_disable_ragged
-    attn.disable_chunked_prefix_cache = sgl.get_schedule().disable_chunked_prefix_cache
+    attn.flashinfer_mla_disable_ragged = compat.server_setting(sgl, "kernel", "flashinfer_mla_disable_ragged")
+    attn.disable_chunked_prefix_cache = compat.server_setting(sgl, "schedule", "disable_chunked_prefix_cache")
     attn.chunked_prefix_cache_threshold = sgl.envs.SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD.get()
     attn.qk_rope_head_dim = spec.qk_rope_head_dim
     return sgl.handle_attention_flashinfer(attn, sfb)
@@ -147,7 +148,7 @@ class SglangFlashInferMLA(SglangBackend):
             raise RuntimeError("forward before init_forward_metadata planned this batch")
         sgl, spec = self.sgl, layer.spec
         C, N, T, H = spec.kv_lora_rank, spec.qk_nope_head_dim, q.shape[0], spec.num_heads
-        with torch.no_grad(), sgl.forward_context(sgl.ForwardContext(attn_backend=via or self.inner)):
+        with torch.no_grad(), compat.backend_scope(sgl, via or self.inner, sfb):
             if layer.absorbed:
                 o = _mla_radix(self, layer, True)(
                     q[..., :C].contiguous(), k[..., :C].contiguous(), k[..., :C].contiguous(), sfb,

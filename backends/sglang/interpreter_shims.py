@@ -33,6 +33,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 
 import triton
@@ -125,14 +126,16 @@ def apply() -> None:
 
     from backends.sglang import features
 
-    if features.has("fla_kernels_path"):  # elsewhere (older releases) no GDN row is built on the CPU
-        import sglang.kernels.ops.attention.fla.op as op
-        import sglang.kernels.ops.attention.fla.utils as fla_utils
+    fla = features.chosen("fla_kernels_path")  # where the release vendors them (none: no GDN row on the CPU)
+    if fla is not None:
+        package = "sglang.kernels.ops.attention.fla" if fla == "fla_kernels" else "sglang.srt.layers.attention.fla"
+        op = importlib.import_module(package + ".op")
+        fla_utils = importlib.import_module(package + ".utils")
 
         stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
         aliases = {id(getattr(op, name)): name for name in stand_ins}
         for module_name, module in list(sys.modules.items()):  # op itself and every module that copied an alias
-            if module is None or not module_name.startswith("sglang.kernels"):
+            if module is None or not module_name.startswith("sglang."):
                 continue
             for name in stand_ins:
                 if aliases.get(id(getattr(module, name, None))) == name:

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from backends.sglang import features
+from backends.sglang import compat, features
 from batch.forward_batch import ModelRunner
 from batch.spec import RECURRENT_KINDS
 
@@ -151,37 +151,38 @@ def _install_shims() -> list[str]:
     return installed
 
 
-@cache
-def load() -> SimpleNamespace:
-    """Import SGLang once per process (10-25 s) and enter its single-rank parallel settings for good.
+def _drop_partial_imports() -> None:
+    """Forget the SGLang modules a failed import left half-initialised, so the retry imports them afresh."""
+    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+        del sys.modules[name]
 
-    Returns the SGLang names the adapter uses.
-    """
-    reason = unavailable_reason()
-    if reason:
-        raise RuntimeError(reason)
-    shims = _install_shims()
-    import warnings
 
-    warnings.filterwarnings("ignore", module="sglang")
+def _import_names() -> dict[str, object]:
+    """The SGLang names the adapter uses, imported where the installed SGLang has them."""
     # The core every SGLang row is built with (features.CORE; unavailable_reason checked it before)
     from sglang.srt.configs.model_config import AttentionArch
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
-    from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
     from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
-    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
     from sglang.srt.model_executor.model_runner import ModelRunner as SglModelRunner
-    from sglang.srt.runtime_context import get_context, get_exec, get_parallel, get_schedule
     from sglang.srt.environ import envs
     from sglang.srt.speculative.eagle_info import EagleVerifyInput
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.layers.attention import attention_registry
 
-    # What only some rows need, imported where the installed SGLang has it (None where not: no row that needs
-    # it is built, features.py and the matrix say why)
+    # What differs by release, imported where the installed SGLang has it (compat.py chooses between them)
+    get_context = get_exec = get_schedule = None
+    if features.has("runtime_context"):
+        from sglang.srt.runtime_context import get_context, get_exec, get_schedule
+    ForwardContext = forward_context = None
+    if features.has("forward_context"):
+        from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    Backend = CudaGraphConfig = PhaseConfig = None
+    if features.has("cuda_graph_config"):
+        from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
+    # What only some rows need (None where absent: no row that needs it is built, features.py and the matrix say why)
     EagleDraftExtendInput = None
     if features.has("draft_extend_v2"):
         from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
@@ -193,13 +194,13 @@ def load() -> SimpleNamespace:
     if features.has("deepseek_mla"):
         from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_flashinfer
         from sglang.srt.models.deepseek_common.attention_forward_methods.forward_methods import AttnForwardMethod
-    HybridLinearAttnBackend = RadixLinearAttention = HybridReqToTokenPool = None
+    HybridLinearAttnBackend = RadixLinearAttention = HybridReqToTokenPool = HybridLinearKVPool = None
     Mamba2CacheParams = Mamba2StateDType = Qwen3NextConfig = BailingHybridConfig = None
     if features.has("hybrid_linear"):
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType
         from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
         from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
-        from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+        from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, HybridReqToTokenPool
     if features.has("gdn_model"):
         from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     if features.has("lightning_model"):
@@ -215,15 +216,44 @@ def load() -> SimpleNamespace:
         from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
         from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
 
-    # One attention rank, no torch.distributed. The override must stay entered for the whole process:
-    # SGLang reads attn_tp_size / attn_dcp_rank at every call ("parallel name ... has not been written").
-    parallel = get_parallel().override(attn_tp_size=1, attn_tp_rank=0, attn_dcp_rank=0)
-    parallel.__enter__()
+    return {k: v for k, v in locals().items()}
+
+
+@cache
+def load() -> SimpleNamespace:
+    """Import SGLang once per process (10-25 s) and enter its single-rank parallel settings for good.
+
+    Returns the SGLang names the adapter uses. A failure to import is the adapter's (an adapter error, never an
+    SGLang finding): the harness failed to load the engine it was pointed at.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise RuntimeError(reason)
+    shims = _install_shims()
+    import warnings
+
+    warnings.filterwarnings("ignore", module="sglang")
+    try:
+        try:
+            names = _import_names()
+        except ModuleNotFoundError as e:
+            # Up to 0.5.13 SGLang imports sgl_kernel on a CPU too (mem_cache/memory_pool_host.py imports its
+            # kvcacheio unless the device is NPU, XPU or MPS), never on an attention path: the inert stand-in serves
+            if not (e.name or "").startswith("sgl_kernel") or importlib.util.find_spec("sgl_kernel") is not None:
+                raise
+            _drop_partial_imports()
+            sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
+            shims.append("sgl_kernel")
+            names = _import_names()
+        compat.enter_single_rank()
+    except Exception as e:  # noqa: BLE001 - raised again as what it is: the harness could not load the engine
+        _drop_partial_imports()
+        raise RuntimeError(f"loading sglang {installed_version()} failed: {type(e).__name__}: {e}") from e
     if os.environ.get("TRITON_INTERPRET") == "1":
         from backends.sglang import interpreter_shims
 
         interpreter_shims.apply()
-    return SimpleNamespace(**{k: v for k, v in locals().items() if k not in ("warnings", "reason")})
+    return SimpleNamespace(shims=shims, **names)
 
 
 @cache
@@ -409,9 +439,38 @@ def _mha_pool(sgl, runner: ModelRunner, layers, dtype, device: str):  # dtype: t
                    else torch.zeros(slots, hk, d, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
     kv.v_buffer = [pool.v_buffers[i].view(kv.store_dtype) if i in pool.v_buffers
                    else torch.zeros(slots, hk, dv, dtype=kv.store_dtype, device=device) for i in range(layer_num)]
-    kv._kv_buffer_descs = kv._build_kv_buffer_descs()
-    kv._init_data_ptrs_and_strides()
+    compat.refresh_kv_pointers(kv)
     return kv, _ModelConfig(sgl, hq, hk, d, dv, runner.context_len, model_window(runner))
+
+
+def _hybrid_kv_pool(sgl, runner: ModelRunner, layers, dtype, device: str, mamba_pool, placeholder):
+    """What SGLang's runner builds for a hybrid linear-attention model: a ``HybridLinearKVPool`` whose full pool
+    holds the full-attention layers' buffers in layer order and maps layer ids onto them
+    (model_runner_kv_cache_mixin.py in 0.5.14, hybrid_pool_assembler.py later). Its full pool: the harness's
+    buffers (shared storage); for a batch of linear layers only, the ``placeholder`` pool over one layer, as a
+    draft worker's (``full_attention_layer_ids=[0]``)."""
+    if layers:
+        full_ids = sorted(layer.layer_id for layer in layers)
+        hq, hk, d, dv = _one_shape(layers)
+        page_size, pool = runner.page_size, runner.token_to_kv_pool
+        slots = next(iter(pool.k_buffers.values())).shape[0]
+        full = sgl.MHATokenToKVPool(size=page_size, page_size=page_size, dtype=dtype, head_num=hk, head_dim=d,
+                                    v_head_dim=dv, layer_num=len(full_ids), device=device,
+                                    enable_memory_saver=False, enable_alt_stream=False)
+        full.size = slots - page_size
+        full.k_buffer = [pool.k_buffers[i].view(full.store_dtype) for i in full_ids]
+        full.v_buffer = [pool.v_buffers[i].view(full.store_dtype) for i in full_ids]
+        compat.refresh_kv_pointers(full)
+    else:
+        full_ids, full = [0], placeholder
+        hk, d, page_size = placeholder.head_num, placeholder.head_dim, placeholder.page_size
+    hybrid = sgl.HybridLinearKVPool(**compat.accepted(sgl.HybridLinearKVPool, dict(
+        size=page_size, dtype=dtype, page_size=page_size, head_num=hk, head_dim=d, full_attention_layer_ids=full_ids,
+        enable_kvcache_transpose=False, device=device, mamba_pool=mamba_pool, enable_memory_saver=False,
+        use_mla=False, full_kv_pool=full)))
+    hybrid.full_kv_pool = full  # a release without full_kv_pool= built its own: ours replaces it
+    hybrid.size = full.size
+    return hybrid
 
 
 def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
@@ -474,6 +533,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
     r.harness_hybrid = hybrid
+    compat.init_runner_caches(r)
     r.is_draft_worker = hybrid is not None and hybrid.draft_worker
     r.max_running_requests = runner.req_to_token.shape[0] - 1  # row 0 is padding
     r.model = torch.nn.Module()
@@ -481,10 +541,11 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r._kernel_warmed_up = True
     # Backends read the published server args at construction (draft token counts, KV splits). The MLA
     # prefill settings are the server's defaults: ragged (MHA) prefill on, chunked prefix cache on.
-    r._server_args_override = sgl.get_context().override_server_args(
-        attention_backend=backend_name, chunked_prefill_size=-1,
-        cuda_graph_config=sgl.CudaGraphConfig(decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
-                                              prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED)),
+    # CUDA graphs off for the eager rows where the release configures them so (before: disable_cuda_graph)
+    graphs = {} if sgl.CudaGraphConfig is None else {"cuda_graph_config": sgl.CudaGraphConfig(
+        decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED), prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED))}
+    r.server_args = compat.publish_server_args(
+        sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs,
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
         enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, pp_size=1, revision=None,
@@ -498,7 +559,6 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         # A server resolves its device ("cuda"); SGLang's TBO splitter moves rebuilt lengths there
         # (two_batch_overlap.py:192): left unset, they stay on the CPU and its Triton kernels reject them.
         **({"device": "cuda"} if runner.device.type == "cuda" else {}))
-    r.server_args = r._server_args_override.install()
     kv, r.model_config = (_mla_pool if use_mla else _mha_pool)(sgl, runner, layers, kv_dtype, device)
     rows = runner.req_to_token.shape[0]
     if hybrid is None:
@@ -508,11 +568,13 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         mc.hf_config = mc.hf_text_config = _hybrid_config(hybrid, mc.num_attention_heads, mc.num_key_value_heads,
                                                           mc.head_dim)
         r.req_to_token_pool = _hybrid_request_pool(sgl, mc.hf_config, runner, dtype, device, max_draft_tokens, topk)
+        kv = _hybrid_kv_pool(sgl, runner, layers, kv_dtype, device, r.req_to_token_pool.mamba_pool, kv)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
-    r.req_to_token_pool.size = rows - 1  # SGLang's size counts requests; its allocation adds the padding row
+    # SGLang's size counts requests; from 0.5.14 its allocation adds a padding row (our row 0), before it does not
+    r.req_to_token_pool.size = rows - compat.request_pool_padding(sgl)
     r.token_to_kv_pool = kv
     r.token_to_kv_pool_allocator = SimpleNamespace(page_size=page_size, get_kvcache=lambda: kv)
-    r.init_kv_index_translator()  # after req_to_token is ours: the translator keeps a reference to it
+    compat.init_kv_indices(r)  # after req_to_token is ours: a translator keeps a reference to it
     r.attention_chunk_size = None
     r.hisparse_coordinator = None
     r.init_new_workspace = False
@@ -537,11 +599,14 @@ def _hybrid_request_pool(sgl, config, runner: ModelRunner, dtype: torch.dtype, d
     rows = runner.req_to_token.shape[0]
     state_slots = rows if runner.mamba_pool is None else \
         next(iter(runner.mamba_pool.ssm_states.values())).shape[0]
-    return sgl.HybridReqToTokenPool(
-        size=rows - 1, mamba_size=state_slots - 1, mamba_spec_state_size=state_slots - 1, max_context_len=1,
+    pool = sgl.HybridReqToTokenPool(**compat.accepted(sgl.HybridReqToTokenPool, dict(
+        size=rows - compat.request_pool_padding(sgl), mamba_size=state_slots - 1, mamba_spec_state_size=state_slots - 1,
+        max_context_len=1,
         device=device, enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(params.layers),
         enable_mamba_extra_buffer=False, speculative_num_draft_tokens=max_draft_tokens or None,
-        speculative_eagle_topk=topk or None, enable_overlap_schedule=False)
+        speculative_eagle_topk=topk or None, enable_overlap_schedule=False)))
+    compat.fit_state_mapping(pool, rows)
+    return pool
 
 
 class StateSync:
@@ -578,7 +643,8 @@ class StateSync:
             return
         fresh = [slot for slot, prefix in zip(fb.state_slots.tolist(), fb.extend_prefix_lens_cpu) if prefix == 0]
         if fresh:
-            self.pool.mamba_pool.clear_slots(torch.tensor(fresh, dtype=torch.int64, device=mapping.device))
+            compat.clear_state_slots(self.pool.mamba_pool,
+                                     torch.tensor(fresh, dtype=torch.int64, device=mapping.device))
 
     def push_states(self) -> None:
         """The harness's committed states into SGLang's pools (they are the state; SGLang's are a copy), e.g.

@@ -1,0 +1,86 @@
+"""The release-specific calls of backends/sglang/compat.py, each on both sides of the change it follows (the
+features it chooses by are patched; the releases themselves run in the main job and in bisect)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.sglang import compat, features
+
+
+@pytest.fixture
+def release(monkeypatch):
+    """Make the installed SGLang look like it has exactly these alternatives and features."""
+    def use(chosen: dict[str, str], has: set[str] = frozenset()):
+        monkeypatch.setattr(features, "chosen", lambda need: chosen.get(need))
+        monkeypatch.setattr(features, "has", lambda name: name in has or name in chosen.values())
+    return use
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self.calls.append((name, args, kwargs))
+
+
+def _static_batch():
+    return type("FB", (), dict(batch_size=2, input_ids=torch.zeros(2), req_pool_indices=torch.tensor([1, 2]),
+                               seq_lens=torch.tensor([3, 4]), seq_lens_sum=7, forward_mode="DECODE", spec_info=None,
+                               seq_lens_cpu=torch.tensor([3, 4])))()
+
+
+def test_graphs_drive_the_three_method_contract_where_the_release_has_it(release):
+    release({"graph_contract": "three_method_graph_contract"})
+    backend, fb = _Recorder(), _static_batch()
+    compat.plan_out_graph(backend, fb, in_capture=True)
+    compat.plan_in_graph(backend, fb)
+    assert [c[0] for c in backend.calls] == ["init_forward_metadata_out_graph", "init_forward_metadata_in_graph"]
+    assert backend.calls[0][2] == {"in_capture": True}
+
+
+def test_graphs_drive_capture_and_replay_hooks_on_older_releases_as_their_graph_runner_did(release):
+    release({"graph_contract": "capture_replay_graph_contract"})
+    backend, fb = _Recorder(), _static_batch()
+    compat.plan_out_graph(backend, fb, in_capture=True)
+    compat.plan_out_graph(backend, fb, in_capture=False)
+    compat.plan_in_graph(backend, fb)  # the older contract plans nothing inside the graph
+    (cap, cap_args, _), (rep, rep_args, rep_kw) = backend.calls
+    assert cap == "init_forward_metadata_capture_cuda_graph" and rep == "init_forward_metadata_replay_cuda_graph"
+    assert cap_args[:2] == (2, 2) and cap_args[4] is None and cap_args[5] == "DECODE"  # bs, num_tokens; no encoder
+    assert rep_args[0] == 2 and rep_args[3] == 7 and rep_kw["seq_lens_cpu"] is fb.seq_lens_cpu
+
+
+def test_the_backend_reaches_layers_through_the_batch_on_releases_without_a_forward_context(release):
+    release({"backend_handoff": "batch_attn_backend"})
+    fb = type("FB", (), {"attn_backend": None})()
+    with compat.backend_scope(None, "inner", fb):
+        assert fb.attn_backend == "inner"
+    assert fb.attn_backend is None  # restored: the next batch sets its own
+
+
+def test_renamed_and_absent_keywords_follow_the_constructor_of_the_installed_release():
+    def old(*, retrive_index, draft_token):  # 0.5.10's EagleVerifyInput spells retrieve as retrive
+        return retrive_index, draft_token
+    kwargs = compat.accepted(old, {"retrieve_index": 1, "draft_token": 2, "speculative_eagle_topk": 3},
+                             compat.VERIFY_RENAMES)
+    assert kwargs == {"retrive_index": 1, "draft_token": 2}
+
+
+def test_fresh_state_slots_are_zeroed_as_the_older_allocator_did(release):
+    release({}, has=set())  # no MambaPool.clear_slots (0.5.10): alloc zeroed the slots it handed out
+    pool = type("Pool", (), {})()
+    pool.mamba_cache = type("Cache", (), dict(conv=[torch.ones(2, 4, 3)], temporal=torch.ones(2, 4, 5)))()
+    compat.clear_state_slots(pool, torch.tensor([1, 3]))
+    assert pool.mamba_cache.conv[0][:, [1, 3]].abs().sum() == 0 and pool.mamba_cache.conv[0][:, [0, 2]].min() == 1
+    assert pool.mamba_cache.temporal[:, [1, 3]].abs().sum() == 0 and pool.mamba_cache.temporal[:, 0].min() == 1
+
+
+@pytest.mark.parametrize("state_slots", [3, 12])
+def test_the_state_map_has_one_entry_per_request_row(state_slots):
+    # 0.5.10 sizes it by the state pool, which the harness sizes on its own
+    pool = type("Pool", (), {"req_index_to_mamba_index_mapping": torch.zeros(state_slots, dtype=torch.int32)})()
+    compat.fit_state_mapping(pool, rows=4)
+    assert pool.req_index_to_mamba_index_mapping.shape == (4,)
