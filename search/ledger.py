@@ -215,8 +215,78 @@ def _hybrid_hides_known_overrides(spec: BatchSpec, verdict: Verdict) -> bool:
     return _only_known_hidden(verdict, HYBRID_HIDDEN) is not None
 
 
+# What the wrappers of older releases also leave unreachable, each a ledger entry of its own with the releases it
+# lives in (docs/findings/sglang-wrappers-hide-verify-buffers.md, sglang-tbo-hides-forward.md,
+# sglang-tbo-lacks-probed-members.md). A verdict often shows several at once; each entry matches it when every
+# member it lists is one of these and the entry's own member is among them.
+VERIFY_BUFFERS = {"get_verify_buffers_to_fill_after_draft", "update_verify_buffers_to_fill_after_draft"}
+TBO_PROBED = {"init_mha_chunk_metadata", "update_mamba_state_after_mtp_verify"}
+OLDER_HIDDEN = TBO_HIDDEN | HYBRID_HIDDEN | VERIFY_BUFFERS | TBO_PROBED | {"forward", "needs_cpu_seq_lens"}
+
+
+def _hides_among_older(verdict: Verdict, own: set[str]) -> bool:
+    hidden = _only_known_hidden(verdict, OLDER_HIDDEN)
+    return hidden is not None and bool(hidden & own)
+
+
+def _wrappers_hide_verify_buffers(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on members wrappers are known to hide, get_verify_buffers_to_fill_after_draft among them."""
+    return _hides_among_older(verdict, {"get_verify_buffers_to_fill_after_draft"})
+
+
+def _tbo_hides_forward(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on members wrappers are known to hide, ``forward`` among them (TboAttnBackend over
+    SGLang's hybrid wrapper); or a linear layer of a batch TBO did not split reached the base class's forward,
+    which wants q, k and v (RadixLinearAttention passes mixed_qkv)."""
+    reason = verdict.reason
+    return _hides_among_older(verdict, {"forward"}) or (
+        "AttentionBackend.forward() missing 3 required positional arguments" in reason
+        and "radix_linear_attention.py:" in reason)
+
+
+def _tbo_lacks_probed_members(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on members wrappers are known to hide, among them a hasattr-probed member that
+    TboAttnBackend lacks and its hybrid child has (init_mha_chunk_metadata, update_mamba_state_after_mtp_verify)."""
+    return _hides_among_older(verdict, TBO_PROBED)
+
+
+def _tbo_mrope_unsliced(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A batch with M-RoPE positions whose TBO child batch kept the whole batch's (the adapter checks each child's
+    per-token tensors against its token count: EngineBrokeInvariant)."""
+    return "EngineBrokeInvariant" in verdict.reason and "did not slice mrope_positions" in verdict.reason
+
+
+def _tbo_mixed_not_implemented(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A MIXED batch under TBO crashed in SGLang's splitter, which has no MIXED branch."""
+    return (spec.mode is ForwardMode.MIXED and "NotImplementedError" in verdict.reason
+            and "in compute_split_seq_index" in verdict.reason)
+
+
+def _draft_worker_misrouted(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A draft worker's batch (its one full-attention layer has id 0) whose layer reached the hybrid's linear
+    backend: the GDN backend's assertion on the missing mixed_qkv, or dispatch seeing the misroute."""
+    reason = verdict.reason
+    return spec.draft_worker and ("assert isinstance(mixed_qkv, torch.Tensor)" in reason
+                                  or ("reached the wrong backend" in reason and "linear got [0]" in reason))
+
+
+def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A draft-token batch of a model with GDN or lightning layers crashed building its state pool on a CPU: the
+    pool allocates its per-draft-token states on "cuda" (MambaPool.__init__)."""
+    frames = verdict.details.get("traceback", ())
+    return ("Torch not compiled with CUDA enabled" in verdict.reason
+            and any("mem_cache/memory_pool.py" in f and f.endswith("in __init__") for f in frames))
+
+
 CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "window_cuts_keys": _window_cuts_keys,
+    "wrappers_hide_verify_buffers": _wrappers_hide_verify_buffers,
+    "tbo_hides_forward": _tbo_hides_forward,
+    "tbo_lacks_probed_members": _tbo_lacks_probed_members,
+    "tbo_mrope_unsliced": _tbo_mrope_unsliced,
+    "tbo_mixed_not_implemented": _tbo_mixed_not_implemented,
+    "draft_worker_misrouted": _draft_worker_misrouted,
+    "spec_states_on_cuda": _spec_states_on_cuda,
     "mixed_two_chunk": _mixed_two_chunk,
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,
     "hybrid_hides_known_overrides": _hybrid_hides_known_overrides,
