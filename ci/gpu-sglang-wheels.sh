@@ -20,8 +20,9 @@
 # version below when it meets the release's range, else that range), read from the cp312 wheel's METADATA
 # by ci/sglang_pins.py; the versions below (seen working beside 0.5.23) for what the release leaves open.
 # FlashInfer's prebuilt cubins (flashinfer_cubin, pinned by older releases) stay out: FlashInfer
-# JIT-compiles its kernels with the machine's nvcc. transformers and sentencepiece are the image's, not the
-# release's pins: seen importing there with 0.5.23 only (0.5.14 needs transformers 5.8.1 on the CPU).
+# JIT-compiles its kernels with the machine's nvcc. transformers and tokenizers are the release's pins (the
+# image's transformers imports 0.5.23 only); sentencepiece is the image's. 0.5.16 to 0.5.21 also import xgrammar
+# with server_args, whose wheel alone would fill a call's carry: those releases need it carried on its own.
 # Then, on the GPU machine, with .sglwhl carried (all parts in one call, or parts copied to /tmp over
 # calls on one warm machine), before the harness runs:
 #   mkdir -p /tmp/site && cat .sglwhl/part-* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
@@ -57,6 +58,9 @@ DEFAULTS=(
   pyzmq==27.3.0 gguf==0.19.0 compressed-tensors==0.18.0
   uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 annotated-doc
   opentelemetry-api==1.45.2  # fastapi 0.165 imports it unguarded (fastapi/telemetry/_api.py)
+  # The image's transformers serves 0.5.23 only: 0.5.14 fails to import with it ('qwen3_asr' is already used by
+  # a Transformers config, seen on the H100 2026-11-25), so each release travels with its own pins.
+  transformers==5.19.0 tokenizers==0.22.2  # 0.22.2: what transformers up to 5.12 accept (<=0.23.0); 0.5.22 on pin their own
 )
 PLATFORM=(--python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none --only-binary=:all:
   --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_31_x86_64

@@ -28,10 +28,12 @@ IMPORT_DEPS=(numpy orjson psutil pybase64 requests packaging pillow starlette ms
   IPython aiohttp transformers tokenizers dill sentencepiece compressed-tensors gguf openai partial_json_parser
   einops uvicorn fastapi)
 # Installed with --no-deps, last, so that no resolver step moves them: apache-tvm-ffi (the release's own
-# specifier) and triton. Triton stays 3.8.0 whatever the release pins: the fla kernels SGLang vendors for
+# specifier), xgrammar and triton. Triton stays 3.8.0 whatever the release pins: the fla kernels SGLang vendors for
 # GDN use block pointers, which Triton 3.9 removed ("Block pointers have been removed in favor of the tensor
 # descriptor API"), and 3.8.0 is the Triton that torch 2.13 and 2.14 ship with.
-NO_DEPS=(apache-tvm-ffi)
+# xgrammar too: 0.5.16 to 0.5.21 import it when server_args loads (function_call/inkling_detector.py), and its
+# wheel requires a CUDA build of torch.
+NO_DEPS=(apache-tvm-ffi xgrammar)
 TRITON="triton==3.8.0"
 
 fail() { echo "error: $*" >&2; exit 2; }

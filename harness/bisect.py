@@ -71,9 +71,10 @@ def chosen_versions(spec: list[str], available: list[str] | None = None) -> list
     return sorted(dict.fromkeys(spec), key=release_key)
 
 
-def build_env(version: str, envs: Path, log) -> Path:
-    """The environment of ``version`` (built on first use; a half-built one is rebuilt)."""
-    env = envs / f"sglang-{version}"
+def build_env(version: str, envs: Path, log, name: str | None = None) -> Path:
+    """The environment of ``version`` (a release, or the path of a source checkout, whose environment is then
+    called ``name``), built on first use; a half-built one is rebuilt."""
+    env = envs / (name or f"sglang-{version}")
     done = env / ".harness-ready"
     if done.exists():
         return env
