@@ -92,9 +92,11 @@ def enter_single_rank() -> None:
     if features.has("attn_tp_group"):
         from sglang.srt.distributed import parallel_state
 
-        if parallel_state._ATTN_TP is None:
-            parallel_state._ATTN_TP = SimpleNamespace(world_size=1, rank_in_group=0, ranks=[0], local_rank=0,
-                                                      device_group=None, cpu_group=None)
+        # and the attention context-parallel group, which 0.5.14's FlashInfer backends ask for directly
+        for group in ("_ATTN_TP", "_ATTN_CP"):
+            if hasattr(parallel_state, group) and getattr(parallel_state, group) is None:
+                setattr(parallel_state, group, SimpleNamespace(world_size=1, rank_in_group=0, ranks=[0],
+                                                               local_rank=0, device_group=None, cpu_group=None))
 
 
 # ---- the backend a layer runs ----

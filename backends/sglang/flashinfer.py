@@ -179,8 +179,10 @@ class SglangFlashInferMLA(SglangBackend):
                     self.inner.init_mha_chunk_metadata(sfb)
             sfb.mha_return_lse = False
             sfb.set_attn_attend_prefix_cache(False)
+            # The key count DeepSeek's model code passes from 0.5.22 (earlier forward_extend takes no such keyword)
+            extra = compat.accepted(type(self.inner).forward_extend, {"key_value_num_tokens": k.shape[0]})
             o = _mla_radix(self, layer, False)(q.contiguous(), k.contiguous(), v.contiguous(), sfb,
-                                               save_kv_cache=False, key_value_num_tokens=k.shape[0])
+                                               save_kv_cache=False, **extra)
             return o.reshape(T, H, spec.v_head_dim)
 
     def planned_metadata(self) -> PlannedMetadata:

@@ -112,11 +112,15 @@ class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _is_arch_support_pdl() -> bool:
-    """SGLang's own answer (``sglang.kernels.jit.utils``) to the question its Triton backend asks
-    ``sgl_kernel.utils`` at construction on CUDA (triton_backend.py:340): whether the GPU launches with PDL."""
-    from sglang.kernels.jit.utils import is_arch_support_pdl
-
-    return is_arch_support_pdl()
+    """SGLang's own answer (``sglang.kernels.jit.utils``; ``sglang.jit_kernel.utils`` before 0.5.22) to the question
+    its Triton backend asks ``sgl_kernel.utils`` at construction on CUDA (triton_backend.py:340): whether the GPU
+    launches with PDL."""
+    for module in ("sglang.kernels.jit.utils", "sglang.jit_kernel.utils"):  # 0.5.22 on; 0.5.14 to 0.5.21
+        try:
+            return importlib.import_module(module).is_arch_support_pdl()
+        except ModuleNotFoundError:
+            continue
+    return torch.cuda.get_device_capability()[0] >= 9  # what sgl_kernel.utils answers: PDL from Hopper on
 
 
 def _strong_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -147,8 +151,28 @@ def _install_shims() -> list[str]:
             installed.append(name)
     if torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is None:
         sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
+        _define_sgl_kernel_ops()
         installed.append("sgl_kernel")
     return installed
+
+
+# sgl_kernel ops that SGLang registers a fake implementation for at import, unguarded, on CUDA: up to 0.5.21,
+# layers/moe/topk.py's ``torch.library.register_fake("sgl_kernel::moe_fused_gate")`` (0.5.10 :1119, 0.5.14 :1888),
+# which fails unless the op exists. Defined here with the schema of that fake, and no kernel: a call raises
+# ("no kernel registered"), as every other part of the stand-in does; attention never calls it.
+_SGL_KERNEL_OPS = {"moe_fused_gate": "(Tensor input_tensor, Tensor bias, int num_expert_group, int topk_group, "
+                                     "int topk, int num_fused_shared_experts=0, float routed_scaling_factor=0, "
+                                     "bool apply_routed_scaling_factor_on_output=False) -> (Tensor, Tensor)"}
+_SGL_KERNEL_LIBRARY: list = []
+
+
+def _define_sgl_kernel_ops() -> None:
+    if _SGL_KERNEL_LIBRARY:
+        return
+    library = torch.library.Library("sgl_kernel", "DEF")  # kept: the definitions live as long as the library
+    for name, schema in _SGL_KERNEL_OPS.items():
+        library.define(name + schema)
+    _SGL_KERNEL_LIBRARY.append(library)
 
 
 def _drop_partial_imports() -> None:
