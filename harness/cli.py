@@ -143,7 +143,7 @@ def cmd_run(args) -> int:
         events = search_rows_isolated(rows, profile, device, db=args.db or ".hypothesis/examples",
                                       max_examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
                                       mutant=args.mutant, case_timeout_s=args.case_timeout,
-                                      stall_seconds=args.stall_seconds)
+                                      stall_seconds=args.stall_seconds, seed=args.seed)
     else:
         events = _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant)
     results = []
@@ -191,7 +191,7 @@ def _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant):
     with mutant.patch() if mutant else contextlib.nullcontext():
         for kind, row, result in search_rows(rows, profile, device, database=_database(args.db),
                                              max_examples=args.max_examples, out_dir=out_dir,
-                                             shrink_seconds=shrink_seconds):
+                                             shrink_seconds=shrink_seconds, seed=args.seed):
             if kind == "start":
                 faulthandler.dump_traceback_later(args.stall_seconds, repeat=True, file=sys.stderr)
             else:
@@ -299,6 +299,8 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--properties", nargs="*", help="property names (default: all)")
     sp.add_argument("--modes", nargs="*", help="forward modes (default: all the composition supports)")
     sp.add_argument("--max-examples", type=int, help="examples per row (default: the profile's)")
+    sp.add_argument("--seed", type=int, help="fix the random choices: the same seed draws the same cases (given the "
+                                             "same example database; default: fresh ones each run)")
     sp.add_argument("--shard", help="I/N: run only shard I of N (rows split by a stable hash of their id, as in sweep)")
     sp.add_argument("--out", default="harness-out", help="folder for case files and the report")
     sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")

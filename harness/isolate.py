@@ -42,15 +42,16 @@ def mutant_patch(mutant: str | None):
 
 
 def search_rows(rows, profile: Profile, device: str, *, database, max_examples: int | None, out_dir: Path,
-                shrink_seconds: float, shrink_left: float | None = None) -> Iterator[tuple]:
+                shrink_seconds: float, shrink_left: float | None = None, seed: int | None = None) -> Iterator[tuple]:
     """Search ``rows`` in this process. Shrinking takes at most ``shrink_seconds`` a row and ``shrink_left``
-    (default ``SHRINK_ROWS_PER_RUN`` rows' worth) in all; past that, failures are reported as found."""
+    (default ``SHRINK_ROWS_PER_RUN`` rows' worth) in all; past that, failures are reported as found. ``seed``
+    fixes each row's random choices (the same seed draws the same cases, given the same example database)."""
     if shrink_left is None:
         shrink_left = SHRINK_ROWS_PER_RUN * shrink_seconds
     for row in rows:
         yield "start", row, None
         result = search_row(row, profile, device, database=database, max_examples=max_examples, out_dir=out_dir,
-                            shrink_seconds=max(0.0, min(shrink_seconds, shrink_left)))
+                            shrink_seconds=max(0.0, min(shrink_seconds, shrink_left)), seed=seed)
         shrink_left -= result.shrink_seconds or 0.0
         yield "done", row, result
 
@@ -93,7 +94,8 @@ def _child(task: dict, conn) -> None:
     with mutant_patch(task["mutant"]):
         for kind, row, result in search_rows(rows, profile, device, database=database,
                                              max_examples=task["max_examples"], out_dir=Path(task["out_dir"]),
-                                             shrink_seconds=task["shrink_seconds"], shrink_left=task["shrink_left"]):
+                                             shrink_seconds=task["shrink_seconds"], shrink_left=task["shrink_left"],
+                                             seed=task["seed"]):
             if kind == "start":
                 conn.send(("start", row.id, None))
                 faulthandler.dump_traceback_later(task["stall_seconds"], repeat=True, file=sys.stderr)
@@ -115,7 +117,8 @@ def innermost_frame(log_text: str) -> str:
 
 def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None, max_examples: int | None,
                          out_dir: Path, shrink_seconds: float, mutant: str | None = None,
-                         case_timeout_s: float | None = None, stall_seconds: float = 180.0) -> Iterator[tuple]:
+                         case_timeout_s: float | None = None, stall_seconds: float = 180.0,
+                         seed: int | None = None) -> Iterator[tuple]:
     """:func:`search_rows` in child processes; a crash or a hang ends only the row it happened in."""
     case_timeout_s = case_timeout_s or default_case_timeout(device)
     ctx = multiprocessing.get_context("spawn")
@@ -132,7 +135,7 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
         task = {"rows": left, "compositions": list(dict.fromkeys(str(by_id[i].composition) for i in left)),
                 "profile": profile.name, "device": device, "db": db, "max_examples": max_examples,
                 "out_dir": str(out_dir), "mutant": mutant, "shrink_seconds": shrink_seconds,
-                "shrink_left": shrink_left, "stall_seconds": stall_seconds, "log": str(log)}
+                "shrink_left": shrink_left, "stall_seconds": stall_seconds, "log": str(log), "seed": seed}
         proc = ctx.Process(target=_child, args=(task, sender), daemon=True)
         proc.start()
         sender.close()  # the child holds the only writing end: its death reads as the end of the pipe

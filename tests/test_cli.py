@@ -94,3 +94,16 @@ def test_failure_writes_a_case_file_that_replays(tmp_path):
     assert faulty.returncode == 1
     assert "request 0, token 0, head" in faulty.stdout and "out of bounds" in faulty.stdout
     assert (tmp_path / "dump" / "tensors.pt").exists()
+
+
+def test_a_seeded_run_draws_the_same_cases_every_time(tmp_path):
+    # What CI's older-release step relies on: the same seed and an empty example database give the same cases.
+    worst = []
+    for i in range(2):
+        out = tmp_path / f"run{i}"
+        assert main(["run", "--device", "cpu", "--backends", "torch_native", "--properties", "outputs",
+                     "--modes", "decode", "extend", "--max-examples", "3", "--seed", "7",
+                     "--db", str(tmp_path / f"db{i}"), "--out", str(out)]) == 0
+        rows = json.loads((out / "report.json").read_text())["rows"]
+        worst.append({r["row"]: (r["cases"], r["worst_error"]) for r in rows})
+    assert worst[0] == worst[1] and len(worst[0]) >= 2
