@@ -156,7 +156,7 @@ def _install_shims() -> list[str]:
     return installed
 
 
-# sgl_kernel ops that SGLang registers a fake implementation for at import, unguarded, on CUDA: up to 0.5.21,
+# sgl_kernel ops that SGLang registers a fake implementation for at import, unguarded, on CUDA: 0.5.10 to 0.5.14,
 # layers/moe/topk.py's ``torch.library.register_fake("sgl_kernel::moe_fused_gate")`` (0.5.10 :1119, 0.5.14 :1888),
 # which fails unless the op exists. Defined here with the schema of that fake, and no kernel: a call raises
 # ("no kernel registered"), as every other part of the stand-in does; attention never calls it.
