@@ -84,3 +84,20 @@ def test_the_state_map_has_one_entry_per_request_row(state_slots):
     pool = type("Pool", (), {"req_index_to_mamba_index_mapping": torch.zeros(state_slots, dtype=torch.int32)})()
     compat.fit_state_mapping(pool, rows=4)
     assert pool.req_index_to_mamba_index_mapping.shape == (4,)
+
+
+def test_the_sgl_kernel_stand_in_defines_the_op_older_releases_register_a_fake_for():
+    # What 0.5.10 to 0.5.14 do at import on CUDA (layers/moe/topk.py): register_fake fails unless the op exists.
+    # The stand-in defines it on CUDA only; the definition itself is exercised here, on any device.
+    from backends.sglang import runtime
+
+    runtime._define_sgl_kernel_ops()
+    runtime._define_sgl_kernel_ops()  # idempotent: a second library would redefine the op and raise
+
+    @torch.library.register_fake("sgl_kernel::moe_fused_gate")
+    def _fake(input_tensor, bias, num_expert_group, topk_group, topk, num_fused_shared_experts=0,
+              routed_scaling_factor=0, apply_routed_scaling_factor_on_output=False):
+        return input_tensor.new_empty(input_tensor.shape[0], topk), input_tensor.new_empty(input_tensor.shape[0], topk)
+
+    with pytest.raises(NotImplementedError):  # no kernel: a call fails loudly, as the rest of the stand-in does
+        torch.ops.sgl_kernel.moe_fused_gate(torch.zeros(2, 4), torch.zeros(4), 1, 1, 2)

@@ -738,7 +738,7 @@ class SglangTbo(_SglangObject):
         else:  # a decode child has none either: one new token after seq_len - 1 cached ones
             extend = cpu_list(schild.extend_seq_lens_cpu) or [1] * schild.batch_size
             prefix = cpu_list(schild.extend_prefix_lens_cpu) or [int(s) - 1 for s in seq]
-        for name in ("positions", "out_cache_loc", "mrope_positions"):  # what the child's layers read per token
+        for name in ("positions", "mrope_positions"):  # what the child's layers read per token (T is out_cache_loc's)
             value = getattr(schild, name)
             if value is not None and value.shape[-1] != T:
                 raise EngineBrokeInvariant(

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+from functools import cache
 from types import SimpleNamespace
 
 import torch
@@ -229,17 +230,15 @@ def init_runner_caches(sgl_runner) -> None:
         sgl_runner._linear_attn_registry_cache = unset
 
 
-_PADDING: list[int] = []
-
-
-def request_pool_padding(sgl) -> int:
-    """Rows a request pool adds to the requests it is sized for: 1 from 0.5.14 on (row 0 pads CUDA-graph
-    batches, ``_alloc_size = size + 1``), 0 up to 0.5.13 (``size`` rows, all allocatable). Read off a pool of
+@cache
+def request_pool_padding() -> int:
+    """Rows a request pool adds to the requests it is sized for: 1 from 0.5.12 on (row 0 pads CUDA-graph
+    batches, ``_alloc_size = size + 1``), 0 in 0.5.10 and 0.5.11 (``size`` rows, all allocatable). Read off a pool of
     the installed release rather than detected in its source: the row is allocated inside ``__init__``."""
-    if not _PADDING:
-        pool = sgl.ReqToTokenPool(size=1, max_context_len=1, device="cpu", enable_memory_saver=False)
-        _PADDING.append(pool.req_to_token.shape[0] - 1)
-    return _PADDING[0]
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    pool = ReqToTokenPool(size=1, max_context_len=1, device="cpu", enable_memory_saver=False)
+    return pool.req_to_token.shape[0] - 1
 
 
 def fit_state_mapping(pool, rows: int) -> None:

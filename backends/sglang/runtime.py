@@ -594,8 +594,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         r.req_to_token_pool = _hybrid_request_pool(sgl, mc.hf_config, runner, dtype, device, max_draft_tokens, topk)
         kv = _hybrid_kv_pool(sgl, runner, layers, kv_dtype, device, r.req_to_token_pool.mamba_pool, kv)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding
-    # SGLang's size counts requests; from 0.5.14 its allocation adds a padding row (our row 0), before it does not
-    r.req_to_token_pool.size = rows - compat.request_pool_padding(sgl)
+    # SGLang's size counts requests; from 0.5.12 its allocation adds a padding row (our row 0), before it does not
+    r.req_to_token_pool.size = rows - compat.request_pool_padding()
     r.token_to_kv_pool = kv
     r.token_to_kv_pool_allocator = SimpleNamespace(page_size=page_size, get_kvcache=lambda: kv)
     compat.init_kv_indices(r)  # after req_to_token is ours: a translator keeps a reference to it
@@ -624,7 +624,7 @@ def _hybrid_request_pool(sgl, config, runner: ModelRunner, dtype: torch.dtype, d
     state_slots = rows if runner.mamba_pool is None else \
         next(iter(runner.mamba_pool.ssm_states.values())).shape[0]
     pool = sgl.HybridReqToTokenPool(**compat.accepted(sgl.HybridReqToTokenPool, dict(
-        size=rows - compat.request_pool_padding(sgl), mamba_size=state_slots - 1, mamba_spec_state_size=state_slots - 1,
+        size=rows - compat.request_pool_padding(), mamba_size=state_slots - 1, mamba_spec_state_size=state_slots - 1,
         max_context_len=1,
         device=device, enable_memory_saver=False, cache_params=params, mamba_layer_ids=list(params.layers),
         enable_mamba_extra_buffer=False, speculative_num_draft_tokens=max_draft_tokens or None,
