@@ -149,7 +149,6 @@ def cmd_run(args) -> int:
     results = []
     start = time.perf_counter()
     n = 0
-    interrupted = False
     with Terminated() as terminated:  # SIGTERM (a CI timeout) stops the run as Ctrl-C does
         try:
             for kind, row, result in events:
@@ -167,9 +166,13 @@ def cmd_run(args) -> int:
                     print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh "
                           f"process (`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
                     break
-        except KeyboardInterrupt:
-            interrupted = True
+        except BaseException as e:
             terminated.wrap_up()
+            if not terminated.is_stop(e):
+                raise
+        terminated.wrap_up()
+        interrupted = terminated.stopped is not None  # also a stop that surfaced too late to cut the run short
+        if interrupted:
             print(f"\ninterrupted after {len(results)} of {len(rows)} rows: writing the report of the rows that "
                   f"ended", file=sys.stderr)
         print_summary(results, skipped, time.perf_counter() - start)

@@ -629,15 +629,17 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     notes += [f"mutant {args.mutant}"] if args.mutant else []
     progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.compositions)} composition(s) on {device}, profile "
                    f"{profile.name}, budget {duration(budget)}, {workers} worker(s)" + "".join(f", {n}" for n in notes))
-    interrupted = False
     with Terminated() as terminated:
         try:
             sweep.run()
-        except KeyboardInterrupt:
-            interrupted = True
+        except BaseException as e:
+            terminated.wrap_up()
+            if not terminated.is_stop(e):
+                raise
         finally:
             terminated.wrap_up()
             progress.close()
+        interrupted = terminated.stopped is not None
         elapsed = time.time() - start
         sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
 

@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from harness.procs import Terminated
+
 EXIT_CONTEXT_POISONED = 3  # a sticky CUDA error: the rows left need a fresh process
 
 
@@ -146,10 +148,14 @@ def main(argv: list[str]) -> int:
         print("usage: python -m harness.sweep_worker TASK.json (started by `python -m harness sweep`)",
               file=sys.stderr)
         return 2
-    try:
-        return run_task(json.loads(Path(argv[0]).read_text()))
-    except KeyboardInterrupt:  # the sweep stops its workers with SIGINT when the budget is spent
-        return 130
+    with Terminated() as terminated:  # the sweep stops its workers with SIGINT when the budget is spent
+        try:
+            return run_task(json.loads(Path(argv[0]).read_text()))
+        except BaseException as e:
+            terminated.wrap_up()
+            if not terminated.is_stop(e):
+                raise
+            return 130
 
 
 if __name__ == "__main__":
