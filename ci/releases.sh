@@ -62,5 +62,7 @@ EOF
 done
 if [ ${#reports[@]} -gt 0 ]; then
   "$PY" -m harness summarize "${reports[@]}" | tee "$OUT/summary.md" | sed -n '1,/^$/p'
+  # Under GitHub Actions each run has put its report on the job's page; the table by release goes last.
+  if [ -n "${GITHUB_STEP_SUMMARY:-}" ]; then cat "$OUT/summary.md" >> "$GITHUB_STEP_SUMMARY"; fi
 fi
 exit "$worst"

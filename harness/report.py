@@ -7,6 +7,7 @@ the unavailable compositions with their reasons, and (a sweep) its findings and 
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -52,7 +53,78 @@ def write_reports(results, skipped, out_dir: Path, device: str, profile: str, *,
     _write_atomic(out_dir / "report.json", json.dumps(data, indent=1))
     plots = write_plots(data["rows"], out_dir)
     _write_atomic(out_dir / "report.md", markdown(data, [p.name for p in plots]))
-    return [out_dir / "report.md", out_dir / "report.json", *plots]
+    _write_atomic(out_dir / "junit.xml", junit_xml(data))
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary:  # under GitHub Actions: the report, without its plots (they are files of the artifact), on the job's page
+        with open(summary, "a") as f:
+            f.write(markdown(data, []) + "\n")
+    return [out_dir / "report.md", out_dir / "report.json", out_dir / "junit.xml", *plots]
+
+
+def _one_line(text) -> str:
+    return " ".join(str(text or "").split())
+
+
+def junit_xml(data: dict) -> str:
+    """The report as JUnit XML, what CI systems read: one test case per row (class ``harness.COMPOSITION``, name
+    ``MODE-PROPERTY``). A finding is a ``failure`` whose message is its one-line summary and whose text ends with
+    the command that replays it; an adapter error (the harness's, not the engine's) is an ``error``; a row that
+    did not run and an unavailable composition are ``skipped``, with the reason; known failures are passes that
+    name their ledger entries. A sweep's findings that belong to no row (a composition's) get a case each."""
+    import xml.etree.ElementTree as ET
+
+    rows = data["rows"]
+    findings = data.get("findings") or []
+    by_row = {f["row"]: f for f in findings if f.get("row")}
+    suite = ET.Element("testsuite", name=f"harness {data['profile']} on {data['device']}")
+    versions = data.get("versions") or {}
+    if versions:
+        props = ET.SubElement(suite, "properties")
+        for name, version in versions.items():
+            ET.SubElement(props, "property", name=name, value=str(version))
+    counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    seconds = 0.0
+
+    def case(classname: str, name: str, time_s: float = 0.0):
+        counts["tests"] += 1
+        return ET.SubElement(suite, "testcase", classname=classname, name=name, time=f"{time_s:.3f}")
+
+    def finding(parent, kind: str, summary, text, case_file) -> None:
+        tag = "error" if kind == ADAPTER_ERROR else "failure"
+        counts["errors" if tag == "error" else "failures"] += 1
+        el = ET.SubElement(parent, tag, type=kind, message=_one_line(summary))
+        repro = f"\nreproduce: python -m harness repro {case_file}" if case_file else ""
+        el.text = f"{text or summary}{repro}"
+
+    for r in rows:
+        seconds += r["seconds"]
+        el = case(f"harness.{r['composition']}", f"{r['mode']}-{r['property']}", r["seconds"])
+        if r["status"] == "not run":
+            counts["skipped"] += 1
+            ET.SubElement(el, "skipped", message="not reached (the run or sweep stopped first)")
+        elif not r["ok"]:
+            f = by_row.get(r["row"], {})
+            finding(el, f.get("kind") or finding_kind(r["status"]),
+                    r.get("headline") or f.get("reason") or r["failure"], r["failure"] or f.get("reason"),
+                    r.get("case_file") or f.get("case_file"))
+        if r.get("known"):
+            ET.SubElement(el, "system-out").text = "known failures (docs/findings/known-failures.toml): " + \
+                ", ".join(f"{k} ({n} case(s))" for k, n in r["known"].items())
+    ran = {r["row"] for r in rows}
+    for f in findings:
+        if f.get("row") in ran:
+            continue
+        el = case(f"harness.{f.get('composition') or f.get('row')}", f.get("property") or f["kind"])
+        finding(el, f["kind"], f.get("reason"), f.get("reason"), f.get("case_file"))
+    for u in data["unavailable"]:
+        el = case(f"harness.{u['composition']}", "unavailable")
+        counts["skipped"] += 1
+        ET.SubElement(el, "skipped", message=_one_line(u["reason"]))
+    suite.set("time", f"{seconds:.3f}")
+    for k, v in counts.items():
+        suite.set(k, str(v))
+    ET.indent(suite)
+    return ET.tostring(suite, encoding="unicode", xml_declaration=True) + "\n"
 
 
 def _ratio(r: dict) -> float | None:

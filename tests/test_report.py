@@ -122,3 +122,34 @@ def test_rows_near_their_bound_are_marked_at_risk_in_the_report_and_the_campaign
     assert "| torch_native | 8 | 0 | 0 | **0.60** / 0.20 |" in table and "| outputs | 0.600 | 0.200 |" in table
     assert main(["summarize", str(tmp_path / "missing")]) == 2  # bad input: one line, exit 2
     assert "not a harness report" in capsys.readouterr().err
+
+
+def test_junit_has_a_case_per_row_and_a_finding_says_how_to_replay_it(tmp_path, monkeypatch):
+    import xml.etree.ElementTree as ET
+
+    summary = tmp_path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    failed = RowOutcome("torch_native-decode-outputs", "torch_native", "decode", "outputs", cases=3, seconds=2.0,
+                        ok=False, finding_kind="failure", case_file="harness-out/cases/x.json",
+                        failure=Verdict("outputs", False, "out of bounds", worst_error=1.0, bound=0.5,
+                                        where="layer 0: request 1", check="element"))
+    adapter = RowOutcome("sglang.triton-extend-cache", "sglang.triton", "extend", "cache", cases=1, ok=False,
+                         finding_kind="adapter_error", failure="adapter error: KeyError: 'x'")
+    known = RowOutcome("sglang.triton-decode-outputs", "sglang.triton", "decode", "outputs", cases=4,
+                       known={"sglang-triton-swa-decode-one-key-short": 2})
+    not_run = RowOutcome("torch_native-idle-outputs", "torch_native", "idle", "outputs")
+    paths = write_reports([failed, adapter, known, not_run], [("sglang.fa3", "needs sgl_kernel")], tmp_path,
+                          "cpu", "ci")
+    assert tmp_path / "junit.xml" in paths
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == ("5", "1", "1", "2")
+    cases = {(c.get("classname"), c.get("name")): c for c in suite.iter("testcase")}
+    fail = cases["harness.torch_native", "decode-outputs"].find("failure")
+    assert fail.get("message").startswith("element error 1 / bound 0.5 (×2) at layer 0: request 1")
+    assert fail.text.endswith("reproduce: python -m harness repro harness-out/cases/x.json")
+    assert cases["harness.sglang.triton", "extend-cache"].find("error").get("type") == "adapter_error"
+    assert "swa-decode-one-key-short" in cases["harness.sglang.triton", "decode-outputs"].find("system-out").text
+    assert cases["harness.sglang.triton", "decode-outputs"].find("failure") is None
+    assert cases["harness.torch_native", "idle-outputs"].find("skipped") is not None
+    assert cases["harness.sglang.fa3", "unavailable"].find("skipped").get("message") == "needs sgl_kernel"
+    assert summary.read_text().startswith("# Harness report")  # the job summary under GitHub Actions
