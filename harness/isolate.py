@@ -120,7 +120,6 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                          case_timeout_s: float | None = None, stall_seconds: float = 180.0,
                          seed: int | None = None) -> Iterator[tuple]:
     """:func:`search_rows` in child processes; a crash or a hang ends only the row it happened in."""
-    case_timeout_s = case_timeout_s or default_case_timeout(device)
     ctx = multiprocessing.get_context("spawn")
     by_id = {r.id: r for r in rows}
     left = [r.id for r in rows]
@@ -181,7 +180,9 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                     grace += now - last_look
                 last_look = now
                 stalled = now - active
-                if stalled - grace > case_timeout_s or stalled > COMPILE_TIMEOUT_S:
+                limit = case_timeout_s or default_case_timeout(
+                    device, current is not None and bool(by_id[current].composition.support().slow_on_cpu))
+                if stalled - grace > limit or stalled > COMPILE_TIMEOUT_S:
                     proc.kill()
                     proc.join()
                     what = f"a case of {current}" if current else "the child process (before its first row)"

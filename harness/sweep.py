@@ -165,7 +165,7 @@ class Sweep:
     out_dir: Path
     deadline: float
     workers: int
-    case_timeout_s: float
+    case_timeout_s: float | None  # None: each composition's default (``default_case_timeout``)
     seed: int
     db: str | None
     redis: str | None
@@ -175,6 +175,7 @@ class Sweep:
     gpus: list[str] = field(default_factory=list)
     compile_timeout_s: float = COMPILE_TIMEOUT_S
     running: dict[int, Task] = field(default_factory=dict)
+    _timeouts: dict[str, float] = field(default_factory=dict)  # composition -> its case timeout (case_timeout)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
     compile_checked: float = 0.0
@@ -284,13 +285,23 @@ class Sweep:
             task.grace += now - (task.last_watch or now)
         task.last_watch = now
         stalled = now - active
-        if stalled - task.grace > self.case_timeout_s or stalled > self.compile_timeout_s:
+        if stalled - task.grace > self.case_timeout(task.composition) or stalled > self.compile_timeout_s:
             self.dump_stacks(task)
             self.kill(task)
             del self.running[task.slot]
             what = f"case of {task.current}" if task.current else "worker (before its first row)"
             waited = f", {task.grace:.0f}s of it while a JIT compiler ran" if task.grace >= 1 else ""
             self.crashed(task, "hang", f"hang: a {what} made no progress for {stalled:.0f}s{waited}")
+
+    def case_timeout(self, composition: str) -> float:
+        """How long one case of ``composition`` may make no progress: ``--case-timeout``, or its default."""
+        if self.case_timeout_s:
+            return self.case_timeout_s
+        if composition not in self._timeouts:
+            slow = any(s.row.composition.support().slow_on_cpu for s in self.rows
+                       if str(s.row.composition) == composition)
+            self._timeouts[composition] = default_case_timeout(self.device, slow)
+        return self._timeouts[composition]
 
     def read_events(self, task: Task) -> None:
         with open(task.events, "rb") as f:
@@ -613,7 +624,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     progress = make_progress(start, budget)
     workers = args.workers or default_workers(device)
     sweep = Sweep(list(states.values()), device, profile.name, out_dir, start + budget, workers,
-                  args.case_timeout or default_case_timeout(device), meta["seed"], db, args.redis,
+                  args.case_timeout, meta["seed"], db, args.redis,
                   args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
                   args.compile_timeout or COMPILE_TIMEOUT_S)
     began = sweep_began(meta)

@@ -189,3 +189,26 @@ def test_compile_timeout_bounds_the_grace(stalled_sweep):
     stall(task, 101, compiling_for=101)
     sw.watch(task)  # compiling all along, but for longer than --compile-timeout
     assert 0 not in sw.running
+
+
+def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path):
+    """A nightly-profile case of interpreted Triton over 36k cached keys ran past 120 s in a CPU sweep and was
+    reported as a hang: a composition that declares slow_on_cpu gets the longer default there (not on a GPU,
+    and not when --case-timeout is given)."""
+    from harness.procs import SLOW_CPU_CASE_TIMEOUT_S, default_case_timeout
+    from harness.sweep import RowState, Sweep
+    from search.matrix import matrix_rows
+    from search.profiles import profile
+
+    rows, _ = matrix_rows("cpu", profile("ci"), ["torch_native", "triton"])
+    states = [RowState(r) for r in rows]
+
+    def sweep(device, case_timeout):
+        return Sweep(states, device, "ci", tmp_path, time.time() + 60, 1, case_timeout_s=case_timeout, seed=0,
+                     db=None, redis=None, mutant=None, max_rounds=None, progress=None)
+
+    assert sweep("cpu", None).case_timeout("triton") == SLOW_CPU_CASE_TIMEOUT_S > 120
+    assert sweep("cpu", None).case_timeout("tbo(triton)") == SLOW_CPU_CASE_TIMEOUT_S  # wrappers inherit it
+    assert sweep("cpu", None).case_timeout("torch_native") == 120 == default_case_timeout("cpu")
+    assert sweep("cuda", None).case_timeout("triton") == 600
+    assert sweep("cpu", 30.0).case_timeout("triton") == 30.0
