@@ -64,8 +64,11 @@ def default_case_timeout(device: str, slow_on_cpu: bool = False) -> float:
     second, so two minutes is far outside a healthy one. Interpreted kernels (a composition that declares
     ``slow_on_cpu``: Triton under TRITON_INTERPRET) are another matter: the nightly profile draws batches of up to
     36,864 cached keys, and one such case of our Triton backend (extend, three requests, 8 heads) ran for more
-    than two minutes in a sweep of two workers on two cores and was reported as a hang. They get
-    ``SLOW_CPU_CASE_TIMEOUT_S``, still finite, so a kernel that really loops forever is still found.
+    than two minutes in a sweep of two workers on two cores and was reported as a hang (replayed alone beside
+    that sweep, it was still running after 25 minutes). Such rows no longer draw the long-context shape on a CPU
+    (``search.search_row``); their other cases still take up to a few minutes there (a TBO verify metadata row:
+    324 s for 3 cases), so they get ``SLOW_CPU_CASE_TIMEOUT_S``, still finite, so a kernel that really loops
+    forever is still found.
     """
     if device == "cuda":
         return 600.0

@@ -37,3 +37,26 @@ def test_the_day_and_the_shard_rotate_and_cover_every_configuration_in_a_week():
 def test_bad_names(name, message):
     with pytest.raises(ProfileError, match=message):
         profile(name)
+
+
+@pytest.mark.parametrize("device, backend, long_drawn", [("cpu", "triton", False), ("cpu", "torch_native", True),
+                                                          ("cuda", "triton", True)])
+def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, device, backend, long_drawn):
+    """A nightly case of interpreted Triton over 36k cached keys ran for over 25 minutes: on a CPU the rows
+    that declare slow_on_cpu search without the long-context shape; the PyTorch backends and a GPU keep it."""
+    import search.search_row as search_row_module
+    from search.matrix import matrix_rows
+
+    nightly = profile("nightly")
+    row = next(r for r in matrix_rows("cpu", nightly, [backend])[0] if r.id == f"{backend}-extend-outputs")
+    seen = []
+
+    def capture(row, profile):
+        seen.append(profile)
+        raise RuntimeError("captured")
+
+    monkeypatch.setattr(search_row_module, "row_strategy", capture)
+    with pytest.raises(RuntimeError, match="captured"):
+        search_row_module.search_row(row, nightly, device, out_dir=tmp_path)
+    assert (seen[0].long_context is not None) == long_drawn
+    assert seen[0].long_context in (None, nightly.long_context) and seen[0].name == nightly.name
