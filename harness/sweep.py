@@ -195,11 +195,17 @@ class Sweep:
                 and (self.max_rounds is None or s.rounds < self.max_rounds)]
 
     def waiting(self) -> list[str]:
-        """Compositions with rows to search and no worker, fewest rounds along first (ties: matrix order)."""
+        """Compositions with rows to search and no worker, fewest rounds along first; at equal rounds those that
+        run an engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU
+        sweep in matrix order never reached an SGLang row), then matrix order."""
         busy = {t.composition for t in self.running.values()}
-        ready = [(min(s.rounds for s in self.active(c)), order, c) for order, c in enumerate(self.compositions)
-                 if c not in busy and self.active(c)]
-        return [c for _, _, c in sorted(ready)]
+        ready = [(min(s.rounds for s in self.active(c)), not self.engine_rows(c), order, c)
+                 for order, c in enumerate(self.compositions) if c not in busy and self.active(c)]
+        return [c for *_, c in sorted(ready)]
+
+    def engine_rows(self, composition: str) -> bool:
+        """Whether ``composition`` runs an engine's classes (not only the harness's own backends)."""
+        return any(s.row.composition.engine != "harness" for s in self.rows if str(s.row.composition) == composition)
 
     def launch(self, slot: int, composition: str) -> None:
         rows = self.active(composition)

@@ -212,3 +212,25 @@ def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path):
     assert sweep("cpu", None).case_timeout("torch_native") == 120 == default_case_timeout("cpu")
     assert sweep("cuda", None).case_timeout("triton") == 600
     assert sweep("cpu", 30.0).case_timeout("triton") == 30.0
+
+
+def test_at_equal_rounds_the_engines_compositions_start_first(tmp_path):
+    """A 46-minute CPU sweep in matrix order never reached an SGLang row: at equal rounds the compositions that run
+    an engine's classes are launched before the harness's own; fewer rounds still come first."""
+    from harness.sweep import RowState, Sweep
+    from search.matrix import matrix_rows
+    from search.profiles import profile
+
+    rows, skipped = matrix_rows("cpu", profile("ci"), ["torch_native", "sglang.torch_native"])
+    states = [RowState(r) for r in rows]
+    comps = list(dict.fromkeys(str(r.composition) for r in rows))
+    if not any(c.startswith("sglang.") for c in comps):
+        pytest.skip(f"SGLang is not installed here: {skipped}")
+    sw = Sweep(states, "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=None, seed=0, db=None,
+               redis=None, mutant=None, max_rounds=None, progress=None)
+    order = sw.waiting()
+    engine = [c for c in order if "sglang." in c]
+    assert order[:len(engine)] == engine and len(engine) < len(order)
+    for s in states:  # the engine's rows one round ahead: the harness's own come first
+        s.rounds = 1 if "sglang." in str(s.row.composition) else 0
+    assert "sglang." not in sw.waiting()[0]
