@@ -99,6 +99,11 @@ class Terminated:
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     AGAIN_S = 0.5
 
+    def __init__(self, repeat: bool = True) -> None:
+        # Only where Hypothesis searches (run, a sweep's worker): the sweep itself runs no search, and a repeat
+        # would cut short its own clean-up (it gives each worker STOP_GRACE_S to end after its SIGINT).
+        self.repeat = repeat
+
     def __enter__(self):
         self.previous: dict[int, object] = {}
         self.stopped: int | None = None
@@ -120,7 +125,8 @@ class Terminated:
         self.stopped = signum
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
-        signal.setitimer(signal.ITIMER_REAL, self.AGAIN_S, self.AGAIN_S)
+        if self.repeat:
+            signal.setitimer(signal.ITIMER_REAL, self.AGAIN_S, self.AGAIN_S)
         raise KeyboardInterrupt
 
     def again(self, signum, frame):

@@ -646,7 +646,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     notes += [f"mutant {args.mutant}"] if args.mutant else []
     progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.compositions)} composition(s) on {device}, profile "
                    f"{profile.name}, budget {duration(budget)}, {workers} worker(s)" + "".join(f", {n}" for n in notes))
-    with Terminated() as terminated:
+    with Terminated(repeat=False) as terminated:
         try:
             sweep.run()
         except BaseException as e:

@@ -78,3 +78,17 @@ def test_a_stopped_run_reports_what_ended(sig, tmp_path, capsys):
     assert "interrupted after" in output and "passed," in output, output
     assert (out / "report.md").exists() and "torch_native" in (out / "report.md").read_text()
     assert "@seed" not in output  # Hypothesis's "reproduce this failure" note would mislead after a stop
+
+
+def test_the_sweep_takes_its_stop_once():
+    """The sweep runs no search, and its clean-up gives each worker seconds to end after its SIGINT: a repeated
+    interrupt would cut that short and leave workers running. Its Terminated does not repeat."""
+    with Terminated(repeat=False) as terminated:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass
+        start = time.monotonic()
+        time.sleep(3 * Terminated.AGAIN_S)  # not interrupted
+        assert time.monotonic() - start >= 3 * Terminated.AGAIN_S and terminated.is_stop(KeyboardInterrupt())
