@@ -175,14 +175,14 @@ class Sweep:
     gpus: list[str] = field(default_factory=list)
     compile_timeout_s: float = COMPILE_TIMEOUT_S
     running: dict[int, Task] = field(default_factory=dict)
-    _timeouts: dict[str, float] = field(default_factory=dict)  # composition -> its case timeout (case_timeout)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
     compile_checked: float = 0.0
 
     def __post_init__(self) -> None:
         self.by_id = {s.row.id: s for s in self.rows}
-        self.compositions = list(dict.fromkeys(str(s.row.composition) for s in self.rows))
+        self.composition_of = {str(s.row.composition): s.row.composition for s in self.rows}
+        self.compositions = list(self.composition_of)
         self.retired_compositions: set[str] = set()
         # Names this invocation's task files and logs (the pid: two sessions may start within one second).
         self.session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -205,7 +205,7 @@ class Sweep:
 
     def engine_rows(self, composition: str) -> bool:
         """Whether ``composition`` runs an engine's classes (not only the harness's own backends)."""
-        return any(s.row.composition.engine != "harness" for s in self.rows if str(s.row.composition) == composition)
+        return self.composition_of[composition].engine != "harness"
 
     def launch(self, slot: int, composition: str) -> None:
         rows = self.active(composition)
@@ -303,11 +303,7 @@ class Sweep:
         """How long one case of ``composition`` may make no progress: ``--case-timeout``, or its default."""
         if self.case_timeout_s:
             return self.case_timeout_s
-        if composition not in self._timeouts:
-            slow = any(s.row.composition.support().slow_on_cpu for s in self.rows
-                       if str(s.row.composition) == composition)
-            self._timeouts[composition] = default_case_timeout(self.device, slow)
-        return self._timeouts[composition]
+        return default_case_timeout(self.device, bool(self.composition_of[composition].support().slow_on_cpu))
 
     def read_events(self, task: Task) -> None:
         with open(task.events, "rb") as f:

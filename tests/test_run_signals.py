@@ -91,4 +91,4 @@ def test_the_sweep_takes_its_stop_once():
             pass
         start = time.monotonic()
         time.sleep(3 * Terminated.AGAIN_S)  # not interrupted
-        assert time.monotonic() - start >= 3 * Terminated.AGAIN_S and terminated.is_stop(KeyboardInterrupt())
+        assert time.monotonic() - start >= 3 * Terminated.AGAIN_S and terminated.stopped == signal.SIGTERM
