@@ -221,6 +221,9 @@ class Support:
     draft_trees: bool = True
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
+    # Some leaf's CPU path runs kernels under Triton's interpreter (the only flag a CPU path needs): cases take
+    # seconds to minutes there (a wide batch of SGLang's Triton decode: 125 s), whatever the examples drawn
+    interpreted_on_cpu: bool = False
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -269,6 +272,7 @@ class Support:
                    softcap_via_sigmoid=any(c.softcap_via_sigmoid for c in full),
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
                    slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),
+                   interpreted_on_cpu=any(c.cpu_needs_env == "TRITON_INTERPRET" for c in caps),
                    kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
                    if full else frozenset({"auto"}),
                    kv_scales=all(c.kv_scales for c in full),

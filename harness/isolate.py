@@ -181,7 +181,7 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                 last_look = now
                 stalled = now - active
                 limit = case_timeout_s or default_case_timeout(
-                    device, current is not None and bool(by_id[current].composition.support().slow_on_cpu))
+                    device, current is not None and bool(by_id[current].composition.support().interpreted_on_cpu))
                 if stalled - grace > limit or stalled > COMPILE_TIMEOUT_S:
                     proc.kill()
                     proc.join()

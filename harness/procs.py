@@ -56,23 +56,23 @@ def compiler_running(roots: Iterable[int]) -> bool:
     return False
 
 
-def default_case_timeout(device: str, slow_on_cpu: bool = False) -> float:
+def default_case_timeout(device: str, interpreted: bool = False) -> float:
     """Seconds one example may run before its process counts as hung, for run, sweep and mutants alike.
 
     On a GPU the first case of a kernel configuration may JIT-compile for minutes (compiler time is not
     counted at all, see ``compiler_running``). On a CPU a case of the PyTorch backends takes well under a
-    second, so two minutes is far outside a healthy one. Interpreted kernels (a composition that declares
-    ``slow_on_cpu``: Triton under TRITON_INTERPRET) are another matter: the nightly profile draws batches of up to
+    second, so two minutes is far outside a healthy one. Interpreted kernels (a composition whose support is
+    ``interpreted_on_cpu``: Triton under TRITON_INTERPRET) are another matter: the nightly profile draws batches of up to
     36,864 cached keys, and one such case of our Triton backend (extend, three requests, 8 heads) ran for more
     than two minutes in a sweep of two workers on two cores and was reported as a hang (replayed alone beside
     that sweep, it was still running after 25 minutes). Such rows no longer draw the long-context shape on a CPU
     (``search.search_row``); their other cases still take up to a few minutes there (a TBO verify metadata row:
-    324 s for 3 cases), so they get ``SLOW_CPU_CASE_TIMEOUT_S``, still finite, so a kernel that really loops
-    forever is still found.
+    324 s for 3 cases; SGLang's Triton decode over a batch of 128 requests: 125 s, reported as a hang), so they
+    get ``SLOW_CPU_CASE_TIMEOUT_S``, still finite, so a kernel that really loops forever is still found.
     """
     if device == "cuda":
         return 600.0
-    return SLOW_CPU_CASE_TIMEOUT_S if slow_on_cpu else 120.0
+    return SLOW_CPU_CASE_TIMEOUT_S if interpreted else 120.0
 
 
 SLOW_CPU_CASE_TIMEOUT_S = 1200.0

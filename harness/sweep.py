@@ -303,7 +303,7 @@ class Sweep:
         """How long one case of ``composition`` may make no progress: ``--case-timeout``, or its default."""
         if self.case_timeout_s:
             return self.case_timeout_s
-        return default_case_timeout(self.device, bool(self.composition_of[composition].support().slow_on_cpu))
+        return default_case_timeout(self.device, bool(self.composition_of[composition].support().interpreted_on_cpu))
 
     def read_events(self, task: Task) -> None:
         with open(task.events, "rb") as f:

@@ -73,9 +73,10 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     failing example's case file is written at once, and replaced by the shrunk one when shrinking ends, so a
     run stopped while it shrinks still leaves its reproducer."""
     result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
-    if device == "cpu" and row.composition.support().slow_on_cpu:
-        if max_examples is None and profile.slow_row_examples:
-            max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
+    support = row.composition.support()
+    if device == "cpu" and support.slow_on_cpu and max_examples is None and profile.slow_row_examples:
+        max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
+    if device == "cpu" and support.interpreted_on_cpu:
         # Interpreted kernels over the long-context shape take tens of minutes a case (our Triton extend over
         # 16384+16384+4096 cached keys, metadata property: `harness repro` of it was still running after 25
         # minutes, beside a two-worker sweep on two cores), which a CPU sweep cannot spend and its case timeout

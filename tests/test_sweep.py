@@ -191,10 +191,15 @@ def test_compile_timeout_bounds_the_grace(stalled_sweep):
     assert 0 not in sw.running
 
 
-def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path):
+@pytest.mark.parametrize("declared_slow", [True, False])
+def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path, monkeypatch, declared_slow):
     """A nightly-profile case of interpreted Triton over 36k cached keys ran past 120 s in a CPU sweep and was
-    reported as a hang: a composition that declares slow_on_cpu gets the longer default there (not on a GPU,
-    and not when --case-timeout is given)."""
+    reported as a hang, and so did SGLang's Triton decode over 128 requests (125 s), which does not declare
+    slow_on_cpu: a composition whose kernels are interpreted there gets the longer default (not on a GPU, and not
+    when --case-timeout is given), declared slow or not."""
+    import dataclasses
+
+    from backends.registry import Composition, parse
     from harness.procs import SLOW_CPU_CASE_TIMEOUT_S, default_case_timeout
     from harness.sweep import RowState, Sweep
     from search.matrix import matrix_rows
@@ -202,6 +207,10 @@ def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path):
 
     rows, _ = matrix_rows("cpu", profile("ci"), ["torch_native", "triton"])
     states = [RowState(r) for r in rows]
+    if not declared_slow:  # as SGLang's Triton backend: interpreted on a CPU, the profile's examples drawn
+        real = Composition.support
+        monkeypatch.setattr(Composition, "support", lambda self: dataclasses.replace(real(self), slow_on_cpu=None))
+        assert not parse("tbo(triton)").support().slow_on_cpu
 
     def sweep(device, case_timeout):
         return Sweep(states, device, "ci", tmp_path, time.time() + 60, 1, case_timeout_s=case_timeout, seed=0,

@@ -97,7 +97,9 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
     each verdict its own. A process that dies is a kill by crash, one whose pending case file has not
     changed for ``case_timeout_s`` (time while it runs a JIT compiler not counted, up to ``COMPILE_TIMEOUT_S``)
     a kill by hang; either way the pending case file is the reproducer."""
-    case_timeout_s = case_timeout_s or default_case_timeout(device)
+    # A mutant of an interpreted composition (SGLang's Triton on a CPU) gets those kernels' longer default
+    case_timeout_s = case_timeout_s or default_case_timeout(
+        device, any(parse(t).support().interpreted_on_cpu for t in mutant.targets))
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     start = time.perf_counter()

@@ -39,16 +39,26 @@ def test_bad_names(name, message):
         profile(name)
 
 
-@pytest.mark.parametrize("device, backend, long_drawn", [("cpu", "triton", False), ("cpu", "torch_native", True),
-                                                          ("cuda", "triton", True)])
-def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, device, backend, long_drawn):
+@pytest.mark.parametrize("device, backend, slow, long_drawn", [
+    ("cpu", "triton", True, False), ("cpu", "triton", False, False), ("cpu", "torch_native", False, True),
+    ("cuda", "triton", True, True)])
+def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, device, backend, slow, long_drawn):
     """A nightly case of interpreted Triton over 36k cached keys ran for over 25 minutes: on a CPU the rows
-    that declare slow_on_cpu search without the long-context shape; the PyTorch backends and a GPU keep it."""
+    whose kernels are interpreted search without the long-context shape, whether or not they declare slow_on_cpu
+    (SGLang's Triton does not: it draws the profile's examples); the PyTorch backends and a GPU keep it. Only a
+    slow_on_cpu row draws fewer examples there."""
+    import dataclasses
+
     import search.search_row as search_row_module
     from search.matrix import matrix_rows
 
     nightly = profile("nightly")
     row = next(r for r in matrix_rows("cpu", nightly, [backend])[0] if r.id == f"{backend}-extend-outputs")
+    support = row.composition.support()
+    assert support.interpreted_on_cpu == (backend == "triton")
+    if not slow:  # an interpreted composition that is not declared slow, as SGLang's Triton backend is
+        monkeypatch.setattr(type(row.composition), "support",
+                            lambda self: dataclasses.replace(support, slow_on_cpu=None))
     seen = []
 
     def capture(row, profile):
@@ -56,7 +66,13 @@ def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, d
         raise RuntimeError("captured")
 
     monkeypatch.setattr(search_row_module, "row_strategy", capture)
+    settings = []
+    real_settings = search_row_module.hypothesis_settings
+    monkeypatch.setattr(search_row_module, "hypothesis_settings",
+                        lambda profile, **kw: settings.append(kw["max_examples"]) or real_settings(profile, **kw))
     with pytest.raises(RuntimeError, match="captured"):
         search_row_module.search_row(row, nightly, device, out_dir=tmp_path)
     assert (seen[0].long_context is not None) == long_drawn
     assert seen[0].long_context in (None, nightly.long_context) and seen[0].name == nightly.name
+    capped = device == "cpu" and slow and bool(nightly.slow_row_examples)
+    assert settings == [min(nightly.max_examples, nightly.slow_row_examples) if capped else None]
