@@ -31,7 +31,7 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
-LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize", "bisect")
+LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize", "bisect", "export")
 
 
 def cmd_list(args) -> int:
@@ -229,6 +229,39 @@ def cmd_repro(args) -> int:
     return replay(case, device, Path(args.dump) if args.dump else None)
 
 
+def cmd_export(args) -> int:
+    from search.casefile import CaseFile, check_fits
+
+    case = CaseFile.read(args.file)  # a bad case file is reported before torch is imported
+    check_fits(case.spec, where=args.file)
+    from harness.export import exportable_reason
+
+    reason = exportable_reason(case.composition, case.property, case.spec.mode.value, case.spec.kv_cache_dtype)
+    if reason:
+        raise UsageError(f"cannot export {args.file}: {reason}")
+    out = Path(args.out) if args.out else Path("harness-out/export") / f"test_{Path(args.file).stem.replace('-', '_')}.py"
+    if out.suffix != ".py":
+        raise UsageError(f"--out {out}: the exported file is a pytest file and must end in .py")
+    check_out_folder("--out", str(out.parent))
+    device = resolve_device(case.device if args.device == "auto" else args.device)
+    from harness.export import build, run_exported, write
+
+    export = build(case, device, Path(args.file))
+    written = write(export, out)
+    m = export.harness_check
+    print(f"wrote {', '.join(map(str, written))} (layer {export.layer_id}: rel_l2 {m['rel_l2']:.3g} of "
+          f"{m['rel_l2_bound']:.3g}, element {m['element']:.3g} of {m['element_bound']:.3g})")
+    if not args.check:
+        return 0
+    status, output = run_exported(out)
+    print(output.rstrip())
+    failed_in_harness = m["rel_l2"] > m["rel_l2_bound"] or m["element"] > m["element_bound"]
+    agrees = (status == 1) == failed_in_harness and status in (0, 1)
+    print(f"the exported file {'fails' if status == 1 else 'passes' if status == 0 else f'ended with {status}'} on its "
+          f"own, {'as' if agrees else 'NOT as'} the harness's replay did")
+    return 0 if agrees else 1
+
+
 def cmd_summarize(args) -> int:
     import json
 
@@ -351,6 +384,15 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--device", default="auto", help="auto (the case's device if present), cpu or cuda")
     sp.add_argument("--dump", help="folder to save the case's tensors (outputs, reference) into")
     sp.set_defaults(fn=cmd_repro)
+    sp = sub.add_parser("export", help="write a case file as one standalone pytest file (torch and SGLang only)")
+    sp.add_argument("file")
+    sp.add_argument("--out", help="the pytest file to write (default harness-out/export/test_CASE.py); tensors too "
+                                  "large to inline go into a .pt of the same name beside it")
+    sp.add_argument("--device", default="auto", help="auto (the case's device), cpu or cuda")
+    sp.add_argument("--check", action="store_true",
+                    help="then run the file in a fresh process without this project, and say whether it fails "
+                         "as the harness's replay does (exit 1 if not)")
+    sp.set_defaults(fn=cmd_export)
     if with_sweep:
         from harness import sweep
         sweep.add_parser(sub)

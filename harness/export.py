@@ -1,0 +1,445 @@
+"""``harness export``: a case file as one standalone pytest file, for the engine's engineers.
+
+The file needs torch and SGLang only, never this project. It builds SGLang's real classes the way SGLang's own
+attention unit-test kit builds them (``sglang.test.kits.attention_unittest``, in the wheel from 0.5.14 on:
+its ``MockModelRunner``, ``TinyModelConfig``, ``DenseAttentionCase`` and ``_make_forward_batch``), loads the
+very tensors SGLang saw when the harness replayed the case (q, k, v of the layer that failed, the cached keys and
+values, each token's KV slot), runs that one layer through ``RadixAttention`` under SGLang's forward context, and
+checks it against a float64 attention written out in the file, with the harness's bound and its reason.
+
+How the tensors are taken: the case is replayed through the harness (``properties.run.run_case``) while
+:class:`Recorder` listens at the adapter's one call into SGLang (``SglangBackend._run``), where it reads what
+SGLang is handed (q, k, v, the planned ``ForwardBatch``, the KV pool before that layer writes to it). So the
+exported batch is SGLang's input, not a re-derivation of it.
+
+What it covers today (anything else is refused with one line, exit 2): the ``outputs`` property of a plain
+dense SGLang leaf (``sglang.torch_native``, ``sglang.triton``, ``sglang.flashinfer``) in EXTEND, DECODE or MIXED,
+with an ``auto`` KV cache. The other kinds named by issue 27 (metadata invariants, conformance gaps, graph replay,
+TBO splits, linear attention, MLA, verify trees) are not exported yet.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import string
+import subprocess
+import sys
+import textwrap
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from harness.options import UsageError
+
+# The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
+DENSE_LEAVES = {"sglang.torch_native": "torch_native", "sglang.triton": "triton", "sglang.flashinfer": "flashinfer"}
+PROPERTIES = ("outputs",)
+MODES = ("extend", "decode", "mixed")
+# Up to this many tensor elements the data is written into the file itself; above, into one .pt beside it.
+INLINE_ELEMENTS = 4096
+# The first SGLang release whose wheel ships the attention unit-test kit the file builds with.
+KIT_SINCE = "0.5.14"
+# Where a server reaches each leaf: the flag that selects it.
+SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--attention-backend triton",
+               "flashinfer": "--attention-backend flashinfer"}
+
+
+def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
+    """Why a case of this kind cannot be exported (yet), or None."""
+    if composition not in DENSE_LEAVES:
+        return (f"export covers the plain dense SGLang leaves ({', '.join(DENSE_LEAVES)}), not {composition} "
+                f"(wrappers, MLA and linear attention are not exported yet)")
+    if prop not in PROPERTIES:
+        return f"export covers the {', '.join(PROPERTIES)} property, not {prop}"
+    if mode not in MODES:
+        return f"export covers {', '.join(MODES)} batches, not {mode} (verify trees and draft extends are not yet)"
+    if kv_cache_dtype != "auto":
+        return f"export covers an auto KV cache, not {kv_cache_dtype}"
+    return None
+
+
+@dataclass
+class LayerCall:
+    """What SGLang was handed for one layer of one batch."""
+
+    layer_id: int
+    q: torch.Tensor  # [T, Hq, D]
+    k: torch.Tensor  # [T, Hk, D], the batch's new tokens
+    v: torch.Tensor  # [T, Hk, Dv]
+    radix: dict  # RadixAttention's constructor arguments as the adapter passed them
+    slots: list[list[int]]  # each request's KV slot per position (its req_to_token row up to its length)
+    cached_k: list[torch.Tensor]  # each request's keys at its cached positions, read from the pool before the layer
+    cached_v: list[torch.Tensor]
+
+
+@dataclass
+class Recorder:
+    """Listens at ``SglangBackend._run`` (the adapter's call into SGLang) and keeps each layer's first call."""
+
+    calls: dict[int, LayerCall] = field(default_factory=dict)
+    sglang_name: str | None = None
+
+    @contextmanager
+    def listening(self, prefix_lens: list[int]):
+        from unittest import mock
+
+        from backends.sglang.adapter import SglangBackend
+
+        original = SglangBackend._run
+        recorder = self
+
+        def _run(backend, q, k, v, layer, forward_batch, save_kv_cache, via=None):
+            if layer.layer_id not in recorder.calls and layer.kind == "mha":
+                recorder.sglang_name = backend.sglang_name
+                sfb = backend.batches[id(forward_batch)]
+                runner = backend.sgl_runner
+                seq_lens = [int(n) for n in sfb.seq_lens_cpu[:sfb.batch_size].tolist()]
+                rows = sfb.req_pool_indices[:sfb.batch_size].tolist()
+                table = runner.req_to_token_pool.req_to_token
+                slots = [table[r, :n].tolist() for r, n in zip(rows, seq_lens)]
+                pool = runner.token_to_kv_pool
+                kbuf, vbuf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+                cached = [torch.tensor(s[:p], dtype=torch.int64, device=kbuf.device) for s, p in zip(slots, prefix_lens)]
+                radix = backend._layer(layer)
+                recorder.calls[layer.layer_id] = LayerCall(
+                    layer.layer_id, q.detach().cpu().clone(), k.detach().cpu().clone(), v.detach().cpu().clone(),
+                    {"num_heads": radix.tp_q_head_num, "num_kv_heads": radix.tp_k_head_num,
+                     "head_dim": radix.head_dim, "v_head_dim": radix.v_head_dim, "scaling": float(radix.scaling),
+                     "logit_cap": float(radix.logit_cap or 0.0),
+                     "sliding_window_size": int(radix.sliding_window_size)},
+                    slots, [kbuf[c].cpu().clone() for c in cached], [vbuf[c].cpu().clone() for c in cached])
+            return original(backend, q, k, v, layer, forward_batch, save_kv_cache, via)
+
+        with mock.patch.object(SglangBackend, "_run", _run):
+            yield self
+
+
+@dataclass
+class Export:
+    """One exported case: the pytest file's text and the tensors it loads."""
+
+    text: str
+    tensors: dict[str, torch.Tensor]
+    inline: bool
+    layer_id: int
+    harness_check: dict  # what the harness measured on that layer (rel_l2, element, their bounds)
+
+
+def _compact_slots(slots: list[list[int]], page_size: int) -> list[list[int]]:
+    """The same slot layout with the pages renumbered 1, 2, ... in order of first use (page 0 stays SGLang's
+    padding page), so it fits the pool SGLang's kit allocates; offsets inside a page and which positions share a
+    page are kept."""
+    pages: dict[int, int] = {}
+    out = []
+    for row in slots:
+        new_row = []
+        for slot in row:
+            page, offset = divmod(slot, page_size)
+            new_row.append(pages.setdefault(page, len(pages) + 1) * page_size + offset)
+        out.append(new_row)
+    return out
+
+
+def _server_configuration(name: str, spec, radix: dict) -> str:
+    parts = [f"python -m sglang.launch_server {SERVER_FLAG[name]}"]
+    if spec.page_size > 1:
+        parts.append(f"--page-size {spec.page_size}")
+    model = [f"{radix['num_heads']} query / {radix['num_kv_heads']} KV heads of dim {radix['head_dim']}",
+             f"dtype {spec.dtype}"]
+    if radix["sliding_window_size"] >= 0:
+        model.append(f"sliding window {radix['sliding_window_size']} (a Gemma-2/Mistral-style SWA layer)")
+    if radix["logit_cap"]:
+        model.append(f"attention logit soft-cap {radix['logit_cap']:g} (Gemma-2/Grok-style)")
+    step = {"decode": "a decode step", "extend": "a prefill (extend) step", "mixed": "a mixed prefill+decode step "
+            "(--enable-mixed-chunk)"}[spec.mode.value]
+    return f"{' '.join(parts)}, a model with {', '.join(model)}; {step}"
+
+
+def _tensor_source(name: str, t: torch.Tensor) -> str:
+    """``name: torch.tensor([...])`` with every value exact (a float's repr reads back bit for bit, and a
+    float32/16 value is exactly a float), wrapped to the file's width."""
+    values = ", ".join(repr(float(x)) if t.is_floating_point() else str(int(x)) for x in t.flatten().tolist())
+    body = textwrap.fill(values, 112, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return f"    {name!r}: torch.tensor([\n{body}\n    ], dtype={t.dtype}).reshape{tuple(t.shape)},"
+
+
+def build(case, device: str, case_path: Path | None = None) -> Export:
+    """Replay ``case`` (a CaseFile, read from ``case_path``) on ``device`` while recording SGLang's inputs; render
+    the pytest file. A ledger entry whose case is that file gives the triage link."""
+    from backends.registry import parse
+    from properties.run import run_case
+    from properties.tolerances import layer_bound, widen_for_cancellation
+    from properties.verdict import compare, token_starts
+    from search.ledger import engine_version, known_failures
+
+    spec = case.spec
+    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype)
+    if reason:
+        raise UsageError(f"cannot export {case.composition} {case.property}: {reason}")
+    composition = parse(case.composition)
+    why = composition.unavailable_reason(device) or composition.unsupported_reason(spec)
+    if why:
+        raise UsageError(f"cannot replay {case.composition} here to record SGLang's inputs: {why}")
+    recorder = Recorder()
+    prefix_lens = list(spec.prefix_lens)  # the cached tokens of each request (a decode's too)
+    with recorder.listening(prefix_lens):
+        run = run_case(composition, spec, device)
+    # The layer to hand over: the one furthest out of (or nearest to) its bound, as the property measured it
+    starts = token_starts(spec)
+    measured = {}
+    for layer, out, ref in zip(spec.layers, run.execution.outputs, run.reference.outputs):
+        if layer.kind != "mha" or layer.layer_id not in recorder.calls:
+            continue
+        bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), ref,
+                                       run.reference.magnitudes.get(layer.layer_id))
+        c = compare(out, ref, bound, starts, scale=run.reference.element_scales.get(layer.layer_id))
+        measured[layer.layer_id] = (max(c.ratios().values()), c, bound)
+    if not measured:
+        raise UsageError(f"cannot export {case.composition} {case.property}: no attention layer reached SGLang")
+    layer_id = max(measured, key=lambda i: measured[i][0])
+    ratio, comparison, bound = measured[layer_id]
+    call = recorder.calls[layer_id]
+    name = DENSE_LEAVES[case.composition]
+    slots = _compact_slots(call.slots, spec.page_size)
+    seq_lens = [len(s) for s in slots]
+    new_lens = [n - p for n, p in zip(seq_lens, prefix_lens)]
+    tensors = {"q": call.q, "k": call.k, "v": call.v,
+               "cached_k": torch.cat(call.cached_k) if call.cached_k else call.k[:0],
+               "cached_v": torch.cat(call.cached_v) if call.cached_v else call.v[:0]}
+    inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
+    entries = [e for e in known_failures()
+               if case_path is not None and e.case and e.case_path.resolve() == case_path.resolve()]
+    triage = entries[0].triage if entries else None
+    versions = case.versions or {}
+    recorded = versions.get("sglang")
+    commit = versions.get("sglang-commit")
+    window = call.radix["sliding_window_size"]
+    harness_check = {"rel_l2": comparison.rel_l2, "rel_l2_bound": bound.rel_l2,
+                     "element": comparison.element_error, "element_bound": comparison.element_bound,
+                     "where": comparison.where}
+    verdict = (case.verdict or {}).get("reason") or "(no verdict recorded: a case exported as it passes)"
+    data_source = "\n".join(_tensor_source(k, t) for k, t in tensors.items()) if inline else None
+    failed = [w for w, (value, limit) in (("relative L2 error", (comparison.rel_l2, bound.rel_l2)),
+                                          ("element error", (comparison.element_error, comparison.element_bound)))
+              if value > limit]
+    headline = (f"{failed[0]} out of bounds at layer {layer_id}: {comparison.where}" if failed
+                else f"within bounds on this engine (worst at {max(comparison.ratios().values()):.2f} of a bound)")
+    text = TEMPLATE.substitute(
+        title=f"{case.composition} {case.property} ({spec.mode.value}): {headline}",
+        composition=case.composition, property=case.property, mode=spec.mode.value,
+        engine=f"sglang {recorded or 'unknown'}" + (f" (commit {commit})" if commit else ""),
+        exported_on=f"sglang {engine_version()} on {device}",
+        server=textwrap.fill(_server_configuration(name, spec, call.radix), 115, subsequent_indent="    "),
+        triage=triage or "none yet (not in the known-failure ledger)",
+        verdict=textwrap.fill(verdict, 110, initial_indent="    ", subsequent_indent="    "),
+        harness_measured=textwrap.fill(
+            f"rel_l2 {comparison.rel_l2:.3g} (bound {bound.rel_l2:.3g}), element {comparison.element_error:.3g} "
+            f"(bound {comparison.element_bound:.3g}) at {comparison.where or 'nowhere'}", 110, subsequent_indent="    "),
+        device=device, kit_since=KIT_SINCE, backend=name,
+        mode_upper=spec.mode.value.upper(), dtype=spec.dtype, page_size=spec.page_size,
+        prefix_lens=prefix_lens, new_lens=new_lens, slots=json.dumps(slots),
+        radix=json.dumps(call.radix), layer_id=layer_id,
+        rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
+        bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
+        window_note=("a key at position j is visible from a query at position p when p - W <= j <= p"
+                     if window >= 0 else "no sliding window"),
+        data=("TENSORS = {\n" + data_source + "\n}" if inline else
+              "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
+    )
+    return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, layer_id, harness_check)
+
+
+def write(export: Export, out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(export.text, encoding="utf-8")
+    written = [out]
+    if not export.inline:
+        torch.save(export.tensors, out.with_suffix(".pt"))
+        written.append(out.with_suffix(".pt"))
+    return written
+
+
+def run_exported(path: Path, timeout: float = 1800.0) -> tuple[int, str]:
+    """Run an exported file as its receiver would: a fresh interpreter, in the file's folder, with this project
+    off ``sys.path`` (no PYTHONPATH, not the working directory). Returns pytest's exit status and its output."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
+                           str(path.parent), str(path.name)], cwd=path.parent, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+TEMPLATE = string.Template('''\
+"""Reproducer: $title
+
+Engine where the harness found it: $engine. Exported from $exported_on.
+Harness case: composition $composition, property $property, mode $mode.
+Server configuration that reaches this path: $server.
+Triage: $triage
+What the harness reported when it found the case:
+$verdict
+What it measured on the layer below when exporting: $harness_measured.
+
+Run: python -m pytest -q THIS_FILE (needs torch and SGLang $kit_since or newer, whose wheel ships the attention
+unit-test kit this file builds with). On a CPU, SGLang's Triton kernels run under Triton's interpreter.
+Fails while the bug is there; passes once it is fixed. Written by `harness export`; it imports nothing from it.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+DEVICE = "$device"  # where the case was recorded
+if DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels interpreted on a CPU
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    if importlib.util.find_spec("torchvision") is None:
+        # SGLang imports torchvision at import time (multimodal helpers), and it cannot be installed beside a CPU
+        # torch: an inert stand-in, never called on an attention path.
+        class _Inert(types.ModuleType):
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return _Inert(f"{self.__name__}.{name}")
+
+            def __call__(self, *args, **kwargs):
+                raise RuntimeError(f"{self.__name__}: torchvision is not installed")
+
+            def __mro_entries__(self, bases):
+                return (object,)
+
+        class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+            def find_spec(self, name, path=None, target=None):
+                if name.split(".")[0] == "torchvision":
+                    return importlib.machinery.ModuleSpec(name, self, is_package=True)
+                return None
+
+            def create_module(self, spec):
+                module = _Inert(spec.name)
+                module.__version__ = "0.0.0"
+                return module
+
+            def exec_module(self, module):
+                pass
+
+        sys.meta_path.insert(0, _InertFinder())
+elif not torch.cuda.is_available():
+    pytest.skip("recorded on a CUDA GPU; none is visible here", allow_module_level=True)
+
+try:
+    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit
+except ImportError as e:
+    pytest.skip(f"needs SGLang's attention unit-test kit (sglang $kit_since or newer): {e}", allow_module_level=True)
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.layers.radix_attention import RadixAttention
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+BACKEND = "$backend"
+MODE = ForwardMode.$mode_upper
+DTYPE = torch.$dtype
+PAGE_SIZE = $page_size
+PREFIX_LENS = $prefix_lens  # cached tokens per request
+NEW_LENS = $new_lens  # tokens this batch adds per request (their queries are the rows of q)
+SLOTS = $slots  # each request's KV slot for each position (pages renumbered from 1, offsets kept)
+RADIX = $radix  # the layer (harness layer $layer_id), as RadixAttention is built
+# The bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
+$bound_reason
+# The element bound scales with each output element's magnitude m = sum_j p_j |v_j| (the probability-weighted
+# size of the values it averages), which the float64 reference computes below.
+REL_L2_BOUND = $rel_l2_bound
+ELEMENT_FACTOR = $element_factor
+
+$data
+
+
+def reference(q, keys, values, query_positions):
+    """Float64 attention of one request: softmax(q.k * scaling, capped by logit_cap*tanh(s/logit_cap)) over the
+    keys it sees ($window_note), causal by position; returns the output and each element's m."""
+    q, keys, values = q.double(), keys.double(), values.double()
+    group = RADIX["num_heads"] // RADIX["num_kv_heads"]
+    keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q, keys) * RADIX["scaling"]
+    if RADIX["logit_cap"] > 0:
+        scores = RADIX["logit_cap"] * torch.tanh(scores / RADIX["logit_cap"])
+    key_pos = torch.arange(keys.shape[0])
+    visible = key_pos[None, :] <= query_positions[:, None]
+    if RADIX["sliding_window_size"] >= 0:
+        visible &= key_pos[None, :] >= query_positions[:, None] - RADIX["sliding_window_size"]
+    p = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
+    out = torch.einsum("htl,lhd->thd", p, values)
+    magnitude = torch.einsum("htl,lhd->thd", p, values.abs())
+    return out, magnitude
+
+
+def test_${property}_match_float64_attention():
+    torch.manual_seed(0)
+    batch = len(PREFIX_LENS)
+    seq_lens = [p + n for p, n in zip(PREFIX_LENS, NEW_LENS)]
+    max_context_len = -(-max(seq_lens) // PAGE_SIZE) * PAGE_SIZE
+    case = kit.DenseAttentionCase(name="harness_export", backend=BACKEND, forward_mode=MODE,
+                                  num_heads=RADIX["num_heads"], num_kv_heads=RADIX["num_kv_heads"],
+                                  page_size=PAGE_SIZE, prefix_lens=tuple(PREFIX_LENS), extend_lens=tuple(NEW_LENS),
+                                  sliding_window_size=RADIX["sliding_window_size"] if RADIX["sliding_window_size"] >= 0 else None)
+    config = kit.TinyModelConfig(num_heads=RADIX["num_heads"], num_kv_heads=RADIX["num_kv_heads"],
+                                 head_dim=RADIX["head_dim"], hidden_size=RADIX["num_heads"] * RADIX["head_dim"],
+                                 context_len=max_context_len, sliding_window_size=case.sliding_window_size)
+    runner = kit.MockModelRunner(case=case, model_config=config, dtype=DTYPE, device=DEVICE,
+                                 max_context_len=max_context_len, head_dim=RADIX["head_dim"])
+    backend = ATTENTION_BACKENDS[BACKEND](runner)
+    layer = RadixAttention(num_heads=RADIX["num_heads"], head_dim=RADIX["head_dim"], scaling=RADIX["scaling"],
+                           num_kv_heads=RADIX["num_kv_heads"], layer_id=0, logit_cap=RADIX["logit_cap"],
+                           v_head_dim=RADIX["v_head_dim"], sliding_window_size=RADIX["sliding_window_size"])
+    forward_batch = kit._make_forward_batch(case, runner, max_context_len=max_context_len, device=DEVICE,
+                                            loc_fn=lambda request, position: SLOTS[request][position])
+    q, k, v = (TENSORS[name].to(DEVICE) for name in ("q", "k", "v"))
+    cached_k, cached_v = TENSORS["cached_k"].to(DEVICE), TENSORS["cached_v"].to(DEVICE)
+    cached_slots = torch.tensor([s for r in range(batch) for s in SLOTS[r][:PREFIX_LENS[r]]], dtype=torch.int64,
+                                device=DEVICE)
+    if cached_slots.numel():
+        runner.token_to_kv_pool.set_kv_buffer(layer, cached_slots, cached_k, cached_v)
+    T = q.shape[0]
+    with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=backend)):
+        backend.init_forward_metadata(forward_batch)
+        out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
+    out = out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
+
+    expected, magnitude, token, cached = [], [], 0, 0
+    for r in range(batch):
+        new = slice(token, token + NEW_LENS[r])
+        keys = torch.cat([TENSORS["cached_k"][cached:cached + PREFIX_LENS[r]], TENSORS["k"][new]])
+        values = torch.cat([TENSORS["cached_v"][cached:cached + PREFIX_LENS[r]], TENSORS["v"][new]])
+        positions = torch.arange(PREFIX_LENS[r], seq_lens[r])
+        o, m = reference(TENSORS["q"][new], keys, values, positions)
+        expected.append(o)
+        magnitude.append(m)
+        token, cached = token + NEW_LENS[r], cached + PREFIX_LENS[r]
+    expected, magnitude = torch.cat(expected), torch.cat(magnitude)
+
+    assert torch.isfinite(out).all(), "non-finite output"
+    diff = (out - expected).abs()
+    rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected).clamp_min(1e-300)).item()
+    allowed = ELEMENT_FACTOR * magnitude
+    ratio = torch.where(allowed > 0, diff / allowed.clamp_min(1e-300), torch.where(diff > 0, math.inf, 0.0))
+    worst = torch.unravel_index(ratio.argmax(), ratio.shape)
+    token, head, dim = (int(i) for i in worst)
+    starts = [sum(NEW_LENS[:r]) for r in range(batch)]
+    request = max(r for r in range(batch) if starts[r] <= token and NEW_LENS[r] > 0)
+    where = f"request {request}, token {token - starts[request]}, head {head}, dim {dim}"
+    assert rel_l2 <= REL_L2_BOUND, f"relative L2 error {rel_l2:.3g} > bound {REL_L2_BOUND:.3g} (worst element at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
+    element, element_bound = diff[worst].item(), allowed[worst].item()
+    assert element <= element_bound, f"element error {element:.3g} > bound {element_bound:.3g} at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
+''')

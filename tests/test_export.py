@@ -1,0 +1,115 @@
+"""``harness export``: an exported file runs with torch and SGLang alone (a fresh process, this project off
+``sys.path``), fails where the harness's case fails, and passes where the fault is gone."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+# What the project's own packages are called: an exported file imports none of them.
+PROJECT_PACKAGES = ("harness", "backends", "batch", "engine", "properties", "reference", "search")
+
+
+def _sglang_kit_missing() -> str | None:
+    from backends.registry import parse
+
+    reason = parse("sglang.triton").unavailable_reason("cpu")
+    if reason:
+        return reason
+    import importlib.util
+
+    if importlib.util.find_spec("sglang.test.kits.attention_unittest") is None:
+        return "the installed SGLang ships no attention unit-test kit (0.5.14 on)"
+    return None
+
+
+needs_kit = pytest.mark.skipif(_sglang_kit_missing() is not None, reason=str(_sglang_kit_missing()))
+
+
+def _imports_nothing_of_ours(path: Path) -> None:
+    text = path.read_text()
+    ours = re.findall(rf"^\s*(?:from|import)\s+({'|'.join(PROJECT_PACKAGES)})\b", text, flags=re.M)
+    assert not ours, f"{path.name} imports the project's {sorted(set(ours))}"
+
+
+@needs_kit
+def test_a_ledger_bug_exports_to_a_file_that_fails_on_its_own(tmp_path, capsys):
+    """SGLang's Triton decode reads one key short of a sliding window (the ledger's
+    sglang-triton-swa-decode-one-key-short, live in 0.5.23): its exported file fails in a fresh process with the
+    same check the harness failed, and `export --check` says so."""
+    out = tmp_path / "test_swa_decode.py"
+    assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out", str(out),
+                 "--check"]) == 0
+    printed = capsys.readouterr().out
+    assert "fails on its own, as the harness's replay did" in printed
+    assert re.search(r"AssertionError: relative L2 error 1\.\d+ > bound 2\.36e-06", printed)
+    _imports_nothing_of_ours(out)
+    text = out.read_text()
+    assert "Triage: docs/findings/sglang-triton-swa-decode.md" in text and "--attention-backend triton" in text
+    assert "sliding window 1" in text and not out.with_suffix(".pt").exists()  # small: the tensors are inline
+
+
+FAULT_PLUGIN = '''
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The harness mutant {name!r}, patched into SGLang's real classes before the exported test runs."""
+    from harness.mutants.catalogue import MUTANTS
+
+    fault = MUTANTS[{name!r}].patch()
+    fault.__enter__()
+    item.config.add_cleanup(lambda: fault.__exit__(None, None, None))
+'''
+
+
+@needs_kit
+def test_a_mutant_case_fails_under_its_fault_and_passes_without_it(tmp_path):
+    """`harness mutants --engine sglang` finds the dropped soft-cap of SGLang's MHA decode branch; the exported
+    case passes on its own (the real SGLang has no such fault) and fails with the fault patched in."""
+    from harness.export import run_exported
+    from harness.mutants.catalogue import MUTANTS
+    from harness.mutants.run import run_mutant
+    from search.profiles import PROFILES
+
+    name = "sglang_mha_decode_drops_logit_cap"
+    result = run_mutant(MUTANTS[name], PROFILES["ci"], "cpu", tmp_path / "mutants", budget_s=600, shrink_seconds=0)
+    assert result.status == "killed" and result.case_file, result.reason
+    out = tmp_path / "export" / "test_dropped_cap.py"
+    assert main(["export", result.case_file, "--out", str(out)]) == 0
+    _imports_nothing_of_ours(out)
+
+    status, output = run_exported(out)  # without the fault, without this project
+    assert status == 0, output[-3000:]
+
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "harness_fault.py").write_text(FAULT_PLUGIN.format(name=name))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
+    faulted = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "harness_fault",
+                              "--rootdir", str(out.parent), out.name], cwd=out.parent, env=env,
+                             capture_output=True, text=True, timeout=1800)
+    assert faulted.returncode == 1, faulted.stdout[-3000:] + faulted.stderr[-3000:]
+    assert re.search(r"AssertionError: (relative L2|element) error", faulted.stdout)
+
+
+def test_a_case_of_a_kind_export_does_not_cover_is_one_line_and_exit_2(capsys):
+    """A TBO conformance case (not exported yet) is refused before anything runs."""
+    assert main(["export", str(ROOT / "docs/findings/cases/sglang-tbo-hides-forward.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: cannot export") and "not exported yet" in err
+
+
+def test_export_refuses_an_out_path_that_is_not_python(tmp_path, capsys):
+    assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out",
+                 str(tmp_path / "repro.txt")]) == 2
+    assert "must end in .py" in capsys.readouterr().err
