@@ -12,10 +12,15 @@ How the tensors are taken: the case is replayed through the harness (``propertie
 SGLang is handed (q, k, v, the planned ``ForwardBatch``, the KV pool before that layer writes to it). So the
 exported batch is SGLang's input, not a re-derivation of it.
 
+Conformance gaps (a wrapper that leaves to SGLang's base class what its children override, or lacks a member
+SGLang's callers probe for with ``hasattr``) need no batch: the file imports the SGLang classes the harness built
+for the composition and runs the same structural check, against the installed SGLang's own base class and
+sources, so it follows any release where those classes exist.
+
 What it covers today (anything else is refused with one line, exit 2): the ``outputs`` property of a plain
 dense SGLang leaf (``sglang.torch_native``, ``sglang.triton``, ``sglang.flashinfer``) in EXTEND, DECODE or MIXED,
-with an ``auto`` KV cache. The other kinds named by issue 27 (metadata invariants, conformance gaps, graph replay,
-TBO splits, linear attention, MLA, verify trees) are not exported yet.
+with an ``auto`` KV cache; the ``conformance`` property of any SGLang composition. The other kinds named by
+issue 27 (metadata invariants, graph replay, TBO splits, linear attention, MLA, verify trees) are not exported yet.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
 DENSE_LEAVES = {"sglang.torch_native": "torch_native", "sglang.triton": "triton", "sglang.flashinfer": "flashinfer"}
-PROPERTIES = ("outputs",)
+PROPERTIES = ("outputs", "conformance")
 MODES = ("extend", "decode", "mixed")
 # Up to this many tensor elements the data is written into the file itself; above, into one .pt beside it.
 INLINE_ELEMENTS = 4096
@@ -50,6 +55,10 @@ SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--
 
 def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
     """Why a case of this kind cannot be exported (yet), or None."""
+    if prop == "conformance":
+        if "sglang." not in composition or composition.startswith("graph("):
+            return f"export covers the conformance of SGLang's own classes, not {composition}"
+        return None
     if composition not in DENSE_LEAVES:
         return (f"export covers the plain dense SGLang leaves ({', '.join(DENSE_LEAVES)}), not {composition} "
                 f"(wrappers, MLA and linear attention are not exported yet)")
@@ -125,8 +134,8 @@ class Export:
     text: str
     tensors: dict[str, torch.Tensor]
     inline: bool
-    layer_id: int
-    harness_check: dict  # what the harness measured on that layer (rel_l2, element, their bounds)
+    failed: bool  # whether the harness's replay, at export, failed the case's check
+    summary: str  # what it measured there, one line
 
 
 def _compact_slots(slots: list[list[int]], page_size: int) -> list[list[int]]:
@@ -168,13 +177,9 @@ def _tensor_source(name: str, t: torch.Tensor) -> str:
 
 
 def build(case, device: str, case_path: Path | None = None) -> Export:
-    """Replay ``case`` (a CaseFile, read from ``case_path``) on ``device`` while recording SGLang's inputs; render
-    the pytest file. A ledger entry whose case is that file gives the triage link."""
+    """Replay ``case`` (a CaseFile, read from ``case_path``) on ``device``, recording what SGLang was handed or
+    built; render the pytest file. A ledger entry whose case is that file gives the triage link."""
     from backends.registry import parse
-    from properties.run import run_case
-    from properties.tolerances import layer_bound, widen_for_cancellation
-    from properties.verdict import compare, token_starts
-    from search.ledger import engine_version, known_failures
 
     spec = case.spec
     reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype)
@@ -184,6 +189,38 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
     why = composition.unavailable_reason(device) or composition.unsupported_reason(spec)
     if why:
         raise UsageError(f"cannot replay {case.composition} here to record SGLang's inputs: {why}")
+    if case.property == "conformance":
+        return _build_conformance(case, composition, device, case_path)
+    return _build_outputs(case, composition, device, case_path)
+
+
+def _header(case, device: str, case_path: Path | None, headline: str, server: str, measured: str,
+            needs: str) -> str:
+    """The file's docstring and its imports up to SGLang's: what it shows, where, and how to run it."""
+    from search.ledger import engine_version, known_failures
+
+    entries = [e for e in known_failures()
+               if case_path is not None and e.case and e.case_path.resolve() == case_path.resolve()]
+    versions = case.versions or {}
+    commit = versions.get("sglang-commit")
+    verdict = (case.verdict or {}).get("reason") or "(no verdict recorded: a case exported as it passes)"
+    return PREAMBLE.substitute(
+        title=f"{case.composition} {case.property} ({case.spec.mode.value}): {headline}",
+        composition=case.composition, property=case.property, mode=case.spec.mode.value,
+        engine=f"sglang {versions.get('sglang') or 'unknown'}" + (f" (commit {commit})" if commit else ""),
+        exported_on=f"sglang {engine_version()} on {device}",
+        server=textwrap.fill(server, 115, subsequent_indent="    "),
+        triage=entries[0].triage if entries else "none yet (not in the known-failure ledger)",
+        verdict=textwrap.fill(verdict, 110, initial_indent="    ", subsequent_indent="    "),
+        measured=textwrap.fill(measured, 110, subsequent_indent="    "), needs=needs, device=device)
+
+
+def _build_outputs(case, composition, device: str, case_path: Path | None) -> Export:
+    from properties.run import run_case
+    from properties.tolerances import layer_bound, widen_for_cancellation
+    from properties.verdict import compare, token_starts
+
+    spec = case.spec
     recorder = Recorder()
     prefix_lens = list(spec.prefix_lens)  # the cached tokens of each request (a decode's too)
     with recorder.listening(prefix_lens):
@@ -211,46 +248,101 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
                "cached_k": torch.cat(call.cached_k) if call.cached_k else call.k[:0],
                "cached_v": torch.cat(call.cached_v) if call.cached_v else call.v[:0]}
     inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
-    entries = [e for e in known_failures()
-               if case_path is not None and e.case and e.case_path.resolve() == case_path.resolve()]
-    triage = entries[0].triage if entries else None
-    versions = case.versions or {}
-    recorded = versions.get("sglang")
-    commit = versions.get("sglang-commit")
     window = call.radix["sliding_window_size"]
-    harness_check = {"rel_l2": comparison.rel_l2, "rel_l2_bound": bound.rel_l2,
-                     "element": comparison.element_error, "element_bound": comparison.element_bound,
-                     "where": comparison.where}
-    verdict = (case.verdict or {}).get("reason") or "(no verdict recorded: a case exported as it passes)"
     data_source = "\n".join(_tensor_source(k, t) for k, t in tensors.items()) if inline else None
     failed = [w for w, (value, limit) in (("relative L2 error", (comparison.rel_l2, bound.rel_l2)),
                                           ("element error", (comparison.element_error, comparison.element_bound)))
               if value > limit]
     headline = (f"{failed[0]} out of bounds at layer {layer_id}: {comparison.where}" if failed
                 else f"within bounds on this engine (worst at {max(comparison.ratios().values()):.2f} of a bound)")
-    text = TEMPLATE.substitute(
-        title=f"{case.composition} {case.property} ({spec.mode.value}): {headline}",
-        composition=case.composition, property=case.property, mode=spec.mode.value,
-        engine=f"sglang {recorded or 'unknown'}" + (f" (commit {commit})" if commit else ""),
-        exported_on=f"sglang {engine_version()} on {device}",
-        server=textwrap.fill(_server_configuration(name, spec, call.radix), 115, subsequent_indent="    "),
-        triage=triage or "none yet (not in the known-failure ledger)",
-        verdict=textwrap.fill(verdict, 110, initial_indent="    ", subsequent_indent="    "),
-        harness_measured=textwrap.fill(
-            f"rel_l2 {comparison.rel_l2:.3g} (bound {bound.rel_l2:.3g}), element {comparison.element_error:.3g} "
-            f"(bound {comparison.element_bound:.3g}) at {comparison.where or 'nowhere'}", 110, subsequent_indent="    "),
-        device=device, kit_since=KIT_SINCE, backend=name,
-        mode_upper=spec.mode.value.upper(), dtype=spec.dtype, page_size=spec.page_size,
-        prefix_lens=prefix_lens, new_lens=new_lens, slots=json.dumps(slots),
-        radix=json.dumps(call.radix), layer_id=layer_id,
-        rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
+    measured_text = (f"rel_l2 {comparison.rel_l2:.3g} (bound {bound.rel_l2:.3g}), element "
+                     f"{comparison.element_error:.3g} (bound {comparison.element_bound:.3g}) at "
+                     f"{comparison.where or 'nowhere'}")
+    header = _header(case, device, case_path, headline, _server_configuration(name, spec, call.radix),
+                     f"on the layer below, {measured_text}",
+                     f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds "
+                     f"with")
+    text = header + OUTPUTS.substitute(
+        kit_since=KIT_SINCE, backend=name, mode_upper=spec.mode.value.upper(), dtype=spec.dtype,
+        page_size=spec.page_size, prefix_lens=prefix_lens, new_lens=new_lens, slots=json.dumps(slots),
+        radix=json.dumps(call.radix), layer_id=layer_id, rel_l2_bound=repr(bound.rel_l2),
+        element_factor=repr(bound.element),
         bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
         window_note=("a key at position j is visible from a query at position p when p - W <= j <= p"
                      if window >= 0 else "no sliding window"),
         data=("TENSORS = {\n" + data_source + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
     )
-    return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, layer_id, harness_check)
+    return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, bool(failed),
+                  f"layer {layer_id}: {measured_text}")
+
+
+def _class_at(obj) -> tuple[str, str]:
+    return type(obj).__module__, type(obj).__qualname__
+
+
+def _composition_server(composition) -> str:
+    """How a server reaches a composition of SGLang's classes (its flags and the kind of model)."""
+    term = str(composition)
+    leaves = composition.leaves()
+    full = next((l.split(".", 1)[1] for l in leaves if l.split(".", 1)[1] in ("torch_native", "triton", "flashinfer",
+                                                                              "flashinfer_mla")), None)
+    parts = ["python -m sglang.launch_server"] + ([f"--attention-backend {full}"] if full else [])
+    model = "a dense model"
+    if "sglang.gdn" in leaves:
+        model = "a hybrid GDN model (Qwen3-Next/Qwen3.5-style: SGLang wraps the backends in HybridLinearAttnBackend)"
+    elif "sglang.lightning" in leaves:
+        model = "a hybrid lightning model (Bailing/Ling-style: SGLang wraps the backends in HybridLinearAttnBackend)"
+    elif full == "flashinfer_mla":
+        model = "a DeepSeek-style MLA model"
+    if term.startswith("tbo("):
+        parts.append("--enable-two-batch-overlap")
+    return f"{' '.join(parts)}, {model}"
+
+
+def _build_conformance(case, composition, device: str, case_path: Path | None) -> Export:
+    from batch.forward_batch import ModelRunner
+    from batch.spec import ForwardMode
+    from engine.materialize import materialize
+    from properties.conformance import engine_conformance, hidden_overrides
+
+    spec = case.spec
+    verdict = engine_conformance(composition, spec, device)
+    materialized = materialize(spec, device)
+    backend = composition.build(spec, ModelRunner.of(materialized.forward_batch, spec.layers))
+    backend.init_forward_metadata(materialized.forward_batch)
+    wrapper, children, base = backend.engine_objects()
+    pairs, todo = [], ([(wrapper, list(children))] if wrapper is not None else [])
+    while todo:  # wrappers nest (TBO over the hybrid): each against its own children, as the harness checks them
+        w, kids = todo.pop(0)
+        pairs.append((w, kids))
+        todo += [(k, list(k.attn_backend_list)) for k in kids if getattr(k, "attn_backend_list", None)
+                 and not any(k is p for p, _ in pairs)]
+    # Per wrapper class: the backends under it and the members the harness finds unreachable there (a TBO
+    # wrapper's three hybrid children are one class: checked once)
+    probed = backend.engine_probed_members()
+    wrappers = []
+    for w, kids in pairs:
+        members = [m for m, _ in hidden_overrides(w, kids, base)]
+        members += [m for m in probed if any(hasattr(k, m) for k in kids) and not hasattr(w, m)]
+        entry = [list(_class_at(w)), [list(_class_at(k)) for k in kids], members]
+        if entry not in wrappers:
+            wrappers.append(entry)
+    leaf = list(_class_at(children[0])) if wrapper is None else None
+    serves_verify = ForwardMode.TARGET_VERIFY in composition.support().modes
+    other = verdict.details.get("other_problems", 0) if verdict.details else 0
+    if other:
+        raise UsageError(f"cannot export {case.composition} conformance: the harness's verdict includes a call that "
+                         f"failed on an instance ({verdict.reason[:200]}), which the class-level file does not make")
+    headline = (textwrap.shorten(verdict.reason, 120, placeholder=" ...") if not verdict.ok
+                else "every member reachable on this engine")
+    header = _header(case, device, case_path, headline, _composition_server(composition),
+                     f"{'FAILED' if not verdict.ok else 'passed'}: {verdict.reason}",
+                     "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
+    text = header + CONFORMANCE.substitute(
+        base=json.dumps([base.__module__, base.__qualname__]), wrappers=json.dumps(wrappers),
+        leaf=repr(leaf), serves_verify=serves_verify)
+    return Export(text, {}, True, not verdict.ok, verdict.reason)
 
 
 def write(export: Export, out: Path) -> list[Path]:
@@ -263,18 +355,18 @@ def write(export: Export, out: Path) -> list[Path]:
     return written
 
 
-def run_exported(path: Path, timeout: float = 1800.0) -> tuple[int, str]:
+def run_exported(path: Path, timeout: float = 1800.0, extra: list[str] | None = None) -> tuple[int, str]:
     """Run an exported file as its receiver would: a fresh interpreter, in the file's folder, with this project
     off ``sys.path`` (no PYTHONPATH, not the working directory). Returns pytest's exit status and its output."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir",
-                           str(path.parent), str(path.name)], cwd=path.parent, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(extra or []),
+                           "--rootdir", str(path.parent), str(path.name)], cwd=path.parent, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
 
 
-TEMPLATE = string.Template('''\
+PREAMBLE = string.Template('''\
 """Reproducer: $title
 
 Engine where the harness found it: $engine. Exported from $exported_on.
@@ -283,10 +375,10 @@ Server configuration that reaches this path: $server.
 Triage: $triage
 What the harness reported when it found the case:
 $verdict
-What it measured on the layer below when exporting: $harness_measured.
+What the harness measured when exporting: $measured.
 
-Run: python -m pytest -q THIS_FILE (needs torch and SGLang $kit_since or newer, whose wheel ships the attention
-unit-test kit this file builds with). On a CPU, SGLang's Triton kernels run under Triton's interpreter.
+Run: python -m pytest -q THIS_FILE (needs torch and $needs).
+On a CPU, SGLang's Triton kernels run under Triton's interpreter.
 Fails while the bug is there; passes once it is fixed. Written by `harness export`; it imports nothing from it.
 """
 
@@ -306,9 +398,11 @@ DEVICE = "$device"  # where the case was recorded
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels interpreted on a CPU
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    if importlib.util.find_spec("torchvision") is None:
-        # SGLang imports torchvision at import time (multimodal helpers), and it cannot be installed beside a CPU
-        # torch: an inert stand-in, never called on an attention path.
+    # Packages SGLang imports at import time that a CPU machine lacks: torchvision (multimodal helpers; it cannot
+    # be installed beside a CPU torch) and, up to 0.5.13, sgl_kernel (its CUDA kernels, imported by the host KV
+    # pool). Inert stand-ins: never called on an attention path, and a call raises.
+    _ABSENT = {name for name in ("torchvision", "sgl_kernel") if importlib.util.find_spec(name) is None}
+    if _ABSENT:
         class _Inert(types.ModuleType):
             def __getattr__(self, name):
                 if name.startswith("__"):
@@ -316,14 +410,14 @@ if DEVICE == "cpu":
                 return _Inert(f"{self.__name__}.{name}")
 
             def __call__(self, *args, **kwargs):
-                raise RuntimeError(f"{self.__name__}: torchvision is not installed")
+                raise RuntimeError(f"{self.__name__} is an inert stand-in: the package is not installed")
 
             def __mro_entries__(self, bases):
                 return (object,)
 
         class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] == "torchvision":
+                if name.split(".")[0] in _ABSENT:
                     return importlib.machinery.ModuleSpec(name, self, is_package=True)
                 return None
 
@@ -339,7 +433,9 @@ if DEVICE == "cpu":
 elif not torch.cuda.is_available():
     pytest.skip("recorded on a CUDA GPU; none is visible here", allow_module_level=True)
 
-try:
+''')
+
+OUTPUTS = string.Template('''try:
     from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit
 except ImportError as e:
     pytest.skip(f"needs SGLang's attention unit-test kit (sglang $kit_since or newer): {e}", allow_module_level=True)
@@ -385,7 +481,7 @@ def reference(q, keys, values, query_positions):
     return out, magnitude
 
 
-def test_${property}_match_float64_attention():
+def test_outputs_match_float64_attention():
     torch.manual_seed(0)
     batch = len(PREFIX_LENS)
     seq_lens = [p + n for p, n in zip(PREFIX_LENS, NEW_LENS)]
@@ -442,4 +538,93 @@ def test_${property}_match_float64_attention():
     assert rel_l2 <= REL_L2_BOUND, f"relative L2 error {rel_l2:.3g} > bound {REL_L2_BOUND:.3g} (worst element at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
     element, element_bound = diff[worst].item(), allowed[worst].item()
     assert element <= element_bound, f"element error {element:.3g} > bound {element_bound:.3g} at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
+''')
+
+CONFORMANCE = string.Template(r'''import ast
+import importlib
+import inspect
+import re
+import textwrap
+
+import sglang
+
+BASE = $base  # SGLang's attention base class: its public members are the protocol
+# Each SGLang wrapper as the harness built it for this composition (module, class), the backends under it, and the
+# members the harness found it does not make reachable: one test each, so a release that fixes one member passes
+# that test whatever else it still gets wrong. A wrapper with none listed is checked on every member.
+WRAPPERS = $wrappers
+LEAF = $leaf  # a backend without a wrapper (None when wrapped)
+SERVES_TARGET_VERIFY = $serves_verify  # the leaf must then define update_verify_buffers_to_fill_after_draft
+
+
+def load(where):
+    module, name = where
+    return getattr(importlib.import_module(module), name)
+
+
+def probed_members():
+    """The members SGLang's callers look for on an attention backend with hasattr (init_mha_chunk_metadata, ...):
+    protocol the base class does not define, read from the installed SGLang's sources."""
+    probe = re.compile(r'hasattr\(\s*[\w.()]*attn_backend[\w.()]*\s*,\s*"(\w+)"')
+    names = set()
+    for path in Path(sglang.__file__).parent.joinpath("srt").rglob("*.py"):
+        names.update(probe.findall(path.read_text(encoding="utf-8", errors="replace")))
+    return sorted(names)
+
+
+def assigned_on_instances(cls):
+    """Names a class's methods (its bases' included) assign on the instance, ``self.NAME = ...``: a wrapper that
+    copies a child's value onto itself makes that member reachable without defining it on the class."""
+    names = set()
+    for klass in cls.__mro__:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                         and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return names
+
+
+def unreachable(wrapper, children, base, member):
+    """Why ``member`` of a child is not reachable through ``wrapper`` (None: it is)."""
+    copied = assigned_on_instances(wrapper)
+    default = inspect.getattr_static(base, member, None)
+    if default is not None:  # the base class defines it: an inherited default answers, never a child
+        owner = next((c.__name__ for c in children if inspect.getattr_static(c, member, None) is not default), None)
+        if owner and inspect.getattr_static(wrapper, member, None) is default and member not in copied:
+            return f"{wrapper.__name__} does not make {member} reachable (overridden by {owner}): the {base.__name__} " \
+                   f"default answers instead"
+        return None
+    # Probed with hasattr: an instance also answers through a __getattr__ that delegates to its children
+    # (TboAttnBackend's does, from 0.5.15); one is read as delegating
+    owner = next((c.__name__ for c in children if hasattr(c, member) or member in assigned_on_instances(c)), None)
+    delegates = getattr(wrapper, "__getattr__", None) is not None
+    if owner and not (hasattr(wrapper, member) or member in copied or delegates):
+        return f"{wrapper.__name__} has no {member}, which its child {owner} has: SGLang's hasattr-guarded call skips it"
+    return None
+
+
+CHECKS = [(w, kids, m) for w, kids, members in WRAPPERS for m in (members or [None])]
+
+
+@pytest.mark.parametrize("wrapper_at, children_at, member", CHECKS,
+                         ids=[f"{w[1]}.{m or 'every-member'}" for w, _, m in CHECKS])
+def test_wrapper_reaches_what_its_backends_override(wrapper_at, children_at, member):
+    base, wrapper, children = load(BASE), load(wrapper_at), [load(c) for c in children_at]
+    protocol = sorted(n for n, _ in inspect.getmembers(base) if not n.startswith("_"))
+    members = [member] if member else protocol + probed_members()
+    problems = [p for m in members if (p := unreachable(wrapper, children, base, m))]
+    assert not problems, "; ".join(problems)
+
+
+@pytest.mark.skipif(LEAF is None or not SERVES_TARGET_VERIFY, reason="no unwrapped backend that serves target_verify")
+def test_a_backend_that_serves_verify_defines_its_buffer_refresh():
+    # SGLang's overlap plan stream calls this on every speculative verify; the base class raises
+    base, leaf, method = load(BASE), load(LEAF), "update_verify_buffers_to_fill_after_draft"
+    assert inspect.getattr_static(leaf, method, None) is not inspect.getattr_static(base, method, None), \
+        f"{leaf.__name__} serves target_verify but leaves {method} to {base.__name__}, which raises NotImplementedError"
 ''')

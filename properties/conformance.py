@@ -342,6 +342,8 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
                             f"calls it, raised {type(e).__name__}: {e}")
             call_problems += 1
     if problems:
+        # A TBO wrapper's children are one class (its primary and two halves): a problem of theirs is said once
+        problems = list(dict.fromkeys(problems))
         return Verdict(name, False, "; ".join(problems),
                        details={"hidden": list(dict.fromkeys(hidden_all)), "other_problems": call_problems})
     names = " and ".join(dict.fromkeys(type(w).__name__ for w, _ in pairs))

@@ -73,17 +73,37 @@ def pytest_runtest_setup(item):
 
 
 @needs_kit
-def test_a_mutant_case_fails_under_its_fault_and_passes_without_it(tmp_path):
-    """`harness mutants --engine sglang` finds the dropped soft-cap of SGLang's MHA decode branch; the exported
-    case passes on its own (the real SGLang has no such fault) and fails with the fault patched in."""
+def test_a_ledger_conformance_gap_exports_one_test_per_member(tmp_path):
+    """SGLang 0.5.23's hybrid wrapper has no extend_attention_block_m, which its Triton child has (the ledger's
+    sglang-hybrid-hides-extend-block-m): the exported file fails on exactly the members the harness names, each
+    its own test, in a fresh process; it reads classes and sources only."""
+    from harness.export import run_exported
+
+    out = tmp_path / "test_block_m.py"
+    assert main(["export", str(ROOT / "docs/findings/cases/sglang-hybrid-hides-extend-block-m.json"),
+                 "--out", str(out)]) == 0
+    _imports_nothing_of_ours(out)
+    status, output = run_exported(out, extra=["-rA"])
+    assert status == 1, output[-3000:]
+    failed = set(re.findall(r"^FAILED \S+\[(\w+\.\w+)\]", output, flags=re.M))
+    assert failed == {"HybridLinearAttnBackend.extend_attention_block_m"}, output[-3000:]
+    assert "which its child TritonAttnBackend has: SGLang's hasattr-guarded call skips it" in output
+
+
+@needs_kit
+@pytest.mark.parametrize("name, prop", [("sglang_mha_decode_drops_logit_cap", "outputs"),
+                                        ("sglang_triton_lacks_update_verify", "conformance")])
+def test_a_mutant_case_fails_under_its_fault_and_passes_without_it(tmp_path, name, prop):
+    """`harness mutants --engine sglang` finds a fault patched into SGLang's real classes (the dropped soft-cap of
+    its MHA decode branch; a Triton backend without its verify-buffer refresh); the exported case passes on its
+    own (the real SGLang has no such fault) and fails with the fault patched in."""
     from harness.export import run_exported
     from harness.mutants.catalogue import MUTANTS
     from harness.mutants.run import run_mutant
     from search.profiles import PROFILES
 
-    name = "sglang_mha_decode_drops_logit_cap"
     result = run_mutant(MUTANTS[name], PROFILES["ci"], "cpu", tmp_path / "mutants", budget_s=600, shrink_seconds=0)
-    assert result.status == "killed" and result.case_file, result.reason
+    assert result.status == "killed" and result.case_file and result.property == prop, result
     out = tmp_path / "export" / "test_dropped_cap.py"
     assert main(["export", result.case_file, "--out", str(out)]) == 0
     _imports_nothing_of_ours(out)
@@ -99,12 +119,15 @@ def test_a_mutant_case_fails_under_its_fault_and_passes_without_it(tmp_path):
                               "--rootdir", str(out.parent), out.name], cwd=out.parent, env=env,
                              capture_output=True, text=True, timeout=1800)
     assert faulted.returncode == 1, faulted.stdout[-3000:] + faulted.stderr[-3000:]
-    assert re.search(r"AssertionError: (relative L2|element) error", faulted.stdout)
+    expected = {"outputs": r"AssertionError: (relative L2|element) error",
+                "conformance": r"AssertionError: TritonAttnBackend serves target_verify but leaves "
+                               r"update_verify_buffers_to_fill_after_draft to AttentionBackend"}[prop]
+    assert re.search(expected, faulted.stdout), faulted.stdout[-3000:]
 
 
 def test_a_case_of_a_kind_export_does_not_cover_is_one_line_and_exit_2(capsys):
-    """A TBO conformance case (not exported yet) is refused before anything runs."""
-    assert main(["export", str(ROOT / "docs/findings/cases/sglang-tbo-hides-forward.json")]) == 2
+    """A graph-replay case (not exported yet) is refused before anything runs."""
+    assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-draft-extend-graph-window.json")]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: cannot export") and "not exported yet" in err
 
