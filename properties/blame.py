@@ -17,6 +17,16 @@ _OWN = tuple(_PROJECT / d for d in ("backends", "batch", "engine", "harness", "p
 _ENGINE_STAND_INS = (_PROJECT / "harness" / "mutants", _PROJECT / "backends" / "sglang" / "interpreter_shims.py")
 
 
+# Errors a GPU reports asynchronously: raised by whichever later call synchronizes (a .tolist(), a copy), so the
+# frame that raises them says nothing about the kernel that faulted.
+_ASYNCHRONOUS_DEVICE_ERRORS = ("an illegal memory access was encountered", "device-side assert triggered",
+                               "unspecified launch failure", "misaligned address")
+
+
+def asynchronous_device_error(e: BaseException) -> bool:
+    return type(e).__name__ == "AcceleratorError" or any(s in str(e) for s in _ASYNCHRONOUS_DEVICE_ERRORS)
+
+
 def adapter_frame(e: BaseException, composition: Composition) -> str | None:
     """Where the harness's own code failed, if a crash of an engine's composition is the harness's and not the
     engine's: the innermost frame that is either the engine's package or this project decides (frames of torch,
@@ -25,6 +35,12 @@ def adapter_frame(e: BaseException, composition: Composition) -> str | None:
     adapter error, never counted as the engine's bug. None for the harness's own compositions, whose crashes are
     findings wherever they happen."""
     if composition is None or composition.engine == "harness" or isinstance(e, EngineBrokeInvariant):
+        return None
+    if asynchronous_device_error(e):
+        # Seen on the H100 (0.5.10, tbo(hybrid(sglang.triton,sglang.gdn)) extend): SGLang's GDN kernels wrote out of
+        # bounds and the cache property's .tolist() raised "illegal memory access", which the frame rule called an
+        # adapter error. The kernels of an engine's composition are the engine's (the adapter launches torch copies
+        # and indexing only), so such a crash is a finding; CUDA_LAUNCH_BLOCKING=1 on replay places it.
         return None
     engine_root = package_root(composition.engine)
     engine_root = None if engine_root is None else engine_root.resolve()

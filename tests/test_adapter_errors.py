@@ -93,3 +93,23 @@ def test_dispatch_reports_its_own_crash_as_an_adapter_error_not_a_misroute(monke
     monkeypatch.setattr("properties.blame.package_root", lambda package: Path(fake_engine.__file__).parent)
     engine = PROPERTIES["dispatch"].run(composition, spec, "cpu")
     assert not engine.ok and "adapter_error" not in engine.details and engine.reason.startswith("run crashed")
+
+
+def test_an_asynchronous_device_error_raised_in_the_harness_is_not_its_error():
+    """A GPU's illegal memory access surfaces at the next synchronizing call, wherever that is: on the H100 the
+    cache property's .tolist() raised SGLang's GDN kernels' stray write (0.5.10), and the frame rule called it an
+    adapter error. It is the engine's kernels' (a finding); a synchronous error in the same place stays ours."""
+    class AcceleratorError(RuntimeError):  # torch's type for it, on a machine without a GPU
+        pass
+
+    def sync_in_the_harness(error):
+        # raised from a frame of the project's properties/cache.py, where the H100 raised it
+        from properties.blame import _PROJECT
+
+        exec(compile("raise error", str(_PROJECT / "properties" / "cache.py"), "exec"), {"error": error})
+
+    illegal = _raised(lambda: sync_in_the_harness(AcceleratorError("CUDA error: an illegal memory access was "
+                                                                     "encountered")))
+    assert adapter_frame(illegal, ENGINE) is None
+    plain = _raised(lambda: sync_in_the_harness(RuntimeError("a shape the adapter got wrong")))
+    assert adapter_frame(plain, ENGINE) is not None

@@ -69,6 +69,26 @@ def test_renamed_and_absent_keywords_follow_the_constructor_of_the_installed_rel
     assert kwargs == {"retrive_index": 1, "draft_token": 2}
 
 
+@pytest.mark.parametrize("release_signature, expected", [
+    ("accepted_steps, mamba_track_indices, mamba_steps_to_track, model", {"accepted_steps"}),  # 0.5.10
+    ("last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model", set()),  # 0.5.11 - 0.5.16
+    ("last_correct_step_indices, mamba_track_indices, mamba_steps_to_track, model, req_pool_indices=None",
+     {"req_pool_indices"})])  # 0.5.17 on
+def test_the_verify_commit_is_called_with_its_release_s_keywords(release_signature, expected):
+    """On the H100, 0.5.10 and 0.5.14 rejected the adapter's commit call (TypeError: unexpected keyword
+    'last_correct_step_indices', 'req_pool_indices'), reported as adapter errors: it now passes what the
+    installed signature takes."""
+    namespace = {}
+    exec(f"def commit(self, {release_signature}): pass", namespace)
+    bound = namespace["commit"].__get__(object())
+    kwargs = compat.accepted(bound, dict(last_correct_step_indices=1, mamba_track_indices=2, mamba_steps_to_track=3,
+                                         model=4, req_pool_indices=5), compat.COMMIT_RENAMES)
+    bound(**kwargs)  # the call the release's own caller makes
+    assert set(kwargs) == {"mamba_track_indices", "mamba_steps_to_track", "model"} | expected | (
+        {"last_correct_step_indices"} if "last_correct" in release_signature else set())
+    assert kwargs.get("accepted_steps", kwargs.get("last_correct_step_indices")) == 1
+
+
 def test_fresh_state_slots_are_zeroed_as_the_older_allocator_did(release):
     release({}, has=set())  # no MambaPool.clear_slots (0.5.10): alloc zeroed the slots it handed out
     pool = type("Pool", (), {})()

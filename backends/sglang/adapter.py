@@ -92,13 +92,16 @@ class _SglangObject(AttentionBackend):
             states = None  # a model without linear layers: no states to copy
         if states is not None:
             states.push_states()  # the harness's pools may have been reset to the verified states since
-        # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords.
-        if hasattr(self.inner, "update_mamba_state_after_mtp_verify"):
+        # SGLang's caller (speculative/spec_utils.py, after verify) guards the call with hasattr and passes keywords,
+        # those of its release (compat.COMMIT_RENAMES: 0.5.10 names the same indices accepted_steps; before
+        # 0.5.17 there are no request rows to pass).
+        commit = getattr(self.inner, "update_mamba_state_after_mtp_verify", None)
+        if commit is not None:
             with torch.no_grad():
-                self.inner.update_mamba_state_after_mtp_verify(
+                commit(**compat.accepted(commit, dict(
                     last_correct_step_indices=last_correct_step_indices.to(torch.int64),
                     mamba_track_indices=mamba_track_indices, mamba_steps_to_track=mamba_steps_to_track,
-                    model=model, req_pool_indices=req_pool_indices)
+                    model=model, req_pool_indices=req_pool_indices), compat.COMMIT_RENAMES))
         for layer_id in (states.harness.conv_states if states is not None else ()):
             states.pull(layer_id)
 

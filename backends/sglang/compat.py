@@ -188,6 +188,9 @@ def accepted(cls, kwargs: dict, renames: dict[str, str] | None = None) -> dict:
     return out
 
 
+# update_mamba_state_after_mtp_verify's first argument, each request's last accepted step, was accepted_steps in
+# 0.5.10 (eagle_worker.py passes accepted_length - 1, the same indices); req_pool_indices came in 0.5.17
+COMMIT_RENAMES = {"last_correct_step_indices": "accepted_steps"}
 # EagleVerifyInput's tree links were spelled retrive_* up to 0.5.13
 VERIFY_RENAMES = {f"retrieve_{x}": f"retrive_{x}" for x in ("index", "next_token", "next_sibling", "cum_len")}
 

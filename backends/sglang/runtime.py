@@ -364,8 +364,11 @@ _IDLE_LINEAR_SHAPES = {
 }
 
 
-# The KV pool shape a model without MHA layers still hands the full-attention child (which never runs).
-_IDLE_MHA_SHAPE = (1, 1, 16, 16)
+# The KV pool shape a model without MHA layers still hands the full-attention child: it runs no layer, but it may
+# still plan (FlashInfer plans its prefill wrappers, compiling them for the model's head dim), so the head dim is
+# one every backend builds kernels for, as a real model's is: with 16, FlashInfer 0.6.7 (SGLang 0.5.10) compiled an
+# SM90 prefill for head dim 16 and refused it (static_assert HEAD_DIM_VO in 64/128/256; seen on an H200).
+_IDLE_MHA_SHAPE = (1, 1, 128, 128)
 
 
 @dataclass(frozen=True)
