@@ -357,8 +357,13 @@ def write(export: Export, out: Path) -> list[Path]:
 
 def run_exported(path: Path, timeout: float = 1800.0, extra: list[str] | None = None) -> tuple[int, str]:
     """Run an exported file as its receiver would: a fresh interpreter, in the file's folder, with this project
-    off ``sys.path`` (no PYTHONPATH, not the working directory). Returns pytest's exit status and its output."""
+    off ``sys.path`` (not the working directory, and out of PYTHONPATH, whose other folders stay: on a machine
+    where SGLang is an unpacked site folder, that is how it is found). Returns pytest's exit status and output."""
+    project = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    kept = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and Path(d).resolve() != project]
+    if kept:
+        env["PYTHONPATH"] = os.pathsep.join(kept)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(extra or []),
                            "--rootdir", str(path.parent), str(path.name)], cwd=path.parent, env=env,

@@ -109,9 +109,14 @@ def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
 
 def _draft_extend_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft extend whose worst element is in a sliding-window layer: SGLang 0.5.22's Triton draft-extend graph
-    builds no window KV list (docs/findings/sglang-triton-draft-extend-graph-window.md)."""
-    layer = _failing_layer(spec, verdict)
-    return spec.mode is ForwardMode.DRAFT_EXTEND and getattr(layer, "sliding_window", None) is not None
+    builds no window KV list (docs/findings/sglang-triton-draft-extend-graph-window.md). Compiled on a GPU, the
+    kernel is handed that list as None and fails to compile at its window branch's index load (CompilationError:
+    'NoneType' object has no attribute 'type'; an H200, 0.5.14), before any output exists."""
+    if spec.mode is not ForwardMode.DRAFT_EXTEND:
+        return False
+    if "CompilationError" in verdict.reason and "SLIDING_WINDOW_SIZE" in verdict.reason:
+        return any(getattr(layer, "sliding_window", None) is not None for layer in spec.layers)
+    return getattr(_failing_layer(spec, verdict), "sliding_window", None) is not None
 
 
 def _tree_not_chain(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -185,6 +190,15 @@ def _idle_lightning_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     return (spec.mode is ForwardMode.IDLE and any(layer.kind == "lightning" for layer in spec.layers)
             and "AttributeError: 'NoneType' object has no attribute 'new_empty'" in reason
             and "hybrid_linear_attn_backend.py:" in reason and "mixed_qkv.new_empty(" in reason)
+
+
+def _triton_reads_layer0_kv(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A lightning hybrid whose layer 0 is a lightning layer, crashed where SGLang's Triton backend asks the hybrid
+    KV pool for layer 0's value buffer to learn the value head dim (docs/findings/sglang-triton-hybrid-layer0.md):
+    by mechanism, the pool's refusal of a layer id that has no KV cache."""
+    return (any(layer.layer_id == 0 and layer.kind == "lightning" for layer in spec.layers)
+            and "layer_id=0 not in full attention layers" in verdict.reason
+            and "_transfer_full_attention_id" in verdict.reason)
 
 
 # What SGLang 0.5.23's TboAttnBackend leaves to its base class although a child backend overrides it.
@@ -264,9 +278,11 @@ def _tbo_mixed_not_implemented(spec: BatchSpec, verdict: Verdict) -> bool:
 
 def _draft_worker_misrouted(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft worker's batch (its one full-attention layer has id 0) whose layer reached the hybrid's linear
-    backend: the GDN backend's assertion on the missing mixed_qkv, or dispatch seeing the misroute."""
+    backend: the GDN backend's assertion on the missing mixed_qkv, the lightning backend's seg_la unpacking the full
+    layer's flat q as [T, H, D] (seen on an H200, 0.5.10), or dispatch seeing the misroute."""
     reason = verdict.reason
     return spec.draft_worker and ("assert isinstance(mixed_qkv, torch.Tensor)" in reason
+                                  or ("seg_la" in reason and "not enough values to unpack" in reason)
                                   or ("reached the wrong backend" in reason and "linear got [0]" in reason))
 
 
@@ -303,6 +319,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_verify_tensor_token_blocks": _tbo_verify_tensor_token_blocks,
     "tbo_linear_stray_writes": _tbo_linear_stray_writes,
     "draft_extend_window_layer": _draft_extend_window_layer,
+    "triton_reads_layer0_kv": _triton_reads_layer0_kv,
 }
 
 

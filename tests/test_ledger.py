@@ -214,3 +214,37 @@ def test_tbo_start_loc_explains_any_failure_of_a_plainly_cut_linear_batch_on_cud
     assert ledger.match(term, "extend", "outputs", plain, full_nan, "cpu") is None
     assert ledger.match(term, "extend", "outputs", two_chunk, full_nan, "cuda") is None  # a single request: no cut
     assert ledger.match("tbo(sglang.triton)", "extend", "outputs", plain, full_nan, "cuda") is None  # no hybrid
+
+
+def test_triton_reading_layer0_is_known_only_when_layer0_is_a_lightning_layer():
+    """0.5.10 - 0.5.17 (an H200 found it): TritonAttnBackend asks a lightning hybrid's KV pool for layer 0."""
+    crash = Verdict("metadata", False, "crashed: ValueError: layer_id=0 not in full attention layers: dict_keys([1]) "
+                                       "(memory_pool.py:1985 in _transfer_full_attention_id: `raise ValueError(`)")
+    first_lightning = BatchSpec(ForwardMode.DECODE, (1,), (1,), (LightningLayer(0, 8, 128), MHALayer(1, 8, 2, 128, 128)))
+    first_full = BatchSpec(ForwardMode.DECODE, (1,), (1,), (MHALayer(0, 8, 2, 128, 128), LightningLayer(1, 8, 128)))
+    condition = ledger.CONDITIONS["triton_reads_layer0_kv"]
+    assert condition(first_lightning, crash) and not condition(first_full, crash)
+    other = Verdict("metadata", False, "crashed: ValueError: layer_id=2 not in full attention layers: dict_keys([1])")
+    assert not condition(first_lightning, other)
+
+
+def test_a_draft_worker_misroute_is_known_by_the_lightning_childs_symptom_too():
+    """On an H200 (0.5.10) the draft worker's full layer reached seg_la, which unpacks q as [T, H, D]."""
+    crash = Verdict("cache", False, "crashed: ValueError: not enough values to unpack (expected 3, got 2) "
+                                    "(seg_la.py:669 in seg_la_fwd: `length, qo_heads, HEAD_DIM = q.shape`)")
+    spec = BatchSpec(ForwardMode.DECODE, (1,), (1,), (MHALayer(0, 8, 2, 128, 128),), draft_worker=True)
+    condition = ledger.CONDITIONS["draft_worker_misrouted"]
+    assert condition(spec, crash)
+    assert not condition(dataclasses.replace(spec, draft_worker=False), crash)
+
+
+def test_a_draft_extend_graph_window_is_known_by_its_compile_error_on_a_gpu():
+    """On an H200 (0.5.14) the window KV list handed as None stops the extend kernel's compilation."""
+    crash = Verdict("graph_replay", False, "crashed: CompilationError: at 142:16: ... SLIDING_WINDOW_SIZE ... "
+                                           "AttributeError(\"'NoneType' object has no attribute 'type'\")")
+    chain = SpecInput(2, 1, 1, ((-1, 0),), (2,))
+    windowed = BatchSpec(ForwardMode.DRAFT_EXTEND, (5,), (2,), (MHALayer(0, 4, 2, 16, 16, sliding_window=3),),
+                         spec=chain)
+    plain = BatchSpec(ForwardMode.DRAFT_EXTEND, (5,), (2,), (MHALayer(0, 4, 2, 16, 16),), spec=chain)
+    condition = ledger.CONDITIONS["draft_extend_window_layer"]
+    assert condition(windowed, crash) and not condition(plain, crash)
