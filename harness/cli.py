@@ -252,7 +252,7 @@ def cmd_export(args) -> int:
           f"{export.summary}")
     if not args.check:
         return 0
-    status, output = run_exported(out)
+    status, output = run_exported(out, stand_ins=args.stand_ins)
     print(output.rstrip())
     agrees = (status == 1) == export.failed and status in (0, 1)
     print(f"the exported file {'fails' if status == 1 else 'passes' if status == 0 else f'ended with {status}'} on its "
@@ -390,6 +390,9 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--check", action="store_true",
                     help="then run the file in a fresh process without this project, and say whether it fails "
                          "as the harness's replay does (exit 1 if not)")
+    sp.add_argument("--stand-ins", action="store_true",
+                    help="with --check, on a machine whose SGLang install lacks packages a user's has (the lent GPU "
+                         "image: sgl_kernel, IPython): load the harness's stand-ins for them before the file")
     sp.set_defaults(fn=cmd_export)
     if with_sweep:
         from harness import sweep

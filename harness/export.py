@@ -355,13 +355,31 @@ def write(export: Export, out: Path) -> list[Path]:
     return written
 
 
-def run_exported(path: Path, timeout: float = 1800.0, extra: list[str] | None = None) -> tuple[int, str]:
+# A pytest plugin for --check --stand-ins: the harness's own stand-ins (backends.sglang.runtime) for packages SGLang
+# imports that this machine's install of it lacks (the lent GPU image has no sgl_kernel, SGLang's CUDA wheel tied to
+# its torch), installed before the exported file is imported; the project leaves sys.path again at once.
+_STAND_INS_PLUGIN = """import sys
+sys.path.insert(0, {root!r})
+from backends.sglang.runtime import _install_shims
+_install_shims()
+sys.path.remove({root!r})
+"""
+
+
+def run_exported(path: Path, timeout: float = 1800.0, extra: list[str] | None = None,
+                 stand_ins: bool = False) -> tuple[int, str]:
     """Run an exported file as its receiver would: a fresh interpreter, in the file's folder, with this project
     off ``sys.path`` (not the working directory, and out of PYTHONPATH, whose other folders stay: on a machine
     where SGLang is an unpacked site folder, that is how it is found). Returns pytest's exit status and output."""
     project = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     kept = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and Path(d).resolve() != project]
+    if stand_ins:
+        plugin_dir = path.parent / ".harness-stand-ins"
+        plugin_dir.mkdir(exist_ok=True)
+        (plugin_dir / "harness_stand_ins.py").write_text(_STAND_INS_PLUGIN.format(root=str(project)))
+        kept.insert(0, str(plugin_dir))
+        extra = ["-p", "harness_stand_ins", *(extra or [])]
     if kept:
         env["PYTHONPATH"] = os.pathsep.join(kept)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
@@ -403,46 +421,49 @@ DEVICE = "$device"  # where the case was recorded
 if DEVICE == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels interpreted on a CPU
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
-    # Packages SGLang imports at import time that a CPU machine lacks: torchvision (multimodal helpers; it cannot
-    # be installed beside a CPU torch) and, up to 0.5.13, sgl_kernel (its CUDA kernels, imported by the host KV
-    # pool). Inert stand-ins: never called on an attention path, and a call raises.
-    _ABSENT = {name for name in ("torchvision", "sgl_kernel") if importlib.util.find_spec(name) is None}
-    if _ABSENT:
-        class _Inert(types.ModuleType):
-            def __getattr__(self, name):
-                if name.startswith("__"):
-                    raise AttributeError(name)
-                return _Inert(f"{self.__name__}.{name}")
-
-            def __call__(self, *args, **kwargs):
-                raise RuntimeError(f"{self.__name__} is an inert stand-in: the package is not installed")
-
-            def __mro_entries__(self, bases):
-                return (object,)
-
-        class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-            def find_spec(self, name, path=None, target=None):
-                if name.split(".")[0] in _ABSENT:
-                    return importlib.machinery.ModuleSpec(name, self, is_package=True)
-                return None
-
-            def create_module(self, spec):
-                module = _Inert(spec.name)
-                module.__version__ = "0.0.0"
-                return module
-
-            def exec_module(self, module):
-                pass
-
-        sys.meta_path.insert(0, _InertFinder())
 elif not torch.cuda.is_available():
     pytest.skip("recorded on a CUDA GPU; none is visible here", allow_module_level=True)
+# Packages SGLang imports at import time but never calls on an attention path, where this machine lacks them:
+# torchvision (multimodal helpers; it cannot be installed beside a CPU torch), IPython and sniffio, and on a CPU
+# sgl_kernel (its CUDA kernels; imported by the host KV pool up to 0.5.13). Inert stand-ins: a call raises.
+_ABSENT = {name for name in ("torchvision", "IPython", "sniffio") + (("sgl_kernel",) if DEVICE == "cpu" else ())
+           if importlib.util.find_spec(name) is None}
+if _ABSENT:
+    class _Inert(types.ModuleType):
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Inert(f"{self.__name__}.{name}")
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError(f"{self.__name__} is an inert stand-in: the package is not installed")
+
+        def __mro_entries__(self, bases):
+            return (object,)
+
+    class _InertFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in _ABSENT:
+                return importlib.machinery.ModuleSpec(name, self, is_package=True)
+            return None
+
+        def create_module(self, spec):
+            module = _Inert(spec.name)
+            module.__version__ = "0.0.0"
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    sys.meta_path.insert(0, _InertFinder())
 
 ''')
 
 OUTPUTS = string.Template('''try:
     from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit
-except ImportError as e:
+except ModuleNotFoundError as e:
+    if not (e.name or "").startswith("sglang.test"):
+        raise  # SGLang itself failed to import: not a missing kit
     pytest.skip(f"needs SGLang's attention unit-test kit (sglang $kit_since or newer): {e}", allow_module_level=True)
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.radix_attention import RadixAttention
