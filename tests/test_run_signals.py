@@ -31,6 +31,7 @@ def test_a_stop_that_surfaces_as_another_error_is_still_the_stop(sig):
                 raise AssertionError("state._runner is not None") from None
         assert terminated.is_stop(raised.value)
         assert signal.getsignal(sig) is signal.SIG_IGN  # a second signal while the report is written is ignored
+        terminated.wrap_up()  # as run does once it has the stop: the repeats end
     assert signal.getsignal(sig) is not signal.SIG_IGN  # and the previous handler is back afterwards
     with Terminated() as terminated:
         assert not terminated.is_stop(AssertionError("a real bug"))  # without a signal, an error is an error
