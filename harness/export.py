@@ -26,7 +26,6 @@ issue 27 (metadata invariants, graph replay, TBO splits, linear attention, MLA, 
 from __future__ import annotations
 
 import json
-import math
 import os
 import string
 import subprocess
@@ -238,7 +237,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None) -> Ex
     if not measured:
         raise UsageError(f"cannot export {case.composition} {case.property}: no attention layer reached SGLang")
     layer_id = max(measured, key=lambda i: measured[i][0])
-    ratio, comparison, bound = measured[layer_id]
+    _, comparison, bound = measured[layer_id]
     call = recorder.calls[layer_id]
     name = DENSE_LEAVES[case.composition]
     slots = _compact_slots(call.slots, spec.page_size)
