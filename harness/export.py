@@ -89,7 +89,6 @@ class Recorder:
     """Listens at ``SglangBackend._run`` (the adapter's call into SGLang) and keeps each layer's first call."""
 
     calls: dict[int, LayerCall] = field(default_factory=dict)
-    sglang_name: str | None = None
 
     @contextmanager
     def listening(self, prefix_lens: list[int]):
@@ -102,7 +101,6 @@ class Recorder:
 
         def _run(backend, q, k, v, layer, forward_batch, save_kv_cache, via=None):
             if layer.layer_id not in recorder.calls and layer.kind == "mha":
-                recorder.sglang_name = backend.sglang_name
                 sfb = backend.batches[id(forward_batch)]
                 runner = backend.sgl_runner
                 seq_lens = [int(n) for n in sfb.seq_lens_cpu[:sfb.batch_size].tolist()]
