@@ -129,6 +129,10 @@ class Capabilities:
     verify_advances_conv_state: bool = False
     # Why one case takes seconds on a CPU (e.g. kernels interpreted by Triton); profiles draw fewer examples
     slow_on_cpu: str | None = None
+    # Why a long-context batch (tens of thousands of cached keys) is out of a CPU's reach for this backend (work
+    # that grows with the square of a request's key count, say); None: it draws them there too. Interpreted
+    # backends never draw them on a CPU (Support.interpreted_on_cpu), whatever this says.
+    no_long_context_on_cpu: str | None = None
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
@@ -170,6 +174,12 @@ class Capabilities:
             return "needs a CUDA GPU; none is visible"
         if device == "cpu" and self.cpu_needs_env and not env_flag(self.cpu_needs_env):
             return f"on the CPU it needs {self.cpu_needs_env}=1 (set before triton is imported)"
+        if device == "cpu" and self.cpu_needs_env == "TRITON_INTERPRET":
+            from backends.interpreter import interpreter_fault
+
+            fault = interpreter_fault()
+            if fault:
+                return fault
         if self.engine == "sglang":
             from backends.sglang.runtime import unavailable_reason
 
@@ -224,6 +234,7 @@ class Support:
     # Some leaf's CPU path runs kernels under Triton's interpreter (the only flag a CPU path needs): cases take
     # seconds to minutes there (a wide batch of SGLang's Triton decode: 125 s), whatever the examples drawn
     interpreted_on_cpu: bool = False
+    no_long_context_on_cpu: str | None = None  # some leaf's reason (Capabilities.no_long_context_on_cpu)
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -273,6 +284,8 @@ class Support:
                    verify_advances_conv_state=any(c.verify_advances_conv_state for c in caps),
                    slow_on_cpu=next((c.slow_on_cpu for c in caps if c.slow_on_cpu), None),
                    interpreted_on_cpu=any(c.cpu_needs_env == "TRITON_INTERPRET" for c in caps),
+                   no_long_context_on_cpu=next((c.no_long_context_on_cpu for c in caps if c.no_long_context_on_cpu),
+                                               None),
                    kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
                    if full else frozenset({"auto"}),
                    kv_scales=all(c.kv_scales for c in full),

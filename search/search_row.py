@@ -64,6 +64,19 @@ def failing_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdi
                         "rel_l2": bound.rel_l2, "element": bound.element, "reason": bound.reason})
 
 
+def row_profile(support, profile: Profile, device: str) -> Profile:
+    """The profile a row's batches are drawn from on ``device``: without the long-context shape on a CPU for
+    interpreted kernels, and for a backend that declares why it cannot take it there (``no_long_context_on_cpu``).
+
+    Interpreted kernels over the long-context shape take tens of minutes a case (our Triton extend over
+    16384+16384+4096 cached keys, metadata property: `harness repro` of it was still running after 25 minutes,
+    beside a two-worker sweep on two cores), which a CPU sweep cannot spend and its case timeout would call a hang.
+    Those lengths are drawn for these rows on a GPU, and on a CPU for the PyTorch backends."""
+    if device == "cpu" and (support.interpreted_on_cpu or support.no_long_context_on_cpu):
+        return dataclasses.replace(profile, long_context=None)
+    return profile
+
+
 def search_row(row: Row, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
                out_dir: Path = DEFAULT_OUT, seed: int | None = None,
                shrink_seconds: float | None = None) -> RowOutcome:
@@ -76,13 +89,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     support = row.composition.support()
     if device == "cpu" and support.slow_on_cpu and max_examples is None and profile.slow_row_examples:
         max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
-    if device == "cpu" and support.interpreted_on_cpu:
-        # Interpreted kernels over the long-context shape take tens of minutes a case (our Triton extend over
-        # 16384+16384+4096 cached keys, metadata property: `harness repro` of it was still running after 25
-        # minutes, beside a two-worker sweep on two cores), which a CPU sweep cannot spend and its case timeout
-        # would call a hang. Those lengths are drawn for these rows on a GPU,
-        # and on a CPU for the PyTorch backends.
-        profile = dataclasses.replace(profile, long_context=None)
+    profile = row_profile(support, profile, device)
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
     start = time.perf_counter()

@@ -434,6 +434,11 @@ class SglangTorchNative(SglangBackend):
         one_shape_per_kind=True,  # one KV pool / one linear config per model (runtime.py)
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         empty_extend=True,  # its per-request SDPA loop takes a request with no new tokens
+        # _run_sdpa_forward_extend pads each request's queries to its whole key length (per_req_query_redudant,
+        # torch_native_backend.py:128-134) and runs one SDPA of keys x keys per request and layer: a 10,576-key
+        # prefix ran past the CPU's 120 s case timeout in a sweep of 62 processes on 64 cores (reported as a
+        # hang, 2026-11-26). Correct, only slow: on a GPU it still draws them.
+        no_long_context_on_cpu="SGLang's torch_native extend computes a keys x keys SDPA per request and layer",
     )
 
 

@@ -76,3 +76,24 @@ def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, d
     assert seen[0].long_context in (None, nightly.long_context) and seen[0].name == nightly.name
     capped = device == "cpu" and slow and bool(nightly.slow_row_examples)
     assert settings == [min(nightly.max_examples, nightly.slow_row_examples) if capped else None]
+
+
+def test_a_broken_triton_interpreter_makes_interpreted_rows_unavailable_not_findings(monkeypatch):
+    # The lent GPU host's image (triton 3.6.0, numpy 2.5.2): every interpreted kernel raised a TypeError inside
+    # Triton's interpreter, and a CPU sweep there blamed 480 cases on the backends.
+    from backends import interpreter
+    from backends.registry import leaf_capabilities
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    fault = "Triton's interpreter fails on this machine (triton 3.6.0, numpy 2.5.2): InterpreterError: TypeError(...)"
+    monkeypatch.setattr(interpreter, "interpreter_fault", lambda: fault)
+    assert leaf_capabilities("triton").unavailable_reason("cpu") == fault
+    assert leaf_capabilities("torch_native").unavailable_reason("cpu") is None  # no interpreter, no question
+
+
+def test_the_interpreter_probe_passes_where_the_interpreter_works(monkeypatch):
+    from backends.interpreter import interpreter_fault
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    assert interpreter_fault() is None
