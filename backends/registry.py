@@ -3,7 +3,8 @@
 A new backend is one new module plus one line in ``LEAVES``. Backend modules import their GPU packages
 lazily (inside methods), so every class here imports on any machine and its ``capabilities`` can be read.
 Compositions are written as terms: ``torch_native``, ``hybrid(torch_native,linear_torch)``,
-``tbo(hybrid(flashinfer,fla))``, ``graph(triton)``.
+``tbo(hybrid(flashinfer,fla))``, ``graph(triton)``, ``pd(sglang.triton,sglang.torch_native)`` (an engine's
+prefill/decode split: the first backend prefills, the second decodes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ LEAVES: dict[str, str] = {
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
 }
-WRAPPERS = ("hybrid", "tbo", "graph")
+WRAPPERS = ("hybrid", "tbo", "graph", "pd")
+ARITY = {"hybrid": 2, "tbo": 1, "graph": 1, "pd": 2}
 
 
 class CompositionError(ValueError):
@@ -94,12 +96,23 @@ class Composition:
     def support(self) -> Support:
         """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures (EXTEND where
         every leaf runs a prefill graph; not yet under tbo(): the harness drives no engine's TBO through one)."""
-        support = Support.of([leaf_capabilities(n) for n in self.leaves()])
+        caps = {n: leaf_capabilities(n) for n in self.leaves()}
+        for split in self.splits():
+            # A split's decode backend never sees a verify batch (the prefill one takes it): its tree mask is not needed
+            decode = split.children[1].name
+            caps[decode] = dataclasses.replace(caps[decode], custom_mask=True)
+        support = Support.of(list(caps.values()))
         if "graph" in self.wrappers():
             prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
             support = dataclasses.replace(support, modes=support.modes & (support.cuda_graph_modes | prefill))
         gapped = {mode for _, mode, _ in self.wrapped_gaps()} | {mode for mode, _ in self.engine_mode_gaps()}
         return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support
+
+    def splits(self) -> list["Composition"]:
+        """The pd() terms inside this one."""
+        if self.is_leaf:
+            return []
+        return ([self] if self.name == "pd" else []) + [s for c in self.children for s in c.splits()]
 
     def engine_mode_gaps(self) -> list[tuple[ForwardMode, str]]:
         """(mode, why) for each mode the installed engine lacks a feature for (an engine's composition only)."""
@@ -156,6 +169,10 @@ class Composition:
             full, linear = self.children
             return HybridLinearAttnBackend(full.build(spec, model_runner), linear.build(spec, model_runner),
                                            list(hybrid_full_attn_layers(spec)))
+        if self.name == "pd":
+            from backends.sglang.adapter import SglangPrefillDecode  # SGLang's HybridAttnBackend
+            prefill, decode = self.children
+            return SglangPrefillDecode(leaf_class(prefill.name), leaf_class(decode.name), model_runner)
         if self.name == "tbo" and self.engine != "harness":
             from backends.sglang.adapter import SglangTbo  # SGLang's TboAttnBackend and its own splitter
             return SglangTbo(self.children[0].build(spec, model_runner), model_runner)
@@ -208,15 +225,23 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
             rest = rest[1:]
             break
         raise CompositionError(f"unbalanced parentheses in {whole!r}")
-    arity = {"hybrid": 2, "tbo": 1, "graph": 1}[name]
+    arity = ARITY[name]
     if len(children) != arity:
         raise CompositionError(f"{name}() takes {arity} argument(s), got {len(children)} in {whole!r}")
     engines = {leaf_capabilities(n).engine for c in children for n in c.leaves()}
     if len(engines) > 1:
         raise CompositionError(f"{name}() cannot mix the harness's backends with an engine's in {whole!r}")
-    if engines != {"harness"} and not _engine_term_adapted(name, children[0]):
+    if name == "pd":
+        if engines == {"harness"}:
+            raise CompositionError(f"pd() is an engine's prefill/decode split; the harness's own backends have none, "
+                                   f"in {whole!r}")
+        if not all(c.is_leaf and c.attention_kinds() == {"mha"} for c in children) or children[0] == children[1]:
+            raise CompositionError(f"pd() takes two different full-attention (MHA) backends of the engine, "
+                                   f"prefill first, in {whole!r}")
+    elif engines != {"harness"} and not _engine_term_adapted(name, children[0]):
         raise CompositionError(f"{name}() over {', '.join(sorted(engines))} backends: only its own hybrid and tbo() "
-                               f"wrappers, and graph() over a backend or tbo() of one, are adapted so far, in {whole!r}")
+                               f"wrappers, pd(), and graph() over a backend, pd() or tbo() of one, are adapted so far, "
+                               f"in {whole!r}")
     if name == "hybrid":
         full, linear = children
         if full.attention_kinds() - {"mha", "mla"}:
@@ -228,13 +253,13 @@ def _parse(s: str, whole: str) -> tuple[Composition, str]:
 
 def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
     """Whether ``wrapper(child)`` over an engine's backends is adapted: its own hybrid() over two of its
-    backends, its tbo() over one of them or over its hybrid, and graph() (the harness's runner driving the
-    engine's three-method contract) over one of its backends, its hybrid, or tbo() of one backend."""
+    backends, its tbo() over one of them, its hybrid or its pd(), and graph() (the harness's runner driving the
+    engine's three-method contract) over one of its backends, its hybrid, its pd(), or tbo() of one backend."""
     if wrapper == "hybrid":
         return True
     if wrapper == "tbo":
-        return child.is_leaf or child.name == "hybrid"
-    return wrapper == "graph" and (child.is_leaf or child.name == "hybrid"
+        return child.is_leaf or child.name in ("hybrid", "pd")
+    return wrapper == "graph" and (child.is_leaf or child.name in ("hybrid", "pd")
                                    or (child.name == "tbo" and child.children[0].is_leaf))
 
 
@@ -277,6 +302,12 @@ def all_compositions() -> list[Composition]:
                and leaf_capabilities(f).attention_kinds == {"mha"}
                and leaf_capabilities(f).devices & leaf_capabilities(lin).devices]
     theirs += [Composition("tbo", (c,)) for c in theirs]
+    # The engine's prefill/decode split over every ordered pair of its MHA backends that share a device (not under
+    # tbo(): a server may combine them, but CI's time goes to the split itself first)
+    mha = [n for n in theirs_full if leaf_capabilities(n).attention_kinds == {"mha"}]
+    theirs += [Composition("pd", (Composition(p), Composition(d))) for p in mha for d in mha
+               if p != d and leaf_capabilities(p).engine == leaf_capabilities(d).engine
+               and leaf_capabilities(p).devices & leaf_capabilities(d).devices]
     theirs += [Composition("graph", (c,)) for c in theirs
                if _engine_term_adapted("graph", c) and c.support().cuda_graph_modes]
     return out + theirs

@@ -313,16 +313,18 @@ def _build_conformance(case, composition, device: str, case_path: Path | None) -
     while todo:  # wrappers nest (TBO over the hybrid): each against its own children, as the harness checks them
         w, kids = todo.pop(0)
         pairs.append((w, kids))
-        todo += [(k, list(k.attn_backend_list)) for k in kids if getattr(k, "attn_backend_list", None)
+        todo += [(k, backend.engine_children(k)) for k in kids if backend.engine_children(k)
                  and not any(k is p for p, _ in pairs)]
-    # Per wrapper class: the backends under it and the members the harness finds unreachable there (a TBO
-    # wrapper's three hybrid children are one class: checked once)
+    # Per wrapper class: the backends under it, the members the harness finds unreachable there (a TBO
+    # wrapper's three hybrid children are one class: checked once), and the backends whose hasattr-probed members
+    # it owes (a prefill/decode split: its prefill backend's; see the adapter's probe_owners)
     probed = backend.engine_probed_members()
     wrappers = []
     for w, kids in pairs:
+        owners = backend.probe_owners(w, kids)
         members = [m for m, _ in hidden_overrides(w, kids, base)]
-        members += [m for m in probed if any(hasattr(k, m) for k in kids) and not hasattr(w, m)]
-        entry = [list(_class_at(w)), [list(_class_at(k)) for k in kids], members]
+        members += [m for m in probed if any(hasattr(k, m) for k in owners) and not hasattr(w, m)]
+        entry = [list(_class_at(w)), [list(_class_at(k)) for k in kids], members, [list(_class_at(k)) for k in owners]]
         if entry not in wrappers:
             wrappers.append(entry)
     leaf = list(_class_at(children[0])) if wrapper is None else None
@@ -572,9 +574,11 @@ import textwrap
 import sglang
 
 BASE = $base  # SGLang's attention base class: its public members are the protocol
-# Each SGLang wrapper as the harness built it for this composition (module, class), the backends under it, and the
-# members the harness found it does not make reachable: one test each, so a release that fixes one member passes
-# that test whatever else it still gets wrong. A wrapper with none listed is checked on every member.
+# Each SGLang wrapper as the harness built it for this composition (module, class), the backends under it, the
+# members the harness found it does not make reachable (one test each, so a release that fixes one member passes
+# that test whatever else it still gets wrong; a wrapper with none listed is checked on every member), and the
+# backends whose hasattr-probed members it owes its callers (a prefill/decode split: its prefill backend's, since
+# every probed member is read on the prefill or verify path, which it routes there).
 WRAPPERS = $wrappers
 LEAF = $leaf  # a backend without a wrapper (None when wrapped)
 SERVES_TARGET_VERIFY = $serves_verify  # the leaf must then define update_verify_buffers_to_fill_after_draft
@@ -612,8 +616,9 @@ def assigned_on_instances(cls):
     return names
 
 
-def unreachable(wrapper, children, base, member):
-    """Why ``member`` of a child is not reachable through ``wrapper`` (None: it is)."""
+def unreachable(wrapper, children, base, member, owners):
+    """Why ``member`` of a child is not reachable through ``wrapper`` (None: it is); ``owners``: the children whose
+    probed members it owes."""
     copied = assigned_on_instances(wrapper)
     default = inspect.getattr_static(base, member, None)
     if default is not None:  # the base class defines it: an inherited default answers, never a child
@@ -624,23 +629,24 @@ def unreachable(wrapper, children, base, member):
         return None
     # Probed with hasattr: an instance also answers through a __getattr__ that delegates to its children
     # (TboAttnBackend's does, from 0.5.15); one is read as delegating
-    owner = next((c.__name__ for c in children if hasattr(c, member) or member in assigned_on_instances(c)), None)
+    owner = next((c.__name__ for c in owners if hasattr(c, member) or member in assigned_on_instances(c)), None)
     delegates = getattr(wrapper, "__getattr__", None) is not None
     if owner and not (hasattr(wrapper, member) or member in copied or delegates):
         return f"{wrapper.__name__} has no {member}, which its child {owner} has: SGLang's hasattr-guarded call skips it"
     return None
 
 
-CHECKS = [(w, kids, m) for w, kids, members in WRAPPERS for m in (members or [None])]
+CHECKS = [(w, kids, m, owners) for w, kids, members, owners in WRAPPERS for m in (members or [None])]
 
 
-@pytest.mark.parametrize("wrapper_at, children_at, member", CHECKS,
-                         ids=[f"{w[1]}.{m or 'every-member'}" for w, _, m in CHECKS])
-def test_wrapper_reaches_what_its_backends_override(wrapper_at, children_at, member):
+@pytest.mark.parametrize("wrapper_at, children_at, member, owners_at", CHECKS,
+                         ids=[f"{w[1]}.{m or 'every-member'}" for w, _, m, _ in CHECKS])
+def test_wrapper_reaches_what_its_backends_override(wrapper_at, children_at, member, owners_at):
     base, wrapper, children = load(BASE), load(wrapper_at), [load(c) for c in children_at]
+    owners = [load(c) for c in owners_at]
     protocol = sorted(n for n, _ in inspect.getmembers(base) if not n.startswith("_"))
     members = [member] if member else protocol + probed_members()
-    problems = [p for m in members if (p := unreachable(wrapper, children, base, m))]
+    problems = [p for m in members if (p := unreachable(wrapper, children, base, m, owners))]
     assert not problems, "; ".join(problems)
 
 

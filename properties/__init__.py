@@ -18,7 +18,7 @@ from backends.registry import Composition
 from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
 from properties.blame import adapter_frame
 from properties.cache import cache_writes_exact
-from properties.conformance import conformance, dispatch
+from properties.conformance import conformance, dispatch, mode_dispatch
 from properties.equivalence import (
     chunked_prefill_equals_whole,
     prefill_then_decode_equals_prefill,
@@ -56,7 +56,7 @@ class Property:
             return f"{self.name} needs {'/'.join(sorted(m.value for m in self.modes))} batches"
         if self.needs_state and not composition.attention_kinds() & RECURRENT_KINDS:
             return f"{self.name} needs linear-attention layers"
-        outer = self.needs_wrapper in ("tbo", "graph")
+        outer = self.needs_wrapper in ("tbo", "graph", "pd")
         if outer and composition.name != self.needs_wrapper:
             return f"{self.name} needs a {self.needs_wrapper}() composition"
         if self.needs_wrapper and not outer and self.needs_wrapper not in composition.wrappers():
@@ -119,6 +119,9 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              modes=frozenset({ForwardMode.EXTEND})),
     Property("dispatch", dispatch, "full layer ids reach the full backend, the others the linear backend",
              modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}), needs_wrapper="hybrid"),
+    Property("mode_dispatch", mode_dispatch,
+             "a prefill/decode split plans and runs each batch on the backend configured for its mode, only there",
+             needs_wrapper="pd"),
     Property("tbo_split", tbo_split_equals_unsplit, "joining the TBO children's outputs gives the unsplit output",
              modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}), needs_wrapper="tbo"),
     Property("chunked_prefill", chunked_prefill_equals_whole, "extend e1 then e2 equals one extend of e1+e2",

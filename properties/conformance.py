@@ -312,7 +312,7 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
     while todo:
         w, kids = todo.pop(0)
         pairs.append((w, kids))
-        todo += [(k, list(k.attn_backend_list)) for k in kids if getattr(k, "attn_backend_list", None)
+        todo += [(k, backend.engine_children(k)) for k in kids if backend.engine_children(k)
                  and not any(k is p for p, _ in pairs)]
     # Every problem is reported, not the first: a known one (the ledger) must not mask a new one beside it.
     problems, hidden_all, call_problems = [], [], 0
@@ -328,7 +328,7 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
     # the caller makes: init_mha_chunk_metadata(forward_batch) (models/deepseek_common/.../forward_mha.py).
     for member in backend.engine_probed_members():
         for w, kids in pairs:
-            owner = next((type(k).__name__ for k in kids if hasattr(k, member)), None)
+            owner = next((type(k).__name__ for k in backend.probe_owners(w, kids) if hasattr(k, member)), None)
             if owner and not hasattr(w, member):
                 problems.append(f"{type(w).__name__} has no {member}, which its child {owner} has: SGLang's "
                                 f"hasattr-guarded call skips it")
@@ -421,3 +421,65 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     if missing and spec.batch_size:
         return Verdict(name, False, f"layer id(s) {missing} never reached their backend")
     return Verdict(name, True, f"full layers {sorted(full_ids)} and linear layers {sorted(linear_ids)} dispatched correctly")
+
+
+# The routing a server promises for ``--prefill-attention-backend P --decode-attention-backend D`` (SGLang's
+# server-argument docs; ``--speculative-attention-mode prefill`` is the default): decode steps and idle batches on
+# D, everything that extends (prefill, mixed chunked prefill, draft extends) and speculative verify on P.
+_SPLIT_OWNER = {ForwardMode.DECODE: "decode", ForwardMode.IDLE: "decode"}
+_ROUTED = ("init_forward_metadata", "forward", "forward_extend", "forward_decode")
+
+
+class _CallRecorder:
+    """Forwards everything to a real backend, recording the routed calls it receives (method, layer id)."""
+
+    def __init__(self, inner, calls: list) -> None:
+        self._inner, self._calls = inner, calls
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in _ROUTED:
+            return attr
+
+        def recorded(*args, **kwargs):
+            layer = kwargs.get("layer", args[3] if len(args) > 3 else None)
+            self._calls.append((name, getattr(layer, "layer_id", None)))
+            return attr(*args, **kwargs)
+        return recorded
+
+
+def mode_dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    """An engine's prefill/decode split (``pd(P, D)``): a batch is planned, and each of its layers run, by the
+    backend the server configured for its mode, and by no other."""
+    name = "mode_dispatch"
+    case = materialize(spec, device)
+    backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
+    backend.init_forward_metadata(case.forward_batch)  # builds the engine's split over the runner
+    split = backend.inner
+    owner = _SPLIT_OWNER.get(spec.mode, "prefill")
+    other = "decode" if owner == "prefill" else "prefill"
+    calls = {"prefill": [], "decode": []}
+    real = split.prefill_backend, split.decode_backend
+    split.prefill_backend = _CallRecorder(real[0], calls["prefill"])
+    split.decode_backend = _CallRecorder(real[1], calls["decode"])
+    try:
+        execute(composition, case, backend=backend)
+    finally:
+        split.prefill_backend, split.decode_backend = real
+    names = {"prefill": composition.children[0], "decode": composition.children[1]}
+    if calls[other]:
+        method, layer = calls[other][0]
+        return Verdict(name, False, f"the {spec.mode.value} batch reached the {other} backend ({names[other]}): "
+                                    f"{method}" + (f" of layer {layer}" if layer is not None else "") +
+                       f"; the server configured {names[owner]} for {spec.mode.value}")
+    if spec.batch_size:  # an empty idle batch is neither planned nor run
+        got = {m for m, _ in calls[owner]}
+        ran = {layer for m, layer in calls[owner] if m != "init_forward_metadata"}
+        attention = {l.layer_id for l in spec.layers}
+        if "init_forward_metadata" not in got:
+            return Verdict(name, False, f"the {owner} backend ({names[owner]}) never planned the {spec.mode.value} "
+                                        f"batch it ran")
+        if ran != attention:
+            return Verdict(name, False, f"layers {sorted(attention - ran)} of the {spec.mode.value} batch never "
+                                        f"reached the {owner} backend ({names[owner]})")
+    return Verdict(name, True, f"{spec.mode.value}: planned and run by the {owner} backend ({names[owner]}) only")

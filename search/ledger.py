@@ -229,6 +229,23 @@ def _hybrid_hides_known_overrides(spec: BatchSpec, verdict: Verdict) -> bool:
     return _only_known_hidden(verdict, HYBRID_HIDDEN) is not None
 
 
+# What SGLang's prefill/decode split (HybridAttnBackend, pd()) leaves to its base class or does not answer although
+# a child has it: the same two members as its linear-attention sibling (docs/findings/sglang-pd-hides-*.md).
+SPLIT_HIDDEN = {"support_triton", "extend_attention_block_m"}
+
+
+def _split_hides_block_m(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed only on members the split is known to hide, its prefill Triton's BLOCK_M among them."""
+    hidden = _only_known_hidden(verdict, SPLIT_HIDDEN)
+    return hidden is not None and "extend_attention_block_m" in hidden
+
+
+def _split_hides_support_triton(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed only on members the split is known to hide, support_triton among them."""
+    hidden = _only_known_hidden(verdict, SPLIT_HIDDEN)
+    return hidden is not None and "support_triton" in hidden
+
+
 # What the wrappers of older releases also leave unreachable, each a ledger entry of its own with the releases it
 # lives in (docs/findings/sglang-wrappers-hide-verify-buffers.md, sglang-tbo-hides-forward.md,
 # sglang-tbo-lacks-probed-members.md). A verdict often shows several at once; each entry matches it when every
@@ -320,6 +337,8 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_linear_stray_writes": _tbo_linear_stray_writes,
     "draft_extend_window_layer": _draft_extend_window_layer,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
+    "split_hides_block_m": _split_hides_block_m,
+    "split_hides_support_triton": _split_hides_support_triton,
 }
 
 

@@ -97,7 +97,8 @@ def mode_reason(c: Composition, mode: ForwardMode) -> str:
         caps = leaf_capabilities(n)
         if mode not in caps.modes:
             return f"{n} does not declare {mode.value}"
-        if mode is ForwardMode.TARGET_VERIFY and not caps.custom_mask:
+        decodes_only = any(n == s.children[1].name for s in c.splits())  # verify goes to the prefill backend
+        if mode is ForwardMode.TARGET_VERIFY and not caps.custom_mask and not decodes_only:
             return f"{n} has no custom (tree) mask"
     for wrapper, gapped, why in c.wrapped_gaps():
         if gapped is mode:

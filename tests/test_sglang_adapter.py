@@ -325,3 +325,57 @@ def test_shapes_sglang_cannot_build_are_refused_in_one_line_not_blamed_on_it(tmp
     assert main(["repro", str(case)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "head_dim 64" in err[0], err
+
+
+def test_the_prefill_decode_split_is_sglangs_and_routes_verify_to_prefill():
+    split = parse("pd(sglang.triton,sglang.torch_native)")
+    assert split.engine == "sglang" and split.leaves() == ["sglang.triton", "sglang.torch_native"]
+    with pytest.raises(CompositionError, match="engine's prefill/decode split"):
+        parse("pd(triton,torch_native)")
+    with pytest.raises(CompositionError, match="two different full-attention"):
+        parse("pd(sglang.triton,sglang.triton)")
+    with pytest.raises(CompositionError, match="two different full-attention"):
+        parse("pd(hybrid(sglang.triton,sglang.gdn),sglang.torch_native)")
+    terms = {str(c) for c in all_compositions()}
+    assert {"pd(sglang.triton,sglang.torch_native)", "pd(sglang.torch_native,sglang.triton)"} <= terms
+    # A verify batch goes to the prefill backend (--speculative-attention-mode prefill): Triton's tree mask serves
+    # it, and TorchNative's missing one matters only where TorchNative prefills.
+    assert ForwardMode.TARGET_VERIFY in split.support().modes
+    assert ForwardMode.TARGET_VERIFY not in parse("pd(sglang.torch_native,sglang.triton)").support().modes
+    # Both halves run one request's life (prefill_then_decode), so what either lacks is lacking
+    assert not split.support().logit_cap
+
+
+@needs_sglang
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
+def test_mode_dispatch_catches_a_split_that_routes_a_mode_to_the_wrong_backend(mode, device):
+    from backends.sglang.runtime import load
+
+    split = parse("pd(sglang.torch_native,sglang.triton)")
+    spec = BatchSpec(mode, (3, 5), (2, 1) if mode is ForwardMode.EXTEND else (1, 1), (MHA,), seed=3)
+    assert PROPERTIES["mode_dispatch"].run(split, spec, device).ok
+    # The fault: every mode to the prefill backend (decode then runs TorchNative, which computes it right: only
+    # the routing check can tell). And every mode to the decode backend.
+    hybrid = load().HybridAttnBackend
+    right = "decode" if mode is ForwardMode.DECODE else "prefill"
+    for routed in ("prefill", "decode"):
+        with mock.patch.object(hybrid, "_select_backend", lambda self, _, _r=routed: getattr(self, f"{_r}_backend")):
+            verdict = PROPERTIES["mode_dispatch"].run(split, spec, device)
+        assert verdict.ok == (routed == right), verdict.reason
+        if not verdict.ok:
+            assert f"batch reached the {routed} backend" in verdict.reason
+
+
+def test_a_backend_that_cannot_take_long_contexts_on_a_cpu_draws_none_there():
+    # SGLang's torch_native pads each request's queries to its key count: a 10,576-key prefix ran past the CPU's
+    # case timeout in a sweep and was reported as a hang. Correct, only slow: a GPU still draws them.
+    from search.search_row import row_profile
+
+    nightly = PROFILES["nightly"]
+    assert nightly.long_context is not None
+    support = parse("sglang.torch_native").support()
+    assert support.no_long_context_on_cpu and not support.interpreted_on_cpu
+    assert row_profile(support, nightly, "cpu").long_context is None
+    assert row_profile(support, nightly, "cuda").long_context == nightly.long_context
+    assert row_profile(parse("tbo(sglang.torch_native)").support(), nightly, "cpu").long_context is None
+    assert row_profile(parse("torch_native").support(), nightly, "cpu") == nightly  # our own keeps them there

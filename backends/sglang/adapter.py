@@ -125,6 +125,25 @@ class _SglangObject(AttentionBackend):
         """Protocol beyond the base class: the members SGLang's callers probe for with ``hasattr``."""
         return runtime.probed_members()
 
+    def engine_children(self, obj) -> list:
+        """The SGLang backends an SGLang wrapper object holds (none for a leaf): a hybrid's
+        ``attn_backend_list``, a prefill/decode split's two."""
+        if getattr(obj, "attn_backend_list", None):
+            return list(obj.attn_backend_list)
+        if self.sgl.HybridAttnBackend is not None and isinstance(obj, self.sgl.HybridAttnBackend):
+            return [obj.prefill_backend, obj.decode_backend]
+        return []
+
+    def probe_owners(self, wrapper, children: list) -> list:
+        """The children whose hasattr-probed members ``wrapper`` owes its callers. A prefill/decode split owes its
+        prefill child's only: every probed member is read on the prefill or verify path (the scheduler's prefill
+        tile budget, managers/scheduler.py ``extend_attention_block_m``; the MLA prefill's
+        ``init_mha_chunk_metadata``; the verify commit, which the split routes to its prefill child under
+        ``--speculative-attention-mode prefill``). Any other wrapper owes every child's."""
+        if self.sgl.HybridAttnBackend is not None and isinstance(wrapper, self.sgl.HybridAttnBackend):
+            return [wrapper.prefill_backend]
+        return children
+
     def planned_sglang_batch(self):
         """The SGLang ForwardBatch this adapter planned last (None before the first)."""
         batches = getattr(self, "batches", None)
@@ -146,6 +165,7 @@ class SglangBackend(_SglangObject):
 
     sglang_name: ClassVar[str]
     hybrid: runtime.HybridModel | None = None  # set for SGLang's hybrid wrapper (SglangHybrid)
+    decode_name: str | None = None  # set for SGLang's prefill/decode split (SglangPrefillDecode)
 
     def __init__(self, model_runner) -> None:
         self.model_runner = model_runner
@@ -170,7 +190,8 @@ class SglangBackend(_SglangObject):
         if self.inner is not None and draft <= self.draft_tokens:
             return
         topk = fb.spec_info.topk if fb.spec_info is not None else 0
-        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid)
+        self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid,
+                                              decode_backend_name=self.decode_name)
         if self.hybrid is not None:
             self.states = runtime.StateSync(self.sgl_runner, self.model_runner)
         self.inner = self.make_inner(self.sgl_runner)
@@ -599,6 +620,41 @@ class SglangHybrid(SglangBackend):
     def _planner(self):
         """The full-attention child (SGLang's hybrid keeps no plan of its own)."""
         return self.inner.full_attn_backend
+
+
+class SglangPrefillDecode(SglangBackend):
+    """SGLang's ``HybridAttnBackend``: one full-attention backend for prefill and another for decode, as a server
+    started with ``--prefill-attention-backend P --decode-attention-backend D`` builds it
+    (``attention_backend_setup.py``, ``_build_resolved_backend``). It routes each batch by its mode
+    (``_select_backend``): decode and idle to D; target_verify to P (``--speculative-attention-mode prefill``, the
+    default); extend, mixed and draft extends to P. Both children share the model's KV pool, so a request
+    prefilled by one is decoded by the other from the cache it wrote."""
+
+    is_wrapper = True
+
+    def __init__(self, prefill: type[SglangBackend], decode: type[SglangBackend], model_runner) -> None:
+        super().__init__(model_runner)
+        self.sglang_name, self.decode_name = prefill.sglang_name, decode.sglang_name
+
+    def make_inner(self, sgl_runner):
+        build = self.sgl.ATTENTION_BACKENDS
+        return self.sgl.HybridAttnBackend(model_runner=sgl_runner,
+                                          prefill_backend=build[self.sglang_name](sgl_runner),
+                                          decode_backend=build[self.decode_name](sgl_runner))
+
+    @property
+    def children(self) -> tuple:
+        return (self.inner.prefill_backend, self.inner.decode_backend) if self.inner is not None else ()
+
+    def engine_objects(self) -> tuple[object | None, list[object], type]:
+        return self.inner, list(self.children), self.sgl.AttentionBackend
+
+    def _planner(self):
+        """The child SGLang routed the last planned batch to (the split keeps no plan of its own)."""
+        planned = self.planned_sglang_batch()
+        if planned is None:
+            return None
+        return self.inner._select_backend(planned.forward_mode)
 
 
 class _TboChild(SglangBackend):

@@ -129,6 +129,9 @@ FEATURES: dict[str, Feature] = {
         _p("srt.layers.attention.tbo_backend:TboAttnBackend"),
         _p("srt.batch_overlap.two_batch_overlap:TboForwardBatchPreparer"),
         _p("srt.batch_overlap.two_batch_overlap:compute_split_seq_index"))),
+    "prefill_decode": Feature("the prefill/decode split of --prefill-attention-backend and "
+                              "--decode-attention-backend (HybridAttnBackend)", (
+        _p("srt.layers.attention.hybrid_attn_backend:HybridAttnBackend"),)),
     "hybrid_linear": Feature("the hybrid linear-attention wrapper and its state pools", (
         _p("srt.layers.attention.hybrid_linear_attn_backend:HybridLinearAttnBackend"),
         _p("srt.layers.radix_linear_attention:RadixLinearAttention"),
@@ -266,7 +269,7 @@ def forget() -> None:
 
 
 # What a composition's wrappers and modes need beyond its leaves' features (backends/registry.py asks)
-WRAPPER_FEATURES = {"tbo": ("tbo",), "graph": ("graph_contract",)}
+WRAPPER_FEATURES = {"tbo": ("tbo",), "graph": ("graph_contract",), "pd": ("prefill_decode",)}
 
 
 # Wrapper combinations that need more than each wrapper does: a CUDA graph of TBO batches is driven through the

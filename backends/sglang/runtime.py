@@ -214,6 +214,9 @@ def _import_names() -> dict[str, object]:
     if features.has("tbo"):
         from sglang.srt.batch_overlap import two_batch_overlap
         from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+    HybridAttnBackend = None
+    if features.has("prefill_decode"):
+        from sglang.srt.layers.attention.hybrid_attn_backend import HybridAttnBackend
     handle_attention_flashinfer = AttnForwardMethod = None
     if features.has("deepseek_mla"):
         from sglang.srt.models.deepseek_common.attention_backend_handler import handle_attention_flashinfer
@@ -518,7 +521,7 @@ def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
 
 
 def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
-                hybrid: HybridModel | None = None):
+                hybrid: HybridModel | None = None, decode_backend_name: str | None = None):
     """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
     states are copied, see :class:`StateSync`).
 
@@ -527,7 +530,10 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     and ``use_mla_backend`` (which is how SGLang's registry picks, e.g., FlashInfer's MLA backend for
     "flashinfer"); a model of MHA layers the MHA ones. ``hybrid``: the model is a linear-attention hybrid (a
     Qwen3-Next-shaped config for GDN, a Bailing one for lightning; hybrid request pool with state pools, MHA full
-    layers), so ``attn_backend_wrapper`` builds SGLang's hybrid wrapper.
+    layers), so ``attn_backend_wrapper`` builds SGLang's hybrid wrapper. ``decode_backend_name``: the server runs
+    ``backend_name`` for prefill and this one for decode (``--prefill-attention-backend`` /
+    ``--decode-attention-backend``; speculative verify on the prefill backend, SGLang's default
+    ``--speculative-attention-mode prefill``).
     """
     sgl = load()
     kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
@@ -556,7 +562,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
 
     r = Runner()
     r.device, r.dtype, r.kv_cache_dtype, r.kv_cache_dtype_str = device, dtype, kv_dtype, kv_cache_dtype_str
-    r.prefill_attention_backend_str = r.decode_attention_backend_str = backend_name
+    decode_name = decode_backend_name or backend_name
+    r.prefill_attention_backend_str, r.decode_attention_backend_str = backend_name, decode_name
     r.draft_attention_backend = None
     r.gpu_id, r.canary_manager, r.page_size = 0, None, page_size
     r.harness_hybrid = hybrid
@@ -569,10 +576,13 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     # Backends read the published server args at construction (draft token counts, KV splits). The MLA
     # prefill settings are the server's defaults: ragged (MHA) prefill on, chunked prefix cache on.
     # CUDA graphs off for the eager rows where the release configures them so (before: disable_cuda_graph)
+    split = {} if decode_backend_name is None else dict(  # published only where the server splits them
+        prefill_attention_backend=backend_name, decode_attention_backend=decode_name,
+        speculative_attention_mode="prefill")
     graphs = {} if sgl.CudaGraphConfig is None else {"cuda_graph_config": sgl.CudaGraphConfig(
         decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED), prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED))}
     r.server_args = compat.publish_server_args(
-        sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs,
+        sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs, **split,
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
         enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, pp_size=1, revision=None,
