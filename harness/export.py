@@ -230,7 +230,8 @@ def _build_outputs(case, composition, device: str, case_path: Path | None) -> Ex
             continue
         bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), ref,
                                        run.reference.magnitudes.get(layer.layer_id))
-        c = compare(out, ref, bound, starts, scale=run.reference.element_scales.get(layer.layer_id))
+        c = compare(out, ref, bound, starts, scale=run.reference.element_scales.get(layer.layer_id),
+                    score_size=run.reference.score_sizes.get(layer.layer_id))
         measured[layer.layer_id] = (max(c.ratios().values()), c, bound)
     if not measured:
         raise UsageError(f"cannot export {case.composition} {case.property}: no attention layer reached SGLang")
@@ -263,7 +264,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None) -> Ex
         kit_since=KIT_SINCE, backend=name, mode_upper=spec.mode.value.upper(), dtype=spec.dtype,
         page_size=spec.page_size, prefix_lens=prefix_lens, new_lens=new_lens, slots=json.dumps(slots),
         radix=json.dumps(call.radix), layer_id=layer_id, rel_l2_bound=repr(bound.rel_l2),
-        element_factor=repr(bound.element),
+        element_factor=repr(bound.element), score_factor=repr(bound.score),
         bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
         window_note=("a key at position j is visible from a query at position p when p - W <= j <= p"
                      if window >= 0 else "no sliding window"),
@@ -479,16 +480,19 @@ RADIX = $radix  # the layer (harness layer $layer_id), as RadixAttention is buil
 # The bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
 $bound_reason
 # The element bound scales with each output element's magnitude m = sum_j p_j |v_j| (the probability-weighted
-# size of the values it averages), which the float64 reference computes below.
+# size of the values it averages), plus the rounding of its row's scores, which scales with their size
+# S = scaling * |q| * max_j |k_j| over the keys the row sees: (ELEMENT_FACTOR + SCORE_FACTOR * S) * m, both computed
+# by the float64 reference below.
 REL_L2_BOUND = $rel_l2_bound
 ELEMENT_FACTOR = $element_factor
+SCORE_FACTOR = $score_factor
 
 $data
 
 
 def reference(q, keys, values, query_positions):
     """Float64 attention of one request: softmax(q.k * scaling, capped by logit_cap*tanh(s/logit_cap)) over the
-    keys it sees ($window_note), causal by position; returns the output and each element's m."""
+    keys it sees ($window_note), causal by position; returns the output, each element's m and each row's S."""
     q, keys, values = q.double(), keys.double(), values.double()
     group = RADIX["num_heads"] // RADIX["num_kv_heads"]
     keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
@@ -503,7 +507,9 @@ def reference(q, keys, values, query_positions):
     p = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
     out = torch.einsum("htl,lhd->thd", p, values)
     magnitude = torch.einsum("htl,lhd->thd", p, values.abs())
-    return out, magnitude
+    seen = torch.where(visible, torch.linalg.vector_norm(keys, dim=-1).T[:, None, :], 0.0).amax(dim=-1)  # [Hq, T]
+    sizes = abs(RADIX["scaling"]) * torch.linalg.vector_norm(q, dim=-1) * seen.T  # [T, Hq]
+    return out, magnitude, sizes
 
 
 def test_outputs_match_float64_attention():
@@ -538,22 +544,23 @@ def test_outputs_match_float64_attention():
         out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
     out = out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
 
-    expected, magnitude, token, cached = [], [], 0, 0
+    expected, magnitude, size, token, cached = [], [], [], 0, 0
     for r in range(batch):
         new = slice(token, token + NEW_LENS[r])
         keys = torch.cat([TENSORS["cached_k"][cached:cached + PREFIX_LENS[r]], TENSORS["k"][new]])
         values = torch.cat([TENSORS["cached_v"][cached:cached + PREFIX_LENS[r]], TENSORS["v"][new]])
         positions = torch.arange(PREFIX_LENS[r], seq_lens[r])
-        o, m = reference(TENSORS["q"][new], keys, values, positions)
+        o, m, s = reference(TENSORS["q"][new], keys, values, positions)
         expected.append(o)
         magnitude.append(m)
+        size.append(s)
         token, cached = token + NEW_LENS[r], cached + PREFIX_LENS[r]
-    expected, magnitude = torch.cat(expected), torch.cat(magnitude)
+    expected, magnitude, size = torch.cat(expected), torch.cat(magnitude), torch.cat(size)
 
     assert torch.isfinite(out).all(), "non-finite output"
     diff = (out - expected).abs()
     rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected).clamp_min(1e-300)).item()
-    allowed = ELEMENT_FACTOR * magnitude
+    allowed = (ELEMENT_FACTOR + SCORE_FACTOR * size[..., None]) * magnitude
     ratio = torch.where(allowed > 0, diff / allowed.clamp_min(1e-300), torch.where(diff > 0, math.inf, 0.0))
     worst = torch.unravel_index(ratio.argmax(), ratio.shape)
     token, head, dim = (int(i) for i in worst)

@@ -47,7 +47,8 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
     for layer, out, ref in zip(case.spec.layers, run.execution.outputs, run.reference.outputs):
         bound = widen_for_cancellation(layer_bound(composition, case.spec, layer, device), ref,
                                        run.reference.magnitudes.get(layer.layer_id))
-        c = compare(out, ref, bound, starts, scale=run.reference.element_scales.get(layer.layer_id))
+        c = compare(out, ref, bound, starts, scale=run.reference.element_scales.get(layer.layer_id),
+                    score_size=run.reference.score_sizes.get(layer.layer_id))
         failed = [CHECK_WORDS[check] for check, ratio in c.ratios().items() if ratio > 1.0]
         print(f"{layer.layer_id:>6} {c.rel_l2:>10.3e} {bound.rel_l2:>10.3e} {c.element_error:>10.3e} "
               f"{c.element_bound:>10.3e}  {c.where}{'  <-- ' + ', '.join(failed) + ' out of bounds' if failed else ''}")

@@ -36,7 +36,8 @@ def tbo_split_equals_unsplit(composition: Composition, spec: BatchSpec, device: 
         bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), expected,
                                        reference.magnitudes.get(layer.layer_id))
         worst.add(compare(a, b.to(torch.float64), bound, starts, f"layer {layer.layer_id}: split vs unsplit",
-                          reference.element_scales.get(layer.layer_id)), bound)
+                          reference.element_scales.get(layer.layer_id), reference.score_sizes.get(layer.layer_id)),
+                  bound)
     s = split_run.execution.split
     kind = "two-chunk" if s.two_chunk else "balanced"
     return worst.verdict(name, f"{kind} split at request {s.split_seq}, token {s.split_token}")

@@ -95,11 +95,13 @@ def _ratio(value: float, bound: float) -> float:
 
 
 def compare(actual: torch.Tensor, expected: torch.Tensor, bound: Bound, token_starts: list[int] | None = None,
-            label: str = "", scale: torch.Tensor | None = None) -> Comparison:
+            label: str = "", scale: torch.Tensor | None = None, score_size: torch.Tensor | None = None) -> Comparison:
     """Compare ``actual`` with the float64 ``expected`` (same shape; rows are tokens if token_starts given).
 
     ``scale``: each element's magnitude ``m`` (``ReferenceResult.element_scales``, shape of ``expected``), which
-    its element bound ``bound.element * m`` scales with; None: ``max|expected|`` for every element."""
+    its element bound ``bound.element * m`` scales with; None: ``max|expected|`` for every element. ``score_size``:
+    each row's score size S (``ReferenceResult.score_sizes``, the shape of ``expected`` without its last dim), which
+    adds ``bound.score * S * m`` for the rounding of the scores."""
     if actual.shape != expected.shape:
         return Comparison(float("inf"), float("inf"), False,
                           f"{label} shape {tuple(actual.shape)} != expected {tuple(expected.shape)}", (),
@@ -114,7 +116,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, bound: Bound, token_st
     if scale is None:
         allowed = (bound.element * e.abs().max()).expand_as(diff)
     else:
-        allowed = bound.element * scale.detach().to(a.device, torch.float64)
+        factor = torch.tensor(bound.element, dtype=torch.float64, device=a.device)
+        if score_size is not None and bound.score:
+            factor = factor + bound.score * score_size.detach().to(a.device, torch.float64)[..., None]
+        allowed = factor * scale.detach().to(a.device, torch.float64)
     # diff / allowed, with 0/0 = 0 (an element computed from nothing but zeros must be zero) and x/0 = inf
     ratio = torch.where(allowed > 0, diff / allowed.clamp_min(1e-300),
                         torch.where(diff > 0, torch.inf, 0.0).to(torch.float64))
@@ -195,4 +200,4 @@ def compare_outputs(outputs: list[torch.Tensor], reference: ReferenceResult, com
         bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), ref,
                                        reference.magnitudes.get(layer.layer_id))
         worst.add(compare(out, ref, bound, starts, f"{label}layer {layer.layer_id}:",
-                          reference.element_scales.get(layer.layer_id)), bound)
+                          reference.element_scales.get(layer.layer_id), reference.score_sizes.get(layer.layer_id)), bound)

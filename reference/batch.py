@@ -46,6 +46,9 @@ class ReferenceResult:
     # By layer id, for softmax-attention layers (MHA, MLA): each output element's probability-weighted magnitude
     # of the values it averages, ``sum_j p_j |v_j|`` (shape of the output), the scale of its element bound
     element_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    # By layer id, for the same layers: each query row's score size, ``sm_scale * |q| * max_j |k_j|`` over the keys
+    # it sees (``[T, H]``), which the rounding of its scores scales with (properties/tolerances.py)
+    score_sizes: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # A group of requests may be padded to at most this many times the attention scores its requests need, or
@@ -235,6 +238,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
     linear_states: dict[int, LinearStates] = {}
     magnitudes: dict[int, torch.Tensor] = {}
     element_scales: dict[int, torch.Tensor] = {}
+    score_sizes: dict[int, torch.Tensor] = {}
     groups = [PaddedBatch.build(case, g) for g in request_groups(spec, case.device)]
     rope = _Rope(case)
     pool = case.kv_pool_before
@@ -250,6 +254,7 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
         elif not groups:  # an idle batch
             outputs.append(_empty(layer, dtype, case.device))
             element_scales[layer.layer_id] = _empty(layer, dtype, case.device)
+            score_sizes[layer.layer_id] = _empty(layer, dtype, case.device)[..., 0]
         elif layer.kind == "mha":
             q = rope(t["q"], layer.head_dim, layer.rope_theta)
             k_new, v_new = rope(t["k"], layer.head_dim, layer.rope_theta), t["v"]
@@ -270,8 +275,9 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                     lambda rows, visible: mha.attention_padded(rows, k, v, visible, sm_scale=layer.sm_scale,
                                                                logit_cap=layer.logit_cap, magnitudes=True),
                     (g.queries(q),), g.visible_in_window(layer.sliding_window)))
-            outputs.append(_in_batch_order(groups, [out for out, _ in padded]))
-            element_scales[layer.layer_id] = _in_batch_order(groups, [scale for _, scale in padded])
+            outputs.append(_in_batch_order(groups, [out for out, _, _ in padded]))
+            element_scales[layer.layer_id] = _in_batch_order(groups, [scale for _, scale, _ in padded])
+            score_sizes[layer.layer_id] = _in_batch_order(groups, [size for _, _, size in padded])
         else:  # mla
             N, R, C = layer.qk_nope_head_dim, layer.qk_rope_head_dim, layer.kv_lora_rank
             q_nope = t["q"][..., :N]
@@ -287,9 +293,10 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
                         nope, pe, ckv, kpe, wt["w_kc"], wt["w_vc"], visible, sm_scale=layer.sm_scale,
                         magnitudes=True),
                     (g.queries(q_nope), g.queries(q_pe)), g.visible))
-            outputs.append(_in_batch_order(groups, [out for out, _ in padded]))
-            element_scales[layer.layer_id] = _in_batch_order(groups, [scale for _, scale in padded])
-    return ReferenceResult(outputs, linear_states, magnitudes, element_scales)
+            outputs.append(_in_batch_order(groups, [out for out, _, _ in padded]))
+            element_scales[layer.layer_id] = _in_batch_order(groups, [scale for _, scale, _ in padded])
+            score_sizes[layer.layer_id] = _in_batch_order(groups, [size for _, _, size in padded])
+    return ReferenceResult(outputs, linear_states, magnitudes, element_scales, score_sizes)
 
 
 def fp8_grid(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -123,14 +123,15 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
         As in :func:`attention`.
     magnitudes : bool
         Also return each output element's magnitude ``sum_j p_j |v_j|``: the probability-weighted size of the
-        values it averages, which the rounding of every term it is computed from scales with (the element
-        bound of ``properties/tolerances.py``).
+        values it averages, which the rounding of every term it is computed from scales with; and each query
+        row's score size ``sm_scale * |q| * max_j |k_j|`` over the keys it sees, which a score's own rounding
+        scales with (the element bound of ``properties/tolerances.py``).
 
     Returns
     -------
-    torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+    torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
         ``(B, Lq, num_qo_heads, v_head_dim)`` in q's dtype; GQA as in :func:`attention`. With ``magnitudes``,
-        a second tensor of the same shape.
+        a second tensor of the same shape and the score sizes, ``(B, Lq, num_qo_heads)``.
     """
     B, Lq, H, D = q.shape
     Hk = k.shape[2]
@@ -147,4 +148,8 @@ def attention_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible:
     out = torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(B, Lq, H, v.shape[-1])
     if not magnitudes:
         return out
-    return out, torch.einsum("bkgqs,bskd->bqkgd", probs, v.abs()).reshape(B, Lq, H, v.shape[-1])
+    key_norms = torch.linalg.vector_norm(k, dim=-1)  # (B, Lk, Hk)
+    seen = torch.where(visible[..., None], key_norms[:, None], 0.0).amax(dim=2)  # (B, Lq, Hk): largest key seen
+    sizes = abs(sm_scale) * torch.linalg.vector_norm(q, dim=-1) * seen[..., None]  # (B, Lq, Hk, G)
+    return (out, torch.einsum("bkgqs,bskd->bqkgd", probs, v.abs()).reshape(B, Lq, H, v.shape[-1]),
+            sizes.reshape(B, Lq, H))

@@ -120,7 +120,7 @@ def attention_expanded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tens
 def attention_absorbed_padded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor,
                               w_kc: torch.Tensor, w_vc: torch.Tensor, visible: torch.Tensor, *,
                               sm_scale: float, magnitudes: bool = False
-                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`attention_absorbed` for a batch of requests padded to common lengths (see
     :func:`reference.mha.attention_padded`): ``out[b, :lq]`` is request ``b``'s result with
     ``mask=visible[b, :lq, :lk]`` and ``causal=False``.
@@ -149,7 +149,8 @@ def attention_absorbed_padded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: tor
     Returns
     -------
     torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-        ``(B, Lq, num_heads, v_head_dim)`` in q_nope's dtype; with ``magnitudes``, a second such tensor.
+        ``(B, Lq, num_heads, v_head_dim)`` in q_nope's dtype; with ``magnitudes``, a second such tensor and each
+        query row's score size over its absorbed query and latent keys, ``(B, Lq, num_heads)``.
     """
     q = torch.cat([absorb_query(q_nope, w_kc), q_pe], dim=-1)  # (B, Lq, H, C + R)
     k = torch.cat([ckv, kpe.to(ckv.dtype)], dim=-1)[:, :, None, :]  # (B, Lk, 1, C + R): one kv head for all
@@ -157,5 +158,7 @@ def attention_absorbed_padded(q_nope: torch.Tensor, q_pe: torch.Tensor, ckv: tor
     if not magnitudes:
         o_latent = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale)  # (B, Lq, H, C)
         return torch.einsum("blhc,hcv->blhv", o_latent, w_vc)
-    o_latent, m_latent = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale, magnitudes=True)
-    return torch.einsum("blhc,hcv->blhv", o_latent, w_vc), torch.einsum("blhc,hcv->blhv", m_latent, w_vc.abs())
+    o_latent, m_latent, sizes = attention_padded(q, k, ckv[:, :, None, :], visible, sm_scale=sm_scale,
+                                                 magnitudes=True)
+    return (torch.einsum("blhc,hcv->blhv", o_latent, w_vc), torch.einsum("blhc,hcv->blhv", m_latent, w_vc.abs()),
+            sizes)
