@@ -27,6 +27,7 @@ LEAVES: dict[str, str] = {
     # SGLang's own classes, through the adapter (the extra: bash ci/install-sglang.sh)
     "sglang.torch_native": "backends.sglang.adapter:SglangTorchNative",
     "sglang.triton": "backends.sglang.adapter:SglangTriton",
+    "sglang.flex_attention": "backends.sglang.adapter:SglangFlexAttention",
     "sglang.gdn": "backends.sglang.adapter:SglangGdn",
     "sglang.lightning": "backends.sglang.adapter:SglangLightning",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",

@@ -463,6 +463,36 @@ class SglangTorchNative(SglangBackend):
     )
 
 
+class SglangFlexAttention(SglangBackend):
+    """SGLang's ``TorchFlexAttnBackend`` (``--attention-backend flex_attention``): PyTorch's flex_attention under
+    ``torch.compile``, one request at a time. Its first call in a process compiles a kernel (a C++ one on a CPU,
+    about a minute); later shapes reuse it (``dynamic=True``)."""
+
+    sglang_name = "flex_attention"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mha"}),
+        # It plans block masks for extend batches (is_extend: extend, mixed, verify) and decode ones
+        # (torch_flex_backend.py:40-71); a draft extend (DRAFT_EXTEND_V2) gets no mask and its forward indexes an
+        # empty list. Verify takes no custom (tree) mask: its extend mask is plain causal.
+        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.IDLE}),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        custom_mask=False,
+        sliding_window=False,  # its masks know no window (_causal_mask, _decode_mask)
+        logit_cap=False,  # it never reads layer.logit_cap
+        # It reads the cache as stored (no k_scale/v_scale) and hands flex_attention q and the cache as they are,
+        # which must share a dtype: an fp8 cache is out.
+        kv_cache_dtypes=frozenset({"auto"}),
+        cuda_graph_modes=frozenset(),  # it keeps the base's graph methods, which raise
+        requires=("sglang",),
+        engine="sglang",
+        one_shape_per_kind=True,
+        empty_extend=True,
+        slow_on_cpu="torch.compile builds flex_attention's C++ kernel on its first call in a process (about a minute)",
+        no_long_context_on_cpu="SGLang's flex_attention extend, like its torch_native one, pads each request's "
+                               "queries to its key count (torch_flex_backend.py:128-136): keys x keys per request",
+    )
+
+
 # Where SGLang's Triton kernels change shape. Decode (kernels/ops/attention/decode_attention.py:308): each split
 # holds kv_len_per_split = cdiv(cdiv(L, splits), MIN_BLOCK_KV=32) * 32 keys of at most
 # triton_attention_num_kv_splits = 8 splits (all 8 on a CPU, where the device core count is 0,
