@@ -79,8 +79,8 @@ def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, d
 
 
 def test_a_broken_triton_interpreter_makes_interpreted_rows_unavailable_not_findings(monkeypatch):
-    # The lent GPU host's image (triton 3.6.0, numpy 2.5.2): every interpreted kernel raised a TypeError inside
-    # Triton's interpreter, and a CPU sweep there blamed 480 cases on the backends.
+    # The lent GPU host's image (triton 3.6.0): every interpreted kernel raised a TypeError inside Triton's
+    # interpreter, and a CPU sweep there blamed 480 cases on the backends.
     from backends import interpreter
     from backends.registry import leaf_capabilities
 
