@@ -46,6 +46,12 @@ class Property:
     modes: frozenset[ForwardMode] = SERVING_MODES
     needs_wrapper: str | None = None  # e.g. "tbo": only compositions with that outer wrapper
     excludes_wrapper: str | None = None
+    # pd(): a prefill/decode split only routes; a property that exercises one child's own code (its plan, its cache
+    # writes, one child's runs compared with each other) is checked by that child's own rows, so it is not repeated
+    # under every pair. What a split adds, routing and the handoff between its children, is in outputs (every
+    # mode), prefill_then_decode (one child prefills, the other decodes from the cache it wrote), mode_dispatch
+    # and conformance.
+    per_child: bool = False
     strategy_options: tuple[tuple[str, object], ...] = ()  # extra keyword arguments of batch_specs
     needs_state: bool = False  # only compositions that serve a linear-attention (recurrent) layer kind
     under_graph: bool = False  # also on graph() compositions, its forward replayed in a captured graph
@@ -65,6 +71,8 @@ class Property:
             return "graph() compositions are checked by graph_replay"
         if self.excludes_wrapper and self.excludes_wrapper in composition.wrappers():
             return f"{self.name} does not run on {self.excludes_wrapper} compositions"
+        if self.per_child and composition.name == "pd":
+            return f"{self.name} exercises one child's own code: checked by each child's own rows, not per pd() pair"
         return None
 
     def run(self, composition: Composition, spec: BatchSpec, device: str) -> Verdict:
@@ -112,8 +120,9 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
     Property("outputs", outputs_match_reference,
              "outputs finite, one row per token, within the dtype bound of the float64 reference; linear states too"),
     Property("metadata", metadata_invariants,
-             "planned indptrs, indices, last-page lengths, masks and state slots satisfy the invariants"),
-    Property("cache", cache_writes_exact, "new K/V land exactly at out_cache_loc; no other slot or state changes"),
+             "planned indptrs, indices, last-page lengths, masks and state slots satisfy the invariants", per_child=True),
+    Property("cache", cache_writes_exact, "new K/V land exactly at out_cache_loc; no other slot or state changes",
+             per_child=True),
     Property("conformance", conformance,
              "every protocol method exists, accepts the canonical call, and wrappers delegate it",
              modes=frozenset({ForwardMode.EXTEND})),
@@ -125,12 +134,12 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
     Property("tbo_split", tbo_split_equals_unsplit, "joining the TBO children's outputs gives the unsplit output",
              modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY}), needs_wrapper="tbo"),
     Property("chunked_prefill", chunked_prefill_equals_whole, "extend e1 then e2 equals one extend of e1+e2",
-             modes=EXTEND_MODES, excludes_wrapper="tbo"),
+             modes=EXTEND_MODES, excludes_wrapper="tbo", per_child=True),
     Property("prefill_then_decode", prefill_then_decode_equals_prefill, "extend n then decode 1 equals extend n+1",
              modes=EXTEND_MODES, excludes_wrapper="tbo"),
     Property("verify_chain", verify_chain_equals_extend,
              "verify of a chain equals extend of its tokens; the committed state is the accepted prefix's",
-             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo", per_child=True,
              strategy_options=(("chain", True),)),
     Property("verify_commit", verify_commits_every_position,
              "after one verify, committing any accepted position (and the radix cache's tracked copies) leaves "
@@ -141,7 +150,7 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              strategy_options=(("chain", True), ("require_recurrent", True))),
     Property("tree_branch", tree_branch_equals_chain,
              "every draft-tree node's output equals its root-to-node branch extended as a chain (no reference)",
-             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo",
+             modes=frozenset({ForwardMode.TARGET_VERIFY}), excludes_wrapper="tbo", per_child=True,
              strategy_options=(("tree", True),)),
     Property("graph_replay", graph_replay_equals_eager,
              "CUDA-graph replay equals eager on real rows (padding poisoned), pools end identical, new inputs "

@@ -229,6 +229,12 @@ def _hybrid_hides_known_overrides(spec: BatchSpec, verdict: Verdict) -> bool:
     return _only_known_hidden(verdict, HYBRID_HIDDEN) is not None
 
 
+def _hybrid_hides_support_triton(spec: BatchSpec, verdict: Verdict) -> bool:
+    """As above, support_triton among them (any full child that answers False: TorchNative, flex_attention)."""
+    hidden = _only_known_hidden(verdict, HYBRID_HIDDEN)
+    return hidden is not None and "support_triton" in hidden
+
+
 # What SGLang's prefill/decode split (HybridAttnBackend, pd()) leaves to its base class or does not answer although
 # a child has it: the same two members as its linear-attention sibling (docs/findings/sglang-pd-hides-*.md).
 SPLIT_HIDDEN = {"support_triton", "extend_attention_block_m"}
@@ -323,6 +329,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "mixed_two_chunk": _mixed_two_chunk,
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,
     "hybrid_hides_known_overrides": _hybrid_hides_known_overrides,
+    "hybrid_hides_support_triton": _hybrid_hides_support_triton,
     "tbo_linear_plain_split": _tbo_linear_plain_split,
     "layer_has_logit_cap": _layer_has_logit_cap,
     "window_inside_extend": _window_inside_extend,
