@@ -310,7 +310,8 @@ def cmd_mutants(args) -> int:
         write_json(results, out_dir / "mutants.json")
     print()
     print_table(results)
-    return 1 if any(r.status == "survived" for r in results) else 0
+    # A mutant that survived, or whose "kill" was a crash of its own patch (not its fault at work), fails the run
+    return 1 if any(r.status in ("survived", "broken") for r in results) else 0
 
 
 def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:

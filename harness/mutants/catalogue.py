@@ -146,8 +146,8 @@ def kv_written_one_slot_off():
     from batch.forward_batch import KVPool
     original = KVPool.set_kv_buffer
 
-    def set_kv_buffer(self, layer_id, loc, k, v):
-        original(self, layer_id, loc + 1, k, v)
+    def set_kv_buffer(self, layer_id, loc, k, v, *args, **kwargs):  # the fp8 scales pass through
+        original(self, layer_id, loc + 1, k, v, *args, **kwargs)
     return _replace(KVPool, "set_kv_buffer", set_kv_buffer)
 
 

@@ -23,7 +23,7 @@ from search.search_row import search_row
 @dataclass
 class MutantResult:
     mutant: str
-    status: str  # killed, survived, unavailable
+    status: str  # killed, survived, unavailable, broken (the kill was a crash of the mutant's own patch)
     seconds: float = 0.0  # to the first failing case (killed), or spent (survived)
     requests: int | None = None
     tokens: int | None = None
@@ -43,6 +43,28 @@ def run_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, bud
     if mutant.crashes and not (mutant.needs_device and mutant.needs_device != device):
         return run_mutant_isolated(mutant, profile, device, out_dir, budget_s, case_timeout_s)
     return _search_mutant(mutant, profile, device, out_dir, budget_s, shrink_seconds)
+
+
+CATALOGUE_FILE = "harness/mutants/catalogue.py"
+
+
+def own_crash(mutant: Mutant, failure) -> str | None:
+    """Why ``failure`` is a crash of the mutant's own patch rather than its fault at work (None: it is not).
+
+    A mutant kills by its mechanism: wrong K/V slots fail the cache or outputs check, a wrong scale the outputs. A
+    patch whose own code raises (its replacement takes fewer arguments than the caller now passes: a
+    ``TypeError`` naming ``MUTANT.<locals>.FUNCTION``; or the innermost frame of the crash in the catalogue) proves
+    only that the patch no longer fits the code it replaces. Measured before this check: ``kv_written_one_slot_off``
+    "killed" its rows by ``set_kv_buffer() takes 5 positional arguments but 7 were given``."""
+    reason = getattr(failure, "reason", str(failure or ""))
+    if "crashed:" not in reason:
+        return None
+    frames = list(getattr(failure, "details", {}).get("traceback", ()) or ())
+    if f"{mutant.name}.<locals>." in reason:
+        return f"the mutant's own replacement was called with what it does not take: {reason}"
+    if frames and CATALOGUE_FILE.split("/", 1)[1] in frames[-1]:
+        return f"the crash is inside the mutant's own patch ({frames[-1]}): {reason}"
+    return None
 
 
 def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path, budget_s: float,
@@ -74,6 +96,10 @@ def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
                 if not result.ok:
                     spec, now = result.spec, time.perf_counter()
                     first = row_start - start + (result.first_failure_seconds or now - row_start)
+                    broken = own_crash(mutant, result.failure)
+                    if broken:
+                        return MutantResult(mutant.name, "broken", first, property=row.property.name, row=row.id,
+                                            reason=broken)
                     return MutantResult(mutant.name, "killed", first,
                                         None if spec is None else spec.batch_size,
                                         None if spec is None else spec.num_tokens, row.property.name, row.id,
@@ -169,6 +195,7 @@ def print_table(results: list[MutantResult]) -> None:
         sizes = sorted(r.tokens for r in killed if r.tokens is not None)
         median = lambda xs: xs[len(xs) // 2] if xs else float("nan")  # noqa: E731
         print(f"\n{len(killed)} killed, {sum(r.status == 'survived' for r in results)} survived, "
+              f"{sum(r.status == 'broken' for r in results)} broken, "
               f"{sum(r.status == 'unavailable' for r in results)} unavailable; median seconds to the first failure "
               f"{median(secs):.1f}, median shrunk size {median(sizes)} token(s)")
 
