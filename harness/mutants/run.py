@@ -51,19 +51,22 @@ CATALOGUE_FILE = "harness/mutants/catalogue.py"
 def own_crash(mutant: Mutant, failure) -> str | None:
     """Why ``failure`` is a crash of the mutant's own patch rather than its fault at work (None: it is not).
 
-    A mutant kills by its mechanism: wrong K/V slots fail the cache or outputs check, a wrong scale the outputs. A
-    patch whose own code raises (its replacement takes fewer arguments than the caller now passes: a
-    ``TypeError`` naming ``MUTANT.<locals>.FUNCTION``; or the innermost frame of the crash in the catalogue) proves
-    only that the patch no longer fits the code it replaces. Measured before this check: ``kv_written_one_slot_off``
-    "killed" its rows by ``set_kv_buffer() takes 5 positional arguments but 7 were given``."""
+    A mutant kills by its mechanism: wrong K/V slots fail the cache or outputs check, a wrong scale the outputs, a
+    wrapper that passes a child an extra keyword the child's TypeError (raised at the call the patch makes: the
+    mechanism). A patch that no longer fits the code it replaces proves nothing: its replacement called with what
+    it does not take (a ``TypeError`` naming ``MUTANT.<locals>.FUNCTION``), or its own code failing to find a name
+    or attribute (``NameError``, ``AttributeError``, ``ImportError`` raised in the catalogue itself). Measured before
+    this check: ``kv_written_one_slot_off`` "killed" its rows by ``set_kv_buffer() takes 5 positional arguments but
+    7 were given``."""
     reason = getattr(failure, "reason", str(failure or ""))
     if "crashed:" not in reason:
         return None
     frames = list(getattr(failure, "details", {}).get("traceback", ()) or ())
     if f"{mutant.name}.<locals>." in reason:
         return f"the mutant's own replacement was called with what it does not take: {reason}"
-    if frames and CATALOGUE_FILE.split("/", 1)[1] in frames[-1]:
-        return f"the crash is inside the mutant's own patch ({frames[-1]}): {reason}"
+    misfit = ("crashed: NameError", "crashed: AttributeError", "crashed: ImportError", "crashed: ModuleNotFoundError")
+    if frames and CATALOGUE_FILE.split("/", 1)[1] in frames[-1] and reason.startswith(misfit):
+        return f"the mutant's own patch does not fit the code it replaces ({frames[-1]}): {reason}"
     return None
 
 
