@@ -76,7 +76,41 @@ def cmd_list(args) -> int:
                 print(f"  {'':<{width}}    left out ({len(whats)}): {why}: {', '.join(whats)}")
     print(f"{len(m.rows)} rows runnable here; {len(m.excluded)} left out by declaration "
           f"({'listed' if args.why else 'add --why to list them with their reasons'})")
+    if args.why:
+        engine_inventory(m, device)
     return 0
+
+
+def engine_inventory(m, device: str) -> None:
+    """Every attention backend the installed SGLang registers (--attention-backend NAME): the leaf that runs it here
+    and its rows, or why it is not a leaf yet, with whether its class imports on this machine (the level it could
+    reach without kernels: conformance)."""
+    from backends.registry import LEAVES, leaf_class
+    from backends.sglang import features, runtime
+
+    registered = features.registered_backends()
+    if not registered:
+        return
+    leaves: dict[str, list[str]] = {}
+    for n in LEAVES:
+        if n.startswith("sglang."):
+            leaves.setdefault(getattr(leaf_class(n), "sglang_name", None), []).append(n)
+    unavailable = dict(m.unavailable)
+    imports = features.import_failures(sorted({mod for b in registered for mod, _ in b.classes}))
+    print(f"SGLang's registered attention backends ({len(registered)}, sglang {runtime.installed_version()}):")
+    for b in registered:
+        classes = ", ".join(cls for _, cls in b.classes) or "no class found in its factory"
+        if b.name in leaves:
+            said = []
+            for leaf in leaves[b.name]:
+                rows = sum(1 for r in m.rows if leaf in r.composition.leaves())
+                said.append(f"{leaf}: {rows} rows here" if rows else f"{leaf}: {unavailable.get(leaf, 'no rows here')}")
+            print(f"  {b.name:<20} {'; '.join(said)} ({classes})")
+            continue
+        fails = [f"{cls}: {imports[mod]}" for mod, cls in b.classes if imports.get(mod)]
+        where = ("its class does not import here: " + "; ".join(fails)) if fails else \
+            ("its class imports here (no kernel needed to read it)" if imports else "import check failed")
+        print(f"  {b.name:<20} not a leaf yet; {where} ({classes})")
 
 
 def drawn_axes(c, profile) -> str:

@@ -170,3 +170,25 @@ def test_a_tbo_graph_needs_the_three_method_contract(fake_sglang):
     assert features.wrapper_gaps({"graph"}) == []
     gaps = features.wrapper_gaps({"graph", "tbo"})
     assert any(g.startswith("three_method_graph_contract") for g in gaps)
+
+
+def test_the_registry_inventory_reads_every_registered_backend_and_its_classes():
+    # harness list --why lists every --attention-backend NAME of the installed SGLang: which leaf runs it here, or
+    # why it is not a leaf yet. Read from the registry's source (its factories' returns), nothing imported.
+    from backends.sglang import features
+
+    if features.package_root() is None:
+        pytest.skip("SGLang is not installed")
+    registered = {b.name: b for b in features.registered_backends()}
+    assert {"triton", "torch_native"} <= set(registered)
+    assert ("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend") in registered["triton"].classes
+    if "fa3" in registered:  # the server's default on Hopper
+        assert any(cls == "FlashAttentionBackend" for _, cls in registered["fa3"].classes)
+
+
+def test_an_import_check_says_which_module_imports_and_why_another_does_not():
+    from backends.sglang.features import import_failures
+
+    found = import_failures(["json", "no_such_module_for_the_harness"])
+    assert found["json"] is None
+    assert found["no_such_module_for_the_harness"].startswith("ModuleNotFoundError")

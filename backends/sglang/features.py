@@ -329,3 +329,75 @@ def version_key(version: str) -> tuple[int, ...]:
         raise ValueError(f"not an SGLang version: {version!r}")
     tag = {"dev": -2, "rc": -1, None: 0, "post": 1}[m[4]]
     return int(m[1]), int(m[2]), int(m[3]), tag, int(m[5] or 0)
+
+
+# ---- SGLang's registered attention backends, read from its registry's source (harness list --why) ----
+
+
+@dataclass(frozen=True)
+class RegisteredBackend:
+    name: str  # the server's --attention-backend name
+    classes: tuple[tuple[str, str], ...]  # (module, class) of each class its factory returns, in source order
+
+
+@cache
+def registered_backends() -> tuple[RegisteredBackend, ...]:
+    """Every ``@register_attention_backend("name")`` of the installed SGLang's registry, with the classes its factory
+    returns (``return Cls(runner, ...)``, each matched to the ``from MODULE import Cls`` that brings it). Read from
+    the source: nothing is imported."""
+    root = package_root()
+    path = None if root is None else root / "srt" / "layers" / "attention" / "attention_registry.py"
+    if path is None or not path.is_file():
+        return ()
+    out = []
+    for node in ast.parse(path.read_text(encoding="utf-8", errors="replace")).body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        names = [d.args[0].value for d in node.decorator_list if isinstance(d, ast.Call)
+                 and getattr(d.func, "id", None) == "register_attention_backend" and d.args
+                 and isinstance(d.args[0], ast.Constant)]
+        if not names:
+            continue
+        imported = {}
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.ImportFrom) and inner.module:
+                imported.update({(a.asname or a.name): (inner.module, a.name) for a in inner.names})
+        returned = []
+        for inner in ast.walk(node):
+            if isinstance(inner, ast.Return) and isinstance(inner.value, ast.Call) \
+                    and isinstance(inner.value.func, ast.Name) and inner.value.func.id in imported:
+                where = imported[inner.value.func.id]
+                if where not in returned:
+                    returned.append(where)
+        out.append(RegisteredBackend(names[0], tuple(returned)))
+    return tuple(out)
+
+
+IMPORT_PROBE = """
+import importlib, json, sys
+out = {}
+for module in sys.argv[1:]:
+    try:
+        importlib.import_module(module)
+        out[module] = None
+    except BaseException as e:  # noqa: BLE001 - any failure to import is the answer
+        out[module] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+print(json.dumps(out))
+"""
+
+
+def import_failures(modules: list[str], timeout_s: float = 120.0) -> dict[str, str | None]:
+    """module -> why it does not import here (None: it imports), from a fresh process with the harness's stand-ins
+    for what a CPU install of SGLang lacks (backends/sglang/runtime.py); {} if the probe itself failed."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("from backends.sglang import runtime; runtime._install_shims()\n" + IMPORT_PROBE)
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True,
+                              timeout=timeout_s)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return {}
+
