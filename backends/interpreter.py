@@ -11,13 +11,57 @@ reason, and no case is blamed on a backend.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from functools import cache
+from pathlib import Path
+
+
+def _environment() -> str:
+    """What the probe's verdict depends on: the interpreter's and numpy's releases, torch's, Python's (read from
+    the installed distributions, nothing imported)."""
+    import platform
+    from importlib import metadata
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "-"
+    return (f"triton {version('triton')}, numpy {version('numpy')}, torch {version('torch')}, "
+            f"python {platform.python_version()}, {sys.prefix}")
+
+
+def _cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attn-harness" / "interpreter-probe.json"
 
 
 @cache
 def interpreter_fault() -> str | None:
     """One line saying why Triton's interpreter cannot run kernels here, or None when the probe kernel computes
-    its expected result."""
+    its expected result. The verdict is kept per environment (``_environment``) in the user's cache folder: every
+    process of a run or sweep asks, and the probe (importing Triton, running a kernel) costs seconds."""
+    key, path = _environment(), _cache_file()
+    try:
+        known = json.loads(path.read_text())
+        if key in known:
+            return known[key]
+    except (OSError, ValueError):
+        known = {}
+    fault = _probe()
+    try:
+        known = known if isinstance(known, dict) else {}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: fault}, indent=1))
+        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    except OSError:
+        pass  # no cache folder: the next process probes again
+    return fault
+
+
+def _probe() -> str | None:
     try:
         import numpy
         import torch

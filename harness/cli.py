@@ -46,20 +46,22 @@ def cmd_list(args) -> int:
     m = matrix(device, profile, args.backends)
     unavailable = dict(m.unavailable)
     left_out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))  # composition -> why -> what
+    compositions = all_compositions()  # once: each call derives every composition's support again
+    names = sorted((str(c) for c in compositions), key=len, reverse=True)  # the longest term a row id starts with
     for what, why in m.excluded:
-        comp = next(str(c) for c in all_compositions() if what.startswith(f"{c}-"))
+        comp = next(n for n in names if what.startswith(f"{n}-"))
         left_out[comp][why].append(what[len(comp) + 1:])
     print(f"device: {device}   profile: {profile.name} ({profile.description})")
     print("axes the batches are drawn from:")
     for line in describe_axes(profile):
         print(f"  {line}")
     print("rows = modes x properties; under each available composition, the rows left out and why")
-    width = max(len(str(c)) for c in all_compositions())
-    derived = {str(c) for c in all_compositions()}
+    width = max(len(str(c)) for c in compositions)
+    derived = {str(c) for c in compositions}
     for name, why in m.unavailable:  # terms named on the command line that no declaration derives
         if name not in derived:
             print(f"  {name:<{width}}  unavailable: {why}")
-    for c in all_compositions():
+    for c in compositions:
         name = str(c)
         if args.backends and name not in {str(r.composition) for r in m.rows} and name not in unavailable \
                 and name not in left_out:

@@ -97,3 +97,18 @@ def test_the_interpreter_probe_passes_where_the_interpreter_works(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
     assert interpreter_fault() is None
+
+
+def test_the_interpreter_probe_runs_once_per_environment(monkeypatch, tmp_path):
+    # Every process of a sweep asks; the probe imports Triton and runs a kernel (seconds): its verdict is kept
+    from backends import interpreter
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(interpreter, "_probe", lambda: calls.append(1) or "broken here")
+    for env in ("triton 3.6.0 ...", "triton 3.6.0 ...", "triton 3.8.0 ..."):
+        monkeypatch.setattr(interpreter, "_environment", lambda env=env: env)
+        interpreter.interpreter_fault.cache_clear()
+        assert interpreter.interpreter_fault() == "broken here"
+    assert len(calls) == 2  # once per environment, the second process read the first one's verdict
+    interpreter.interpreter_fault.cache_clear()
