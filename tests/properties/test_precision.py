@@ -32,3 +32,37 @@ def test_a_long_float32_mla_prefix_is_held_to_the_magnitudes_it_averages(device)
     verdict = PROPERTIES["outputs"].run(parse("torch_native"), spec, device)
     assert verdict.ok, str(verdict)
     assert max(verdict.details["headroom"].values()) < 0.5, verdict.details["headroom"]
+
+
+def test_scores_of_size_s_round_by_s_and_the_element_bound_counts_it():
+    # Float32 attention whose scores are large (q and the keys aligned: S = sm_scale |q| max|k| ~ 30): each score's
+    # own rounding, about sqrt(D) u S, moves the output more than the element bound allowed before the score term
+    # (a CPU campaign failed our torch_native at 1.001 of it); with the term, well inside.
+    import math
+
+    import torch
+
+    from properties.tolerances import output_bound, with_score_term
+    from properties.verdict import compare
+    from reference.mha import attention_padded
+
+    gen = torch.Generator().manual_seed(0)
+    D, L, trials = 128, 24, 40
+    base = torch.randn(trials, 1, 1, 1, D, generator=gen, dtype=torch.float64).abs() + 0.5
+    q = 1.2 * base * (1 + 0.05 * torch.randn(trials, 1, 1, 1, D, generator=gen, dtype=torch.float64))  # (B, Lq, H, D)
+    k = 1.2 * base[:, 0] * (1 + 0.05 * torch.randn(trials, L, 1, D, generator=gen, dtype=torch.float64))
+    v = torch.randn(trials, L, 1, 64, generator=gen, dtype=torch.float64)
+    visible = torch.ones(trials, 1, L, dtype=torch.bool)
+    scale = 1 / math.sqrt(D)
+    ref, m, sizes = attention_padded(q[:, 0], k, v, visible, sm_scale=scale, magnitudes=True)
+    out = attention_padded(q[:, 0].float(), k.float(), v.float(), visible, sm_scale=scale)
+    old = output_bound("float32", L, inner_dim=D)
+    new = with_score_term(old, D, 2.0**-24)
+    before = compare(out, ref, old, scale=m, score_size=sizes)
+    after = compare(out, ref, new, scale=m, score_size=sizes)
+    assert sizes.min() > 20
+    assert before.element_error > before.element_bound  # the old bound: a false finding on correct float32 code
+    assert after.element_error < 0.05 * after.element_bound
+    # Not yet counted: the same rounding in the relative L2 bound. Here correct float32 code is at 1.7 of it; the
+    # drawn batches (q, k ~ N(0, 1)) never passed 0.42 of it in 63,444 CPU cases. Kept as a known gap, measured:
+    assert after.rel_l2 > after.rel_l2_bound
