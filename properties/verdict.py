@@ -116,10 +116,10 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, bound: Bound, token_st
     if scale is None:
         allowed = (bound.element * e.abs().max()).expand_as(diff)
     else:
-        factor = torch.tensor(bound.element, dtype=torch.float64, device=a.device)
+        m = scale.detach().to(a.device, torch.float64)
+        allowed = bound.element * m
         if score_size is not None and bound.score:
-            factor = factor + bound.score * score_size.detach().to(a.device, torch.float64)[..., None]
-        allowed = factor * scale.detach().to(a.device, torch.float64)
+            allowed = allowed + bound.score * score_size.detach().to(a.device, torch.float64)[..., None] * m
     # diff / allowed, with 0/0 = 0 (an element computed from nothing but zeros must be zero) and x/0 = inf
     ratio = torch.where(allowed > 0, diff / allowed.clamp_min(1e-300),
                         torch.where(diff > 0, torch.inf, 0.0).to(torch.float64))
