@@ -4,9 +4,10 @@ On a CPU the Triton rows (ours and SGLang's) run under ``TRITON_INTERPRET=1``, w
 numpy. An interpreter can be broken where it is installed: on the lent GPU host's image (triton 3.6.0, torch 2.11.0)
 every interpreted kernel raised ``InterpreterError: TypeError('only 0-dimensional arrays can be converted to Python
 scalars')``, with the image's numpy 2.5.2 and with numpy 2.4.6 alike (this machine's triton 3.8.0 runs them with
-numpy 2.4.6), and a CPU sweep there reported 480 findings, each the toolchain's, none a backend's (2026-11-26). A probe kernel that uses what the attention kernels use (program ids, masked loads, a scalar
-argument, reductions, ``tl.dot``, a loop) runs first; if it fails, every interpreted row is unavailable with the
-reason, and no case is blamed on a backend.
+numpy 2.4.6), and a CPU sweep there reported 480 findings, each the toolchain's, none a backend's (2026-11-26).
+A probe kernel that uses what the attention kernels use (program ids, masked loads, a scalar argument, reductions,
+``tl.dot``, a loop) runs first; if it fails, every interpreted row is unavailable with the reason, and no case is
+blamed on a backend.
 """
 
 from __future__ import annotations

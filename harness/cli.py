@@ -79,11 +79,11 @@ def cmd_list(args) -> int:
     print(f"{len(m.rows)} rows runnable here; {len(m.excluded)} left out by declaration "
           f"({'listed' if args.why else 'add --why to list them with their reasons'})")
     if args.why:
-        engine_inventory(m, device)
+        engine_inventory(m)
     return 0
 
 
-def engine_inventory(m, device: str) -> None:
+def engine_inventory(m) -> None:
     """Every attention backend the installed SGLang registers (--attention-backend NAME): the leaf that runs it here
     and its rows, or why it is not a leaf yet, with whether its class imports on this machine (the level it could
     reach without kernels: conformance)."""

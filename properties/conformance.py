@@ -369,64 +369,6 @@ def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdi
     return Verdict(name, True, f"{len(nodes)} backend object(s) expose and delegate every protocol method")
 
 
-class _Recorder:
-    """Forwards everything to a real backend, recording which layer ids its forward methods saw."""
-
-    def __init__(self, inner, seen: set) -> None:
-        self._inner, self._seen = inner, seen
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if name in ("forward", "forward_extend", "forward_decode"):
-            def recorded(*args, **kwargs):
-                layer = kwargs.get("layer", args[3] if len(args) > 3 else None)
-                self._seen.add(layer.layer_id)
-                return attr(*args, **kwargs)
-            return recorded
-        return attr
-
-
-def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
-    name = "dispatch"
-    case = materialize(spec, device)
-    backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
-    if composition.engine != "harness":
-        # An engine's hybrid objects exist once its adapter has planned a batch; the recorders go on them.
-        backend.init_forward_metadata(case.forward_batch)
-        hybrids = [n.inner for n in _nodes(backend) if hasattr(getattr(n, "inner", None), "full_attn_backend")]
-    else:
-        hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
-    if not hybrids:
-        return Verdict(name, True, "no hybrid wrapper in this composition")
-    full_seen, linear_seen = set(), set()
-    for h in hybrids:
-        h.full_attn_backend = _Recorder(h.full_attn_backend, full_seen)
-        h.linear_attn_backend = _Recorder(h.linear_attn_backend, linear_seen)
-    error = None
-    try:
-        execute(composition, case, backend=backend)
-    except Exception as e:  # a misrouted layer usually crashes in the wrong backend; report where it went
-        if adapter_frame(e, composition) is not None:
-            raise  # the harness's own code failed: Property.run reports it as an adapter error, not a misroute
-        error = f"{type(e).__name__}: {e}"
-    full_ids = {l.layer_id for l in spec.layers if not is_recurrent(l)}
-    linear_ids = {l.layer_id for l in spec.layers if is_recurrent(l)}
-    wrong = sorted((full_seen & linear_ids) | (linear_seen & full_ids))
-    if wrong:
-        return Verdict(name, False, f"layer id(s) {wrong} reached the wrong backend "
-                                    f"(full got {sorted(full_seen)}, linear got {sorted(linear_seen)})")
-    if error:
-        return Verdict(name, False, f"run crashed: {error}")
-    missing = sorted((full_ids - full_seen) | (linear_ids - linear_seen))
-    if missing and spec.batch_size:
-        return Verdict(name, False, f"layer id(s) {missing} never reached their backend")
-    return Verdict(name, True, f"full layers {sorted(full_ids)} and linear layers {sorted(linear_ids)} dispatched correctly")
-
-
-# The routing a server promises for ``--prefill-attention-backend P --decode-attention-backend D`` (SGLang's
-# server-argument docs; ``--speculative-attention-mode prefill`` is the default): decode steps and idle batches on
-# D, everything that extends (prefill, mixed chunked prefill, draft extends) and speculative verify on P.
-_SPLIT_OWNER = {ForwardMode.DECODE: "decode", ForwardMode.IDLE: "decode"}
 _ROUTED = ("init_forward_metadata", "forward", "forward_extend", "forward_decode")
 
 
@@ -448,6 +390,53 @@ class _CallRecorder:
         return recorded
 
 
+def _forwarded(calls: list) -> set:
+    """The layer ids a recorder's forward methods saw."""
+    return {layer for method, layer in calls if method != "init_forward_metadata" and layer is not None}
+
+
+def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    name = "dispatch"
+    case = materialize(spec, device)
+    backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
+    if composition.engine != "harness":
+        # An engine's hybrid objects exist once its adapter has planned a batch; the recorders go on them.
+        backend.init_forward_metadata(case.forward_batch)
+        hybrids = [n.inner for n in _nodes(backend) if hasattr(getattr(n, "inner", None), "full_attn_backend")]
+    else:
+        hybrids = [n for n in _nodes(backend) if hasattr(n, "full_attn_backend")]
+    if not hybrids:
+        return Verdict(name, True, "no hybrid wrapper in this composition")
+    full_calls, linear_calls = [], []
+    for h in hybrids:
+        h.full_attn_backend = _CallRecorder(h.full_attn_backend, full_calls)
+        h.linear_attn_backend = _CallRecorder(h.linear_attn_backend, linear_calls)
+    error = None
+    try:
+        execute(composition, case, backend=backend)
+    except Exception as e:  # a misrouted layer usually crashes in the wrong backend; report where it went
+        if adapter_frame(e, composition) is not None:
+            raise  # the harness's own code failed: Property.run reports it as an adapter error, not a misroute
+        error = f"{type(e).__name__}: {e}"
+    full_seen, linear_seen = _forwarded(full_calls), _forwarded(linear_calls)
+    full_ids = {l.layer_id for l in spec.layers if not is_recurrent(l)}
+    linear_ids = {l.layer_id for l in spec.layers if is_recurrent(l)}
+    wrong = sorted((full_seen & linear_ids) | (linear_seen & full_ids))
+    if wrong:
+        return Verdict(name, False, f"layer id(s) {wrong} reached the wrong backend "
+                                    f"(full got {sorted(full_seen)}, linear got {sorted(linear_seen)})")
+    if error:
+        return Verdict(name, False, f"run crashed: {error}")
+    missing = sorted((full_ids - full_seen) | (linear_ids - linear_seen))
+    if missing and spec.batch_size:
+        return Verdict(name, False, f"layer id(s) {missing} never reached their backend")
+    return Verdict(name, True, f"full layers {sorted(full_ids)} and linear layers {sorted(linear_ids)} dispatched correctly")
+
+
+# The routing a server promises for ``--prefill-attention-backend P --decode-attention-backend D`` (SGLang's
+# server-argument docs; ``--speculative-attention-mode prefill`` is the default): decode steps and idle batches on
+# D, everything that extends (prefill, mixed chunked prefill, draft extends) and speculative verify on P.
+_SPLIT_OWNER = {ForwardMode.DECODE: "decode", ForwardMode.IDLE: "decode"}
 def mode_dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     """An engine's prefill/decode split (``pd(P, D)``): a batch is planned, and each of its layers run, by the
     backend the server configured for its mode, and by no other."""
@@ -474,7 +463,7 @@ def mode_dispatch(composition: Composition, spec: BatchSpec, device: str) -> Ver
                        f"; the server configured {names[owner]} for {spec.mode.value}")
     if spec.batch_size:  # an empty idle batch is neither planned nor run
         got = {m for m, _ in calls[owner]}
-        ran = {layer for m, layer in calls[owner] if m != "init_forward_metadata"}
+        ran = _forwarded(calls[owner])
         attention = {l.layer_id for l in spec.layers}
         if "init_forward_metadata" not in got:
             return Verdict(name, False, f"the {owner} backend ({names[owner]}) never planned the {spec.mode.value} "
