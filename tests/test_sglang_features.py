@@ -192,3 +192,23 @@ def test_an_import_check_says_which_module_imports_and_why_another_does_not():
     found = import_failures(["json", "no_such_module_for_the_harness"])
     assert found["json"] is None
     assert found["no_such_module_for_the_harness"].startswith("ModuleNotFoundError")
+
+
+def test_a_probe_can_ask_whether_a_member_is_a_static_method(tmp_path):
+    # 0.5.10-0.5.12's TorchFlexAttnBackend hands create_block_mask bound methods, which torch 2.13 refuses; 0.5.13
+    # made them static: the flex_attention leaf needs the static ones (flex_static_masks)
+    old = _tree(tmp_path / "old", {"srt.layers.attention.torch_flex_backend": """
+        class TorchFlexAttnBackend:
+            def _causal_mask(self, b, h, q_idx, kv_idx): ...
+            def _decode_mask(self, b, h, q_idx, kv_idx): ...
+        """})
+    new = _tree(tmp_path / "new", {"srt.layers.attention.torch_flex_backend": """
+        class TorchFlexAttnBackend:
+            @staticmethod
+            def _causal_mask(b, h, q_idx, kv_idx): ...
+            @staticmethod
+            def _decode_mask(b, h, q_idx, kv_idx): ...
+        """})
+    assert features.missing_in(new, ["flex_static_masks"]) == []
+    (why,) = features.missing_in(old, ["flex_static_masks"])
+    assert "TorchFlexAttnBackend has no _causal_mask@staticmethod" in why

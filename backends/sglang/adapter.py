@@ -484,6 +484,7 @@ class SglangFlexAttention(SglangBackend):
         kv_cache_dtypes=frozenset({"auto"}),
         cuda_graph_modes=frozenset(),  # it keeps the base's graph methods, which raise
         requires=("sglang",),
+        engine_features=("flex_static_masks",),  # before 0.5.13 its mask functions are bound methods (features.py)
         engine="sglang",
         one_shape_per_kind=True,
         empty_extend=True,

@@ -132,6 +132,14 @@ FEATURES: dict[str, Feature] = {
     "prefill_decode": Feature("the prefill/decode split of --prefill-attention-backend and "
                               "--decode-attention-backend (HybridAttnBackend)", (
         _p("srt.layers.attention.hybrid_attn_backend:HybridAttnBackend"),)),
+    # Up to 0.5.12 TorchFlexAttnBackend hands create_block_mask bound methods (self, b, h, q_idx, kv_idx); the
+    # installed torch (2.13) counts a mask function's arguments from its __code__ (5, self included) and refuses
+    # them as a score_mod ("create-block_mask requires a mask_mod function!"), on every flex row of 0.5.10
+    # (ci/releases.sh 0.5.10, 79 rows). 0.5.13 made them static methods.
+    "flex_static_masks": Feature("flex_attention's block-mask functions as static methods, which the installed torch "
+                                 "accepts (0.5.13 on)", (
+        _p("srt.layers.attention.torch_flex_backend:TorchFlexAttnBackend._causal_mask@staticmethod"),
+        _p("srt.layers.attention.torch_flex_backend:TorchFlexAttnBackend._decode_mask@staticmethod"))),
     "hybrid_linear": Feature("the hybrid linear-attention wrapper and its state pools", (
         _p("srt.layers.attention.hybrid_linear_attn_backend:HybridLinearAttnBackend"),
         _p("srt.layers.radix_linear_attention:RadixLinearAttention"),
@@ -187,6 +195,9 @@ def _body_names(body) -> set[str]:
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
+            # A static method is also "NAME@staticmethod" (a probe can ask how a member is defined)
+            if any(getattr(d, "id", None) == "staticmethod" for d in getattr(node, "decorator_list", ())):
+                names.add(f"{node.name}@staticmethod")
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             names.update(_targets(node))
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
