@@ -176,7 +176,7 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                 now = time.time()
                 if active != grace_anchor:
                     grace, grace_anchor = 0.0, active
-                if compiler_running([proc.pid]):
+                if compiler_running([proc.pid], machine_wide=True):
                     grace += now - last_look
                 last_look = now
                 stalled = now - active

@@ -4,6 +4,14 @@ FlashInfer builds each kernel configuration with ninja and nvcc on its first use
 when workers compile at once), and Triton runs ptxas. A case waiting for that is slow, not hung: the
 supervisors that kill hung cases (the sweep, the isolated mutant runs) stop a case's clock while one of
 their processes has a compiler running, up to ``COMPILE_TIMEOUT_S`` in all.
+
+A case may also wait on a build it did not start: compilers take file locks shared by every process of the user
+(FlashInfer's per-kernel build locks; Inductor's ISA check, ``torch/_inductor/cpu_vec_isa.py`` ``check_build``,
+which compiles a test program under one lock in the user's temporary folder before flex_attention's first CPU
+kernel). Two sweeps side by side on one host (shards, or a CPU campaign's two seeds) wait on each other's
+builds: a lent host's 64-process campaign reported three flex_attention cases as hangs, each after 121 s in
+``filelock``'s ``_poll_until_acquired`` under ``check_build`` (2026-11-26). So the supervisors also count a
+compiler that any process of this user runs (``machine_wide``); ``COMPILE_TIMEOUT_S`` still bounds the wait.
 """
 
 from __future__ import annotations
@@ -41,9 +49,19 @@ def _process_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def compiler_running(roots: Iterable[int]) -> bool:
-    """Whether a compiler process descends from any of ``roots`` (always False without /proc)."""
+def compiler_running(roots: Iterable[int], machine_wide: bool = False) -> bool:
+    """Whether a compiler process descends from any of ``roots`` or, with ``machine_wide``, runs anywhere as this
+    user (module docstring); always False without /proc."""
     table = _process_table()
+    if machine_wide:
+        uid = os.getuid()
+        for pid, (_, name) in table.items():
+            if name in COMPILERS:
+                try:
+                    if os.stat(f"/proc/{pid}").st_uid == uid:
+                        return True
+                except OSError:  # it exited meanwhile
+                    pass
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)

@@ -251,8 +251,9 @@ class Sweep:
         try:
             while True:
                 if time.time() - self.compile_checked >= 1.0:
-                    # A worker waiting on another's build (FlashInfer's file lock) has no compiler of its own.
-                    self.compiling = compiler_running([t.proc.pid for t in self.running.values()])
+                    # A worker waiting on another's build (a file lock: FlashInfer's, Inductor's ISA check), in this
+                    # sweep or one beside it, has no compiler of its own (harness/procs.py).
+                    self.compiling = compiler_running([t.proc.pid for t in self.running.values()], machine_wide=True)
                     self.compile_checked = time.time()
                 for slot in list(self.running):
                     self.watch(self.running[slot])

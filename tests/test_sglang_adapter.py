@@ -227,6 +227,51 @@ def test_interpreted_kernels_are_bounds_checked():
 
 
 @needs_sglang
+def test_the_bounds_shim_takes_a_block_pointers_bare_mask():
+    # Triton 3.6's interpreter loads through a block pointer (tl.make_block_ptr, which fla's chunk kernels use) with
+    # its mask as a bare numpy array, not a handle; the shim read the handle's .data and every fla kernel crashed
+    # with "'memoryview' object has no attribute 'dtype'": 45 false findings on SGLang's GDN rows in a CPU
+    # campaign (triton 3.6.0, docs/false-findings-campaign.md). Both forms must pass, be bounds-checked, and keep
+    # their form.
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the shims apply to Triton's CPU interpreter only")
+    runtime.load()
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    from backends.sglang import interpreter_shims as shims
+
+    bare = np.array([1, 0, 2], dtype=np.uint8)
+    assert shims._as_bool(bare).tolist() == [True, False, True] and isinstance(shims._as_bool(bare), np.ndarray)
+    handle = interpreter.TensorHandle(bare, tl.int1)
+    assert shims._as_bool(handle).data.tolist() == [True, False, True]
+    ok = np.ones(3, dtype=bool)
+    assert shims._as_bool(ok) is ok
+    ptrs = interpreter.TensorHandle(np.array([16, 24, 1 << 40], dtype=np.uint64), tl.pointer_type(tl.float32))
+    shims._ranges[:] = [(16, 32, "x")]
+    try:
+        shims._check(ptrs, np.array([True, True, False]), "loads")  # the far address is masked off
+        with pytest.raises(shims.OutOfBounds, match="1 element"):
+            shims._check(ptrs, np.array([True, False, True]), "loads")
+    finally:
+        shims._ranges.clear()
+
+    @triton.jit
+    def rows(src, dst, n, BLOCK: tl.constexpr):
+        block = tl.make_block_ptr(src, shape=(n,), strides=(1,), offsets=(0,), block_shape=(BLOCK,), order=(0,))
+        x = tl.load(block, boundary_check=(0,), padding_option="zero")
+        tl.store(dst + tl.arange(0, BLOCK), x)
+
+    src, dst = torch.arange(5, dtype=torch.float32), torch.full((8,), -1.0)
+    rows[(1,)](src, dst, 5, BLOCK=8)
+    assert dst.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+
+
+@needs_sglang
 def test_interpreted_fp8_casts_round_as_a_gpu_does():
     # SGLang's Triton kernels cast q and P to the cache's fp8 dtype. Triton 3.8.0's interpreter drops the carry of
     # a mantissa rounded up into an odd exponent field (1.97 -> 1.0), which tripled the CPU rows' fp8 errors

@@ -71,12 +71,31 @@ _ranges: list = []  # [(start, end, name)] of the running kernel's tensor argume
 _kernel: list = []  # the running kernel's name
 
 
+def _mask_values(mask):
+    """A load/store mask's numpy array: the interpreter passes a ``TensorHandle`` for ``tl.load(ptrs, mask)`` but,
+    in Triton 3.6, the bare numpy array that a block pointer's ``materialize_pointers`` built (its ``.data`` is then
+    the array's raw buffer, a ``memoryview``)."""
+    import numpy as np
+
+    return mask if isinstance(mask, np.ndarray) else mask.data
+
+
+def _as_bool(mask):
+    """The mask with its truth values as numpy bools (shim 4), in the form it came: handle or bare array."""
+    from triton.runtime import interpreter
+
+    values = _mask_values(mask)
+    if values.dtype == bool:
+        return mask
+    return values.astype(bool) if values is mask else interpreter.TensorHandle(values.astype(bool), mask.dtype)
+
+
 def _check(ptrs, mask, what: str) -> None:
     import numpy as np
 
     if not _ranges:
         return
-    addresses = ptrs.data[mask.data] if mask is not None else ptrs.data
+    addresses = ptrs.data[_mask_values(mask)] if mask is not None else ptrs.data
     if addresses.size == 0:
         return
     addresses = addresses.astype(np.uint64, copy=False).ravel()
@@ -155,18 +174,13 @@ def apply() -> None:
     builder = interpreter.InterpreterBuilder
     masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
 
-    def as_bool(mask):
-        if mask.data.dtype != bool:
-            mask = interpreter.TensorHandle(mask.data.astype(bool), mask.dtype)
-        return mask
-
     def load(self, ptrs, mask, *rest):
-        mask = as_bool(mask)
+        mask = _as_bool(mask)
         _check(ptrs, mask, "loads")
         return masked_load(self, ptrs, mask, *rest)
 
     def store(self, ptrs, value, mask, *rest):
-        mask = as_bool(mask)
+        mask = _as_bool(mask)
         _check(ptrs, mask, "stores")
         return masked_store(self, ptrs, value, mask, *rest)
 

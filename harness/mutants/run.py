@@ -152,7 +152,7 @@ def run_mutant_isolated(mutant: Mutant, profile: Profile, device: str, out_dir: 
                                     reason=f"the process died ({exit_description(proc.exitcode)})",
                                     case_file=str(pending[-1]) if pending else None)
             now = time.time()
-            if compiler_running([proc.pid]):
+            if compiler_running([proc.pid], machine_wide=True):
                 grace += now - last_look
                 compiled += now - last_look
             last_look = now

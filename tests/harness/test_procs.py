@@ -48,3 +48,16 @@ def test_sees_a_compiler_below_a_process(tmp_path, name, expected):
 def test_no_roots_no_compiler():
     assert compiler_running([]) is False
     assert compiler_running([sys.maxsize]) is False
+
+
+def test_a_compiler_of_this_user_elsewhere_counts_machine_wide(tmp_path):
+    # A case blocked on a lock that another sweep's build holds (Inductor's ISA check, FlashInfer's builds) has no
+    # compiler below it; machine-wide, any compiler of this user stops its clock (harness/procs.py).
+    proc = _spawn_named(tmp_path, "cc1plus")
+    try:
+        assert compiler_running([sys.maxsize]) is False
+        assert compiler_running([sys.maxsize], machine_wide=True) is True
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid)])
+        proc.kill()
+        proc.wait()
