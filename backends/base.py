@@ -134,6 +134,10 @@ class Capabilities:
     # backends never draw them on a CPU (Support.interpreted_on_cpu), whatever this says.
     no_long_context_on_cpu: str | None = None
     engine: str = "harness"  # whose classes run: "harness" (ours) or a serving engine's, through its adapter
+    # A class-level leaf (backends/sglang/classes.py): why only its classes are checked (conformance), never built
+    # or run, and the engine's --attention-backend name whose classes it reads (available where one imports)
+    class_only: str | None = None
+    engine_classes: str | None = None
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
     # DRAFT_EXTEND batches cover the whole draft window for every request (EAGLE v2: accepted tokens first, the
@@ -186,6 +190,12 @@ class Capabilities:
             reason = unavailable_reason(self.engine_features + (self.cpu_engine_features if device == "cpu" else ()))
             if reason:
                 return reason
+            if self.engine_classes:
+                from backends.sglang.features import class_unavailable_reason
+
+                reason = class_unavailable_reason(self.engine_classes)
+                if reason:
+                    return reason
         for module in self.requires:
             if importlib.util.find_spec(module) is None:
                 return f"package '{module}' is not installed"
@@ -235,6 +245,7 @@ class Support:
     # seconds to minutes there (a wide batch of SGLang's Triton decode: 125 s), whatever the examples drawn
     interpreted_on_cpu: bool = False
     no_long_context_on_cpu: str | None = None  # some leaf's reason (Capabilities.no_long_context_on_cpu)
+    class_only: str | None = None  # some leaf's reason (Capabilities.class_only): only class-level properties run
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -286,6 +297,7 @@ class Support:
                    interpreted_on_cpu=any(c.cpu_needs_env == "TRITON_INTERPRET" for c in caps),
                    no_long_context_on_cpu=next((c.no_long_context_on_cpu for c in caps if c.no_long_context_on_cpu),
                                                None),
+                   class_only=next((c.class_only for c in caps if c.class_only), None),
                    kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
                    if full else frozenset({"auto"}),
                    kv_scales=all(c.kv_scales for c in full),

@@ -32,6 +32,16 @@ LEAVES: dict[str, str] = {
     "sglang.lightning": "backends.sglang.adapter:SglangLightning",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
+    # SGLang's backends whose kernels do not run here: their classes only (backends/sglang/classes.py)
+    "sglang.trtllm_mha": "backends.sglang.classes:SglangTrtllmMha",
+    "sglang.trtllm_mla": "backends.sglang.classes:SglangTrtllmMla",
+    "sglang.cutedsl_mla": "backends.sglang.classes:SglangCutedslMla",
+    "sglang.cutlass_mla": "backends.sglang.classes:SglangCutlassMla",
+    "sglang.flashmla": "backends.sglang.classes:SglangFlashMla",
+    "sglang.dsa": "backends.sglang.classes:SglangDsa",
+    "sglang.nsa": "backends.sglang.classes:SglangNsa",
+    "sglang.fa3": "backends.sglang.classes:SglangFa3",
+    "sglang.fa4": "backends.sglang.classes:SglangFa4",
 }
 WRAPPERS = ("hybrid", "tbo", "graph", "pd")
 ARITY = {"hybrid": 2, "tbo": 1, "graph": 1, "pd": 2}
@@ -295,7 +305,10 @@ def all_compositions() -> list[Composition]:
             if c.support().cuda_graph_modes and c.attention_kinds() & {"mha", "mla"}]
     # An engine's classes compose with its own wrappers only. SGLang builds a linear backend only inside its
     # hybrid wrapper, so its linear leaves appear as hybrid's second argument, never alone.
-    theirs_full = [n for n in LEAVES if n not in ours and leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
+    # A class-level leaf (Capabilities.class_only) stands alone: its wrappers' rows need it built.
+    class_only = [n for n in LEAVES if leaf_capabilities(n).class_only]
+    theirs_full = [n for n in LEAVES if n not in ours and n not in class_only
+                   and leaf_capabilities(n).attention_kinds & {"mha", "mla"}]
     theirs_linear = [n for n in LEAVES if n not in ours and _is_linear_leaf(n)]
     theirs = [Composition(n) for n in theirs_full]
     theirs += [Composition("hybrid", (Composition(f), Composition(lin))) for f in theirs_full for lin in theirs_linear
@@ -311,4 +324,4 @@ def all_compositions() -> list[Composition]:
                and leaf_capabilities(p).devices & leaf_capabilities(d).devices]
     theirs += [Composition("graph", (c,)) for c in theirs
                if _engine_term_adapted("graph", c) and c.support().cuda_graph_modes]
-    return out + theirs
+    return out + theirs + [Composition(n) for n in class_only]

@@ -98,7 +98,7 @@ def engine_inventory(m) -> None:
         if n.startswith("sglang."):
             leaves.setdefault(getattr(leaf_class(n), "sglang_name", None), []).append(n)
     unavailable = dict(m.unavailable)
-    imports = features.import_failures(sorted({mod for b in registered for mod, _ in b.classes}))
+    imports = features.registered_import_failures()  # cached per installed SGLang: the first asking costs ~15 s
     print(f"SGLang's registered attention backends ({len(registered)}, sglang {runtime.installed_version()}):")
     for b in registered:
         classes = ", ".join(cls for _, cls in b.classes) or "no class found in its factory"
@@ -106,12 +106,16 @@ def engine_inventory(m) -> None:
             said = []
             for leaf in leaves[b.name]:
                 rows = sum(1 for r in m.rows if leaf in r.composition.leaves())
-                said.append(f"{leaf}: {rows} rows here" if rows else f"{leaf}: {unavailable.get(leaf, 'no rows here')}")
+                class_only = leaf_class(leaf).capabilities.class_only
+                level = f"classes only, conformance ({class_only})" if class_only else "every property"
+                why = unavailable.get(leaf, "no rows here").removeprefix(f"{leaf}: ")
+                said.append(f"{leaf}: {level}, {rows} rows here" if rows else f"{leaf}: {why}")
             print(f"  {b.name:<20} {'; '.join(said)} ({classes})")
             continue
         fails = [f"{cls}: {imports[mod]}" for mod, cls in b.classes if imports.get(mod)]
         where = ("its class does not import here: " + "; ".join(fails)) if fails else \
-            ("its class imports here (no kernel needed to read it)" if imports else "import check failed")
+            ("its class imports here (a class-level leaf, backends/sglang/classes.py, would check it)" if imports
+             else "import check failed")
         print(f"  {b.name:<20} not a leaf yet; {where} ({classes})")
 
 

@@ -55,11 +55,15 @@ class Property:
     strategy_options: tuple[tuple[str, object], ...] = ()  # extra keyword arguments of batch_specs
     needs_state: bool = False  # only compositions that serve a linear-attention (recurrent) layer kind
     under_graph: bool = False  # also on graph() compositions, its forward replayed in a captured graph
+    class_level: bool = False  # needs only the classes (runs on class-level leaves, Capabilities.class_only)
 
     def applies(self, composition: Composition, mode: ForwardMode) -> str | None:
         """None if the property applies to this row, else why not."""
         if mode not in self.modes:
             return f"{self.name} needs {'/'.join(sorted(m.value for m in self.modes))} batches"
+        class_only = composition.support().class_only
+        if class_only and not self.class_level:
+            return f"only its classes are checked: {class_only}"
         if self.needs_state and not composition.attention_kinds() & RECURRENT_KINDS:
             return f"{self.name} needs linear-attention layers"
         outer = self.needs_wrapper in ("tbo", "graph", "pd")
@@ -125,7 +129,7 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              per_child=True),
     Property("conformance", conformance,
              "every protocol method exists, accepts the canonical call, and wrappers delegate it",
-             modes=frozenset({ForwardMode.EXTEND})),
+             modes=frozenset({ForwardMode.EXTEND}), class_level=True),
     Property("dispatch", dispatch, "full layer ids reach the full backend, the others the linear backend",
              modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}), needs_wrapper="hybrid"),
     Property("mode_dispatch", mode_dispatch,

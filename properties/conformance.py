@@ -351,8 +351,119 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
                                f"{base.__name__} that their children override")
 
 
+def _declared_calls(sig: inspect.Signature) -> list[tuple[str, list[str], dict]]:
+    """The calls a declaration lets a caller make, ``self`` left out: every positional parameter by position (the
+    keyword-only ones by name), and the required ones by position with every defaulted one by name. ``*args`` and
+    ``**kwargs`` add nothing: a caller can rely only on what is named."""
+    params = list(sig.parameters.values())[1:]
+    P = inspect.Parameter
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    keyword_only = [p for p in params if p.kind is P.KEYWORD_ONLY]
+    required = [p for p in positional if p.default is P.empty]
+    return [("every parameter by position", [p.name for p in positional], {p.name: None for p in keyword_only}),
+            ("the defaulted ones by name", [p.name for p in required],
+             {p.name: None for p in positional + keyword_only if p not in required})]
+
+
+def _raises_not_implemented(fn) -> bool:
+    """Whether ``fn``'s body ends by raising NotImplementedError (an abstract member of an engine's base class)."""
+    import ast
+    import textwrap
+
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0].body
+    except (OSError, TypeError, SyntaxError, IndexError, AttributeError):
+        return False
+    last = body[-1] if body else None
+    if not isinstance(last, ast.Raise) or last.exc is None:
+        return False
+    exc = last.exc.func if isinstance(last.exc, ast.Call) else last.exc
+    return getattr(exc, "id", None) == "NotImplementedError"
+
+
+def class_call_problems(cls: type, base: type, forwarders: list[type], probed: tuple[str, ...]) -> tuple[list[str], int]:
+    """What keeps an engine's class from taking the calls its engine makes of it, read from the classes alone:
+
+    - each member of ``base`` it overrides must take every call the base declares (``_declared_calls``): the
+      engine's callers are written against the base;
+    - each hasattr-probed member it has (``probed``) must take every call a wrapper in ``forwarders`` (the engine's
+      hybrid wrappers, which pass a probed call on to their child with their own parameters) declares for it;
+    - a full-attention backend must define ``forward_extend`` and ``forward_decode`` (or its own ``forward``) where
+      the base's raise NotImplementedError: the base's ``forward`` dispatches every batch to one of them.
+
+    Returns the problems and the number of (member, declaration) pairs checked."""
+    problems, checked = [], 0
+    declarations = [(m, base) for m, fn in inspect.getmembers(base, inspect.isfunction) if not m.startswith("_")]
+    declarations += [(m, w) for m in probed for w in forwarders if inspect.isfunction(getattr(w, m, None))]
+    failed = set()
+    for member, owner in declarations:
+        mine = inspect.getattr_static(cls, member, None)
+        if member in failed:  # one problem a member: two wrappers forwarding the same call say it once
+            continue
+        if mine is None or mine is inspect.getattr_static(base, member, None):
+            continue
+        if isinstance(mine, (staticmethod, classmethod)) or not callable(mine):
+            problems.append(f"{cls.__name__}.{member} is a {type(mine).__name__}, where {owner.__name__} declares "
+                            f"a method")
+            continue
+        try:
+            mine_sig, declared = inspect.signature(mine), inspect.signature(getattr(owner, member))
+        except (TypeError, ValueError):  # a builtin's signature cannot be read: nothing to hold it to
+            continue
+        checked += 1
+        for how, args, kwargs in _declared_calls(declared):
+            try:
+                mine_sig.bind(None, *args, **kwargs)
+            except TypeError as e:
+                call = ", ".join(args + [f"{k}=..." for k in kwargs])
+                verb = "declares" if owner is base else "passes on to its child"
+                problems.append(f"{cls.__name__}.{member}{_strip_self(mine_sig)} does not take the call "
+                                f"{owner.__name__} {verb}, {member}({call}) ({how}): {e}")
+                failed.add(member)
+                break
+    if inspect.getattr_static(cls, "forward", None) is inspect.getattr_static(base, "forward", None):
+        for member in ("forward_extend", "forward_decode"):
+            inherited = inspect.getattr_static(cls, member, None)
+            if inherited is inspect.getattr_static(base, member, None) and _raises_not_implemented(inherited):
+                problems.append(f"{cls.__name__} keeps {base.__name__}.{member}, which raises NotImplementedError: "
+                                f"{base.__name__}.forward sends every {member.split('_')[1]} batch to it")
+    return problems, checked
+
+
+def _strip_self(sig: inspect.Signature) -> str:
+    params = list(sig.parameters.values())[1:]
+    return "(" + ", ".join(p.name if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) else str(p).split(":")[0]
+                           for p in params) + ")"
+
+
+def class_conformance(composition: Composition) -> Verdict:
+    """A class-level leaf (backends/sglang/classes.py): each class its engine's factory returns that imports here,
+    held to the calls its engine makes of it (``class_call_problems``)."""
+    from backends.registry import leaf_class
+    from backends.sglang import runtime
+
+    leaf = leaf_class(composition.name)
+    sgl = runtime.load()
+    classes = leaf.engine_classes()
+    forwarders = [w for w in (sgl.HybridLinearAttnBackend, sgl.HybridAttnBackend) if w is not None]
+    problems, checked = [], 0
+    for cls in classes:
+        found, n = class_call_problems(cls, sgl.AttentionBackend, forwarders, runtime.probed_members())
+        problems += found
+        checked += n
+    if not classes:
+        return Verdict("conformance", False, f"no class of SGLang's {leaf.sglang_name!r} backend imports here")
+    if problems:
+        return Verdict("conformance", False, "; ".join(problems))
+    names = ", ".join(c.__name__ for c in classes)
+    return Verdict("conformance", True, f"{names}: every call SGLang declares for the {checked} member(s) they "
+                                        f"override binds; forward_extend and forward_decode defined")
+
+
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     name = "conformance"
+    if composition.support().class_only:
+        return class_conformance(composition)
     if composition.engine != "harness":
         return engine_conformance(composition, spec, device)
     backend = composition.build(spec, ModelRunner.of(materialize(spec, device).forward_batch, spec.layers))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import os
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -412,3 +413,91 @@ def import_failures(modules: list[str], timeout_s: float = 120.0) -> dict[str, s
     except (subprocess.SubprocessError, ValueError, IndexError):
         return {}
 
+
+
+def _import_cache_file() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attn-harness" / "sglang-imports.json"
+
+
+@cache
+def registered_import_failures() -> dict[str, str | None]:
+    """module -> why it does not import here (None: it imports), for the module of every class the installed
+    SGLang's registry returns. One fresh process answers for all of them (SGLang's import takes 10-25 s), and the
+    answer is kept per installed SGLang (its version, folder and registry file's modification time) in the user's
+    cache folder, as the Triton interpreter probe's is: every process of a run asks."""
+    import json
+    import sys
+
+    root = package_root()
+    if root is None:
+        return {}
+    modules = sorted({mod for b in registered_backends() for mod, _ in b.classes})
+    registry = root / "srt" / "layers" / "attention" / "attention_registry.py"
+    try:
+        stamp = registry.stat().st_mtime_ns
+    except OSError:
+        stamp = 0
+    from importlib import metadata
+
+    try:
+        version = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        version = "-"
+    key = f"sglang {version} at {root} ({stamp}), python {sys.version.split()[0]} at {sys.prefix}"
+    path = _import_cache_file()
+    try:
+        known = json.loads(path.read_text())
+        if isinstance(known, dict) and isinstance(known.get(key), dict) and set(known[key]) == set(modules):
+            return known[key]
+    except (OSError, ValueError):
+        known = {}
+    verdicts = import_failures(modules)
+    if verdicts:  # an empty answer is the probe's own failure: asked again next time
+        try:
+            known = known if isinstance(known, dict) else {}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**known, key: verdicts}, indent=1))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return verdicts
+
+
+def _own_classes(name: str) -> list[tuple[str, str]]:
+    """(module, class) of the classes SGLang's ``--attention-backend name`` factory returns, less another backend's
+    main class (the first its factory returns) where it is not this one's too: fa4's factory returns triton's
+    TritonAttnBackend for one diffusion model; fa3's and fa4's main class is the same FlashAttentionBackend."""
+    registered = registered_backends()
+    entry = next((b for b in registered if b.name == name), None)
+    if entry is None or not entry.classes:
+        return []
+    others = {b.classes[0] for b in registered if b.name != name and b.classes} - {entry.classes[0]}
+    return [c for c in entry.classes if c not in others]
+
+
+def class_unavailable_reason(name: str) -> str | None:
+    """Why no class of its own that SGLang's ``--attention-backend name`` builds can be read here: the installed
+    release registers no such backend, or none of its own classes (``_own_classes``) imports (their kernels'
+    packages missing; a factory picks one class per platform, e.g. fa3's ``MusaFlashAttentionBackend``), or None."""
+    entry = next((b for b in registered_backends() if b.name == name), None)
+    if entry is None:
+        return f"the installed SGLang registers no attention backend {name!r}"
+    own = _own_classes(name)
+    if not own:
+        return f"SGLang's {name!r} factory returns no class of its own that the harness finds in its source"
+    verdicts = registered_import_failures()
+    if not verdicts:
+        return "the import probe of SGLang's attention modules failed here"
+    failures = [f"{cls}: {verdicts.get(module) or 'not probed'}" for module, cls in own
+                if verdicts.get(module, "not probed")]
+    if len(failures) == len(own):
+        return "no class of it imports here (" + "; ".join(failures) + ")"
+    return None
+
+
+def importable_classes(name: str) -> list[tuple[str, str]]:
+    """(module, class) of each class of its own (``_own_classes``) that SGLang's ``--attention-backend name``
+    factory returns and that imports here."""
+    verdicts = registered_import_failures()
+    return [(m, c) for m, c in _own_classes(name) if m in verdicts and verdicts[m] is None]

@@ -572,6 +572,13 @@ def sglang_one_arg_mha_chunk():
     return _cpu_full_child_with_mha_chunk(lambda self, forward_batch: None)
 
 
+def sglang_trtllm_mla_one_arg_mha_chunk():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.trtllm_mla_backend import TRTLLMMLABackend
+    return mock.patch.object(TRTLLMMLABackend, "init_mha_chunk_metadata", lambda self, forward_batch: None)
+
+
 def sglang_linear_captured_in_prefill_graph():
     from backends.sglang.runtime import load
     sgl = load()
@@ -644,6 +651,10 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
            "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
            ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
+    Mutant("sglang_trtllm_mla_one_arg_mha_chunk", "the same bug in its own class: TRTLLMMLABackend's "
+           "init_mha_chunk_metadata taking only the batch (before the #27316 review), read at class level where its "
+           "Blackwell kernels cannot run: SGLang's hybrid wrappers forward (forward_batch, disable_flashinfer_ragged)",
+           ("sglang.trtllm_mla",), ("conformance",), engine="sglang"),
 ]
 
 CATALOGUE: list[Mutant] = [

@@ -1,0 +1,81 @@
+"""SGLang's registered backends whose kernels cannot run here, read at class level (backends/sglang/classes.py): their
+rows, why the others are unavailable, and what the class-level check catches."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.registry import parse
+from batch.spec import BatchSpec, ForwardMode, MHALayer
+from properties import PROPERTIES
+from search.matrix import matrix
+from search.profiles import PROFILES
+
+pytest.importorskip("sglang")
+
+CLASS_LEAVES = ("sglang.trtllm_mha", "sglang.trtllm_mla", "sglang.cutedsl_mla", "sglang.cutlass_mla", "sglang.flashmla",
+                "sglang.dsa", "sglang.nsa", "sglang.fa3", "sglang.fa4")
+
+
+def test_class_level_leaves_get_a_conformance_row_or_say_why_not():
+    m = matrix("cpu", PROFILES["ci"], list(CLASS_LEAVES))
+    assert {r.property.name for r in m.rows} <= {"conformance"}
+    assert {r.mode for r in m.rows} <= {ForwardMode.EXTEND}
+    ran = {str(r.composition) for r in m.rows}
+    unavailable = dict(m.unavailable)
+    assert ran | set(unavailable) == set(CLASS_LEAVES)  # every one is a row or says why not
+    # every other property is left out with the leaf's reason, never silently
+    assert any(why.startswith("only its classes are checked") for _, why in m.excluded)
+    # no wrapper composes over a leaf that is never built
+    from backends.registry import all_compositions
+    assert not [c for c in all_compositions() if not c.is_leaf and set(c.leaves()) & set(CLASS_LEAVES)]
+    for name, why in unavailable.items():
+        assert "imports here" in why or "registers no attention backend" in why or "of its own" in why, (name, why)
+
+
+def test_a_class_level_row_runs_and_passes_on_a_class_that_takes_sglangs_calls(device):
+    spec = BatchSpec(ForwardMode.EXTEND, (0,), (3,), (MHALayer(0, 2, 1, 16, 16),), seed=1)
+    composition = parse("sglang.trtllm_mha")
+    if composition.unavailable_reason("cpu"):
+        pytest.skip(composition.unavailable_reason("cpu"))
+    verdict = PROPERTIES["conformance"].run(composition, spec, device)
+    assert verdict.ok and "TRTLLMHAAttnBackend" in verdict.reason, str(verdict)
+
+
+def test_the_class_level_check_catches_what_breaks_sglangs_calls():
+    # The bug this project started from (TRT-LLM MLA's init_mha_chunk_metadata taking only the batch, where the
+    # hybrid wrappers pass two), a graph hook that drops the in_capture keyword, a backend with no extend path;
+    # an override that adds parameters with defaults is fine.
+    from backends.sglang import runtime
+    from properties.conformance import class_call_problems
+
+    sgl = runtime.load()
+    base = sgl.AttentionBackend
+    forwarders = [w for w in (sgl.HybridLinearAttnBackend, sgl.HybridAttnBackend) if w is not None]
+    probed = runtime.probed_members()
+    assert "init_mha_chunk_metadata" in probed
+
+    class Good(base):
+        def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=None, **kwargs): ...
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs): ...
+        def init_forward_metadata_out_graph(self, forward_batch, in_capture=False, extra=None): ...
+        def init_mha_chunk_metadata(self, forward_batch, disable_flashinfer_ragged=False): ...
+
+    problems, checked = class_call_problems(Good, base, forwarders, probed)
+    assert problems == [] and checked >= 4
+
+    class OneArgChunk(Good):
+        def init_mha_chunk_metadata(self, forward_batch): ...
+
+    class NoCaptureFlag(Good):
+        def init_forward_metadata_out_graph(self, forward_batch): ...
+
+    class NoExtend(base):
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs): ...
+
+    (one,), _ = class_call_problems(OneArgChunk, base, forwarders, probed)
+    assert "OneArgChunk.init_mha_chunk_metadata(forward_batch)" in one and "too many positional" in one
+    (flag,), _ = class_call_problems(NoCaptureFlag, base, forwarders, probed)
+    assert "in_capture" in flag
+    (extend,), _ = class_call_problems(NoExtend, base, forwarders, probed)
+    assert "keeps AttentionBackend.forward_extend" in extend
