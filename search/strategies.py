@@ -17,6 +17,28 @@ from batch.spec import (KV_LAYOUTS, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSp
 from search.profiles import Profile
 
 
+def _without_local_constants() -> None:
+    """Keep Hypothesis from mixing constants read from "local" source into the draws.
+
+    Hypothesis (6.131 on) parses every loaded module that is not under site-packages and draws its literals now and
+    then. For the harness that is its own modules and, where SGLang is a source checkout or on ``PYTHONPATH`` (a
+    pull-request head in CI, a lent host's bundle), SGLang's ~1,000 modules: 18 s of parsing per process here, and on
+    a 64-process CPU campaign a worker's first draw ran past the 120 s case timeout and was reported as a hang
+    (``tbo(sglang.flex_attention)``, stuck in ``hypothesis/internal/constants_ast.py``, 2026-11-26). The strategies
+    draw the values that matter explicitly (``Capabilities.length_boundaries``, the profile's shapes), and a seeded
+    draw should not depend on which modules a process happens to have loaded. Private API: where a release lacks
+    it, nothing changes."""
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:
+        return
+    if callable(getattr(providers, "_get_local_constants", None)) and hasattr(providers, "_local_constants"):
+        providers._get_local_constants = lambda: providers._local_constants
+
+
+_without_local_constants()
+
+
 @st.composite
 def lengths(draw, lo: int, hi: int, page_size: int, boundaries: frozenset[int] = frozenset(),
             cap: int = 0) -> int:

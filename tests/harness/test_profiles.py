@@ -112,3 +112,13 @@ def test_the_interpreter_probe_runs_once_per_environment(monkeypatch, tmp_path):
         assert interpreter.interpreter_fault() == "broken here"
     assert len(calls) == 2  # once per environment, the second process read the first one's verdict
     interpreter.interpreter_fault.cache_clear()
+
+
+def test_draws_take_no_constants_from_local_source():
+    # Hypothesis parses every loaded module outside site-packages for literals to draw; with SGLang as a source
+    # checkout that is ~1,000 modules (18 s a process), and a loaded CPU campaign called a worker's first draw a
+    # hang (search/strategies.py). The harness's own modules are local here, so without the switch this pool fills.
+    import search.strategies  # noqa: F401 - importing it turns the pool off
+    from hypothesis.internal.conjecture import providers
+
+    assert len(providers._get_local_constants().integers) == 0
