@@ -178,6 +178,7 @@ class Sweep:
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
     compile_checked: float = 0.0
+    stop_sent: float | None = None  # when the first worker was told to stop (SIGINT); None: none yet
 
     def __post_init__(self) -> None:
         self.by_id = {s.row.id: s for s in self.rows}
@@ -371,6 +372,17 @@ class Sweep:
         for path in sorted((self.out_dir / "cases").glob("*.json")):
             if path.name in named or path.stat().st_mtime < since:
                 continue
+            if self.stop_sent is not None and path.stat().st_mtime >= self.stop_sent:
+                # Written after its worker was told to stop: the stop may be what failed. A KeyboardInterrupt
+                # raised inside numpy's conversion of a shape (an interpreted kernel's __index__) comes out as
+                # "TypeError: expected a sequence of integers", which a CPU campaign adopted as a finding
+                # (2026-11-26). Set aside, not adopted and not lost; a real failure is found again.
+                aside = self.out_dir / "interrupted"
+                aside.mkdir(exist_ok=True)
+                path.replace(aside / path.name)
+                self.progress.event(f"{path.name} was written after its worker was told to stop: not taken as a "
+                                    f"finding (kept in {aside.name}/)")
+                continue
             try:
                 case = CaseFile.read(path)
             except Exception:  # noqa: BLE001 - not a case file this harness can read: not a finding of its own
@@ -469,6 +481,8 @@ class Sweep:
 
     def stop(self, task: Task) -> None:
         task.stopping = True
+        if self.stop_sent is None:
+            self.stop_sent = time.time()
         try:
             os.killpg(task.proc.pid, signal.SIGINT)
             task.proc.wait(STOP_GRACE_S)

@@ -243,3 +243,37 @@ def test_the_lock_names_its_holder_and_dies_with_it(tmp_path, capsys):
 
     with OutFolderLock(tmp_path):
         pass
+
+
+def test_a_case_written_after_the_stop_signal_is_set_aside_not_adopted(tmp_path):
+    """A worker's case that failed after the sweep told it to stop may have failed of the stop: numpy turns a
+    KeyboardInterrupt raised in an interpreted kernel's __index__ into "TypeError: expected a sequence of
+    integers", which a CPU campaign adopted as a finding. Such a file is kept aside, not adopted; one written
+    before the stop still is."""
+    from harness.sweep import RowState, Sweep
+
+    out = tmp_path
+    result = fake_failure(out)
+    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["extend"])[0]
+    case = CaseFile.read(result.case_file)
+    Path(result.case_file).unlink()
+    case.composition = "tbo(torch_native)"
+    late = case.write(out / "cases" / case_name(case.composition, case.property, "extend", case.spec))
+
+    class Quiet:
+        def event(self, text):
+            self.text = text
+
+    def sweep(stop_sent):
+        s = Sweep([RowState(r) for r in rows], "cpu", "ci", out, time.time() + 60, 1, None, 1, None, None, None,
+                  None, Quiet())
+        s.stop_sent = stop_sent
+        return s
+
+    since = time.time() - 60
+    s = sweep(time.time() - 1)  # the file was written after the stop
+    assert s.adopt_orphans(since) == 0 and not late.exists() and (out / "interrupted" / late.name).exists()
+    assert "after its worker was told to stop" in s.progress.text
+    (out / "interrupted" / late.name).replace(late)
+    assert sweep(None).adopt_orphans(since) == 1  # no stop sent: adopted as before
+    assert [f["row"] for f in jsonl(out / "findings.jsonl")] == ["tbo(torch_native)-extend-outputs"]
