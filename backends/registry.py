@@ -42,6 +42,11 @@ LEAVES: dict[str, str] = {
     "sglang.nsa": "backends.sglang.classes:SglangNsa",
     "sglang.fa3": "backends.sglang.classes:SglangFa3",
     "sglang.fa4": "backends.sglang.classes:SglangFa4",
+    "sglang.aiter": "backends.sglang.classes:SglangAiter",
+    "sglang.wave": "backends.sglang.classes:SglangWave",
+    "sglang.qsa": "backends.sglang.classes:SglangQsa",
+    "sglang.hpc_ops": "backends.sglang.classes:SglangHpcOps",
+    "sglang.intel_amx": "backends.sglang.classes:SglangIntelAmx",
 }
 WRAPPERS = ("hybrid", "tbo", "graph", "pd")
 ARITY = {"hybrid": 2, "tbo": 1, "graph": 1, "pd": 2}

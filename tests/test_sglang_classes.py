@@ -14,7 +14,8 @@ from search.profiles import PROFILES
 pytest.importorskip("sglang")
 
 CLASS_LEAVES = ("sglang.trtllm_mha", "sglang.trtllm_mla", "sglang.cutedsl_mla", "sglang.cutlass_mla", "sglang.flashmla",
-                "sglang.dsa", "sglang.nsa", "sglang.fa3", "sglang.fa4")
+                "sglang.dsa", "sglang.nsa", "sglang.fa3", "sglang.fa4", "sglang.aiter", "sglang.wave", "sglang.qsa",
+                "sglang.hpc_ops", "sglang.intel_amx")
 
 
 def test_class_level_leaves_get_a_conformance_row_or_say_why_not():

@@ -98,3 +98,32 @@ class SglangFa4(SglangClassOnly):
     sglang_name = "fa4"
     capabilities = _capabilities("mha", "FlashAttention 4's kernels come with sgl_kernel and run on Blackwell",
                                  sglang_name)
+
+
+# Registered backends for other hardware whose classes import on any machine: read at the same level.
+class SglangAiter(SglangClassOnly):
+    sglang_name = "aiter"
+    capabilities = _capabilities("mha", "AITER's kernels run on AMD Instinct GPUs (ROCm) only", sglang_name)
+
+
+class SglangWave(SglangClassOnly):
+    sglang_name = "wave"
+    capabilities = _capabilities("mha", "Wave's kernels run on AMD GPUs (ROCm) only", sglang_name)
+
+
+class SglangQsa(SglangClassOnly):
+    sglang_name = "qsa"
+    capabilities = _capabilities("mha", "Qwen sparse attention needs its indexer's kernels and a model's sparse layers, "
+                                        "not adapted yet", sglang_name)
+
+
+class SglangHpcOps(SglangClassOnly):
+    sglang_name = "hpc_ops"
+    capabilities = _capabilities("mha", "its kernels come with the hpc_ops package, not on the harness's machines",
+                                 sglang_name)
+
+
+class SglangIntelAmx(SglangClassOnly):
+    sglang_name = "intel_amx"
+    capabilities = _capabilities("mha", "its kernels are sgl_kernel's CPU ops for Intel AMX (the sglang-kernel CPU "
+                                        "build)", sglang_name)

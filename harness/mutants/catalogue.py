@@ -653,7 +653,8 @@ SGLANG_CATALOGUE: list[Mutant] = [
            ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
     Mutant("sglang_trtllm_mla_one_arg_mha_chunk", "the same bug in its own class: TRTLLMMLABackend's "
            "init_mha_chunk_metadata taking only the batch (before the #27316 review), read at class level where its "
-           "Blackwell kernels cannot run: SGLang's hybrid wrappers forward (forward_batch, disable_flashinfer_ragged)",
+           "Blackwell kernels cannot run; SGLang's hybrid wrappers forward (forward_batch, disable_flashinfer_ragged) "
+           "and the first MLA prefill under them raises TypeError",
            ("sglang.trtllm_mla",), ("conformance",), engine="sglang"),
 ]
 
