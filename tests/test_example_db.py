@@ -106,3 +106,30 @@ def test_seeded_search_saves_and_replays_from_redis(redis_url, tmp_path):
 
     replayed_first(example_database(None, redis_url), tmp_path)
     assert redis.Redis.from_url(redis_url).dbsize() > 0, "nothing was saved on the server"
+
+
+@dataclasses.dataclass(frozen=True)
+class FailsOnce:
+    """A stand-in property whose first failure does not repeat: as an engine that changes state after a failure
+    (torch.compile running a frame eagerly once its compile failed)."""
+
+    calls: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+    name: str = "outputs"
+    strategy_options: tuple = ()
+
+    def run(self, composition, spec, device) -> Verdict:
+        self.calls.append(spec)
+        ok = len(self.calls) != 2
+        return Verdict(self.name, ok, "ok" if ok else "crashed: InductorError: no valid choices")
+
+
+def test_a_failure_that_does_not_repeat_is_reported_as_itself(tmp_path):
+    # Hypothesis calls it flaky ("failed on the first call but did not on a subsequent one"); the harness reported
+    # "search could not run", which hid SGLang's flex_attention compile failure on CUDA. The first failure is the
+    # finding, with its case file.
+    from pathlib import Path
+
+    result = search_row(row_with(FailsOnce()), PROFILE, "cpu", max_examples=10, out_dir=tmp_path, seed=1)
+    assert not result.ok and result.failure.reason.startswith("crashed: InductorError: no valid choices")
+    assert "failed once; passed when run again" in result.failure.reason
+    assert result.case_file is not None and Path(result.case_file).exists()
