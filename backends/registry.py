@@ -329,4 +329,10 @@ def all_compositions() -> list[Composition]:
                and leaf_capabilities(p).devices & leaf_capabilities(d).devices]
     theirs += [Composition("graph", (c,)) for c in theirs
                if _engine_term_adapted("graph", c) and c.support().cuda_graph_modes]
-    return out + theirs + [Composition(n) for n in class_only]
+    # A class-level leaf alone, under SGLang's TBO wrapper, and beside each SGLang linear backend under its hybrid
+    # wrapper: never built, their rows read the wrapper's class against the leaf's classes (class_conformance)
+    read = [Composition(n) for n in class_only]
+    read += [Composition("tbo", (c,)) for c in read[:len(class_only)]]
+    read += [Composition("hybrid", (Composition(n), Composition(lin))) for n in class_only for lin in theirs_linear
+             if leaf_capabilities(n).engine == leaf_capabilities(lin).engine]
+    return out + theirs + read

@@ -328,6 +328,8 @@ def engine_conformance(composition: Composition, spec: BatchSpec, device: str) -
     # the caller makes: init_mha_chunk_metadata(forward_batch) (models/deepseek_common/.../forward_mha.py).
     for member in backend.engine_probed_members():
         for w, kids in pairs:
+            if hasattr(w, "full_attn_backend") and member in backend.engine_probed_on_full_backend():
+                continue  # its callers look on the wrapper's full backend too (qsa/glue.py)
             owner = next((type(k).__name__ for k in backend.probe_owners(w, kids) if hasattr(k, member)), None)
             if owner and not hasattr(w, member):
                 problems.append(f"{type(w).__name__} has no {member}, which its child {owner} has: SGLang's "
@@ -436,28 +438,122 @@ def _strip_self(sig: inspect.Signature) -> str:
                            for p in params) + ")"
 
 
-def class_conformance(composition: Composition) -> Verdict:
-    """A class-level leaf (backends/sglang/classes.py): each class its engine's factory returns that imports here,
-    held to the calls its engine makes of it (``class_call_problems``)."""
+def assigned_on_instances(cls: type) -> set[str]:
+    """Names a class's methods (its bases' included) assign on the instance, ``self.NAME = ...``: a wrapper that
+    copies a child's value onto itself in ``__init__`` (SGLang's wrappers do, for ``needs_cpu_seq_lens`` and
+    ``extend_dummy_seqs_capped_by_req_pool``) makes that member reachable without defining it on its class."""
+    import ast
+    import textwrap
+
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
+                         and isinstance(t.value, ast.Name) and t.value.id == "self")
+    return names
+
+
+def class_hidden(wrapper: type, children: list[type], owners: list[type], base: type,
+                 probed: tuple[str, ...], fallback: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """(member, child class) for each member a child class overrides (or, probed with hasattr, has) that the wrapper
+    class leaves unreachable, read from the classes alone: ``hidden_overrides`` for a wrapper that was never built.
+    ``fallback``: probed members whose callers also look on a wrapper's ``full_attn_backend``: not owed by one.
+    A member the wrapper's methods assign on the instance counts as reachable; so does a probed member where the
+    wrapper delegates through ``__getattr__`` (TboAttnBackend's does, from 0.5.15). ``owners``: the children whose
+    probed members it owes (a prefill/decode split: its prefill child's)."""
+    copied = assigned_on_instances(wrapper)
+    hidden = []
+    for member in engine_protocol(base):
+        default = inspect.getattr_static(base, member, None)
+        if inspect.getattr_static(wrapper, member, None) is not default or member in copied:
+            continue
+        owner = next((c for c in children if inspect.getattr_static(c, member, None) is not default), None)
+        if owner is not None:
+            hidden.append((member, owner.__name__))
+    delegates = getattr(wrapper, "__getattr__", None) is not None
+    holds_full = "full_attn_backend" in copied  # its callers look there too for some members (probed_on_full_backend)
+    for member in probed:
+        if holds_full and member in fallback:
+            continue
+        owner = next((c for c in owners if hasattr(c, member) or member in assigned_on_instances(c)), None)
+        if owner is not None and not (hasattr(wrapper, member) or member in copied or delegates):
+            hidden.append((member, owner.__name__))
+    return hidden
+
+
+def _engine_class_of(composition: Composition) -> list[type]:
+    """The SGLang classes a composition's leaf stands for: a class-level leaf's own (``engine_classes``); a built
+    leaf's through the registry name its adapter builds (its linear leaves have none: SGLang builds them inside its
+    hybrid wrapper, and their own members are checked by the built rows of that wrapper)."""
     from backends.registry import leaf_class
-    from backends.sglang import runtime
 
     leaf = leaf_class(composition.name)
+    if hasattr(leaf, "engine_classes"):
+        return leaf.engine_classes()
+    return []
+
+
+def class_conformance(composition: Composition) -> Verdict:
+    """A composition with a class-level leaf (backends/sglang/classes.py): each class its engine's factory returns
+    that imports here, held to the calls its engine makes of it (``class_call_problems``); under a wrapper, the
+    wrapper's class must also make reachable what those classes override (``class_hidden``)."""
+    from backends.sglang import runtime
+
+    name = "conformance"
     sgl = runtime.load()
-    classes = leaf.engine_classes()
+    base = sgl.AttentionBackend
+    leaves = _leaves_of(composition)
+    classes = [cls for leaf in leaves for cls in _engine_class_of(leaf)]
+    if not classes:
+        return Verdict(name, False, f"no class of {composition} imports here")
     forwarders = [w for w in (sgl.HybridLinearAttnBackend, sgl.HybridAttnBackend) if w is not None]
+    probed = runtime.probed_members()
     problems, checked = [], 0
-    for cls in classes:
-        found, n = class_call_problems(cls, sgl.AttentionBackend, forwarders, runtime.probed_members())
+    for cls in dict.fromkeys(classes):
+        found, n = class_call_problems(cls, base, forwarders, probed)
         problems += found
         checked += n
-    if not classes:
-        return Verdict("conformance", False, f"no class of SGLang's {leaf.sglang_name!r} backend imports here")
+    call_problems, hidden_all = len(problems), []
+    wrappers = {"tbo": sgl.TboAttnBackend, "hybrid": sgl.HybridLinearAttnBackend, "pd": sgl.HybridAttnBackend}
+    for node in _wrapper_nodes(composition):
+        wrapper = wrappers[node.name]
+        if wrapper is None:
+            return Verdict(name, False, f"the installed SGLang has no {node.name}() wrapper class")
+        kids = [cls for child in node.children for cls in _classes_under(child)]
+        owners = [cls for cls in _classes_under(node.children[0])] if node.name == "pd" else kids
+        hidden = class_hidden(wrapper, kids, owners, base, probed, runtime.probed_on_full_backend())
+        if hidden:
+            listed = ", ".join(f"{m} (of {c})" for m, c in hidden)
+            problems.append(f"{wrapper.__name__} does not make reachable what its children have: {listed}; the "
+                            f"{base.__name__} default answers, or SGLang's hasattr-guarded call skips it")
+            hidden_all += [m for m, _ in hidden]
     if problems:
-        return Verdict("conformance", False, "; ".join(problems))
-    names = ", ".join(c.__name__ for c in classes)
-    return Verdict("conformance", True, f"{names}: every call SGLang declares for the {checked} member(s) they "
-                                        f"override binds; forward_extend and forward_decode defined")
+        return Verdict(name, False, "; ".join(problems), details={"hidden": list(dict.fromkeys(hidden_all)),
+                                                                  "other_problems": call_problems})
+    names = ", ".join(dict.fromkeys(c.__name__ for c in classes))
+    return Verdict(name, True, f"{names}: every call SGLang declares for the {checked} member(s) they override "
+                               f"binds; forward_extend and forward_decode defined"
+                               + ("; every wrapper reaches what they have" if _wrapper_nodes(composition) else ""))
+
+
+def _leaves_of(composition: Composition) -> list[Composition]:
+    return [composition] if composition.is_leaf else [l for c in composition.children for l in _leaves_of(c)]
+
+
+def _wrapper_nodes(composition: Composition) -> list[Composition]:
+    if composition.is_leaf:
+        return []
+    return [composition] + [w for c in composition.children for w in _wrapper_nodes(c)]
+
+
+def _classes_under(composition: Composition) -> list[type]:
+    return [cls for leaf in _leaves_of(composition) for cls in _engine_class_of(leaf)]
 
 
 def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdict:

@@ -22,14 +22,17 @@ def test_class_level_leaves_get_a_conformance_row_or_say_why_not():
     m = matrix("cpu", PROFILES["ci"], list(CLASS_LEAVES))
     assert {r.property.name for r in m.rows} <= {"conformance"}
     assert {r.mode for r in m.rows} <= {ForwardMode.EXTEND}
-    ran = {str(r.composition) for r in m.rows}
-    unavailable = dict(m.unavailable)
+    ran = {str(r.composition) for r in m.rows if r.composition.is_leaf}
+    unavailable = {name: why for name, why in m.unavailable if "(" not in name}
     assert ran | set(unavailable) == set(CLASS_LEAVES)  # every one is a row or says why not
     # every other property is left out with the leaf's reason, never silently
     assert any(why.startswith("only its classes are checked") for _, why in m.excluded)
-    # no wrapper composes over a leaf that is never built
+    # over a leaf that is never built, SGLang's TBO and hybrid wrappers are read at class level too (conformance only)
     from backends.registry import all_compositions
-    assert not [c for c in all_compositions() if not c.is_leaf and set(c.leaves()) & set(CLASS_LEAVES)]
+    wrapped = [c for c in all_compositions() if not c.is_leaf and set(c.leaves()) & set(CLASS_LEAVES)]
+    assert wrapped and {c.name for c in wrapped} == {"tbo", "hybrid"}
+    m = matrix("cpu", PROFILES["ci"], [str(c) for c in wrapped])
+    assert {r.property.name for r in m.rows} == {"conformance"}
     for name, why in unavailable.items():
         assert "imports here" in why or "registers no attention backend" in why or "of its own" in why, (name, why)
 
@@ -80,3 +83,41 @@ def test_the_class_level_check_catches_what_breaks_sglangs_calls():
     assert "in_capture" in flag
     (extend,), _ = class_call_problems(NoExtend, base, forwarders, probed)
     assert "keeps AttentionBackend.forward_extend" in extend
+
+
+def test_a_wrapper_read_at_class_level_must_reach_what_its_children_have():
+    # A wrapper that leaves to the base class a member its child overrides (the base's default answers), or lacks
+    # a member callers probe with hasattr, is caught from the classes alone; one its __init__ copies from the
+    # child is reachable, and one callers also seek on a hybrid wrapper's full_attn_backend is not owed by it.
+    from backends.sglang import runtime
+    from properties.conformance import class_hidden
+
+    sgl = runtime.load()
+    base = sgl.AttentionBackend
+
+    class Child(base):
+        needs_cpu_seq_lens = False
+
+        def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs): ...
+        def init_mha_chunk_metadata(self, forward_batch, disable_flashinfer_ragged=False): ...
+        def set_mtp_shared_sparse_indices(self, state): ...
+
+    class Forgets(base):
+        def __init__(self, child):
+            self.child = child
+
+    class Copies(base):
+        def __init__(self, child):
+            self.full_attn_backend = child
+            self.needs_cpu_seq_lens = child.needs_cpu_seq_lens
+
+        def update_verify_buffers_to_fill_after_draft(self, spec_info, cuda_graph_bs): ...
+        def init_mha_chunk_metadata(self, forward_batch, disable_flashinfer_ragged=False): ...
+
+    probed = ("init_mha_chunk_metadata", "set_mtp_shared_sparse_indices")
+    fallback = frozenset({"set_mtp_shared_sparse_indices"})
+    forgot = {m for m, _ in class_hidden(Forgets, [Child], [Child], base, probed, fallback)}
+    assert {"update_verify_buffers_to_fill_after_draft", "needs_cpu_seq_lens", "init_mha_chunk_metadata",
+            "set_mtp_shared_sparse_indices"} <= forgot
+    assert class_hidden(Copies, [Child], [Child], base, probed, fallback) == []
+    assert class_hidden(Copies, [Child], [Child], base, probed) == [("set_mtp_shared_sparse_indices", "Child")]

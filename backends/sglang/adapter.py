@@ -125,6 +125,10 @@ class _SglangObject(AttentionBackend):
         """Protocol beyond the base class: the members SGLang's callers probe for with ``hasattr``."""
         return runtime.probed_members()
 
+    def engine_probed_on_full_backend(self) -> frozenset[str]:
+        """Probed members whose callers also look on a hybrid wrapper's ``full_attn_backend``: not owed by it."""
+        return runtime.probed_on_full_backend()
+
     def engine_children(self, obj) -> list:
         """The SGLang backends an SGLang wrapper object holds (none for a leaf): a hybrid's
         ``attn_backend_list``, a prefill/decode split's two."""

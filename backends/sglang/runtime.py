@@ -284,20 +284,55 @@ def load() -> SimpleNamespace:
 
 
 @cache
+def _probe_scan() -> tuple[tuple[str, ...], frozenset[str]]:
+    """One pass over the installed SGLang's source for ``probed_members`` and ``probed_on_full_backend``."""
+    import ast
+    import re
+
+    root = features.package_root()  # read without importing SGLang (an import costs 10-25 s)
+    probe = re.compile(r"hasattr\(\s*[\w.()]*attn_backend[\w.()]*\s*,\s*\"(\w+)\"")
+    names, fallback = set(), set()
+    for path in (root.joinpath("srt").rglob("*.py") if root is not None else ()):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        found = probe.findall(text)
+        names.update(found)
+        if not found or "full_attn_backend" not in text:
+            continue
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            held, full = set(), set()
+            for call in ast.walk(fn):
+                if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) in ("hasattr", "getattr")
+                        and len(call.args) >= 2 and isinstance(call.args[1], ast.Constant)):
+                    continue
+                target = ast.unparse(call.args[0])
+                if "full_attn_backend" in target:
+                    full.add(call.args[1].value)
+                elif "attn_backend" in target and call.func.id == "hasattr":
+                    held.add(call.args[1].value)
+            fallback |= held & full
+    return tuple(sorted(names)), frozenset(fallback)
+
+
 def probed_members() -> tuple[str, ...]:
     """Members SGLang's callers look for on an attention backend with ``hasattr`` (``init_mha_chunk_metadata``,
     ``update_mamba_state_after_mtp_verify``, ...): protocol the base class does not define, read from the
     installed SGLang's source so it follows the version a user has."""
-    import re
-    from pathlib import Path
+    return _probe_scan()[0]
 
-    import sglang
 
-    probe = re.compile(r"hasattr\(\s*[\w.()]*attn_backend[\w.()]*\s*,\s*\"(\w+)\"")
-    names = set()
-    for path in Path(sglang.__file__).parent.joinpath("srt").rglob("*.py"):
-        names.update(probe.findall(path.read_text(encoding="utf-8", errors="replace")))
-    return tuple(sorted(names))
+def probed_on_full_backend() -> frozenset[str]:
+    """The probed members whose callers, finding none on the backend they hold, look again on its
+    ``full_attn_backend`` in the same function (0.5.23's ``qsa/glue.py``, ``resolve_qsa_sparse_backend``: "a hybrid
+    wrapper keeps them on its full-attention side"): a hybrid wrapper does not owe them. A wrapper that itself
+    passes a member on to its full backend (``HybridLinearAttnBackend.init_mha_chunk_metadata``) probes nothing on
+    the backend it holds, so its members stay owed."""
+    return _probe_scan()[1]
 
 
 class _ModelConfig:
