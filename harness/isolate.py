@@ -26,7 +26,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.mutants.run import exit_description
-from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
+from harness.procs import COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, compiler_running, default_case_timeout
 from harness.sweep_worker import EXIT_CONTEXT_POISONED  # a sticky CUDA error: the rows left need a fresh process
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.outcome import RowOutcome
@@ -182,6 +182,8 @@ def search_rows_isolated(rows, profile: Profile, device: str, *, db: str | None,
                 stalled = now - active
                 limit = case_timeout_s or default_case_timeout(
                     device, current is not None and bool(by_id[current].composition.support().interpreted_on_cpu))
+                if current is None:
+                    limit = max(limit, STARTUP_ALLOWANCE_S)
                 if stalled - grace > limit or stalled > COMPILE_TIMEOUT_S:
                     proc.kill()
                     proc.join()

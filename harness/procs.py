@@ -94,6 +94,10 @@ def default_case_timeout(device: str, interpreted: bool = False) -> float:
 
 
 SLOW_CPU_CASE_TIMEOUT_S = 1200.0
+# Before its first row a process only starts: imports torch and the engine (SGLang: 10-25 s alone, more on a loaded
+# host). That is held to this, or to the case timeout if longer, never to a short ``--case-timeout``: a test run with
+# ``--case-timeout 5`` beside a loaded suite killed its child "before its first row" and the run ended in a traceback.
+STARTUP_ALLOWANCE_S = 120.0
 
 # The default as the command lines state it, derived from the function so the help never goes stale.
 CASE_TIMEOUT_DEFAULTS = (f"default {default_case_timeout('cuda'):.0f} on a GPU, {default_case_timeout('cpu'):.0f} "

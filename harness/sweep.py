@@ -42,7 +42,8 @@ from pathlib import Path
 
 from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
 from harness.outlock import OutFolderLock
-from harness.procs import CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, Terminated, compiler_running, default_case_timeout
+from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
+                           default_case_timeout)
 from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
@@ -293,7 +294,10 @@ class Sweep:
             task.grace += now - (task.last_watch or now)
         task.last_watch = now
         stalled = now - active
-        if stalled - task.grace > self.case_timeout(task.composition) or stalled > self.compile_timeout_s:
+        limit = self.case_timeout(task.composition)
+        if not task.current:  # still starting: imports, not a case (harness/procs.py, STARTUP_ALLOWANCE_S)
+            limit = max(limit, STARTUP_ALLOWANCE_S)
+        if stalled - task.grace > limit or stalled > self.compile_timeout_s:
             self.dump_stacks(task)
             self.kill(task)
             del self.running[task.slot]

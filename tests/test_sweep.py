@@ -145,14 +145,19 @@ def test_workers_share_the_cores(monkeypatch):
 def stalled_sweep(tmp_path):
     """A sweep of one idle worker (a sleeping process) with --case-timeout 10 and --compile-timeout 100."""
     from harness.progress import make_progress
-    from harness.sweep import Sweep, Task
+    from harness.sweep import RowState, Sweep, Task
+    from search.matrix import matrix_rows
+    from search.profiles import PROFILES
 
     events = tmp_path / "events.jsonl"
     events.write_text("")
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
-    sw = Sweep([], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0, db=None, redis=None,
-               mutant=None, max_rounds=None, progress=make_progress(time.time(), 60), compile_timeout_s=100.0)
+    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["extend"])[0][:1]
+    sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0,
+               db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60),
+               compile_timeout_s=100.0)
     sw.running[0] = Task("torch_native", 0, proc, events, tmp_path / "log", last_activity=time.time())
+    sw.running[0].current = "torch_native-extend-outputs"  # in a case (before its first, it has STARTUP_ALLOWANCE_S)
     yield sw, sw.running[0]
     proc.kill()
     proc.wait()
@@ -243,3 +248,19 @@ def test_at_equal_rounds_the_engines_compositions_start_first(tmp_path):
     for s in states:  # the engine's rows one round ahead: the harness's own come first
         s.rounds = 1 if "sglang." in str(s.row.composition) else 0
     assert "sglang." not in sw.waiting()[0]
+
+
+def test_a_worker_still_starting_gets_the_startup_allowance_not_the_case_timeout(stalled_sweep):
+    """Before its first row a worker imports torch and the engine: on a loaded host that took longer than a short
+    --case-timeout, and an isolated run ended in a traceback. It is held to STARTUP_ALLOWANCE_S instead."""
+    from harness.procs import STARTUP_ALLOWANCE_S
+
+    sw, task = stalled_sweep
+    task.current = None
+    stall(task, 40, compiling_for=0)
+    sw.watch(task)  # 40 s > --case-timeout 10, but it is still starting
+    assert 0 in sw.running
+    stall(task, STARTUP_ALLOWANCE_S + 1, compiling_for=0)
+    sw.compile_timeout_s = 10 * STARTUP_ALLOWANCE_S
+    sw.watch(task)
+    assert 0 not in sw.running
