@@ -17,9 +17,14 @@ SGLang's callers probe for with ``hasattr``) need no batch: the file imports the
 for the composition and runs the same structural check, against the installed SGLang's own base class and
 sources, so it follows any release where those classes exist.
 
+A class-level composition (``sglang.trtllm_mla``, ``tbo(sglang.trtllm_mha)``: backends/sglang/classes.py) is never
+built: its file runs the harness's class check itself (``class_call_problems``, copied in from
+properties/conformance.py when the file is written) on the same classes, and the wrapper check on the members the
+harness found hidden.
+
 What it covers today (anything else is refused with one line, exit 2): the ``outputs`` property of a plain
 dense SGLang leaf (``sglang.torch_native``, ``sglang.triton``, ``sglang.flashinfer``) in EXTEND, DECODE or MIXED,
-with an ``auto`` KV cache; the ``conformance`` property of any SGLang composition. The other kinds named by
+with an ``auto`` KV cache; the ``conformance`` property of any SGLang composition, class-level ones included. The other kinds named by
 issue 27 (metadata invariants, graph replay, TBO splits, linear attention, MLA, verify trees) are not exported yet.
 """
 
@@ -299,6 +304,8 @@ def _composition_server(composition) -> str:
 
 
 def _build_conformance(case, composition, device: str, case_path: Path | None) -> Export:
+    if composition.support().class_only:
+        return _build_class_conformance(case, composition, device, case_path)
     from batch.forward_batch import ModelRunner
     from batch.spec import ForwardMode
     from engine.materialize import materialize
@@ -341,8 +348,53 @@ def _build_conformance(case, composition, device: str, case_path: Path | None) -
                      "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
     text = header + CONFORMANCE.substitute(
         base=json.dumps([base.__module__, base.__qualname__]), wrappers=json.dumps(wrappers),
-        leaf=repr(leaf), serves_verify=serves_verify)
+        leaf=repr(leaf), serves_verify=serves_verify, classes="[]", forwarders="[]", class_checks="")
     return Export(text, {}, True, not verdict.ok, verdict.reason)
+
+
+def _build_class_conformance(case, composition, device: str, case_path: Path | None) -> Export:
+    """A class-level composition (backends/sglang/classes.py): nothing is built. The file reads the same classes
+    and runs the harness's own class check on them (``class_call_problems`` and the functions it calls, copied
+    into the file from properties/conformance.py, so the two cannot drift), and, under a wrapper, the wrapper
+    check of the built compositions on the members the harness found hidden."""
+    import inspect
+
+    import importlib
+
+    from backends.sglang import runtime
+
+    c = importlib.import_module("properties.conformance")  # the module (the package exports a function of its name)
+    verdict = c.class_conformance(composition)
+    sgl = runtime.load()
+    base = sgl.AttentionBackend
+    classes = list(dict.fromkeys(c._classes_under(composition)))
+    forwarders = [w for w in (sgl.HybridLinearAttnBackend, sgl.HybridAttnBackend) if w is not None]
+    wrapper_classes = {"tbo": sgl.TboAttnBackend, "hybrid": sgl.HybridLinearAttnBackend, "pd": sgl.HybridAttnBackend}
+    wrappers = []
+    for node in c._wrapper_nodes(composition):
+        kids = [k for child in node.children for k in c._classes_under(child)]
+        owners = c._classes_under(node.children[0]) if node.name == "pd" else kids
+        hidden = [m for m, _ in c.class_hidden(wrapper_classes[node.name], kids, owners, base,
+                                               runtime.probed_members(), runtime.probed_on_full_backend())]
+        if hidden:  # only what the harness found: its every-member check knows callers that SGLang's sources fix
+            wrappers.append([list(_class_at_class(wrapper_classes[node.name])), [list(_class_at_class(k)) for k in kids],
+                             hidden, [list(_class_at_class(k)) for k in owners]])
+    checks = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in
+                          (c._declared_calls, c._raises_not_implemented, c._strip_self, c.class_call_problems))
+    headline = (textwrap.shorten(verdict.reason, 120, placeholder=" ...") if not verdict.ok
+                else "every class takes SGLang's calls")
+    header = _header(case, device, case_path, headline, _composition_server(composition),
+                     f"{'FAILED' if not verdict.ok else 'passed'}: {verdict.reason}",
+                     "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
+    text = header + CONFORMANCE.substitute(
+        base=json.dumps([base.__module__, base.__qualname__]), wrappers=json.dumps(wrappers), leaf="None",
+        serves_verify=False, classes=json.dumps([list(_class_at_class(k)) for k in classes]),
+        forwarders=json.dumps([list(_class_at_class(w)) for w in forwarders]), class_checks=CLASS_CHECKS + checks)
+    return Export(text, {}, True, not verdict.ok, verdict.reason)
+
+
+def _class_at_class(cls: type) -> tuple[str, str]:
+    return cls.__module__, cls.__qualname__
 
 
 def write(export: Export, out: Path) -> list[Path]:
@@ -572,6 +624,19 @@ def test_outputs_match_float64_attention():
     assert element <= element_bound, f"element error {element:.3g} > bound {element_bound:.3g} at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
 ''')
 
+# The class check of a class-level composition: a test over CLASSES, then the harness's own functions, copied in.
+CLASS_CHECKS = """
+
+@pytest.mark.parametrize("class_at", CLASSES, ids=[c[1] for c in CLASSES])
+def test_each_class_takes_the_calls_sglang_makes(class_at):
+    base, cls = load(BASE), load(class_at)
+    problems, _ = class_call_problems(cls, base, [load(f) for f in FORWARDERS], tuple(probed_members()))
+    assert not problems, "; ".join(problems)
+
+
+# From the harness's properties/conformance.py, as it was when this file was written:
+"""
+
 CONFORMANCE = string.Template(r'''import ast
 import importlib
 import inspect
@@ -588,6 +653,10 @@ BASE = $base  # SGLang's attention base class: its public members are the protoc
 # every probed member is read on the prefill or verify path, which it routes there).
 WRAPPERS = $wrappers
 LEAF = $leaf  # a backend without a wrapper (None when wrapped)
+# Classes read where their kernels do not run (module, class), each held to every call SGLang makes of it; and
+# SGLang's hybrid wrappers, which pass hasattr-probed calls on to their child with their own parameters.
+CLASSES = $classes
+FORWARDERS = $forwarders
 SERVES_TARGET_VERIFY = $serves_verify  # the leaf must then define update_verify_buffers_to_fill_after_draft
 
 
@@ -644,6 +713,7 @@ def unreachable(wrapper, children, base, member, owners):
 
 
 CHECKS = [(w, kids, m, owners) for w, kids, members, owners in WRAPPERS for m in (members or [None])]
+$class_checks
 
 
 @pytest.mark.parametrize("wrapper_at, children_at, member, owners_at", CHECKS,

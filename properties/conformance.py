@@ -14,6 +14,7 @@ linear backend (draft workers included).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from backends.base import BASE_DEFAULTS, PROTOCOL_METHODS, PROTOCOL_PROPERTIES, AttentionBackend
@@ -438,7 +439,8 @@ def _strip_self(sig: inspect.Signature) -> str:
                            for p in params) + ")"
 
 
-def assigned_on_instances(cls: type) -> set[str]:
+@functools.cache
+def assigned_on_instances(cls: type) -> frozenset[str]:
     """Names a class's methods (its bases' included) assign on the instance, ``self.NAME = ...``: a wrapper that
     copies a child's value onto itself in ``__init__`` (SGLang's wrappers do, for ``needs_cpu_seq_lens`` and
     ``extend_dummy_seqs_capped_by_req_pool``) makes that member reachable without defining it on its class."""
@@ -456,7 +458,7 @@ def assigned_on_instances(cls: type) -> set[str]:
                 [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
             names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
                          and isinstance(t.value, ast.Name) and t.value.id == "self")
-    return names
+    return frozenset(names)
 
 
 def class_hidden(wrapper: type, children: list[type], owners: list[type], base: type,
