@@ -281,6 +281,14 @@ def _tbo_hides_forward(spec: BatchSpec, verdict: Verdict) -> bool:
         and "radix_linear_attention.py:" in reason)
 
 
+def _trtllm_one_arg_mha_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A class-level row found TRT-LLM MLA's init_mha_chunk_metadata taking only the batch where SGLang's hybrid
+    wrapper passes two; anything else it found hidden (under TBO) is among the wrappers' known ones."""
+    hidden = set(verdict.details.get("hidden", ()))
+    return ("TRTLLMMLABackend.init_mha_chunk_metadata(forward_batch) does not take the call" in verdict.reason
+            and hidden <= OLDER_HIDDEN)
+
+
 def _tbo_lacks_probed_members(spec: BatchSpec, verdict: Verdict) -> bool:
     """Conformance failed on members wrappers are known to hide, among them a hasattr-probed member that
     TboAttnBackend lacks and its hybrid child has (init_mha_chunk_metadata, update_mamba_state_after_mtp_verify)."""
@@ -331,6 +339,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "hybrid_hides_known_overrides": _hybrid_hides_known_overrides,
     "hybrid_hides_support_triton": _hybrid_hides_support_triton,
     "tbo_linear_plain_split": _tbo_linear_plain_split,
+    "trtllm_one_arg_mha_chunk": _trtllm_one_arg_mha_chunk,
     "layer_has_logit_cap": _layer_has_logit_cap,
     "window_inside_extend": _window_inside_extend,
     "tree_not_chain": _tree_not_chain,

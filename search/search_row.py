@@ -89,8 +89,9 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     support = row.composition.support()
     if device == "cpu" and support.slow_on_cpu and max_examples is None and profile.slow_row_examples:
         max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
-    if support.class_only and max_examples is None:
-        max_examples = 1  # its check reads classes, not the batch: a second example repeats the first
+    if support.class_only:  # its check reads classes, not the batch: more examples, or shrinking one, repeat it
+        max_examples = 1 if max_examples is None else max_examples
+        shrink_seconds = 0
     profile = row_profile(support, profile, device)
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
