@@ -341,14 +341,11 @@ def _build_conformance(case, composition, device: str, case_path: Path | None) -
     if other:
         raise UsageError(f"cannot export {case.composition} conformance: the harness's verdict includes a call that "
                          f"failed on an instance ({verdict.reason[:200]}), which the class-level file does not make")
-    headline = (textwrap.shorten(verdict.reason, 120, placeholder=" ...") if not verdict.ok
-                else "every member reachable on this engine")
-    header = _header(case, device, case_path, headline, _composition_server(composition),
-                     f"{'FAILED' if not verdict.ok else 'passed'}: {verdict.reason}",
-                     "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
+    header = _conformance_header(case, device, case_path, composition, verdict, "every member reachable on this engine")
     text = header + CONFORMANCE.substitute(
         base=json.dumps([base.__module__, base.__qualname__]), wrappers=json.dumps(wrappers),
-        leaf=repr(leaf), serves_verify=serves_verify, classes="[]", forwarders="[]", class_checks="")
+        leaf=repr(leaf), serves_verify=serves_verify, classes="[]", forwarders="[]", class_checks="",
+        assigned_on_instances=_source_of("assigned_on_instances"))
     return Export(text, {}, True, not verdict.ok, verdict.reason)
 
 
@@ -357,8 +354,6 @@ def _build_class_conformance(case, composition, device: str, case_path: Path | N
     and runs the harness's own class check on them (``class_call_problems`` and the functions it calls, copied
     into the file from properties/conformance.py, so the two cannot drift), and, under a wrapper, the wrapper
     check of the built compositions on the members the harness found hidden."""
-    import inspect
-
     import importlib
 
     from backends.sglang import runtime
@@ -379,18 +374,32 @@ def _build_class_conformance(case, composition, device: str, case_path: Path | N
         if hidden:  # only what the harness found: its every-member check knows callers that SGLang's sources fix
             wrappers.append([list(_class_at_class(wrapper_classes[node.name])), [list(_class_at_class(k)) for k in kids],
                              hidden, [list(_class_at_class(k)) for k in owners]])
-    checks = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in
-                          (c._declared_calls, c._raises_not_implemented, c._strip_self, c.class_call_problems))
-    headline = (textwrap.shorten(verdict.reason, 120, placeholder=" ...") if not verdict.ok
-                else "every class takes SGLang's calls")
-    header = _header(case, device, case_path, headline, _composition_server(composition),
-                     f"{'FAILED' if not verdict.ok else 'passed'}: {verdict.reason}",
-                     "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
+    checks = _source_of("_declared_calls", "_raises_not_implemented", "_strip_self", "class_call_problems")
+    header = _conformance_header(case, device, case_path, composition, verdict, "every class takes SGLang's calls")
     text = header + CONFORMANCE.substitute(
         base=json.dumps([base.__module__, base.__qualname__]), wrappers=json.dumps(wrappers), leaf="None",
         serves_verify=False, classes=json.dumps([list(_class_at_class(k)) for k in classes]),
-        forwarders=json.dumps([list(_class_at_class(w)) for w in forwarders]), class_checks=CLASS_CHECKS + checks)
+        forwarders=json.dumps([list(_class_at_class(w)) for w in forwarders]), class_checks=CLASS_CHECKS + checks,
+        assigned_on_instances=_source_of("assigned_on_instances"))
     return Export(text, {}, True, not verdict.ok, verdict.reason)
+
+
+def _conformance_header(case, device: str, case_path: Path | None, composition, verdict, passed: str) -> str:
+    """The header of a conformance export: the verdict's reason, or ``passed`` when it passed."""
+    headline = textwrap.shorten(verdict.reason, 120, placeholder=" ...") if not verdict.ok else passed
+    return _header(case, device, case_path, headline, _composition_server(composition),
+                   f"{'FAILED' if not verdict.ok else 'passed'}: {verdict.reason}",
+                   "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
+
+
+def _source_of(*names: str) -> str:
+    """The source of functions of properties/conformance.py, to be copied into an exported file (which must not
+    import this project), so the file runs the harness's own checks, not a copy that could drift."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module("properties.conformance")  # the module: the package exports a function of its name
+    return "\n\n".join(textwrap.dedent(inspect.getsource(getattr(module, n))) for n in names)
 
 
 def _class_at_class(cls: type) -> tuple[str, str]:
@@ -638,6 +647,7 @@ def test_each_class_takes_the_calls_sglang_makes(class_at):
 """
 
 CONFORMANCE = string.Template(r'''import ast
+import functools
 import importlib
 import inspect
 import re
@@ -675,22 +685,7 @@ def probed_members():
     return sorted(names)
 
 
-def assigned_on_instances(cls):
-    """Names a class's methods (its bases' included) assign on the instance, ``self.NAME = ...``: a wrapper that
-    copies a child's value onto itself makes that member reachable without defining it on the class."""
-    names = set()
-    for klass in cls.__mro__:
-        try:
-            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
-        except (OSError, TypeError, SyntaxError):
-            continue
-        for node in ast.walk(tree):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
-            names.update(t.attr for t in targets if isinstance(t, ast.Attribute)
-                         and isinstance(t.value, ast.Name) and t.value.id == "self")
-    return names
-
+$assigned_on_instances
 
 def unreachable(wrapper, children, base, member, owners):
     """Why ``member`` of a child is not reachable through ``wrapper`` (None: it is); ``owners``: the children whose

@@ -113,3 +113,26 @@ def test_an_asynchronous_device_error_raised_in_the_harness_is_not_its_error():
     assert adapter_frame(illegal, ENGINE) is None
     plain = _raised(lambda: sync_in_the_harness(RuntimeError("a shape the adapter got wrong")))
     assert adapter_frame(plain, ENGINE) is not None
+
+
+def test_a_crash_in_the_class_level_check_is_an_adapter_error_not_a_finding(monkeypatch):
+    # A class-level row (backends/sglang/classes.py) runs only the harness's code around SGLang's classes: if that
+    # code fails, the engine is not to blame.
+    import pytest
+
+    pytest.importorskip("sglang")
+    from backends.registry import leaf_class, parse
+    from batch.spec import BatchSpec, ForwardMode, MHALayer
+    from properties import PROPERTIES
+
+    composition = parse("sglang.trtllm_mha")
+    if composition.unavailable_reason("cpu"):
+        pytest.skip(composition.unavailable_reason("cpu"))
+
+    def broken(cls):
+        raise AttributeError("the harness's own bug")
+
+    monkeypatch.setattr(leaf_class("sglang.trtllm_mha"), "engine_classes", classmethod(broken))
+    spec = BatchSpec(ForwardMode.EXTEND, (0,), (2,), (MHALayer(0, 2, 1, 16, 16),), seed=1)
+    verdict = PROPERTIES["conformance"].run(composition, spec, "cpu")
+    assert not verdict.ok and "adapter_error" in verdict.details, verdict.reason
