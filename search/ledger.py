@@ -267,8 +267,15 @@ def _hides_among_older(verdict: Verdict, own: set[str]) -> bool:
 
 
 def _wrappers_hide_verify_buffers(spec: BatchSpec, verdict: Verdict) -> bool:
-    """Conformance failed on members wrappers are known to hide, get_verify_buffers_to_fill_after_draft among them."""
-    return _hides_among_older(verdict, {"get_verify_buffers_to_fill_after_draft"})
+    """Conformance failed on members wrappers are known to hide, one of the verify-buffer pair among them (a child
+    may override only update_..., as AiterAttnBackend does, read at class level)."""
+    return _hides_among_older(verdict, VERIFY_BUFFERS)
+
+
+def _hybrid_lacks_mha_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on members wrappers are known to hide, among them init_mha_chunk_metadata, which
+    HybridLinearAttnBackend lacks before 0.5.13 while an MLA child (TRT-LLM, CUTLASS) has it."""
+    return "HybridLinearAttnBackend" in verdict.reason and _hides_among_older(verdict, {"init_mha_chunk_metadata"})
 
 
 def _tbo_hides_forward(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -328,6 +335,7 @@ def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:
 CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "window_cuts_keys": _window_cuts_keys,
     "wrappers_hide_verify_buffers": _wrappers_hide_verify_buffers,
+    "hybrid_lacks_mha_chunk": _hybrid_lacks_mha_chunk,
     "tbo_hides_forward": _tbo_hides_forward,
     "tbo_lacks_probed_members": _tbo_lacks_probed_members,
     "tbo_mrope_unsliced": _tbo_mrope_unsliced,
