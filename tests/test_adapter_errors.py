@@ -58,6 +58,18 @@ def test_a_crash_in_the_harness_around_the_engine_is_an_adapter_error(fake_engin
     assert adapter_frame(_raised(_project_fails), HARNESS) is None
 
 
+def test_the_engine_reading_what_the_adapters_stand_in_lacks_is_an_adapter_error(fake_engine):
+    # The engine's frame raises, but the object it reads is one the harness built in place of the engine's (a model
+    # runner, a model config): the stand-in is incomplete, the harness's to mend. An object of the engine's own, or
+    # of a library's, lacking an attribute stays the engine's.
+    from backends.sglang import runtime
+
+    runner = runtime._ModelConfig.__new__(runtime._ModelConfig)  # any class of the adapter's modules
+    where = adapter_frame(_raised(lambda: fake_engine.calls(lambda: runner.attn_cp_size)), ENGINE)
+    assert where is not None and "lacks 'attn_cp_size'" in where and "_ModelConfig" in where
+    assert adapter_frame(_raised(lambda: fake_engine.calls(lambda: SimpleNamespace().ps)), ENGINE) is None
+
+
 def test_an_adapter_error_is_its_own_verdict_and_exit_status(fake_engine):
     spec = BatchSpec(ForwardMode.EXTEND, (0,), (1,), (MHALayer(0, 4, 2, 16, 16),))
     adapter = Property("outputs", lambda c, s, d: _project_fails(), "test").run(ENGINE, spec, "cpu")
