@@ -138,6 +138,9 @@ class Capabilities:
     # or run, and the engine's --attention-backend name whose classes it reads (available where one imports)
     class_only: str | None = None
     engine_classes: str | None = None
+    # A plan-level leaf (backends/sglang/plans.py): built, and its planning run (init_forward_metadata), its kernels
+    # stand-ins that raise when called; why its forward cannot run here. Only plan-level properties run on it.
+    plan_only: str | None = None
     gaps: tuple[tuple[str, str], ...] = ()  # (property, why it does not apply to this backend)
     cpu_gaps: tuple[tuple[str, str], ...] = ()  # (property, why it cannot run on the CPU path)
     # DRAFT_EXTEND batches cover the whole draft window for every request (EAGLE v2: accepted tokens first, the
@@ -246,6 +249,7 @@ class Support:
     interpreted_on_cpu: bool = False
     no_long_context_on_cpu: str | None = None  # some leaf's reason (Capabilities.no_long_context_on_cpu)
     class_only: str | None = None  # some leaf's reason (Capabilities.class_only): only class-level properties run
+    plan_only: str | None = None  # some leaf's reason (Capabilities.plan_only): only plan-level properties run
     cpu_gaps: dict[str, str] = field(default_factory=dict)  # property -> why it cannot run on the CPU
     fixed_width_draft_extend: bool = False
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -298,6 +302,7 @@ class Support:
                    no_long_context_on_cpu=next((c.no_long_context_on_cpu for c in caps if c.no_long_context_on_cpu),
                                                None),
                    class_only=next((c.class_only for c in caps if c.class_only), None),
+                   plan_only=next((c.plan_only for c in caps if c.plan_only), None),
                    kv_cache_dtypes=frozenset.intersection(*(c.kv_cache_dtypes for c in full))
                    if full else frozenset({"auto"}),
                    kv_scales=all(c.kv_scales for c in full),
@@ -368,6 +373,11 @@ class PlannedMetadata:
     mask_indptr: torch.Tensor | None = None  # [B+1]
     state_slots: torch.Tensor | None = None  # [B], linear attention
     chunk: dict[str, Any] = field(default_factory=dict)  # MLA chunked-prefix plan
+    # What a backend plans beside its indices (FlashAttention's cache_seqlens and cu_seqlens_k): each request's key
+    # count, and their prefix sum; the keys counted as kv_indices' are (the new tokens' too where
+    # kv_includes_new_tokens)
+    key_lens: torch.Tensor | None = None  # [B]
+    key_indptr: torch.Tensor | None = None  # [B+1]
 
 
 class AttentionBackend:

@@ -32,6 +32,9 @@ LEAVES: dict[str, str] = {
     "sglang.lightning": "backends.sglang.adapter:SglangLightning",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
+    # SGLang's backends whose planning runs here but not their kernels (backends/sglang/plans.py)
+    "sglang.fa3": "backends.sglang.plans:SglangFa3",
+    "sglang.fa4": "backends.sglang.plans:SglangFa4",
     # SGLang's backends whose kernels do not run here: their classes only (backends/sglang/classes.py)
     "sglang.trtllm_mha": "backends.sglang.classes:SglangTrtllmMha",
     "sglang.trtllm_mla": "backends.sglang.classes:SglangTrtllmMla",
@@ -40,8 +43,6 @@ LEAVES: dict[str, str] = {
     "sglang.flashmla": "backends.sglang.classes:SglangFlashMla",
     "sglang.dsa": "backends.sglang.classes:SglangDsa",
     "sglang.nsa": "backends.sglang.classes:SglangNsa",
-    "sglang.fa3": "backends.sglang.classes:SglangFa3",
-    "sglang.fa4": "backends.sglang.classes:SglangFa4",
     "sglang.aiter": "backends.sglang.classes:SglangAiter",
     "sglang.wave": "backends.sglang.classes:SglangWave",
     "sglang.qsa": "backends.sglang.classes:SglangQsa",

@@ -106,8 +106,10 @@ def engine_inventory(m) -> None:
             said = []
             for leaf in leaves[b.name]:
                 rows = sum(1 for r in m.rows if leaf in r.composition.leaves())
-                class_only = leaf_class(leaf).capabilities.class_only
-                level = f"classes only, conformance ({class_only})" if class_only else "every property"
+                caps = leaf_class(leaf).capabilities
+                level = (f"classes only, conformance ({caps.class_only})" if caps.class_only else
+                         f"its planning, metadata and conformance ({caps.plan_only})" if caps.plan_only else
+                         "every property")
                 why = unavailable.get(leaf, "no rows here").removeprefix(f"{leaf}: ")
                 said.append(f"{leaf}: {level}, {rows} rows here" if rows else f"{leaf}: {why}")
             print(f"  {b.name:<20} {'; '.join(said)} ({classes})")

@@ -56,6 +56,7 @@ class Property:
     needs_state: bool = False  # only compositions that serve a linear-attention (recurrent) layer kind
     under_graph: bool = False  # also on graph() compositions, its forward replayed in a captured graph
     class_level: bool = False  # needs only the classes (runs on class-level leaves, Capabilities.class_only)
+    plan_level: bool = False  # needs only a plan, no kernel (runs on plan-level leaves, Capabilities.plan_only)
 
     def applies(self, composition: Composition, mode: ForwardMode) -> str | None:
         """None if the property applies to this row, else why not."""
@@ -64,6 +65,9 @@ class Property:
         class_only = composition.support().class_only
         if class_only and not self.class_level:
             return f"only its classes are checked: {class_only}"
+        plan_only = composition.support().plan_only
+        if plan_only and not self.plan_level:
+            return f"only its planning runs: {plan_only}"
         if self.needs_state and not composition.attention_kinds() & RECURRENT_KINDS:
             return f"{self.name} needs linear-attention layers"
         outer = self.needs_wrapper in ("tbo", "graph", "pd")
@@ -124,12 +128,13 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
     Property("outputs", outputs_match_reference,
              "outputs finite, one row per token, within the dtype bound of the float64 reference; linear states too"),
     Property("metadata", metadata_invariants,
-             "planned indptrs, indices, last-page lengths, masks and state slots satisfy the invariants", per_child=True),
+             "planned indptrs, indices, last-page lengths, masks and state slots satisfy the invariants", per_child=True,
+             plan_level=True),
     Property("cache", cache_writes_exact, "new K/V land exactly at out_cache_loc; no other slot or state changes",
              per_child=True),
     Property("conformance", conformance,
              "every protocol method exists, accepts the canonical call, and wrappers delegate it",
-             modes=frozenset({ForwardMode.EXTEND}), class_level=True),
+             modes=frozenset({ForwardMode.EXTEND}), class_level=True, plan_level=True),
     Property("dispatch", dispatch, "full layer ids reach the full backend, the others the linear backend",
              modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE}), needs_wrapper="hybrid"),
     Property("mode_dispatch", mode_dispatch,

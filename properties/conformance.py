@@ -562,6 +562,10 @@ def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdi
     name = "conformance"
     if composition.support().class_only:
         return class_conformance(composition)
+    if composition.support().plan_only:  # its classes are read as a class-level leaf's, then built and planned
+        verdict = class_conformance(composition)
+        if not verdict.ok:
+            return verdict
     if composition.engine != "harness":
         return engine_conformance(composition, spec, device)
     backend = composition.build(spec, ModelRunner.of(materialize(spec, device).forward_batch, spec.layers))

@@ -9,9 +9,11 @@ import torch
 
 from backends.base import PlannedMetadata
 from backends.registry import Composition
-from batch.forward_batch import ForwardBatch
+from batch.forward_batch import ForwardBatch, ModelRunner
 from batch.masks import verify_mask
 from batch.spec import BatchSpec
+from engine.materialize import materialize
+from engine.model import prepare_batch
 from properties.run import run_case
 from properties.verdict import Verdict
 
@@ -50,8 +52,22 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         problem = _indptr_problem("qo_indptr", meta.qo_indptr, T, B)
         if problem:
             return problem
+        steps = meta.qo_indptr.to("cpu", torch.int64).diff().tolist()
+        if steps != list(fb.extend_seq_lens_cpu):
+            return f"qo_indptr steps {steps[:8]}..., expected each request's new tokens {list(fb.extend_seq_lens_cpu)[:8]}..."
     if meta.state_slots is not None and meta.state_slots.tolist() != fb.state_slots.tolist():
         return f"state_slots {meta.state_slots.tolist()} != the batch's {fb.state_slots.tolist()}"
+    keys = [fb.extend_prefix_lens_cpu[i] + (fb.extend_seq_lens_cpu[i] if meta.kv_includes_new_tokens else 0)
+            for i in range(B)]
+    if meta.key_lens is not None and meta.key_lens.tolist() != keys:
+        return f"key lengths {meta.key_lens.tolist()[:8]}..., expected {keys[:8]}..."
+    if meta.key_indptr is not None:
+        problem = _indptr_problem("key indptr", meta.key_indptr, sum(keys), B)
+        if problem:
+            return problem
+        steps = meta.key_indptr.to("cpu", torch.int64).diff().tolist()
+        if steps != keys:
+            return f"key indptr steps {steps[:8]}..., expected {keys[:8]}..."
     if meta.kv_indptr is not None:
         problem = _indptr_problem("kv_indptr", meta.kv_indptr, meta.kv_indices.numel(), B)
         if problem:
@@ -60,7 +76,7 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         indptr = meta.kv_indptr.tolist()
         indices = meta.kv_indices.to("cpu", torch.int64)
         for i in range(B):
-            n = fb.extend_prefix_lens_cpu[i] + (fb.extend_seq_lens_cpu[i] if meta.kv_includes_new_tokens else 0)
+            n = keys[i]
             row = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)
             expected = row[:n:ps] // ps
             got = indices[indptr[i]:indptr[i + 1]]
@@ -94,9 +110,21 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
     return None
 
 
-def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+def planned(composition: Composition, spec: BatchSpec, device: str):
+    """(the built composition, its batch) after it planned ``spec``: a plan-level composition
+    (``Support.plan_only``) only plans, as an engine's model runner does before its first layer; any other runs
+    every layer, so a plan that layers change is read as the last layer left it."""
+    if composition.support().plan_only:
+        case = materialize(spec, device)
+        backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
+        prepare_batch(backend, case.forward_batch, spec.layers)
+        return backend, case.forward_batch
     run = run_case(composition, spec, device)
-    leaves = planned_leaves(run.execution.backend, run.case.forward_batch)
+    return run.execution.backend, run.case.forward_batch
+
+
+def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    leaves = planned_leaves(*planned(composition, spec, device))
     for backend, fb in leaves:
         problem = check_plan(backend.planned_metadata(), fb)
         if problem:

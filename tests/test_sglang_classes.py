@@ -14,7 +14,7 @@ from search.profiles import PROFILES
 pytest.importorskip("sglang")
 
 CLASS_LEAVES = ("sglang.trtllm_mha", "sglang.trtllm_mla", "sglang.cutedsl_mla", "sglang.cutlass_mla", "sglang.flashmla",
-                "sglang.dsa", "sglang.nsa", "sglang.fa3", "sglang.fa4", "sglang.aiter", "sglang.wave", "sglang.qsa",
+                "sglang.dsa", "sglang.nsa", "sglang.aiter", "sglang.wave", "sglang.qsa",
                 "sglang.hpc_ops", "sglang.intel_amx")
 
 

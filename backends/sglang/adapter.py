@@ -185,9 +185,15 @@ class SglangBackend(_SglangObject):
         return self.states
 
     # ---- building ----
+    @classmethod
+    def engine_backend(cls, sgl, sgl_runner):
+        """SGLang's backend object for this leaf over ``sgl_runner``, as the server's ``--attention-backend``
+        factory builds it (every wrapper builds its children this way)."""
+        return sgl.ATTENTION_BACKENDS[cls.sglang_name](sgl_runner)
+
     def make_inner(self, sgl_runner):
         """A new SGLang backend object over ``sgl_runner`` (a TBO wrapper asks for its children this way)."""
-        return self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner)
+        return self.engine_backend(self.sgl, sgl_runner)
 
     def _ensure_built(self, fb) -> None:
         draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
@@ -422,15 +428,42 @@ class SglangBackend(_SglangObject):
         return self.inner
 
     def planned_metadata(self) -> PlannedMetadata:
-        """SGLang's ``forward_metadata`` where it keeps one (Triton: token-level indptrs and slots)."""
-        meta = getattr(self._planner(), "forward_metadata", None)
-        if meta is None or not hasattr(meta, "kv_indptr"):
-            return PlannedMetadata()
-        decode = next(iter(self.batches.values())).forward_mode.is_decode_or_idle()
-        return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
-                               kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
-                               custom_mask=getattr(meta, "custom_mask", None),
-                               mask_indptr=getattr(meta, "mask_indptr", None))
+        """SGLang's ``forward_metadata`` where it keeps one, read by its shape (whichever class planned it, under
+        any wrapper): Triton's token-level indptrs and slots, or FlashAttention's per-request key counts and page
+        table."""
+        planner = self._planner()
+        meta = getattr(planner, "forward_metadata", None)
+        mode = next(iter(self.batches.values())).forward_mode
+        if meta is not None and hasattr(meta, "kv_indptr"):
+            decode = mode.is_decode_or_idle()
+            return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
+                                   kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
+                                   custom_mask=getattr(meta, "custom_mask", None),
+                                   mask_indptr=getattr(meta, "mask_indptr", None))
+        if meta is not None and getattr(meta, "cache_seqlens_int32", None) is not None:
+            # A verify of draft trees (topk > 1) plans the cached prefix here and the tree's own keys apart
+            # (forward_metadata_spec_decode_expand, flashattention_backend.py:1083-1150), merged after both run
+            tree = mode.is_target_verify() and (getattr(planner, "topk", 0) or 0) > 1
+            return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree)
+        return PlannedMetadata()
+
+
+def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True) -> PlannedMetadata:
+    """FlashAttention's plan (``FlashAttentionMetadata``, flashattention_backend.py:75-130) in the inspectable form:
+    ``cu_seqlens_q`` over the batch's query rows; per request ``cache_seqlens`` keys read from the cache (its prefix
+    and, ``includes_new_tokens``, its new tokens, which SGLang writes before the kernel reads them) and their prefix
+    sum ``cu_seqlens_k``;
+    ``page_table[i, j]`` the j-th page of request i's keys (token slots when pages hold one token)."""
+    lens = meta.cache_seqlens_int32.to("cpu", torch.int64)
+    table = meta.page_table.to("cpu", torch.int64)
+    # A table narrower than a request's pages gives a shorter row, which the invariant reports as such
+    rows = [table[i, :int((lens[i] + page_size - 1) // page_size)] for i in range(lens.numel())]
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.tensor([row.numel() for row in rows], dtype=torch.int64), 0)
+    return PlannedMetadata(qo_indptr=meta.cu_seqlens_q, kv_indptr=indptr,
+                           kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
+                           kv_indices_are_pages=page_size > 1, kv_includes_new_tokens=includes_new_tokens,
+                           key_lens=meta.cache_seqlens_int32, key_indptr=meta.cu_seqlens_k)
 
 
 class SglangTorchNative(SglangBackend):
@@ -633,14 +666,14 @@ class SglangHybrid(SglangBackend):
     def __init__(self, full: type[SglangBackend], linear: type[SglangBackend], model_runner,
                  draft_worker: bool = False) -> None:
         super().__init__(model_runner)
-        self.sglang_name = full.sglang_name
+        self.sglang_name, self.full = full.sglang_name, full
         (kind,) = linear.capabilities.attention_kinds
         self.hybrid = runtime.HybridModel.of(model_runner, draft_worker, kind)
 
     def make_inner(self, sgl_runner):
         # Looked up on SGLang's module at call time, as SGLang's own runner setup does.
         wrap = self.sgl.attention_registry.attn_backend_wrapper
-        inner = wrap(sgl_runner, self.sgl.ATTENTION_BACKENDS[self.sglang_name](sgl_runner))
+        inner = wrap(sgl_runner, self.full.engine_backend(self.sgl, sgl_runner))
         if not isinstance(inner, self.sgl.HybridLinearAttnBackend):
             raise RuntimeError(f"SGLang built {type(inner).__name__} for a hybrid model")
         return inner
@@ -670,12 +703,12 @@ class SglangPrefillDecode(SglangBackend):
     def __init__(self, prefill: type[SglangBackend], decode: type[SglangBackend], model_runner) -> None:
         super().__init__(model_runner)
         self.sglang_name, self.decode_name = prefill.sglang_name, decode.sglang_name
+        self.prefill, self.decode = prefill, decode
 
     def make_inner(self, sgl_runner):
-        build = self.sgl.ATTENTION_BACKENDS
         return self.sgl.HybridAttnBackend(model_runner=sgl_runner,
-                                          prefill_backend=build[self.sglang_name](sgl_runner),
-                                          decode_backend=build[self.decode_name](sgl_runner))
+                                          prefill_backend=self.prefill.engine_backend(self.sgl, sgl_runner),
+                                          decode_backend=self.decode.engine_backend(self.sgl, sgl_runner))
 
     @property
     def children(self) -> tuple:

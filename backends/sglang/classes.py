@@ -1,6 +1,7 @@
 """SGLang's registered attention backends whose kernels the harness cannot run (their packages are not on its
-machines, or their hardware is not: Blackwell's TRT-LLM and CuTe DSL kernels, FlashMLA, sgl_kernel's FlashAttention)
-or has not adapted yet, checked at the level they reach without kernels: their classes.
+machines, or their hardware is not: Blackwell's TRT-LLM and CuTe DSL kernels, FlashMLA) or has not adapted yet, and whose
+planning the harness does not build either (FlashAttention's does: plans.py), checked at the level they reach without
+kernels: their classes.
 
 A leaf here is never built. Its one row, ``conformance`` (properties/conformance.py, ``class_conformance``), imports
 the classes the server's ``--attention-backend NAME`` factory returns (read from SGLang's registry by features.py)
@@ -42,12 +43,15 @@ class SglangClassOnly(AttentionBackend):
 
     @classmethod
     def engine_classes(cls) -> list[type]:
-        """The classes SGLang's ``--attention-backend`` factory for this name returns that import here."""
-        from backends.sglang import features, runtime
+        return registered_classes(cls.sglang_name)
 
-        runtime.load()  # the stand-ins a CPU install needs, as every SGLang row has them
-        return [getattr(importlib.import_module(module), name) for module, name in
-                features.importable_classes(cls.sglang_name)]
+
+def registered_classes(name: str) -> list[type]:
+    """The classes SGLang's ``--attention-backend name`` factory returns that import here."""
+    from backends.sglang import features, runtime
+
+    runtime.load()  # the stand-ins a CPU install needs, as every SGLang row has them
+    return [getattr(importlib.import_module(module), cls) for module, cls in features.importable_classes(name)]
 
 
 class SglangTrtllmMha(SglangClassOnly):
@@ -86,18 +90,6 @@ class SglangNsa(SglangClassOnly):
     sglang_name = "nsa"
     capabilities = _capabilities("mla", "native sparse attention needs its indexer's kernels and a model's sparse "
                                         "layers, not adapted yet", sglang_name)
-
-
-class SglangFa3(SglangClassOnly):
-    sglang_name = "fa3"
-    capabilities = _capabilities("mha", "FlashAttention 3's kernels come with sgl_kernel (the sglang-kernel wheel)",
-                                 sglang_name)
-
-
-class SglangFa4(SglangClassOnly):
-    sglang_name = "fa4"
-    capabilities = _capabilities("mha", "FlashAttention 4's kernels come with sgl_kernel and run on Blackwell",
-                                 sglang_name)
 
 
 # Registered backends for other hardware whose classes import on any machine: read at the same level.

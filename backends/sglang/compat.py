@@ -223,14 +223,23 @@ def plan_in_graph(backend, forward_batch) -> None:
 
 # ---- the runner ----
 def init_runner_caches(sgl_runner) -> None:
-    """What the release's ``ModelRunner.__init__`` (which the adapter skips) starts empty for its properties to
-    fill: 0.5.14's linear-attention registry result (``_linear_attn_registry_cache = _UNSET``, read by
-    ``linear_attn_model_spec``)."""
+    """What the release's ``ModelRunner.__init__`` (which the adapter skips) sets that backends read: 0.5.14's
+    linear-attention registry result, started empty (``_linear_attn_registry_cache = _UNSET``, read by
+    ``linear_attn_model_spec``), and the parallel layout."""
     import sglang.srt.model_executor.model_runner as model_runner
 
     unset = getattr(model_runner, "_UNSET", None)
     if unset is not None:
         sgl_runner._linear_attn_registry_cache = unset
+    # The parallel layout of one GPU, where a release keeps it on the runner for its backends to read (FlashAttention's
+    # attn_cp_size): 0.5.10 to 0.5.15 copy server_args.attn_cp_size onto it (1 by default); 0.5.16 to 0.5.20 hand it a
+    # ParallelState (distributed/parallel_state_wrapper.py), whose trivial() is SGLang's own single-GPU state; later
+    # releases read it from the runtime context (get_parallel()).
+    sgl_runner.attn_cp_size = 1
+    if features.chosen("parallel_layout") == "parallel_state":
+        from sglang.srt.distributed.parallel_state_wrapper import ParallelState
+
+        sgl_runner.ps = ParallelState.trivial()
 
 
 @cache

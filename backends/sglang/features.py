@@ -86,6 +86,9 @@ FEATURES: dict[str, Feature] = {
         _p("srt.model_executor.cuda_graph_config:CudaGraphConfig"),
         _p("srt.model_executor.cuda_graph_config:PhaseConfig"),
         _p("srt.model_executor.cuda_graph_config:Backend"))),
+    "parallel_state": Feature("the runner's ParallelState (0.5.16 to 0.5.20; FlashAttention reads "
+                              "model_runner.ps.attn_cp_size)", (
+        _p("srt.distributed.parallel_state_wrapper:ParallelState.trivial"),)),
     "kv_index_translator": Feature("the runner's KV index translator (0.5.19 on; before, backends read "
                                    "req_to_token_pool.req_to_token themselves)", (
         _p("srt.mem_cache.kv_index_translator"),
@@ -167,6 +170,9 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "backend_handoff": ("forward_context", "batch_attn_backend"),
     "fla_kernels_path": ("fla_kernels", "fla_kernels_in_srt"),
     "graph_contract": ("three_method_graph_contract", "capture_replay_graph_contract"),
+    # Where backends read the parallel layout: a ParallelState handed to the runner (0.5.16 to 0.5.20), else the runtime
+    # context or the TP group beside a runner attribute (compat.init_runner_caches sets both forms)
+    "parallel_layout": ("parallel_state", "parallel_context", "attn_tp_group"),
 }
 # Every SGLang row needs these
 CORE = ("attention_registry", "server_args", "single_rank", "backend_handoff", "kv_pool_views", "batch")
@@ -385,6 +391,9 @@ def registered_backends() -> tuple[RegisteredBackend, ...]:
     return tuple(out)
 
 
+# Which stand-ins the import probe runs under (runtime._install_shims): part of its cache key, so a change of them
+# asks again. 2: sgl_kernel's on every device (before: on CUDA only).
+PROBE_STAND_INS = 2
 IMPORT_PROBE = """
 import importlib, json, sys
 out = {}
@@ -443,7 +452,8 @@ def registered_import_failures() -> dict[str, str | None]:
         version = metadata.version("sglang")
     except metadata.PackageNotFoundError:
         version = "-"
-    key = f"sglang {version} at {root} ({stamp}), python {sys.version.split()[0]} at {sys.prefix}"
+    key = (f"sglang {version} at {root} ({stamp}), python {sys.version.split()[0]} at {sys.prefix}, "
+           f"stand-ins {PROBE_STAND_INS}")
     path = _import_cache_file()
     try:
         known = json.loads(path.read_text())

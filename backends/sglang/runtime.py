@@ -8,9 +8,9 @@ kit (``sglang/test/kits/attention_unittest/``) and are noted where they are not 
 
 Shims are applied only when needed, each only where the real package is absent: an inert ``torchvision``
 (SGLang imports it at import time; it cannot be installed beside a CPU torch), ``IPython`` and ``sniffio``
-(imported at import time, never called by attention; the GPU image lacks them), and on a CUDA machine
-``sgl_kernel`` (SGLang imports it unguarded there; see :data:`_SGL_KERNEL_SHIMS`). Nothing is edited in
-site-packages.
+(imported at import time, never called by attention; the GPU image lacks them), and ``sgl_kernel`` (SGLang
+imports it unguarded on CUDA, and on any device in the modules of the backends that need it, e.g. FlashAttention's;
+see :data:`_SGL_KERNEL_SHIMS`). Nothing is edited in site-packages.
 """
 
 from __future__ import annotations
@@ -131,9 +131,12 @@ def _strong_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # sgl_kernel (SGLang's compiled kernels, a CUDA wheel tied to SGLang's torch) is imported unguarded on CUDA by
-# modules the attention backends import. The adapted backends call none of its kernels on the paths they run;
-# the functions called are answered by SGLang's own equivalent or an equivalent in effect. Every other attribute
-# is inert: calling it raises, naming the stub, so a path that does need sgl_kernel fails loudly, never silently.
+# modules the attention backends import, and on any device by the modules of the backends whose kernels it holds
+# (flashattention_backend.py:62, FA3/FA4), which the plan-level leaves build (backends/sglang/plans.py). The
+# adapted backends call none of its kernels on the paths they run; the functions called are answered by SGLang's
+# own equivalent or an equivalent in effect. Every other attribute is inert: calling it raises, naming the stub,
+# so a path that does need sgl_kernel fails loudly, never silently. On a CPU nothing SGLang runs there asks for it
+# behind a guard (its CPU-engine imports sit behind SGLANG_USE_CPU_ENGINE, which the harness never sets).
 _SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl},
                      "sgl_kernel": {"weak_ref_tensor": _strong_ref_tensor}}
 # Imported at import time by SGLang or its dependencies, never on an attention path. opentelemetry is not
@@ -149,7 +152,7 @@ def _install_shims() -> list[str]:
         if importlib.util.find_spec(name) is None:
             sys.meta_path.insert(0, _StubPackage(name))
             installed.append(name)
-    if torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is None:
+    if importlib.util.find_spec("sgl_kernel") is None:
         sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
         _define_sgl_kernel_ops()
         installed.append("sgl_kernel")
@@ -348,7 +351,12 @@ class _ModelConfig:
         self.is_encoder_decoder = self.is_multimodal = self.model_is_mrope = False
         self.is_generation = True
         self.quantization = None
-        self.is_hybrid_swa = self.is_local_attention_model = sliding_window is not None
+        self.is_hybrid_swa = sliding_window is not None
+        # Chunked local attention (Llama 4's, with its attention_chunk_size), not a sliding window: SGLang sets it
+        # from the architecture alone (configs/model_config.py:2549, is_local_attention_model), and FlashAttention
+        # then asserts a chunk size (flashattention_backend.py:386-396). SGLang's own kit sets it for any window
+        # (test/kits/attention_unittest/attention_methods/dense_attention.py:279), which no served model does.
+        self.is_local_attention_model = False
         self.attention_chunk_size = None
         self.sliding_window_size = sliding_window
         hf = SimpleNamespace(architectures=["HarnessForCausalLM"], hidden_size=self.hidden_size,
