@@ -272,6 +272,20 @@ def _wrappers_hide_verify_buffers(spec: BatchSpec, verdict: Verdict) -> bool:
     return _hides_among_older(verdict, VERIFY_BUFFERS)
 
 
+# What SGLang's three wrappers (TboAttnBackend, HybridLinearAttnBackend, HybridAttnBackend) leave to the base class
+# although their FlashAttentionBackend child answers otherwise: capability flags and hooks whose base answer is the
+# cautious one (docs/findings/sglang-wrappers-hide-flashattention-members.md).
+FLASH_ATTENTION_MEMBERS = {"draft_extend_metadata_captured_in_graph", "supports_draft_extend_metadata_staging",
+                           "supports_full_cuda_graph_chunked_prefix", "get_fused_kv_write_buffers",
+                           "validate_elastic_cuda_graph_recapture"}
+
+
+def _wrappers_hide_flash_attention_members(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on members wrappers are known to hide, one of FlashAttention's among them."""
+    hidden = _only_known_hidden(verdict, OLDER_HIDDEN | FLASH_ATTENTION_MEMBERS)
+    return hidden is not None and bool(hidden & FLASH_ATTENTION_MEMBERS)
+
+
 def _hybrid_lacks_mha_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     """Conformance failed on members wrappers are known to hide, among them init_mha_chunk_metadata, which
     HybridLinearAttnBackend lacks before 0.5.13 while an MLA child (TRT-LLM, CUTLASS) has it."""
@@ -352,6 +366,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "window_inside_extend": _window_inside_extend,
     "tree_not_chain": _tree_not_chain,
     "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
+    "wrappers_hide_flash_attention_members": _wrappers_hide_flash_attention_members,
     "e4m3_arithmetic": _e4m3_arithmetic,
     "tree_window_by_row": _tree_window_by_row,
     "lightning_fp8_decode": _lightning_fp8_decode,
