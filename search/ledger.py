@@ -286,6 +286,14 @@ def _wrappers_hide_flash_attention_members(spec: BatchSpec, verdict: Verdict) ->
     return hidden is not None and bool(hidden & FLASH_ATTENTION_MEMBERS)
 
 
+def _flex_no_lowering_choice(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Inductor found no kernel to lower SGLang's compiled flex_attention to (CUDA, docs/findings/
+    sglang-flex-cuda-compile-lowering.md): a crash with NoValidChoicesError whose target is flex_attention."""
+    reason = verdict.reason
+    return reason.startswith("crashed: InductorError") and "NoValidChoicesError" in reason \
+        and "target: flex_attention" in reason
+
+
 def _hybrid_lacks_mha_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     """Conformance failed on members wrappers are known to hide, among them init_mha_chunk_metadata, which
     HybridLinearAttnBackend lacks before 0.5.13 while an MLA child (TRT-LLM, CUTLASS) has it."""
@@ -367,6 +375,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tree_not_chain": _tree_not_chain,
     "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
     "wrappers_hide_flash_attention_members": _wrappers_hide_flash_attention_members,
+    "flex_no_lowering_choice": _flex_no_lowering_choice,
     "e4m3_arithmetic": _e4m3_arithmetic,
     "tree_window_by_row": _tree_window_by_row,
     "lightning_fp8_decode": _lightning_fp8_decode,

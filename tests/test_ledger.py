@@ -248,3 +248,21 @@ def test_a_draft_extend_graph_window_is_known_by_its_compile_error_on_a_gpu():
     plain = BatchSpec(ForwardMode.DRAFT_EXTEND, (5,), (2,), (MHALayer(0, 4, 2, 16, 16),), spec=chain)
     condition = ledger.CONDITIONS["draft_extend_window_layer"]
     assert condition(windowed, crash) and not condition(plain, crash)
+
+
+def test_flex_lowering_is_known_on_cuda_only_and_only_for_its_compile_error():
+    # The case's own verdict (an Inductor lowering crash of SGLang's compiled flex_attention) is known on CUDA; the
+    # same words on a CPU, or another Inductor crash, or another composition's, stay findings
+    case = ROOT / "docs/findings/cases/sglang-flex-cuda-compile-lowering.json"
+    import json
+
+    reason = json.loads(case.read_text())["verdict"]["reason"]
+    spec = BatchSpec(ForwardMode.EXTEND, (0, 31), (117, 107), (MHALayer(0, 8, 2, 128, 128),), page_size=16,
+                     dtype="bfloat16")
+    crash = Verdict("outputs", False, reason)
+    term = "tbo(hybrid(sglang.flex_attention,sglang.gdn))"
+    assert ledger.match(term, "extend", "outputs", spec, crash, "cuda").id == "sglang-flex-cuda-compile-lowering"
+    assert ledger.match(term, "extend", "outputs", spec, crash, "cpu") is None
+    other = Verdict("outputs", False, reason.replace("target: flex_attention", "target: aten.mm"))
+    assert ledger.match(term, "extend", "outputs", spec, other, "cuda") is None
+    assert ledger.match("sglang.triton", "extend", "outputs", spec, crash, "cuda") is None
