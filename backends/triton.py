@@ -65,11 +65,13 @@ class TritonBackend(AttentionBackend):
         self.graph_width = None
 
     def planned_metadata(self) -> PlannedMetadata:
-        """The current plan; a graph plan's ``kv_indices`` cut to the entries its ``kv_indptr`` counts (the
-        static buffer is sized for the largest batch)."""
+        """The current plan; a graph plan's ``kv_indices`` and ``custom_mask`` cut to the entries its ``kv_indptr``
+        and ``mask_indptr`` count (the static buffers are sized for the largest batch)."""
         meta = self.forward_metadata
         if self.graph_width is not None and meta.kv_indptr is not None:
-            return dataclasses.replace(meta, kv_indices=meta.kv_indices[: int(meta.kv_indptr[-1])])
+            meta = dataclasses.replace(meta, kv_indices=meta.kv_indices[: int(meta.kv_indptr[-1])])
+        if self.graph_width is not None and meta.custom_mask is not None and meta.mask_indptr is not None:
+            meta = dataclasses.replace(meta, custom_mask=meta.custom_mask[: int(meta.mask_indptr[-1])])
         return meta
 
     # ---- per layer ----

@@ -231,10 +231,19 @@ class GraphRunner:
     def _in_graph(self) -> None:
         self.backend.init_forward_metadata_in_graph(self.fb)
 
-    def capture(self) -> None:
+    def _plan_capture(self) -> None:
         self.backend.init_cuda_graph_state(self.bs, self.bs * self.width)
         self._split()
         self.backend.init_forward_metadata_out_graph(self.fb, in_capture=True)
+
+    def capture_plan(self) -> None:
+        """The capture's planning alone, as a model runner makes it before it records the layers: the graph state,
+        the fill-value batch's out_graph plan, and its in_graph plan (run here, not recorded)."""
+        self._plan_capture()
+        self._in_graph()
+
+    def capture(self) -> None:
+        self._plan_capture()
         if not self.use_cuda_graph:  # nothing to record: each replay runs in_graph and the layers
             self.graphs = [None] * len(self.layer_specs)
             self.outputs = [None] * len(self.layer_specs)
@@ -272,9 +281,9 @@ class GraphRunner:
         self.fb.spec_info = self._padded_spec_info(fb.spec_info if fb.batch_size else None)
         return t
 
-    def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
-        """Run the real batch ``fb`` (at most ``bs`` requests of the graph's width; an IDLE batch has none)
-        through the captured graphs; returns each layer's output rows of the real tokens."""
+    def replay_plan(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> int:
+        """A replay's planning: the real batch ``fb`` loaded into the static batch (``self.fb``) and padded, then
+        out_graph and in_graph over it; returns the real token count. The plan covers the padded rows too."""
         t = self.load(fb, inputs)
         self.fb.tbo_children = None  # the wrapper derives its halves from the padded batch (SGLang's replay view)
         self.backend.init_forward_metadata_out_graph(self.fb, in_capture=False)
@@ -283,7 +292,13 @@ class GraphRunner:
         if self.metadata_graph is not None:
             self.metadata_graph.replay()
         else:
-            self._in_graph()  # no graphs (CPU): run what capture would have recorded
+            self._in_graph()  # no recorded metadata graph (CPU, or only planned): run what capture would record
+        return t
+
+    def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
+        """Run the real batch ``fb`` (at most ``bs`` requests of the graph's width; an IDLE batch has none)
+        through the captured graphs; returns each layer's output rows of the real tokens."""
+        t = self.replay_plan(fb, inputs)
         outs = []
         for i, spec in enumerate(self.layer_specs):
             graph = self.graphs[i]

@@ -89,3 +89,37 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
                               label=f"{label} pool {name}:"), bound)
     return worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "
                                f"in a {runner.mode.value} graph captured {runner.captured}")
+
+
+GRAPH_METADATA = "graph_metadata"
+
+
+def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    """The plan a decode, verify or draft-extend graph replays with satisfies the metadata invariants
+    (properties/metadata.py), read where the graph's layers would read it: after a capture over the fill-value batch,
+    a replay's plan over the real batch padded to the captured size with the backend's fill value, padded rows
+    included. (The capture's own plan is of the fill-value batch and is overwritten before any replay reads it; SGLang's
+    kit checks the plan after replay initialisation too, runner_modes/metadata_invariants.py.) Only the plans are
+    made (``GraphRunner.capture_plan``, ``replay_plan``), no layer runs: a plan-level composition
+    (``Support.plan_only``) is checked too."""
+    from properties.metadata import check_plan, planned_leaves
+
+    inner = composition.children[0]
+    case = materialize(spec, device)
+    fb = case.forward_batch
+    mr = ModelRunner.of(fb, spec.layers)
+    runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, case.weights, case.inputs,
+                         padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections,
+                         split_tbo=inner.name == "tbo" and inner.engine == "harness",
+                         capture_linear=composition.support().graph_captures_linear)
+    runner.capture_plan()
+    runner.replay_plan(fb, case.inputs)
+    leaves = planned_leaves(runner.backend, runner.fb)
+    padded = runner.bs - spec.batch_size
+    for backend, planned_fb in leaves:
+        problem = check_plan(backend.planned_metadata(), planned_fb)
+        if problem:
+            return Verdict(GRAPH_METADATA, False, f"at replay {runner.captured} ({padded} padded row(s)): "
+                                                  f"{type(backend).__name__}: {problem}")
+    return Verdict(GRAPH_METADATA, True, f"{len(leaves)} plan(s) of a replay {runner.captured} ({padded} padded "
+                                         f"row(s)) satisfy every invariant")

@@ -32,7 +32,7 @@ def planned_leaves(backend, fb: ForwardBatch) -> list[tuple[object, ForwardBatch
     return [(backend, fb)]
 
 
-def _indptr_problem(name: str, indptr: torch.Tensor, total: int, B: int) -> str | None:
+def _indptr_problem(name: str, indptr: torch.Tensor, total: int | None, B: int) -> str | None:
     x = indptr.to("cpu", torch.int64)
     if x.numel() != B + 1:
         return f"{name} has {x.numel()} entries for {B} requests"
@@ -40,14 +40,21 @@ def _indptr_problem(name: str, indptr: torch.Tensor, total: int, B: int) -> str 
         return f"{name}[0] = {int(x[0])}, expected 0"
     if bool((x[1:] < x[:-1]).any()):
         return f"{name} decreases"
-    if int(x[-1]) != total:
+    if total is not None and int(x[-1]) != total:
         return f"{name}[-1] = {int(x[-1])}, expected {total}"
     return None
 
 
 def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
-    """The first violated invariant of one plan, or None."""
+    """The first violated invariant of one plan, or None.
+
+    A graph replay's batch ends in padded rows (``fb.num_padding``): their lengths come from the backend's fill value
+    and their slots from the padding row, and the kernels' results for them are dropped. They are held to what
+    SGLang's own kit holds every replayed plan to (test/kits/attention_unittest/runner_modes/metadata_invariants.py):
+    indptrs that start at 0 and do not decrease, lengths that are not negative. The real rows are held to the batch.
+    """
     B, T = fb.batch_size, fb.extend_num_tokens
+    real = B - (getattr(fb, "num_padding", None) or 0)
     if meta.qo_indptr is not None:
         problem = _indptr_problem("qo_indptr", meta.qo_indptr, T, B)
         if problem:
@@ -59,14 +66,16 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         return f"state_slots {meta.state_slots.tolist()} != the batch's {fb.state_slots.tolist()}"
     keys = [fb.extend_prefix_lens_cpu[i] + (fb.extend_seq_lens_cpu[i] if meta.kv_includes_new_tokens else 0)
             for i in range(B)]
-    if meta.key_lens is not None and meta.key_lens.tolist() != keys:
-        return f"key lengths {meta.key_lens.tolist()[:8]}..., expected {keys[:8]}..."
+    if meta.key_lens is not None:
+        lens = meta.key_lens.to("cpu", torch.int64).tolist()
+        if lens[:real] != keys[:real] or len(lens) != B or min(lens, default=0) < 0:
+            return f"key lengths {lens[:8]}..., expected {keys[:8]}..."
     if meta.key_indptr is not None:
-        problem = _indptr_problem("key indptr", meta.key_indptr, sum(keys), B)
+        problem = _indptr_problem("key indptr", meta.key_indptr, sum(keys) if real == B else None, B)
         if problem:
             return problem
         steps = meta.key_indptr.to("cpu", torch.int64).diff().tolist()
-        if steps != keys:
+        if steps[:real] != keys[:real]:
             return f"key indptr steps {steps[:8]}..., expected {keys[:8]}..."
     if meta.kv_indptr is not None:
         problem = _indptr_problem("kv_indptr", meta.kv_indptr, meta.kv_indices.numel(), B)
@@ -75,7 +84,7 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         ps = fb.page_size if meta.kv_indices_are_pages else 1
         indptr = meta.kv_indptr.tolist()
         indices = meta.kv_indices.to("cpu", torch.int64)
-        for i in range(B):
+        for i in range(real):
             n = keys[i]
             row = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)
             expected = row[:n:ps] // ps
@@ -90,18 +99,20 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
                 if last != want or (n > 0 and not 1 <= last <= ps):
                     return f"request {i}: kv_last_page_len {last}, expected {want} for {n} keys in pages of {ps}"
     if fb.forward_mode.is_target_verify() and meta.custom_mask is not None:
-        expected = verify_mask(fb.seq_lens_cpu.tolist(), fb.spec_info.parents.tolist()).to(meta.custom_mask.device)
-        if meta.custom_mask.numel() != expected.numel():
-            return f"custom_mask has {meta.custom_mask.numel()} entries, expected sum(D*(seq_len+D)) = {expected.numel()}"
-        if not torch.equal(meta.custom_mask.bool(), expected):
-            first = int(torch.nonzero(meta.custom_mask.bool() != expected)[0])
+        expected = verify_mask(fb.seq_lens_cpu.tolist()[:real], fb.spec_info.parents.tolist()[:real])
+        expected = expected.to(meta.custom_mask.device)
+        got = meta.custom_mask.bool()
+        if got.numel() < expected.numel() or (real == B and got.numel() != expected.numel()):
+            return f"custom_mask has {got.numel()} entries, expected sum(D*(seq_len+D)) = {expected.numel()}"
+        if not torch.equal(got[:expected.numel()], expected):
+            first = int(torch.nonzero(got[:expected.numel()] != expected)[0])
             return f"custom_mask differs from the draft trees at flat entry {first}"
     chunk = meta.chunk or {}
     if "qo_indptr" in chunk:
         problem = _indptr_problem("mha chunk qo_indptr", chunk["qo_indptr"], T, B)
         if problem:
             return problem
-        for i in range(B):
+        for i in range(real):
             row = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)
             got = torch.cat([idx[int(p[i]):int(p[i + 1])].cpu() for p, idx in chunk["chunks"]] or [torch.zeros(0)])
             expected = row[:fb.extend_prefix_lens_cpu[i]]

@@ -36,11 +36,13 @@ def tree(D: int, topk: int, B: int) -> SpecInput:
 def test_plan_level_leaves_get_only_plan_level_rows_and_say_why():
     _available("sglang.fa3")
     m = matrix("cpu", PROFILES["ci"], ["sglang.fa3", "tbo(sglang.fa3)", "hybrid(sglang.fa3,sglang.gdn)"])
-    assert {r.property.name for r in m.rows} == {"metadata", "conformance"}
+    assert {r.property.name for r in m.rows if r.composition.name != "graph"} == {"metadata", "conformance"}
+    assert {r.property.name for r in m.rows if r.composition.name == "graph"} <= {"graph_metadata"}
     assert any(why.startswith("only its planning runs") for _, why in m.excluded)
-    # a plan-level leaf stands where a built one does: alone, under SGLang's TBO, hybrid and prefill/decode wrappers
+    # a plan-level leaf stands where a built one does: alone, under SGLang's TBO, hybrid and prefill/decode wrappers,
+    # and under graph(), whose plans it makes too
     wrapped = {c.name for c in all_compositions() if "sglang.fa3" in c.leaves() and not c.is_leaf}
-    assert {"tbo", "hybrid", "pd"} <= wrapped
+    assert {"tbo", "hybrid", "pd", "graph"} <= wrapped
 
 
 @pytest.mark.parametrize("batch", [
@@ -119,3 +121,31 @@ def test_a_plan_level_leaf_runs_no_kernel():
     if getattr(sgl_kernel, "__file__", "").startswith("<inert stub"):
         with pytest.raises(RuntimeError, match="inert stub"):
             sgl_kernel.merge_state_v2(None, None, None, None)
+
+
+@pytest.mark.parametrize("composition", ["graph(sglang.fa3)", "graph(sglang.triton)"])
+@pytest.mark.parametrize("batch", [
+    spec(ForwardMode.DECODE, (9, 40, 3), (1, 1, 1), page_size=4),  # 3 requests replayed in a graph of 4: one padded
+    spec(ForwardMode.TARGET_VERIFY, (6, 11, 2), (2, 2, 2), spec=tree(2, 1, 3)),
+], ids=["decode-padded", "verify-padded"])
+def test_a_replayed_graph_plan_is_held_to_the_batch_padded_rows_included(composition, batch):
+    _available(composition.removeprefix("graph(").removesuffix(")"))
+    c = parse(composition)
+    if c.unsupported_reason(batch) or PROPERTIES["graph_metadata"].applies(c, batch.mode):
+        pytest.skip(c.unsupported_reason(batch) or PROPERTIES["graph_metadata"].applies(c, batch.mode))
+    verdict = PROPERTIES["graph_metadata"].run(c, batch, "cpu")
+    assert verdict.ok and "1 padded row" in verdict.reason, str(verdict)
+
+
+@pytest.mark.parametrize("mutant, composition, expected", [
+    ("sglang_fa3_replay_keeps_capture_plan", "graph(sglang.fa3)", "key lengths"),  # a stale plan
+    ("sglang_triton_replay_pads_real_rows", "graph(sglang.triton)", "kv_indices hold"),  # padding over real rows
+])
+def test_a_replay_that_does_not_plan_the_real_batch_is_caught(mutant, composition, expected):
+    _available(composition.removeprefix("graph(").removesuffix(")"))
+    from harness.mutants.catalogue import SGLANG_CATALOGUE
+
+    batch = spec(ForwardMode.DECODE, (9, 40, 3), (1, 1, 1), page_size=4)
+    with next(m for m in SGLANG_CATALOGUE if m.name == mutant).patch():
+        verdict = PROPERTIES["graph_metadata"].run(parse(composition), batch, "cpu")
+    assert not verdict.ok and "at replay" in verdict.reason and expected in verdict.reason, str(verdict)

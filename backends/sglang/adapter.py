@@ -309,6 +309,7 @@ class SglangBackend(_SglangObject):
         self._ensure_built(forward_batch)
         sfb = self.translate(forward_batch)
         self.batches = {id(forward_batch): sfb}
+        self.planned_graph = False
         if self.states is not None:
             self.states.push(forward_batch)
         if sfb.forward_mode.is_idle() and sfb.batch_size == 0:
@@ -333,6 +334,7 @@ class SglangBackend(_SglangObject):
         self._capture_or_check(forward_batch, in_capture)
         sfb = self.translate(forward_batch, graph=True)
         self.batches = {id(forward_batch): sfb}
+        self.planned_graph = True
         if self.states is not None:
             self.states.push(forward_batch)
         return sfb
@@ -434,26 +436,36 @@ class SglangBackend(_SglangObject):
         planner = self._planner()
         meta = getattr(planner, "forward_metadata", None)
         mode = next(iter(self.batches.values())).forward_mode
+        # A graph's plan lives in buffers sized for the largest capture: the kernels read the part the plan's
+        # indptrs end at, and nothing past it
+        graph = getattr(self, "planned_graph", False)
         if meta is not None and hasattr(meta, "kv_indptr"):
             decode = mode.is_decode_or_idle()
+            kv_indices, mask = meta.kv_indices, getattr(meta, "custom_mask", None)
+            mask_indptr = getattr(meta, "mask_indptr", None)
+            if graph:
+                kv_indices = kv_indices[:int(meta.kv_indptr[-1])]
+                if mask is not None and mask_indptr is not None:
+                    mask = mask[:int(mask_indptr[-1])]
             return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
-                                   kv_indices=meta.kv_indices, kv_includes_new_tokens=decode,
-                                   custom_mask=getattr(meta, "custom_mask", None),
-                                   mask_indptr=getattr(meta, "mask_indptr", None))
+                                   kv_indices=kv_indices, kv_includes_new_tokens=decode, custom_mask=mask,
+                                   mask_indptr=mask_indptr)
         if meta is not None and getattr(meta, "cache_seqlens_int32", None) is not None:
             # A verify of draft trees (topk > 1) plans the cached prefix here and the tree's own keys apart
             # (forward_metadata_spec_decode_expand, flashattention_backend.py:1083-1150), merged after both run
             tree = mode.is_target_verify() and (getattr(planner, "topk", 0) or 0) > 1
-            return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree)
+            return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree, graph=graph)
         return PlannedMetadata()
 
 
-def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True) -> PlannedMetadata:
+def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True, graph: bool = False) -> PlannedMetadata:
     """FlashAttention's plan (``FlashAttentionMetadata``, flashattention_backend.py:75-130) in the inspectable form:
     ``cu_seqlens_q`` over the batch's query rows; per request ``cache_seqlens`` keys read from the cache (its prefix
     and, ``includes_new_tokens``, its new tokens, which SGLang writes before the kernel reads them) and their prefix
     sum ``cu_seqlens_k``;
-    ``page_table[i, j]`` the j-th page of request i's keys (token slots when pages hold one token)."""
+    ``page_table[i, j]`` the j-th page of request i's keys (token slots when pages hold one token). A graph's plan
+    (``graph``) keeps ``cu_seqlens_k`` only where its kernel reads it ("metadata.cu_seqlens_k is not needed",
+    flashattention_backend.py:3113): the paged kernel reads ``cache_seqlens`` and the page table, which are checked."""
     lens = meta.cache_seqlens_int32.to("cpu", torch.int64)
     table = meta.page_table.to("cpu", torch.int64)
     # A table narrower than a request's pages gives a shorter row, which the invariant reports as such
@@ -463,7 +475,7 @@ def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True)
     return PlannedMetadata(qo_indptr=meta.cu_seqlens_q, kv_indptr=indptr,
                            kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
                            kv_indices_are_pages=page_size > 1, kv_includes_new_tokens=includes_new_tokens,
-                           key_lens=meta.cache_seqlens_int32, key_indptr=meta.cu_seqlens_k)
+                           key_lens=meta.cache_seqlens_int32, key_indptr=None if graph else meta.cu_seqlens_k)
 
 
 class SglangTorchNative(SglangBackend):

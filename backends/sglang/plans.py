@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 
 from backends.base import Capabilities
+from batch.spec import ForwardMode
 from backends.sglang.adapter import ADAPTED_MODES, TBO_DRAFT_EXTEND_GAP, SglangBackend
 from backends.sglang.classes import registered_classes
 
@@ -103,6 +104,11 @@ def _capabilities(name: str, why: str) -> Capabilities:
         engine_classes=name,
         plan_only=None if kernels_installed() else why,
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
+        # Its out_graph plans decode and idle, target_verify and draft_extend_v2 into static buffers
+        # (flashattention_backend.py:563-577, _init_full_cg_decode_metadata, _apply_cuda_graph_metadata), and its
+        # in_graph refreshes verify and draft-extend tables (:478-530)
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE}),
     )
 
 

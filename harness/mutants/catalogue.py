@@ -579,6 +579,32 @@ def sglang_trtllm_mla_one_arg_mha_chunk():
     return mock.patch.object(TRTLLMMLABackend, "init_mha_chunk_metadata", lambda self, forward_batch: None)
 
 
+def sglang_fa3_replay_keeps_capture_plan():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend
+    planned = FlashAttentionBackend.init_forward_metadata_out_graph
+
+    def out_graph(self, forward_batch, in_capture=False):
+        if in_capture:  # the capture plans; a replay leaves the captured plan in place
+            planned(self, forward_batch, in_capture)
+    return _replace(FlashAttentionBackend, "init_forward_metadata_out_graph", out_graph)
+
+
+def sglang_triton_replay_pads_real_rows():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    planned = TritonAttnBackend.init_forward_metadata_out_graph
+
+    def out_graph(self, forward_batch, in_capture=False):
+        if not in_capture and forward_batch.forward_mode.is_decode_or_idle():
+            # the padding's fill value written over every row's length, real ones included
+            forward_batch.seq_lens.fill_(self.get_cuda_graph_seq_len_fill_value())
+        planned(self, forward_batch, in_capture)
+    return _replace(TritonAttnBackend, "init_forward_metadata_out_graph", out_graph)
+
+
 def sglang_linear_captured_in_prefill_graph():
     from backends.sglang.runtime import load
     sgl = load()
@@ -651,6 +677,14 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
            "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
            ("hybrid(sglang.torch_native,sglang.gdn)",), ("conformance",), engine="sglang"),
+    Mutant("sglang_fa3_replay_keeps_capture_plan", "SGLang's FlashAttentionBackend plans a graph at capture and "
+           "not again at replay (a stale plan: the captured fill-value batch's lengths and page table); every "
+           "replayed decode reads the padding row's keys. Caught at plan level, where FA3's kernels cannot run",
+           ("graph(sglang.fa3)",), ("graph_metadata",), modes=("decode",), engine="sglang"),
+    Mutant("sglang_triton_replay_pads_real_rows", "SGLang's TritonAttnBackend replay writes the padding's fill "
+           "value over every row's length, real rows included, before planning: each real request of a replayed "
+           "decode reads one key", ("graph(sglang.triton)",), ("graph_metadata",), modes=("decode",),
+           engine="sglang"),
     Mutant("sglang_trtllm_mla_one_arg_mha_chunk", "the same bug in its own class: TRTLLMMLABackend's "
            "init_mha_chunk_metadata taking only the batch (before the #27316 review), read at class level where its "
            "Blackwell kernels cannot run; SGLang's hybrid wrappers forward (forward_batch, disable_flashinfer_ragged) "

@@ -45,6 +45,9 @@ CASES = [
      BatchSpec(ForwardMode.TARGET_VERIFY, (4, 7), (3, 3), (MHA,),
                spec=SpecInput(3, 2, 2, ((-1, 0, 0), (-1, 0, 1)), (2, 3)), seed=5)),
     ("verify_commit", "commit_skips_tracked_copy", HYB, CHAIN_VERIFY),
+    # a replay that keeps the capture's plan: three real requests in a graph of four, each reading the padding's keys
+    ("graph_metadata", "stale_graph_replay", "graph(triton)",
+     BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), seed=6)),
     ("outputs", "fp8_dequant_ignores_scale", "torch_native",
      BatchSpec(ForwardMode.DECODE, (9, 4), (1, 1), (MHALayer(0, 4, 2, 32, 32, k_scale=0.5, v_scale=4.0),),
                kv_cache_dtype="fp8_e4m3")),
