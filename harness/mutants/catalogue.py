@@ -682,7 +682,7 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "replayed decode reads the padding row's keys. Caught at plan level, where FA3's kernels cannot run",
            ("graph(sglang.fa3)",), ("graph_metadata",), modes=("decode",), engine="sglang"),
     Mutant("sglang_triton_replay_pads_real_rows", "SGLang's TritonAttnBackend replay writes the padding's fill "
-           "value over every row's length, real rows included, before planning: each real request of a replayed "
+           "value over every row's length, real rows included, before planning; each real request of a replayed "
            "decode reads one key", ("graph(sglang.triton)",), ("graph_metadata",), modes=("decode",),
            engine="sglang"),
     Mutant("sglang_trtllm_mla_one_arg_mha_chunk", "the same bug in its own class: TRTLLMMLABackend's "
