@@ -79,7 +79,8 @@ class Property:
             return "graph() compositions are checked by graph_replay"
         if self.excludes_wrapper and self.excludes_wrapper in composition.wrappers():
             return f"{self.name} does not run on {self.excludes_wrapper} compositions"
-        if self.per_child and composition.name == "pd":
+        pd = composition.name == "pd" or (composition.name == "graph" and composition.children[0].name == "pd")
+        if self.per_child and pd:
             return f"{self.name} exercises one child's own code: checked by each child's own rows, not per pd() pair"
         return None
 
@@ -169,7 +170,7 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
     Property("graph_metadata", graph_plans_satisfy_invariants,
              "every plan a graph makes, at capture and at a replay padded to the captured size, satisfies the "
              "metadata invariants, padded rows included (no layer runs)", modes=GRAPH_MODES, needs_wrapper="graph",
-             strategy_options=(("fixed_width", True),), plan_level=True,
+             strategy_options=(("fixed_width", True),), plan_level=True, per_child=True,
              # Not yet under SGLang's TBO: its graph halves are cut from the padded batch by SGLang's splitter, and
              # the harness's view of each half's padded rows is not derived yet
              excludes_wrapper="tbo"),
