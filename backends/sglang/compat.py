@@ -236,6 +236,7 @@ def init_runner_caches(sgl_runner) -> None:
     # ParallelState (distributed/parallel_state_wrapper.py), whose trivial() is SGLang's own single-GPU state; later
     # releases read it from the runtime context (get_parallel()).
     sgl_runner.attn_cp_size = 1
+    sgl_runner.tp_size = 1  # what ModelRunner.__init__ keeps of its tp_size argument; FA3 reads it in 0.5.11 to 0.5.15
     if features.chosen("parallel_layout") == "parallel_state":
         from sglang.srt.distributed.parallel_state_wrapper import ParallelState
 
