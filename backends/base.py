@@ -30,6 +30,8 @@ property checks that.
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import inspect
 import os
@@ -378,6 +380,16 @@ class PlannedMetadata:
     # kv_includes_new_tokens)
     key_lens: torch.Tensor | None = None  # [B]
     key_indptr: torch.Tensor | None = None  # [B+1]
+
+    def cut_to_indptrs(self) -> "PlannedMetadata":
+        """A graph's plan, whose buffers are sized for the largest capture, cut to what its kernels read: the
+        ``kv_indices`` its ``kv_indptr`` ends at, the ``custom_mask`` its ``mask_indptr`` ends at."""
+        out = self
+        if out.kv_indptr is not None and out.kv_indices is not None:
+            out = dataclasses.replace(out, kv_indices=out.kv_indices[:int(out.kv_indptr[-1])])
+        if out.custom_mask is not None and out.mask_indptr is not None:
+            out = dataclasses.replace(out, custom_mask=out.custom_mask[:int(out.mask_indptr[-1])])
+        return out
 
 
 class AttentionBackend:

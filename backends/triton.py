@@ -7,7 +7,6 @@ before triton is imported), which is how CI exercises them.
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
@@ -68,11 +67,7 @@ class TritonBackend(AttentionBackend):
         """The current plan; a graph plan's ``kv_indices`` and ``custom_mask`` cut to the entries its ``kv_indptr``
         and ``mask_indptr`` count (the static buffers are sized for the largest batch)."""
         meta = self.forward_metadata
-        if self.graph_width is not None and meta.kv_indptr is not None:
-            meta = dataclasses.replace(meta, kv_indices=meta.kv_indices[: int(meta.kv_indptr[-1])])
-        if self.graph_width is not None and meta.custom_mask is not None and meta.mask_indptr is not None:
-            meta = dataclasses.replace(meta, custom_mask=meta.custom_mask[: int(meta.mask_indptr[-1])])
-        return meta
+        return meta.cut_to_indptrs() if self.graph_width is not None else meta
 
     # ---- per layer ----
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):

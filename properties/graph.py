@@ -43,6 +43,17 @@ def _pools(fb) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _graph_runner(composition: Composition, spec: BatchSpec, case, mr: ModelRunner, pad_value: float = 0.0
+                  ) -> GraphRunner:
+    """The decode/verify/draft-extend graph runner of ``graph(inner)`` for ``case``, at the padded size a batch of
+    ``spec``'s requests replays in."""
+    inner = composition.children[0]
+    return GraphRunner(inner.build(spec, mr), mr, case.forward_batch, spec.layers, case.weights, case.inputs,
+                       padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections,
+                       split_tbo=inner.name == "tbo" and inner.engine == "harness", pad_value=pad_value,
+                       capture_linear=composition.support().graph_captures_linear)
+
+
 def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     inner = composition.children[0]
     split_tbo = inner.name == "tbo" and inner.engine == "harness"  # an engine's TBO splits with its own splitter
@@ -56,10 +67,7 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
         runner = PrefillGraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
                                     spec.num_tokens, spec.mrope_sections, pad_value=POISON)
     else:
-        runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
-                             padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections,
-                             split_tbo=split_tbo, pad_value=POISON,
-                             capture_linear=composition.support().graph_captures_linear)
+        runner = _graph_runner(composition, spec, graph_case, mr, pad_value=POISON)
     runner.capture()
     replays = [graph_case.inputs]
     if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's
@@ -104,14 +112,9 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
     (``Support.plan_only``) is checked too."""
     from properties.metadata import check_plan, planned_leaves
 
-    inner = composition.children[0]
     case = materialize(spec, device)
     fb = case.forward_batch
-    mr = ModelRunner.of(fb, spec.layers)
-    runner = GraphRunner(inner.build(spec, mr), mr, fb, spec.layers, case.weights, case.inputs,
-                         padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections,
-                         split_tbo=inner.name == "tbo" and inner.engine == "harness",
-                         capture_linear=composition.support().graph_captures_linear)
+    runner = _graph_runner(composition, spec, case, ModelRunner.of(fb, spec.layers))
     runner.capture_plan()
     runner.replay_plan(fb, case.inputs)
     leaves = planned_leaves(runner.backend, runner.fb)

@@ -261,8 +261,8 @@ TBO_PROBED = {"init_mha_chunk_metadata", "update_mamba_state_after_mtp_verify"}
 OLDER_HIDDEN = TBO_HIDDEN | HYBRID_HIDDEN | VERIFY_BUFFERS | TBO_PROBED | {"forward", "needs_cpu_seq_lens"}
 
 
-def _hides_among_older(verdict: Verdict, own: set[str]) -> bool:
-    hidden = _only_known_hidden(verdict, OLDER_HIDDEN)
+def _hides_among_older(verdict: Verdict, own: set[str], known: set[str] = OLDER_HIDDEN) -> bool:
+    hidden = _only_known_hidden(verdict, known)
     return hidden is not None and bool(hidden & own)
 
 
@@ -282,8 +282,7 @@ FLASH_ATTENTION_MEMBERS = {"draft_extend_metadata_captured_in_graph", "supports_
 
 def _wrappers_hide_flash_attention_members(spec: BatchSpec, verdict: Verdict) -> bool:
     """Conformance failed on members wrappers are known to hide, one of FlashAttention's among them."""
-    hidden = _only_known_hidden(verdict, OLDER_HIDDEN | FLASH_ATTENTION_MEMBERS)
-    return hidden is not None and bool(hidden & FLASH_ATTENTION_MEMBERS)
+    return _hides_among_older(verdict, FLASH_ATTENTION_MEMBERS, OLDER_HIDDEN | FLASH_ATTENTION_MEMBERS)
 
 
 def _flex_no_lowering_choice(spec: BatchSpec, verdict: Verdict) -> bool:

@@ -168,6 +168,7 @@ class SglangBackend(_SglangObject):
     (SGLang sizes speculative buffers from the draft token count, which a runner does not know)."""
 
     sglang_name: ClassVar[str]
+    planned_graph: bool = False  # the last plan was a graph's (its buffers sized for the largest capture)
     hybrid: runtime.HybridModel | None = None  # set for SGLang's hybrid wrapper (SglangHybrid)
     decode_name: str | None = None  # set for SGLang's prefill/decode split (SglangPrefillDecode)
 
@@ -436,25 +437,18 @@ class SglangBackend(_SglangObject):
         planner = self._planner()
         meta = getattr(planner, "forward_metadata", None)
         mode = next(iter(self.batches.values())).forward_mode
-        # A graph's plan lives in buffers sized for the largest capture: the kernels read the part the plan's
-        # indptrs end at, and nothing past it
-        graph = getattr(self, "planned_graph", False)
         if meta is not None and hasattr(meta, "kv_indptr"):
-            decode = mode.is_decode_or_idle()
-            kv_indices, mask = meta.kv_indices, getattr(meta, "custom_mask", None)
-            mask_indptr = getattr(meta, "mask_indptr", None)
-            if graph:
-                kv_indices = kv_indices[:int(meta.kv_indptr[-1])]
-                if mask is not None and mask_indptr is not None:
-                    mask = mask[:int(mask_indptr[-1])]
-            return PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
-                                   kv_indices=kv_indices, kv_includes_new_tokens=decode, custom_mask=mask,
-                                   mask_indptr=mask_indptr)
+            plan = PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
+                                   kv_indices=meta.kv_indices, kv_includes_new_tokens=mode.is_decode_or_idle(),
+                                   custom_mask=getattr(meta, "custom_mask", None),
+                                   mask_indptr=getattr(meta, "mask_indptr", None))
+            return plan.cut_to_indptrs() if self.planned_graph else plan
         if meta is not None and getattr(meta, "cache_seqlens_int32", None) is not None:
             # A verify of draft trees (topk > 1) plans the cached prefix here and the tree's own keys apart
             # (forward_metadata_spec_decode_expand, flashattention_backend.py:1083-1150), merged after both run
             tree = mode.is_target_verify() and (getattr(planner, "topk", 0) or 0) > 1
-            return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree, graph=graph)
+            return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree,
+                                        graph=self.planned_graph)
         return PlannedMetadata()
 
 
