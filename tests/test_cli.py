@@ -59,15 +59,17 @@ def test_case_for_an_unavailable_backend_says_why(tmp_path, capsys):
     assert "cannot replay flashinfer here" in capsys.readouterr().err
 
 
-def test_list_shows_available_and_unavailable_with_reasons():
-    out = run_cli("list", "--device", "cpu")
-    assert out.returncode == 0, out.stderr
-    assert "torch_native" in out.stdout and "available" in out.stdout
-    assert "tbo(hybrid(torch_native,linear_torch))" in out.stdout
-    assert "unavailable:" in out.stdout  # the GPU backends, with their reason
+def test_list_shows_available_and_unavailable_with_reasons(capfd):
+    assert main(["list", "--device", "cpu"]) == 0
+    out = capfd.readouterr().out
+    assert "torch_native" in out and "available" in out
+    assert "tbo(hybrid(torch_native,linear_torch))" in out
+    assert "unavailable:" in out  # the GPU backends, with their reason
 
 
-def test_failure_writes_a_case_file_that_replays(tmp_path):
+def test_failure_writes_a_case_file_that_replays(tmp_path, capfd):
+    # The command line itself, once in its own process; the faulted run and the replays call main() in this one
+    # (capfd: the run's stall watchdog writes to stderr's file descriptor).
     out = run_cli("run", "--device", "cpu", "--backends", "torch_native", "--properties", "outputs",
                   "--modes", "decode", "--out", str(tmp_path), "--db", str(tmp_path / "db"))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -76,23 +78,25 @@ def test_failure_writes_a_case_file_that_replays(tmp_path):
     assert report["rows"][0]["ok"] and report["rows"][0]["cases"] > 0
 
     # The same run with a fault injected fails and leaves a small, replayable case behind.
-    script = ("import sys; from harness.mutants.catalogue import MUTANTS; from harness.cli import main\n"
-              "with MUTANTS['gqa_modulo_mapping'].patch(): sys.exit(main(sys.argv[1:]))")
-    out = subprocess.run([sys.executable, "-c", script, "run", "--device", "cpu", "--backends", "torch_native",
-                          "--properties", "outputs", "--modes", "decode", "--out", str(tmp_path / "f"),
-                          "--db", str(tmp_path / "db2")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 1, out.stdout + out.stderr
+    from harness.mutants.catalogue import MUTANTS
+
+    fault = MUTANTS["gqa_modulo_mapping"]
+    with fault.patch():
+        code = main(["run", "--device", "cpu", "--backends", "torch_native", "--properties", "outputs",
+                     "--modes", "decode", "--out", str(tmp_path / "f"), "--db", str(tmp_path / "db2")])
+    printed = capfd.readouterr().out
+    assert code == 1, printed
     cases = list((tmp_path / "f" / "cases").glob("torch_native-*.json"))  # tbo(torch_native) fails too
-    assert len(cases) == 1 and f"python -m harness repro {cases[0]}" in out.stdout
+    assert len(cases) == 1 and f"python -m harness repro {cases[0]}" in printed
     case = CaseFile.read(cases[0])
     assert case.spec.batch_size == 1 and case.spec.num_tokens == 1  # shrunk to the smallest batch
     assert not list((tmp_path / "f" / "pending").glob("*.json"))
-    clean = run_cli("repro", str(cases[0]))  # without the fault, the case passes
-    assert clean.returncode == 0 and "verdict:     outputs: ok" in clean.stdout
-    faulty = subprocess.run([sys.executable, "-c", script, "repro", str(cases[0]), "--dump", str(tmp_path / "dump")],
-                            cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert faulty.returncode == 1
-    assert "request 0, token 0, head" in faulty.stdout and "out of bounds" in faulty.stdout
+    assert main(["repro", str(cases[0])]) == 0  # without the fault, the case passes
+    assert "verdict:     outputs: ok" in capfd.readouterr().out
+    with fault.patch():
+        assert main(["repro", str(cases[0]), "--dump", str(tmp_path / "dump")]) == 1
+    printed = capfd.readouterr().out
+    assert "request 0, token 0, head" in printed and "out of bounds" in printed
     assert (tmp_path / "dump" / "tensors.pt").exists()
 
 

@@ -60,74 +60,83 @@ def test_a_ledger_bug_exports_to_a_file_that_fails_on_its_own(tmp_path, capsys):
 FAULT_PLUGIN = '''
 import pytest
 
+FAULTS = {faults!r}  # exported file -> the harness mutant that produced its case
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """The harness mutant {name!r}, patched into SGLang's real classes before the exported test runs."""
+    """The file's harness mutant, patched into SGLang's real classes while each of its tests runs."""
     from harness.mutants.catalogue import MUTANTS
 
-    fault = MUTANTS[{name!r}].patch()
+    fault = MUTANTS[FAULTS[item.path.name]].patch()
     fault.__enter__()
-    item.config.add_cleanup(lambda: fault.__exit__(None, None, None))
+    item.stash[KEY] = fault
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item):
+    fault = item.stash.get(KEY, None)
+    if fault is not None:
+        fault.__exit__(None, None, None)
+
+
+KEY = pytest.StashKey()
 '''
 
-
-@needs_kit
-def test_a_ledger_conformance_gap_exports_one_test_per_member(tmp_path):
-    """SGLang 0.5.23's hybrid wrapper has no extend_attention_block_m, which its Triton child has (the ledger's
-    sglang-hybrid-hides-extend-block-m): the exported file fails on exactly the members the harness names, each
-    its own test, in a fresh process; it reads classes and sources only."""
-    from harness.export import run_exported
-
-    out = tmp_path / "test_block_m.py"
-    assert main(["export", str(ROOT / "docs/findings/cases/sglang-hybrid-hides-extend-block-m.json"),
-                 "--out", str(out)]) == 0
-    _imports_nothing_of_ours(out)
-    status, output = run_exported(out, extra=["-rA"])
-    assert status == 1, output[-3000:]
-    failed = set(re.findall(r"^FAILED \S+\[(\w+\.\w+)\]", output, flags=re.M))
-    assert failed == {"HybridLinearAttnBackend.extend_attention_block_m"}, output[-3000:]
-    assert "which its child TritonAttnBackend has: SGLang's hasattr-guarded call skips it" in output
+# Mutants of SGLang's real classes whose cases export: the property that kills each, and what its exported file
+# asserts when the fault is patched back in.
+EXPORTED_MUTANTS = {
+    "sglang_mha_decode_drops_logit_cap": ("outputs", r"AssertionError: (relative L2|element) error"),
+    "sglang_triton_lacks_update_verify": (
+        "conformance", r"AssertionError: TritonAttnBackend serves target_verify but leaves "
+                       r"update_verify_buffers_to_fill_after_draft to AttentionBackend"),
+    # a class-level leaf: the file runs the harness's class check, copied in
+    "sglang_trtllm_mla_one_arg_mha_chunk": (
+        "conformance", r"AssertionError: TRTLLMMLABackend.init_mha_chunk_metadata\(forward_batch\) does not take "
+                       r"the call"),
+}
 
 
 @needs_kit
-@pytest.mark.parametrize("name, prop", [("sglang_mha_decode_drops_logit_cap", "outputs"),
-                                        ("sglang_triton_lacks_update_verify", "conformance"),
-                                        ("sglang_trtllm_mla_one_arg_mha_chunk", "conformance")])
-def test_a_mutant_case_fails_under_its_fault_and_passes_without_it(tmp_path, name, prop):
-    """`harness mutants --engine sglang` finds a fault patched into SGLang's real classes (the dropped soft-cap of
+def test_mutant_cases_fail_under_their_fault_and_pass_without_it(tmp_path):
+    """`harness mutants --engine sglang` finds faults patched into SGLang's real classes (the dropped soft-cap of
     its MHA decode branch; a Triton backend without its verify-buffer refresh; TRT-LLM MLA's one-argument
-    init_mha_chunk_metadata, read at class level); the exported case passes on its own (the real SGLang has no such
-    fault) and fails with the fault patched in."""
+    init_mha_chunk_metadata, read at class level); each exported case passes on its own (the real SGLang has no such
+    fault) and fails with its fault patched in. The files run together, one fresh interpreter without the faults and
+    one with each file's own, so SGLang is imported twice, not twice per file."""
     from harness.export import run_exported
     from harness.mutants.catalogue import MUTANTS
     from harness.mutants.run import run_mutant
     from search.profiles import PROFILES
 
-    result = run_mutant(MUTANTS[name], PROFILES["ci"], "cpu", tmp_path / "mutants", budget_s=600, shrink_seconds=0)
-    assert result.status == "killed" and result.case_file and result.property == prop, result
-    out = tmp_path / "export" / "test_dropped_cap.py"
-    assert main(["export", result.case_file, "--out", str(out)]) == 0
-    _imports_nothing_of_ours(out)
+    folder = tmp_path / "export"
+    files = {}
+    for name, (prop, _) in EXPORTED_MUTANTS.items():
+        result = run_mutant(MUTANTS[name], PROFILES["ci"], "cpu", tmp_path / "mutants", budget_s=600,
+                            shrink_seconds=0)
+        assert result.status == "killed" and result.case_file and result.property == prop, result
+        files[name] = folder / f"test_{name}.py"
+        assert main(["export", result.case_file, "--out", str(files[name])]) == 0
+        _imports_nothing_of_ours(files[name])
 
-    status, output = run_exported(out)  # without the fault, without this project
+    status, output = run_exported(list(files.values()), extra=["-rA"])  # without the faults, without this project
     assert status == 0, output[-3000:]
+    for name, path in files.items():
+        assert re.search(rf"^PASSED {path.name}::", output, flags=re.M), f"{name}: {output[-3000:]}"
 
     plugin = tmp_path / "plugin"
     plugin.mkdir()
-    (plugin / "harness_fault.py").write_text(FAULT_PLUGIN.format(name=name))
+    (plugin / "harness_fault.py").write_text(FAULT_PLUGIN.format(faults={p.name: n for n, p in files.items()}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
-    faulted = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "harness_fault",
-                              "--rootdir", str(out.parent), out.name], cwd=out.parent, env=env,
-                             capture_output=True, text=True, timeout=1800)
+    faulted = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p",
+                              "harness_fault", "--rootdir", str(folder), *(p.name for p in files.values())],
+                             cwd=folder, env=env, capture_output=True, text=True, timeout=1800)
     assert faulted.returncode == 1, faulted.stdout[-3000:] + faulted.stderr[-3000:]
-    expected = {"sglang_mha_decode_drops_logit_cap": r"AssertionError: (relative L2|element) error",
-                "sglang_triton_lacks_update_verify": r"AssertionError: TritonAttnBackend serves target_verify but "
-                                                     r"leaves update_verify_buffers_to_fill_after_draft to AttentionBackend",
-                # a class-level leaf: the file runs the harness's class check, copied in
-                "sglang_trtllm_mla_one_arg_mha_chunk": r"AssertionError: TRTLLMMLABackend.init_mha_chunk_metadata"
-                                                       r"\(forward_batch\) does not take the call"}[name]
-    assert re.search(expected, faulted.stdout), faulted.stdout[-3000:]
+    for name, path in files.items():
+        assert re.search(rf"^FAILED {path.name}::", faulted.stdout, flags=re.M) and \
+            not re.search(rf"^PASSED {path.name}::", faulted.stdout, flags=re.M), \
+            f"{name}: {faulted.stdout[-3000:]}"
+        assert re.search(EXPORTED_MUTANTS[name][1], faulted.stdout), f"{name}: {faulted.stdout[-3000:]}"
 
 
 def test_a_case_of_a_kind_export_does_not_cover_is_one_line_and_exit_2(capsys):

@@ -66,11 +66,6 @@ def test_a_hanging_row_is_a_finding_after_the_case_timeout(tmp_path):
     assert "no progress" in hung["failure"] and CaseFile.read(hung["case_file"]).spec.mode == ForwardMode.EXTEND
 
 
-def test_run_rejects_an_unknown_mutant(tmp_path):
-    out = run_cli("run", "--mutant", "nosuch", "--out", str(tmp_path))
-    assert out.returncode == 2 and "unknown mutant 'nosuch'" in out.stderr
-
-
 def _slow_failing_row(calls: list, out_dir: Path, delay: float) -> Row:
     """A row whose property fails on any batch of two or more tokens, slowly (so shrinking takes long), and
     records, on each call after the first failure, whether a case file is already there."""
