@@ -42,6 +42,13 @@ STATE_SLOT_LAYOUTS = ("shuffled", "compact", "reversed", "gapped")
 #                         order, so out_cache_loc goes down inside an extend (at every token when page_size is 1)
 KV_LAYOUTS = ("shuffled_pages", "contiguous", "interleaved_pages", "non_monotonic_extend")
 
+# A CUDA graph replays a batch of B requests at the smallest captured size that holds it, the rows past B padding.
+# ``BatchSpec.graph_padding`` asks for at least that many padded rows (the replay runs at the smallest captured size
+# >= B + graph_padding, as on a server whose --cuda-graph-bs skips B): SGLang's defaults capture 1, 2, 4, 8, ..., so
+# most small batches replay unpadded, and padding is where replay code has its own branches. The batch's request
+# pool holds this many rows beside its requests, so the padded size always fits.
+MAX_GRAPH_PADDING = 2
+
 
 class SpecError(ValueError):
     """A batch specification or case file that cannot describe a real batch."""
@@ -300,6 +307,7 @@ class BatchSpec:
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     state_slot_layout: str = "shuffled"  # one of STATE_SLOT_LAYOUTS
     kv_layout: str = "shuffled_pages"
+    graph_padding: int = 0  # padded rows a CUDA-graph replay of this batch adds at least (MAX_GRAPH_PADDING)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", ForwardMode(self.mode))
@@ -378,6 +386,8 @@ class BatchSpec:
                  f"state_slot_layout must be one of {', '.join(STATE_SLOT_LAYOUTS)}, got {self.state_slot_layout!r}")
         _require(self.kv_layout in KV_LAYOUTS,
                  f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {_show(self.kv_layout)}")
+        _require(0 <= self.graph_padding <= MAX_GRAPH_PADDING,
+                 f"graph_padding must be in [0, {MAX_GRAPH_PADDING}], got {self.graph_padding}")
         empty_ok = self.mode in (ForwardMode.EXTEND, ForwardMode.MIXED)
         for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
             _require(p >= 0, f"prefix_lens[{i}] must be >= 0, got {p}")

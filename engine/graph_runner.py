@@ -39,7 +39,7 @@ from dataclasses import replace
 import torch
 
 from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights, ModelRunner, SpecInfo
-from batch.spec import ForwardMode, is_recurrent
+from batch.spec import BatchSpec, ForwardMode, is_recurrent
 from batch.tbo_split import attach_tbo_children
 from engine.model import prepare_batch, run_layer_overlapped
 
@@ -74,6 +74,12 @@ def padded_size(bs: int, max_requests: int) -> int:
     """The capture size a batch of ``bs`` requests replays at, over a request pool of ``max_requests`` (an idle
     batch: the smallest)."""
     return _smallest_fitting(capture_sizes(max_requests), bs, "batch")
+
+
+def replay_size(spec: BatchSpec, max_requests: int) -> int:
+    """The capture size ``spec``'s batch replays at: the smallest that holds its requests and the padded rows it
+    asks for (``BatchSpec.graph_padding``)."""
+    return padded_size(spec.batch_size + spec.graph_padding, max_requests)
 
 
 def capture_mode(mode: ForwardMode) -> ForwardMode:

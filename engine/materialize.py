@@ -18,9 +18,11 @@ from batch.case import TORCH_DTYPES, Case
 from batch.forward_batch import (FP8_KV_DTYPE, ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo,
                                  quantize_kv)
 from batch.masks import tree_depths, verify_custom_mask
-from batch.spec import BatchSpec
+from batch.spec import MAX_GRAPH_PADDING, BatchSpec
 
-SPARE_REQ_ROWS = 2  # rows of req_to_token / state slots that belong to no request of the batch
+# Rows of req_to_token / state slots that belong to no request of the batch; a graph replay's padded rows fit
+# beside the batch's requests (the request pool is what graph buffers are sized by).
+SPARE_REQ_ROWS = MAX_GRAPH_PADDING
 
 
 _CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import torch
 from backends.registry import Composition
 from batch.forward_batch import LayerInputs, ModelRunner
 from batch.spec import BatchSpec, ForwardMode
-from engine.graph_runner import GraphRunner, PrefillGraphRunner, eager_run, padded_size
+from engine.graph_runner import GraphRunner, PrefillGraphRunner, eager_run, replay_size
 from engine.materialize import materialize
 from properties.tolerances import layer_bound
 from properties.verdict import Verdict, Worst, compare, token_starts
@@ -49,7 +49,7 @@ def _graph_runner(composition: Composition, spec: BatchSpec, case, mr: ModelRunn
     ``spec``'s requests replays in."""
     inner = composition.children[0]
     return GraphRunner(inner.build(spec, mr), mr, case.forward_batch, spec.layers, case.weights, case.inputs,
-                       padded_size(spec.batch_size, mr.max_requests), spec.mrope_sections,
+                       replay_size(spec, mr.max_requests), spec.mrope_sections,
                        split_tbo=inner.name == "tbo" and inner.engine == "harness", pad_value=pad_value,
                        capture_linear=composition.support().graph_captures_linear)
 

@@ -29,7 +29,7 @@ from backends.registry import Composition
 from batch.case import Case
 from batch.forward_batch import ModelRunner
 from batch.spec import RECURRENT_KINDS, BatchSpec, is_recurrent
-from engine.graph_runner import GraphRunner, padded_size
+from engine.graph_runner import GraphRunner, replay_size
 from engine.materialize import materialize
 from properties.run import run_case
 from properties.tolerances import layer_bound
@@ -68,7 +68,7 @@ def verified(composition: Composition, spec: BatchSpec, device: str) -> tuple[Ca
     runner_model = ModelRunner.of(case.forward_batch, spec.layers)
     backend = composition.children[0].build(spec, runner_model)
     runner = GraphRunner(backend, runner_model, case.forward_batch, spec.layers, case.weights, case.inputs,
-                         padded_size(spec.batch_size, runner_model.max_requests), spec.mrope_sections,
+                         replay_size(spec, runner_model.max_requests), spec.mrope_sections,
                          capture_linear=composition.support().graph_captures_linear)
     runner.capture()
     runner.replay(case.forward_batch, case.inputs)

@@ -14,7 +14,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from batch.spec import BatchSpec, SpecError
+from batch.spec import MAX_GRAPH_PADDING, BatchSpec, SpecError
 
 # 2: tensors come from the counter-based draws of engine.materialize; a version-1 seed gives other tensors.
 CASE_SCHEMA_VERSION = 2
@@ -170,7 +170,7 @@ def estimated_bytes(spec: BatchSpec) -> int:
     kv_lens = spec.kv_lens
     pages = sum(-(-n // ps) for n in kv_lens)
     slots = (1 + pages + 2 + pages // 4) * ps
-    reqs = 1 + spec.batch_size + 2  # engine.materialize.SPARE_REQ_ROWS
+    reqs = 1 + spec.batch_size + MAX_GRAPH_PADDING  # engine.materialize.SPARE_REQ_ROWS
     T = spec.num_tokens
     draw = 8 + DTYPE_BYTES.get(spec.dtype, 4)  # an element's int32 word and float32 draw, then its cast copy
     total = reqs * spec.context_len * 12  # drawn as int64, kept as int32

@@ -59,6 +59,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "empty_extend": support.empty_extend,
         "verify_window": support.verify_window,
         "chain": not support.draft_trees,
+        "graph_padding": "graph" in c.wrappers(),
     }
 
 

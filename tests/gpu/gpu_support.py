@@ -78,7 +78,7 @@ def fresh_inputs(inputs: list[LayerInputs], seed: int) -> list[LayerInputs]:
 def graph_replay_errors(make_backend, spec: BatchSpec) -> list[float]:
     """Capture DECODE layers at the padded batch size, replay the real batch twice (its inputs, then fresh
     ones) and return each replayed layer's relative L2 error against the float64 reference."""
-    from engine.graph_runner import GraphRunner, padded_size
+    from engine.graph_runner import GraphRunner, replay_size
     from reference.batch import reference_outputs
 
     case = materialize(spec, "cuda")
@@ -87,7 +87,7 @@ def graph_replay_errors(make_backend, spec: BatchSpec) -> list[float]:
     pools = _pool_tensors(fb)
     before = {n: t.clone() for n, t in pools.items()}
     runner = GraphRunner(make_backend(mr), mr, fb, spec.layers, case.weights, case.inputs,
-                         padded_size(spec.batch_size, mr.max_requests),
+                         replay_size(spec, mr.max_requests),
                          spec.mrope_sections)
     runner.capture()
     errors = []

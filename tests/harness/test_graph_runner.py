@@ -3,6 +3,7 @@ each mode, its poisoned padding, the batches it refuses, and two-batch-overlap h
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from unittest import mock
 
@@ -14,7 +15,7 @@ from backends.registry import parse
 from batch.forward_batch import ModelRunner
 from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, SpecInput
 from engine.graph_runner import (CAPTURE_SIZES, GRAPH_MODES, GraphRunner, capture_mode, capture_sizes, graph_width,
-                                 padded_size)
+                                 padded_size, replay_size)
 from engine.materialize import materialize
 from properties import PROPERTIES
 
@@ -48,6 +49,45 @@ def test_modes_widths_and_capture_sizes():
     assert capture_sizes(11) == (1, 2, 4, 8, 11) and padded_size(9, 11) == 11
     assert capture_sizes(40) == (1, 2, 4, 8, 12, 16, 24, 32, 40) and capture_sizes(256) == CAPTURE_SIZES
     assert padded_size(146, 148) == 148 and padded_size(146, 400) == 152
+
+
+def test_a_batch_asks_for_padded_rows_and_graph_rows_draw_them():
+    """SGLang's default sizes (1, 2, 4, 8, ...) replay most small batches unpadded; ``graph_padding`` asks for padded rows
+    whatever the size, within the request pool (``MAX_GRAPH_PADDING`` rows beside the batch's), and the graph rows'
+    strategy draws it in about two cases of three, one padded row in the simplest batch, so a row's first example
+    reaches a padded replay."""
+    from hypothesis import HealthCheck, Phase, find, given, settings
+
+    from batch.spec import MAX_GRAPH_PADDING, SpecError
+    from search.matrix import Row
+    from search.profiles import PROFILES
+    from search.search_row import row_strategy
+
+    four = dataclasses.replace(VERIFY, prefix_lens=(4, 7, 2, 5), extend_lens=(3,) * 4,
+                               spec=SpecInput(3, 2, 2, VERIFY.spec.parents + ((-1, 0, 0),), (2, 3, 1, 1)))
+    mr = ModelRunner.of(materialize(four).forward_batch, four.layers)
+    assert mr.max_requests == 4 + MAX_GRAPH_PADDING
+    assert [replay_size(dataclasses.replace(four, graph_padding=p), mr.max_requests) for p in range(3)] == [4, 6, 6]
+    with pytest.raises(SpecError, match="graph_padding must be in"):
+        dataclasses.replace(four, graph_padding=MAX_GRAPH_PADDING + 1)
+
+    graph = Row(parse("graph(triton)"), ForwardMode.DECODE, PROPERTIES["graph_replay"])
+    eager = Row(parse("triton"), ForwardMode.DECODE, PROPERTIES["outputs"])
+    drawn: dict[str, list[int]] = {"graph": [], "eager": []}
+    for kind, row in (("graph", graph), ("eager", eager)):
+        @settings(max_examples=60, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(row_strategy(row, PROFILES["ci"]))
+        def collect(spec):
+            drawn[kind].append(spec.graph_padding)
+        collect()
+    # the example Hypothesis tries first, and the only one a row searched with one example checks
+    simplest = find(row_strategy(graph, PROFILES["ci"]), lambda _: True,
+                    settings=settings(database=None, phases=(Phase.generate,)))
+    assert simplest.batch_size == 1 and simplest.graph_padding == 1
+    assert replay_size(simplest, simplest.batch_size + MAX_GRAPH_PADDING) == 2
+    assert set(drawn["eager"]) == {0}
+    assert set(drawn["graph"]) == set(range(MAX_GRAPH_PADDING + 1))
+    assert sum(p > 0 for p in drawn["graph"]) >= 0.6 * len(drawn["graph"])
 
 
 def test_padded_rows_are_fill_rows_and_their_inputs_poisoned():
