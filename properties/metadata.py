@@ -98,6 +98,16 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
                 want = (n - 1) % ps + 1 if n > 0 else 0
                 if last != want or (n > 0 and not 1 <= last <= ps):
                     return f"request {i}: kv_last_page_len {last}, expected {want} for {n} keys in pages of {ps}"
+    if fb.forward_mode.is_target_verify() and meta.custom_mask is not None and meta.mask_indptr is not None:
+        # Request i's tree mask is D x (seq_len + D) entries: where each request's mask starts in the flat one
+        D = fb.spec_info.draft_token_num
+        sizes = [D * (n + D) for n in fb.seq_lens_cpu.tolist()]
+        problem = _indptr_problem("mask_indptr", meta.mask_indptr, sum(sizes) if real == B else None, B)
+        if problem:
+            return problem
+        steps = meta.mask_indptr.to("cpu", torch.int64).diff().tolist()
+        if steps[:real] != sizes[:real]:
+            return f"mask_indptr steps {steps[:8]}..., expected D*(seq_len+D) per request {sizes[:8]}..."
     if fb.forward_mode.is_target_verify() and meta.custom_mask is not None:
         expected = verify_mask(fb.seq_lens_cpu.tolist()[:real], fb.spec_info.parents.tolist()[:real])
         expected = expected.to(meta.custom_mask.device)
