@@ -605,6 +605,74 @@ def sglang_triton_replay_pads_real_rows():
     return _replace(TritonAttnBackend, "init_forward_metadata_out_graph", out_graph)
 
 
+def sglang_triton_verify_replay_mask_without_drafts():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    planned = TritonAttnBackend._update_target_verify_buffers
+
+    def update(self, plan, bs, seq_lens, spec_info, req_pool_indices):
+        out = planned(self, plan, bs, seq_lens, spec_info, req_pool_indices)
+        # each request's mask taken as D x seq_len, its drafts' own D columns forgotten
+        D = self._target_verify_num_tokens_per_req(spec_info)
+        self.mask_indptr[1:bs + 1] = torch.cumsum(D * seq_lens[:bs], dim=0)
+        return out
+    return _replace(TritonAttnBackend, "_update_target_verify_buffers", update)
+
+
+def sglang_triton_draft_extend_replay_keys_twice():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    planned = TritonAttnBackend._update_draft_extend_buffers
+
+    def update(self, plan, bs, seq_lens, forward_mode, spec_info, req_pool_indices):
+        # the accepted tokens' counts not read: the prefix planned as the whole seq_len, new tokens included
+        return planned(self, plan, bs, seq_lens, forward_mode, None, req_pool_indices)
+    return _replace(TritonAttnBackend, "_update_draft_extend_buffers", update)
+
+
+def sglang_linear_replay_pads_into_last_state():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import MambaAttnBackendBase
+    planned = MambaAttnBackendBase._replay_metadata
+
+    def replay_metadata(self, bs, *args, **kwargs):
+        meta = planned(self, bs, *args, **kwargs)
+        slots = meta.mamba_cache_indices[:bs]
+        padded = slots == self.pad_slot_id
+        if bool(padded.any()) and bool((~padded).any()):
+            # padded rows given the last real request's state slot instead of the pad slot
+            slots[padded] = slots[~padded][-1]
+        return meta
+    return _replace(MambaAttnBackendBase, "_replay_metadata", replay_metadata)
+
+
+def sglang_fa3_verify_replay_keys_without_drafts():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.flashattention_backend import FlashAttentionBackend as FA
+    plan_graph, plan_pages = FA._init_full_cg_decode_metadata, FA._set_decode_page_metadata
+    replaying_verify: list[bool] = []
+
+    def init_graph(self, forward_batch, in_capture):
+        replaying_verify.append(forward_batch.forward_mode.is_target_verify() and not in_capture)
+        try:
+            return plan_graph(self, forward_batch, in_capture)
+        finally:
+            replaying_verify.pop()
+
+    def set_pages(self, plan, metadata, req_pool_indices, seq_lens, seq_len_delta):
+        if replaying_verify and replaying_verify[-1]:
+            seq_len_delta = 0  # each request's key count without its own draft tokens
+        return plan_pages(self, plan, metadata, req_pool_indices, seq_lens, seq_len_delta)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_replace(FA, "_init_full_cg_decode_metadata", init_graph))
+    stack.enter_context(_replace(FA, "_set_decode_page_metadata", set_pages))
+    return stack
+
+
 def sglang_linear_captured_in_prefill_graph():
     from backends.sglang.runtime import load
     sgl = load()
@@ -685,6 +753,22 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "value over every row's length, real rows included, before planning; each real request of a replayed "
            "decode reads one key", ("graph(sglang.triton)",), ("graph_metadata",), modes=("decode",),
            engine="sglang"),
+    Mutant("sglang_triton_verify_replay_mask_without_drafts", "SGLang's TritonAttnBackend replay of a target_verify "
+           "graph offsets each request's tree mask by D x seq_len, forgetting the drafts' own D columns; from the second "
+           "request on, every replayed verify reads another request's mask bits (draft trees, topk > 1)",
+           ("graph(sglang.triton)",), modes=("target_verify",), engine="sglang"),
+    Mutant("sglang_triton_draft_extend_replay_keys_twice", "SGLang's TritonAttnBackend replay of a draft-extend graph "
+           "plans the prefix as the whole seq_len, not seq_len less the accepted tokens; each replayed draft extend "
+           "attends to its new tokens twice (once from the cache, once as the extend)",
+           ("graph(sglang.triton)",), modes=("draft_extend",), engine="sglang"),
+    Mutant("sglang_linear_replay_pads_into_last_state", "SGLang's MambaAttnBackendBase replay gives padded rows the "
+           "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
+           "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",
+           ("graph(hybrid(sglang.triton,sglang.gdn))",), modes=("decode",), engine="sglang"),
+    Mutant("sglang_fa3_verify_replay_keys_without_drafts", "SGLang's FlashAttentionBackend replay of a target_verify "
+           "graph (draft chains) counts each request's keys without its own draft tokens; every replayed verify's "
+           "drafts read none of the drafts before them. Caught at plan level, where FA3's kernels cannot run",
+           ("graph(sglang.fa3)",), modes=("target_verify",), engine="sglang"),
     Mutant("sglang_trtllm_mla_one_arg_mha_chunk", "the same bug in its own class: TRTLLMMLABackend's "
            "init_mha_chunk_metadata taking only the batch (before the #27316 review), read at class level where its "
            "Blackwell kernels cannot run; SGLang's hybrid wrappers forward (forward_batch, disable_flashinfer_ragged) "
