@@ -45,6 +45,19 @@ def _indptr_problem(name: str, indptr: torch.Tensor, total: int | None, B: int) 
     return None
 
 
+def _sizes_problem(name: str, indptr: torch.Tensor, sizes: list[int], real: int, what: str) -> str | None:
+    """``indptr`` as the prefix sum of per-request ``sizes``: a valid indptr, its total and steps those of the first
+    ``real`` requests (padded rows after them: only a valid indptr)."""
+    B = len(sizes)
+    problem = _indptr_problem(name, indptr, sum(sizes) if real == B else None, B)
+    if problem:
+        return problem
+    steps = indptr.to("cpu", torch.int64).diff().tolist()
+    if steps[:real] != sizes[:real]:
+        return f"{name} steps {steps[:8]}..., expected {what}{sizes[:8]}..."
+    return None
+
+
 def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
     """The first violated invariant of one plan, or None.
 
@@ -71,12 +84,9 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         if lens[:real] != keys[:real] or len(lens) != B or min(lens, default=0) < 0:
             return f"key lengths {lens[:8]}..., expected {keys[:8]}..."
     if meta.key_indptr is not None:
-        problem = _indptr_problem("key indptr", meta.key_indptr, sum(keys) if real == B else None, B)
+        problem = _sizes_problem("key indptr", meta.key_indptr, keys, real, "")
         if problem:
             return problem
-        steps = meta.key_indptr.to("cpu", torch.int64).diff().tolist()
-        if steps[:real] != keys[:real]:
-            return f"key indptr steps {steps[:8]}..., expected {keys[:8]}..."
     if meta.kv_indptr is not None:
         problem = _indptr_problem("kv_indptr", meta.kv_indptr, meta.kv_indices.numel(), B)
         if problem:
@@ -102,12 +112,9 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         # Request i's tree mask is D x (seq_len + D) entries: where each request's mask starts in the flat one
         D = fb.spec_info.draft_token_num
         sizes = [D * (n + D) for n in fb.seq_lens_cpu.tolist()]
-        problem = _indptr_problem("mask_indptr", meta.mask_indptr, sum(sizes) if real == B else None, B)
+        problem = _sizes_problem("mask_indptr", meta.mask_indptr, sizes, real, "D*(seq_len+D) per request ")
         if problem:
             return problem
-        steps = meta.mask_indptr.to("cpu", torch.int64).diff().tolist()
-        if steps[:real] != sizes[:real]:
-            return f"mask_indptr steps {steps[:8]}..., expected D*(seq_len+D) per request {sizes[:8]}..."
     if fb.forward_mode.is_target_verify() and meta.custom_mask is not None:
         expected = verify_mask(fb.seq_lens_cpu.tolist()[:real], fb.spec_info.parents.tolist()[:real])
         expected = expected.to(meta.custom_mask.device)
