@@ -39,18 +39,6 @@ def pytest_configure(config):
     settings.load_profile("harness-tests")
 
 
-# Modules whose tests each run for tens of seconds (fresh processes that import torch or SGLang, sweeps, mutant
-# searches): collected first, so pytest-xdist's workers start on them and the run does not end with one worker on a
-# long test while the other idles (measured with --durations: the longest single tests are 20-65 s).
-LONG_FIRST = ("test_export.py", "test_sweep_signals.py", "test_sweep.py", "test_run_isolation.py", "test_mutants.py",
-              "test_run_signals.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))  # stable: the order within a module kept
-
-
 @pytest.fixture(scope="session")
 def device() -> str:
     return DEVICE
