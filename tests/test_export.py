@@ -41,20 +41,47 @@ def _imports_nothing_of_ours(path: Path) -> None:
 
 
 @needs_kit
-def test_a_ledger_bug_exports_to_a_file_that_fails_on_its_own(tmp_path, capsys):
-    """SGLang's Triton decode reads one key short of a sliding window (the ledger's
-    sglang-triton-swa-decode-one-key-short, live in 0.5.23): its exported file fails in a fresh process with the
-    same check the harness failed, and `export --check` says so."""
+def test_ledger_cases_export_to_files_that_fail_on_their_own(tmp_path):
+    """Two ledger entries live in 0.5.23, exported and run together in one fresh process without this project:
+    - SGLang's Triton decode reads one key short of a sliding window (sglang-triton-swa-decode-one-key-short): its
+      file fails with the check the harness failed;
+    - its hybrid wrapper has no extend_attention_block_m, which its Triton child has (sglang-hybrid-hides-extend-
+      block-m): its file fails on exactly the members the harness names, each its own test (classes and sources
+      only)."""
+    from harness.export import run_exported
+
+    swa, block_m = tmp_path / "test_swa_decode.py", tmp_path / "test_block_m.py"
+    for case, out in (("sglang-triton-swa-decode", swa), ("sglang-hybrid-hides-extend-block-m", block_m)):
+        assert main(["export", str(ROOT / f"docs/findings/cases/{case}.json"), "--out", str(out)]) == 0
+        _imports_nothing_of_ours(out)
+    text = swa.read_text()
+    assert "Triage: docs/findings/sglang-triton-swa-decode.md" in text and "--attention-backend triton" in text
+    assert "sliding window 1" in text and not swa.with_suffix(".pt").exists()  # small: the tensors are inline
+
+    status, output = run_exported([swa, block_m], extra=["-rA"])
+    assert status == 1, output[-3000:]
+    assert re.search(r"^FAILED test_swa_decode.py::", output, flags=re.M), output[-3000:]
+    assert re.search(r"AssertionError: relative L2 error 1\.\d+ > bound 2\.36e-06", output), output[-3000:]
+    failed = set(re.findall(r"^FAILED test_block_m.py::\S+\[(\w+\.\w+)\]", output, flags=re.M))
+    assert failed == {"HybridLinearAttnBackend.extend_attention_block_m"}, output[-3000:]
+    assert "which its child TritonAttnBackend has: SGLang's hasattr-guarded call skips it" in output
+
+
+@needs_kit
+@pytest.mark.parametrize("status, says, code", [(1, "fails on its own, as the harness's replay did", 0),
+                                               (0, "passes on its own, NOT as the harness's replay did", 1)])
+def test_export_check_says_whether_the_file_fails_as_the_harness_did(tmp_path, capsys, monkeypatch, status, says,
+                                                                    code):
+    """`export --check`'s verdict on what the fresh process reported (the process itself: the test above)."""
+    import harness.export
+
+    ran = []
+    monkeypatch.setattr(harness.export, "run_exported",
+                        lambda path, stand_ins=False: ran.append(path) or (status, "the file's pytest output"))
     out = tmp_path / "test_swa_decode.py"
     assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out", str(out),
-                 "--check"]) == 0
-    printed = capsys.readouterr().out
-    assert "fails on its own, as the harness's replay did" in printed
-    assert re.search(r"AssertionError: relative L2 error 1\.\d+ > bound 2\.36e-06", printed)
-    _imports_nothing_of_ours(out)
-    text = out.read_text()
-    assert "Triage: docs/findings/sglang-triton-swa-decode.md" in text and "--attention-backend triton" in text
-    assert "sliding window 1" in text and not out.with_suffix(".pt").exists()  # small: the tensors are inline
+                 "--check"]) == code
+    assert ran == [out] and f"the exported file {says}" in capsys.readouterr().out
 
 
 FAULT_PLUGIN = '''
