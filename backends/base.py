@@ -30,12 +30,10 @@ property checks that.
 
 from __future__ import annotations
 
-import dataclasses
-
 import importlib.util
 import inspect
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Optional
 
 import torch
@@ -386,9 +384,9 @@ class PlannedMetadata:
         ``kv_indices`` its ``kv_indptr`` ends at, the ``custom_mask`` its ``mask_indptr`` ends at."""
         out = self
         if out.kv_indptr is not None and out.kv_indices is not None:
-            out = dataclasses.replace(out, kv_indices=out.kv_indices[:int(out.kv_indptr[-1])])
+            out = replace(out, kv_indices=out.kv_indices[:int(out.kv_indptr[-1])])
         if out.custom_mask is not None and out.mask_indptr is not None:
-            out = dataclasses.replace(out, custom_mask=out.custom_mask[:int(out.mask_indptr[-1])])
+            out = replace(out, custom_mask=out.custom_mask[:int(out.mask_indptr[-1])])
         return out
 
 

@@ -7,7 +7,6 @@ before triton is imported), which is how CI exercises them.
 
 from __future__ import annotations
 
-
 import torch
 
 from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata

@@ -43,6 +43,11 @@ def _pools(fb) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _splits_tbo_itself(inner: Composition) -> bool:
+    """Whether the graph runner splits ``inner``'s TBO halves (the harness's TBO); an engine's splits with its own."""
+    return inner.name == "tbo" and inner.engine == "harness"
+
+
 def _graph_runner(composition: Composition, spec: BatchSpec, case, mr: ModelRunner, pad_value: float = 0.0
                   ) -> GraphRunner:
     """The decode/verify/draft-extend graph runner of ``graph(inner)`` for ``case``, at the padded size a batch of
@@ -50,13 +55,13 @@ def _graph_runner(composition: Composition, spec: BatchSpec, case, mr: ModelRunn
     inner = composition.children[0]
     return GraphRunner(inner.build(spec, mr), mr, case.forward_batch, spec.layers, case.weights, case.inputs,
                        replay_size(spec, mr.max_requests), spec.mrope_sections,
-                       split_tbo=inner.name == "tbo" and inner.engine == "harness", pad_value=pad_value,
+                       split_tbo=_splits_tbo_itself(inner), pad_value=pad_value,
                        capture_linear=composition.support().graph_captures_linear)
 
 
 def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     inner = composition.children[0]
-    split_tbo = inner.name == "tbo" and inner.engine == "harness"  # an engine's TBO splits with its own splitter
+    split_tbo = _splits_tbo_itself(inner)
     starts = token_starts(spec)
     worst = Worst()
     graph_case = materialize(spec, device)

@@ -12,8 +12,8 @@ import functools
 
 from hypothesis import strategies as st
 
-from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode, ImageSpan,
-                        LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput, is_recurrent)
+from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode,
+                        ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput, is_recurrent)
 from search.profiles import Profile
 
 
@@ -98,6 +98,7 @@ def _full_layer(kind: str, layer_id: int, profile: Profile, draw, window: int | 
 SHAPES = 16
 SINGLE_TOKEN, LARGEST, LONG, WIDE = 12, 13, 14, 15
 LONG_MAX_REQUESTS = 3
+GRAPH_PADDING_ORDER = (1, 0) + tuple(range(2, MAX_GRAPH_PADDING + 1))  # graph_padding, simplest first
 LONG_MAX_EXTEND = 64
 WIDE_MAX_EXTEND = 4
 
@@ -251,7 +252,6 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                      kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout, graph_padding=padding)
 
 
-GRAPH_PADDING_ORDER = (1, 0) + tuple(range(2, MAX_GRAPH_PADDING + 1))  # graph_padding, simplest first
 KV_SCALES = (1.0, 0.5, 2.0, 2.0**-6, 2.0**4)  # powers of two: batch.spec.KV_SCALE_RANGE, shrinking toward 1
 
 
