@@ -38,6 +38,14 @@ def causal_mask(q_len: int, k_len: int, sliding_window: int, device) -> torch.Te
     return mask
 
 
+def refuse_logit_cap(layer) -> None:
+    """Raise for a soft-capped layer: scaled_dot_product_attention has no soft-cap, and computing the layer
+    without it would answer a different function (properties/refusal.py)."""
+    if layer.kind == "mha" and layer.logit_cap:
+        raise ValueError(f"TorchNativeBackend: layer {layer.layer_id} has logit_cap={layer.logit_cap}; "
+                         "scaled_dot_product_attention has no soft-cap")
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q ``[Lq, H, D]``, k ``[Lk, Hk, D]``, v ``[Lk, Hk, Dv]``, mask ``[Lq, Lk]`` -> ``[Lq, H, Dv]``."""
     group = q.shape[1] // k.shape[1]
@@ -102,6 +110,7 @@ class TorchNativeBackend(AttentionBackend):
         window, or the tree mask); an MLA layer in expanded form takes the chunked MHA path instead."""
         if layer.kind == "mla" and not layer.absorbed:
             return self._mla_expanded(q, k, v, layer, forward_batch)
+        refuse_logit_cap(layer)
         fb, meta = forward_batch, self.forward_metadata
         if save_kv_cache:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None,
@@ -127,6 +136,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
         """Per request, :func:`sdpa` of the new token over its ``seq_lens`` cached slots, with the layer's window."""
+        refuse_logit_cap(layer)
         fb, meta = forward_batch, self.forward_metadata
         if save_kv_cache:
             fb.token_to_kv_pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v if layer.kind == "mha" else None,

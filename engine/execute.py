@@ -21,14 +21,16 @@ class Execution:
     split: TboSplit | None = None
 
 
-def execute(composition: Composition, case: Case, backend: AttentionBackend | None = None) -> Execution:
-    """Build the composition (unless given), split the batch if it is a TBO composition, run every layer."""
+def execute(composition: Composition, case: Case, backend: AttentionBackend | None = None,
+            fused_qkv: bool = False) -> Execution:
+    """Build the composition (unless given), split the batch if it is a TBO composition, run every layer (MHA
+    layers' q, k, v as views of one buffer with ``fused_qkv``: engine.model.fused_views)."""
     backend = backend or composition.build(case.spec, ModelRunner.of(case.forward_batch, case.spec.layers))
     split = None
     if composition.name == "tbo" and composition.engine == "harness":
         split = attach_tbo_children(case.forward_batch)
     outputs = run_layers(backend, case.forward_batch, case.spec.layers, case.inputs, case.weights,
-                         case.spec.mrope_sections)
+                         case.spec.mrope_sections, fused_qkv)
     if composition.name == "tbo" and composition.engine != "harness":
         split = backend.split  # an engine's TBO wrapper splits with the engine's own splitter while planning
     return Execution(backend, outputs, split)

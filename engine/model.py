@@ -80,15 +80,34 @@ def mla_latent(spec: Layer, inputs: LayerInputs, fb: ForwardBatch, mrope_section
     return torch.cat([t["ckv"], kpe], dim=-1)[:, None, :]
 
 
+def fused_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v with the same values, handed over as a model's fused QKV projection hands them: views of one
+    ``[T, Hq*D + Hk*D + Hk*Dv]`` buffer (``qkv.split([...], dim=-1)``, then ``.view(-1, heads, dim)`` in
+    RadixAttention), so each token's row is strided by the whole width, not by its own."""
+    T = q.shape[0]
+    fused = torch.cat([q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)], dim=1)
+    views, start = [], 0
+    for x in (q, k, v):
+        width = x.shape[1] * x.shape[2]
+        views.append(fused[:, start:start + width].view(x.shape))
+        start += width
+    return views[0], views[1], views[2]
+
+
 def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeights,
-              fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """Run one layer of the model through ``backend``; the output is in the layer's output space."""
+              fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None,
+              fused_qkv: bool = False) -> torch.Tensor:
+    """Run one layer of the model through ``backend``; the output is in the layer's output space. ``fused_qkv``:
+    an MHA layer's q, k, v come as views of one buffer (:func:`fused_views`), else each contiguous."""
     layer = make_layer(spec, weights, fb.forward_mode)
     t = inputs.tensors
     if spec.kind == "linear":
         return backend.forward(layer=layer, forward_batch=fb, mixed_qkv=t["mixed_qkv"], a=t["a"], b=t["b"])
     if spec.kind == "mha":
         q, k, v = mha_qkv(spec, inputs, fb, mrope_sections)
+        if fused_qkv:
+            q, k, v = fused_views(q, k, v)
         return backend.forward(q, k, v, layer, fb)
     if spec.kind == "lightning":
         # Bailing's linear layer casts its q/k/v projections to float32 and calls its RadixAttention
@@ -115,30 +134,32 @@ def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeig
 
 
 def run_layers(backend: Any, fb: ForwardBatch, layer_specs, inputs: list[LayerInputs],
-               weights: list[LayerWeights], mrope_sections: tuple[int, int, int] | None = None
-               ) -> list[torch.Tensor]:
+               weights: list[LayerWeights], mrope_sections: tuple[int, int, int] | None = None,
+               fused_qkv: bool = False) -> list[torch.Tensor]:
     """Plan the batch, then run every layer; returns one output per layer.
 
     A batch carrying ``tbo_children`` runs as two-batch overlap does in a model: each child batch, with its
     slice of every per-token input, goes through the wrapper's child backend, and the halves are joined.
     """
     prepare_batch(backend, fb, layer_specs)  # a TBO wrapper plans its children's halves here too
-    return [run_layer_overlapped(backend, spec, inp, w, fb, mrope_sections)
+    return [run_layer_overlapped(backend, spec, inp, w, fb, mrope_sections, fused_qkv)
             for spec, inp, w in zip(layer_specs, inputs, weights)]
 
 
 def run_layer_overlapped(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeights,
-                         fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         fb: ForwardBatch, mrope_sections: tuple[int, int, int] | None = None,
+                         fused_qkv: bool = False) -> torch.Tensor:
     """:func:`run_layer`, or, for a batch carrying ``tbo_children``, the layer as two-batch overlap runs it:
     each child batch, with its slice of the layer's per-token inputs, through the wrapper's child backend,
     and the halves joined (the eager runner and the CUDA-graph runner alike)."""
     if not fb.tbo_children:
-        return run_layer(backend, spec, inputs, weights, fb, mrope_sections)
+        return run_layer(backend, spec, inputs, weights, fb, mrope_sections, fused_qkv)
     parts, start = [], 0
     for child_fb, child_backend in zip(fb.tbo_children, backend.children):
         end = start + child_fb.extend_num_tokens
         if end > start:  # a half without tokens skips attention, as SGLang's model layers do
             parts.append(run_layer(child_backend, spec, inputs.slice_tokens(start, end), weights, child_fb,
-                                   mrope_sections))
+                                   mrope_sections, fused_qkv))
         start = end
-    return torch.cat(parts, dim=0) if parts else run_layer(backend, spec, inputs, weights, fb, mrope_sections)
+    return torch.cat(parts, dim=0) if parts else \
+        run_layer(backend, spec, inputs, weights, fb, mrope_sections, fused_qkv)

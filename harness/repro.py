@@ -17,21 +17,28 @@ from search.casefile import CaseFile
 
 def describe(spec) -> str:
     def heads(l) -> str:
-        return f"{l.kind}#{l.layer_id} {l.num_q_heads}/{l.num_kv_heads}x{l.head_dim}" if l.kind == "mha" \
-            else f"{l.kind}#{l.layer_id}"
+        if l.kind != "mha":
+            return f"{l.kind}#{l.layer_id}"
+        extras = [f"window {l.sliding_window}"] if l.sliding_window else []
+        extras += [f"logit cap {l.logit_cap:g}"] if l.logit_cap else []
+        extras += [f"kv scales {l.k_scale:g}/{l.v_scale:g}"] if spec.kv_cache_dtype != "auto" else []
+        return f"{l.kind}#{l.layer_id} {l.num_q_heads}/{l.num_kv_heads}x{l.head_dim}" + \
+            (f" ({', '.join(extras)})" if extras else "")
     layers = ", ".join(heads(l) for l in spec.layers)
+    cache = f", {spec.kv_cache_dtype} cache" if spec.kv_cache_dtype != "auto" else ""
     return (f"{spec.mode.value}, {spec.batch_size} request(s), prefix {list(spec.prefix_lens)}, "
-            f"extend {list(spec.extend_lens)}, page {spec.page_size} ({spec.kv_layout}), {spec.dtype}, "
+            f"extend {list(spec.extend_lens)}, page {spec.page_size} ({spec.kv_layout}), {spec.dtype}{cache}, "
             f"layers [{layers}]")
 
 
 def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
     composition = parse(case.composition)
-    reason = composition.unavailable_reason(device) or composition.unsupported_reason(case.spec)
-    if reason:
-        raise UsageError(f"cannot replay {case.composition} here: {reason}")
     if case.property not in PROPERTIES:
         raise UsageError(f"case names unknown property {case.property!r}; known: {', '.join(PROPERTIES)}")
+    reason = composition.unavailable_reason(device) or \
+        (None if PROPERTIES[case.property].crosses_declarations else composition.unsupported_reason(case.spec))
+    if reason:
+        raise UsageError(f"cannot replay {case.composition} here: {reason}")
     print(f"composition: {case.composition}\nproperty:    {case.property}\nbatch:       {describe(case.spec)}")
     verdict = PROPERTIES[case.property].run(composition, case.spec, device)
     print(f"verdict:     {verdict}")

@@ -30,6 +30,8 @@ from properties.graph import graph_plans_satisfy_invariants, graph_replay_equals
 from properties.linear_state import verify_commits_every_position
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
+from properties import refusal
+from properties import replan
 from properties.tree import tree_branch_equals_chain
 from properties.verdict import Verdict
 
@@ -57,6 +59,20 @@ class Property:
     under_graph: bool = False  # also on graph() compositions, its forward replayed in a captured graph
     class_level: bool = False  # needs only the classes (runs on class-level leaves, Capabilities.class_only)
     plan_level: bool = False  # needs only a plan, no kernel (runs on plan-level leaves, Capabilities.plan_only)
+    # Rows decided by the composition itself beyond the fields above: (composition, mode) -> why not, or None
+    row_applies: Callable[[Composition, ForwardMode], str | None] | None = None
+    # Strategy options that depend on the row's composition and mode (merged over strategy_options)
+    row_options: Callable[[Composition, ForwardMode], dict] | None = None
+    # Draws batches outside the composition's declarations on purpose: a case of it replays though
+    # Composition.unsupported_reason names what it crosses
+    crosses_declarations: bool = False
+    # Each example runs the composition twice, over batches the outputs rows also check once: searched as a slow
+    # row where the profile has few examples for those (Profile.slow_row_examples, the ci profile's main job)
+    runs_twice: bool = False
+
+    def options(self, composition: Composition, mode: ForwardMode) -> dict:
+        """Keyword arguments of the strategy this property adds for a row of ``composition`` in ``mode``."""
+        return dict(self.strategy_options) | (self.row_options(composition, mode) if self.row_options else {})
 
     def applies(self, composition: Composition, mode: ForwardMode) -> str | None:
         """None if the property applies to this row, else why not."""
@@ -82,7 +98,7 @@ class Property:
         pd = composition.name == "pd" or (composition.name == "graph" and composition.children[0].name == "pd")
         if self.per_child and pd:
             return f"{self.name} exercises one child's own code: checked by each child's own rows, not per pd() pair"
-        return None
+        return self.row_applies(composition, mode) if self.row_applies else None
 
     def run(self, composition: Composition, spec: BatchSpec, device: str) -> Verdict:
         """Run the check; a crash is a failing verdict that names the exception and where it was raised.
@@ -174,4 +190,13 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              # Not yet under SGLang's TBO: its graph halves are cut from the padded batch by SGLang's splitter, and
              # the harness's view of each half's padded rows is not derived yet
              excludes_wrapper="tbo"),
+    Property(replan.NAME, replan.replan_gives_the_new_batch,
+             "one backend object, then a second batch of the same shapes (requests reordered, other pages, rows, "
+             "data, q/k/v as fused views): the second's outputs and states are its own, not a stale plan's",
+             modes=frozenset(SERVING_MODES) - {ForwardMode.IDLE}, per_child=True, row_applies=replan.applies,
+             runs_twice=True),
+    Property(refusal.NAME, refusal.refuses_or_computes_correctly,
+             "a batch past one limit the backend declares (soft-cap, window, fp8 cache or its KV scales) "
+             "is refused with an error or computed within the bound, never answered wrong",
+             row_applies=refusal.applies, row_options=refusal.strategy_options, crosses_declarations=True),
 ]}

@@ -31,7 +31,7 @@ def _fresh_inputs(inputs: list[LayerInputs], seed: int) -> list[LayerInputs]:
             for li in inputs]
 
 
-def _pools(fb) -> dict[str, torch.Tensor]:
+def pool_tensors(fb) -> dict[str, torch.Tensor]:
     """Every pool a layer may write, each indexed by slot (KV) or state slot (linear) on dim 0."""
     tensors = {f"k{i}": b for i, b in fb.token_to_kv_pool.k_buffers.items()}
     tensors |= {f"v{i}": b for i, b in fb.token_to_kv_pool.v_buffers.items() if b is not None}
@@ -67,7 +67,7 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     graph_case = materialize(spec, device)
     fb = graph_case.forward_batch
     mr = ModelRunner.of(fb, spec.layers)
-    before = {n: t.clone() for n, t in _pools(fb).items()}
+    before = {n: t.clone() for n, t in pool_tensors(fb).items()}
     if spec.mode is ForwardMode.EXTEND:  # a breakable prefill graph
         runner = PrefillGraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
                                     spec.num_tokens, spec.mrope_sections, pad_value=POISON)
@@ -78,7 +78,7 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's
         replays.append(_fresh_inputs(graph_case.inputs, spec.seed + 1))
     for attempt, inputs in enumerate(replays):
-        for name, t in _pools(fb).items():  # each replay starts from the same pools as its eager twin
+        for name, t in pool_tensors(fb).items():  # each replay starts from the same pools as its eager twin
             t.copy_(before[name])
             if t.is_floating_point():
                 t[0] = POISON  # the padding slot: what padded rows read and write
@@ -94,8 +94,8 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
             # the CPU: 0.000 of the bound in every graph row).
             bound = layer_bound(composition, spec, layer, device)
             worst.add(compare(a, b.to(torch.float64), bound, starts, f"{label} layer {layer.layer_id}:"), bound)
-        eager_pools = _pools(eager_case.forward_batch)
-        for name, t in _pools(fb).items():
+        eager_pools = pool_tensors(eager_case.forward_batch)
+        for name, t in pool_tensors(fb).items():
             # Slot 0 takes the padded rows' writes; every other slot must match eager execution.
             bound = layer_bound(composition, spec, spec.layers[0], device)
             worst.add(compare(t[1:], eager_pools[name][1:].to(torch.float64), bound,

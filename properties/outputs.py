@@ -33,12 +33,19 @@ def linear_state_comparisons(run: Run, composition: Composition, device: str, wo
                 worst.add(compare(actual, exp, bound, label=f"layer {layer.layer_id} request {i} {what}:"), bound)
 
 
+def row_count_problem(spec: BatchSpec, outputs) -> str | None:
+    """Why the outputs do not hold one row per query token, or None."""
+    for layer, out in zip(spec.layers, outputs):
+        if out.shape[0] != spec.num_tokens:
+            return f"layer {layer.layer_id} returned {out.shape[0]} rows for {spec.num_tokens} query tokens"
+    return None
+
+
 def outputs_match_reference(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     run = run_case(composition, spec, device)
-    for layer, out in zip(spec.layers, run.execution.outputs):
-        if out.shape[0] != spec.num_tokens:
-            return Verdict(NAME, False, f"layer {layer.layer_id} returned {out.shape[0]} rows for "
-                                        f"{spec.num_tokens} query tokens")
+    problem = row_count_problem(spec, run.execution.outputs)
+    if problem:
+        return Verdict(NAME, False, problem)
     worst = Worst()
     compare_outputs(run.execution.outputs, run.reference, composition, spec, device, worst)
     linear_state_comparisons(run, composition, device, worst)

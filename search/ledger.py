@@ -99,6 +99,13 @@ def _layer_has_logit_cap(spec: BatchSpec, verdict: Verdict) -> bool:
     return layer is not None and getattr(layer, "logit_cap", None) is not None
 
 
+def _layer_kv_scaled(spec: BatchSpec, verdict: Verdict) -> bool:
+    """An fp8 KV cache, the worst element in a layer whose K or V scale is not 1."""
+    layer = _failing_layer(spec, verdict)
+    return spec.kv_cache_dtype != "auto" and layer is not None and layer.kind == "mha" \
+        and (layer.k_scale != 1.0 or layer.v_scale != 1.0)
+
+
 def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
     """The worst element is in a sliding-window layer and some request's new tokens reach further back than
     the window (a query at offset j of an extend sees new keys j - window .. j only if j > window)."""
@@ -354,6 +361,7 @@ def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
+    "layer_kv_scaled": _layer_kv_scaled,
     "window_cuts_keys": _window_cuts_keys,
     "wrappers_hide_verify_buffers": _wrappers_hide_verify_buffers,
     "hybrid_lacks_mha_chunk": _hybrid_lacks_mha_chunk,

@@ -50,7 +50,7 @@ class PropertyFailed(AssertionError):
 
 
 def row_strategy(row: Row, profile: Profile):
-    options = strategy_options(row.composition, profile) | dict(row.property.strategy_options)
+    options = strategy_options(row.composition, profile) | row.property.options(row.composition, row.mode)
     return batch_specs(profile, row.mode, row.composition.attention_kinds(), **options)
 
 
@@ -87,7 +87,8 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     run stopped while it shrinks still leaves its reproducer."""
     result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
     support = row.composition.support()
-    if device == "cpu" and support.slow_on_cpu and max_examples is None and profile.slow_row_examples:
+    slow = (device == "cpu" and support.slow_on_cpu) or row.property.runs_twice
+    if slow and max_examples is None and profile.slow_row_examples:
         max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
     if support.class_only:  # its check reads classes, not the batch: more examples, or shrinking one, repeat it
         max_examples = 1 if max_examples is None else max_examples

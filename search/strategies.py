@@ -116,7 +116,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 kv_scales: bool = True, require_recurrent: bool = False,
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
-                verify_window: bool = False, graph_padding: bool = False) -> BatchSpec:
+                verify_window: bool = False, graph_padding: bool = False,
+                overreach: tuple[str, ...] = ()) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
     ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
@@ -130,9 +131,17 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches. ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
     in the simplest batch, at least one in about two cases of three, so a replay's padded rows are reached on first
-    contact whatever the batch size.
+    contact whatever the batch size. ``overreach`` names declared limits (properties/refusal.py's OVERREACHES):
+    one of them is drawn and the batch crosses it (the options above that keep batches inside it are lifted).
     """
     dtype = dtype or profile.dtype
+    crossing = draw(st.sampled_from(overreach)) if overreach else None
+    if crossing in ("logit_cap", "sliding_window", "verify_window"):
+        logit_cap = logit_cap or crossing == "logit_cap"
+        sliding_window = sliding_window or crossing == "sliding_window"
+        verify_window = verify_window or crossing in ("sliding_window", "verify_window")
+    elif crossing in ("fp8_kv_cache", "kv_scales"):
+        kv_cache_dtypes, kv_scales = ("fp8_e4m3",), True
     shape = draw(st.integers(0, SHAPES - 1))
     if (shape == LONG and profile.long_context is None) or (shape == WIDE and profile.wide_batch is None) \
             or mode is ForwardMode.IDLE:
@@ -140,7 +149,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     page_size = draw(st.sampled_from(page_sizes or profile.page_sizes))
     kv_layout = draw(st.sampled_from(KV_LAYOUTS))
     head = draw(st.sampled_from(head_configs or profile.heads))
-    full_kinds = sorted(kinds & {"mha", "mla"})
+    # A limit of MHA layers is crossed by a batch of them (an MLA model is not handed a soft-cap, a window or fp8)
+    full_kinds = sorted(kinds & ({"mha"} if crossing else {"mha", "mla"}))
     draft_worker = hybrid and bool(full_kinds) and mode in (ForwardMode.DECODE, ForwardMode.EXTEND) and \
         draw(st.booleans()) and draw(st.booleans())
     # The model's one sliding window (SGLang: runner.sliding_window_size), then the layers: how many, the kind
@@ -238,6 +248,12 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
             for i in range(B):
                 if empty[i]:
                     prefix[i], extend[i] = max(prefix[i], 1), 0
+    if crossing is not None:
+        # Over one key a soft-cap changes nothing, and a window hides a key only from a position past it plus 1:
+        # a batch that crosses one has the keys for it to show
+        keys = 3 if crossing in ("sliding_window", "verify_window") else 2
+        longest = max(range(B), key=lambda i: prefix[i] + extend[i])
+        prefix[longest] += max(0, keys - prefix[longest] - extend[longest])
     mrope_layout = None
     if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
@@ -246,6 +262,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     # One padded row first: Hypothesis tries each choice's simplest value first, and a row searched with one example
     # (the ci profile's slow rows) checks that batch alone, so its replay is padded too. Then an exact fit, then more.
     padding = GRAPH_PADDING_ORDER[draw(st.integers(0, MAX_GRAPH_PADDING))] if graph_padding else 0
+    if crossing is not None:
+        layers = draw(_crossing_layers(crossing, layers, kv_max))
     return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=dtype,
                      seed=seed, spec=spec_input, mrope=mrope_layout,
                      draft_worker=draft_worker, kv_layout=kv_layout, context_len=context_len_for(kv_max),
@@ -275,6 +293,30 @@ def context_len_for(kv_len: int) -> int:
     while n < kv_len:
         n *= 2
     return n
+
+
+@st.composite
+def _crossing_layers(draw, crossing: str, layers, kv_max: int):
+    """``layers`` with the first MHA layer made to cross ``crossing`` where the draw left none crossing it: a
+    soft-cap (small, so that it changes the scores), the model's window short enough to hide a key from the longest
+    request's last position, a KV scale other than 1. An fp8 cache is the batch's, drawn as such already."""
+    mha = [i for i, l in enumerate(layers) if l.kind == "mha"]
+    if not mha:
+        return layers
+    first = layers[mha[0]]
+    if crossing == "logit_cap" and all(layers[i].logit_cap is None for i in mha):
+        first = dataclasses.replace(first, logit_cap=draw(st.sampled_from([5.0, 1.0])))
+    elif crossing in ("sliding_window", "verify_window"):
+        window = next((layers[i].sliding_window for i in mha if layers[i].sliding_window), None)
+        if window is None or window > kv_max - 2:  # one model window, short of the longest request's keys
+            window = draw(st.integers(1, max(1, kv_max - 2)))
+            layers = tuple(dataclasses.replace(l, sliding_window=window) if l.kind == "mha" and l.sliding_window
+                           else l for l in layers)
+            first = layers[mha[0]]
+        first = dataclasses.replace(first, sliding_window=window)
+    elif crossing == "kv_scales" and all(layers[i].k_scale == layers[i].v_scale == 1.0 for i in mha):
+        first = dataclasses.replace(first, k_scale=draw(st.sampled_from(KV_SCALES[1:])))
+    return layers[:mha[0]] + (first,) + layers[mha[0] + 1:]
 
 
 def _strip(layer, sliding_window: bool, logit_cap: bool):

@@ -25,6 +25,10 @@ class IllegalAccessFromThreeTokens:
     seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
     name: str = "outputs"
     strategy_options: tuple = ()
+    runs_twice: bool = False
+
+    def options(self, composition, mode) -> dict:
+        return dict(self.strategy_options)
 
     def run(self, composition, spec, device) -> Verdict:
         ok = spec.num_tokens < 3

@@ -151,6 +151,25 @@ def kv_written_one_slot_off():
     return _replace(KVPool, "set_kv_buffer", set_kv_buffer)
 
 
+def soft_cap_silently_dropped():
+    import backends.torch_native as tn
+    return _replace(tn, "refuse_logit_cap", lambda layer: None)
+
+
+def plan_cached_by_shape():
+    import backends.torch_native as tn
+    plan = tn.TorchNativeBackend.init_forward_metadata
+
+    def init_forward_metadata(self, forward_batch):
+        key = (forward_batch.forward_mode, forward_batch.batch_size, forward_batch.extend_num_tokens)
+        plans = self.__dict__.setdefault("plans_by_shape", {})
+        if key not in plans:  # planned once per shape, then reused for every batch of that shape
+            plan(self, forward_batch)
+            plans[key] = self.forward_metadata
+        self.forward_metadata = plans[key]
+    return _replace(tn.TorchNativeBackend, "init_forward_metadata", init_forward_metadata)
+
+
 def sm_scale_wrong():
     import backends.torch_native as tn
     original = tn.sdpa
@@ -843,6 +862,12 @@ CATALOGUE: list[Mutant] = [
     Mutant("commit_skips_tracked_copy", "the verify commit never writes the radix cache's tracked copy "
            "(mamba_track_indices); a later prefix-cache hit resumes from a stale state", ("linear_torch",),
            ("verify_commit",)),
+    Mutant("soft_cap_silently_dropped", "a backend without a soft-cap computes a soft-capped layer uncapped "
+           "instead of refusing it; a Gemma 2 served there answers a different function with no error",
+           ("torch_native",), ("refuse_or_correct",)),
+    Mutant("plan_cached_by_shape", "plans cached by (mode, batch size, token count) and reused for the next batch "
+           "of those shapes; its requests read the previous batch's pages and lengths, with no error",
+           ("torch_native",), ("replan",)),
     Mutant("decode_segfault_past_page_table", "paged decode reads past the end of the page table once the batch "
            "spans more than two KV pages; the process dies with SIGSEGV (an illegal memory access on a GPU)",
            ("torch_native",), properties=("outputs",), crashes=True),

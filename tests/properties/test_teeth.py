@@ -54,6 +54,9 @@ CASES = [
     ("cache", "state_slot_bound_by_request_rows", "linear_torch",
      BatchSpec(ForwardMode.EXTEND, (2, 3), (2, 2), HYBRID_LAYERS[1:], state_slot_layout="gapped")),
     ("tree_branch", "verify_window_by_row", "torch_native", TREE_VERIFY),
+    ("replan", "plan_cached_by_shape", "torch_native", EXTEND),
+    ("refuse_or_correct", "soft_cap_silently_dropped", "torch_native",
+     BatchSpec(ForwardMode.DECODE, (5, 2), (1, 1), (MHALayer(0, 4, 2, 32, 32, logit_cap=5.0),), seed=3)),
 ]
 
 
