@@ -33,20 +33,21 @@ def linear_state_comparisons(run: Run, composition: Composition, device: str, wo
                 worst.add(compare(actual, exp, bound, label=f"layer {layer.layer_id} request {i} {what}:"), bound)
 
 
-def row_count_problem(spec: BatchSpec, outputs) -> str | None:
-    """Why the outputs do not hold one row per query token, or None."""
-    for layer, out in zip(spec.layers, outputs):
+def judge(name: str, run: Run, composition: Composition, device: str, what: str) -> Verdict:
+    """``run``'s outputs and linear states against its reference: one row per query token, each layer within the
+    dtype's bound. A verdict of property ``name``; ``what`` says what was compared (a failure's reason leads
+    with it)."""
+    spec = run.case.spec
+    for layer, out in zip(spec.layers, run.execution.outputs):
         if out.shape[0] != spec.num_tokens:
-            return f"layer {layer.layer_id} returned {out.shape[0]} rows for {spec.num_tokens} query tokens"
-    return None
-
-
-def outputs_match_reference(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
-    run = run_case(composition, spec, device)
-    problem = row_count_problem(spec, run.execution.outputs)
-    if problem:
-        return Verdict(NAME, False, problem)
+            return Verdict(name, False, f"{what}: layer {layer.layer_id} returned {out.shape[0]} rows for "
+                                        f"{spec.num_tokens} query tokens")
     worst = Worst()
     compare_outputs(run.execution.outputs, run.reference, composition, spec, device, worst)
     linear_state_comparisons(run, composition, device, worst)
-    return worst.verdict(NAME, "outputs and states vs float64 reference")
+    return worst.verdict(name, what)
+
+
+def outputs_match_reference(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    return judge(NAME, run_case(composition, spec, device), composition, device,
+                 "outputs and states vs float64 reference")

@@ -26,9 +26,9 @@ from batch.spec import BatchSpec, ForwardMode
 from engine.execute import execute
 from engine.materialize import materialize
 from properties.blame import adapter_frame
-from properties.outputs import linear_state_comparisons, row_count_problem
+from properties.outputs import judge
 from properties.run import Run
-from properties.verdict import Verdict, Worst, compare_outputs
+from properties.verdict import Verdict
 from reference.batch import reference_outputs
 
 NAME = "refuse_or_correct"
@@ -102,10 +102,5 @@ def refuses_or_computes_correctly(composition: Composition, spec: BatchSpec, dev
         message = str(e).splitlines()[0] if str(e) else ""
         return Verdict(NAME, True, f"refused ({crossed}): {type(e).__name__}: {message} "
                                    f"({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})")
-    problem = row_count_problem(spec, execution.outputs)
-    if problem:
-        return Verdict(NAME, False, f"answered without refusing ({crossed}): {problem}")
-    worst = Worst()
-    compare_outputs(execution.outputs, reference, composition, spec, device, worst)
-    linear_state_comparisons(Run(case, execution, reference), composition, device, worst)
-    return worst.verdict(NAME, f"answered without refusing ({crossed}); outputs vs float64 reference")
+    return judge(NAME, Run(case, execution, reference), composition, device,
+                 f"answered without refusing ({crossed}); outputs vs float64 reference")
