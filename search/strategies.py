@@ -249,11 +249,12 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 if empty[i]:
                     prefix[i], extend[i] = max(prefix[i], 1), 0
     if crossing is not None:
-        # Over one key a soft-cap changes nothing, and a window hides a key only from a position past it plus 1:
-        # a batch that crosses one has the keys for it to show
-        keys = 3 if crossing in ("sliding_window", "verify_window") else 2
-        longest = max(range(B), key=lambda i: prefix[i] + extend[i])
-        prefix[longest] += max(0, keys - prefix[longest] - extend[longest])
+        # Over one key a soft-cap changes nothing, and a window w hides key 0 only from a query at a position past w:
+        # a request with queries gets the cached keys for its crossing to show (its first query at position 2 or
+        # more under a window, whatever its draft tree; two keys or more under a soft-cap)
+        asking = max((i for i in range(B) if extend[i]), key=lambda i: prefix[i] + extend[i])
+        least = 2 if crossing in ("sliding_window", "verify_window") else 2 - extend[asking]
+        prefix[asking] = max(prefix[asking], least)
     mrope_layout = None
     if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
@@ -263,7 +264,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     # (the ci profile's slow rows) checks that batch alone, so its replay is padded too. Then an exact fit, then more.
     padding = GRAPH_PADDING_ORDER[draw(st.integers(0, MAX_GRAPH_PADDING))] if graph_padding else 0
     if crossing is not None:
-        layers = draw(_crossing_layers(crossing, layers, kv_max))
+        layers = draw(_crossing_layers(crossing, layers, _highest_query_position(mode, prefix, extend, spec_input)))
     return BatchSpec(mode, tuple(prefix), tuple(extend), layers, page_size=page_size, dtype=dtype,
                      seed=seed, spec=spec_input, mrope=mrope_layout,
                      draft_worker=draft_worker, kv_layout=kv_layout, context_len=context_len_for(kv_max),
@@ -295,21 +296,32 @@ def context_len_for(kv_len: int) -> int:
     return n
 
 
+def _highest_query_position(mode: ForwardMode, prefix: list[int], extend: list[int], spec_input) -> int:
+    """The position of the batch's furthest query: a request's last new token, or in a verify the deepest node of its
+    draft tree (a node's position is the cached length plus its depth)."""
+    def top(i: int) -> int:
+        if mode.is_target_verify():
+            return prefix[i] + max(spec_input.depths(i))
+        return prefix[i] + extend[i] - 1
+    return max(top(i) for i in range(len(prefix)) if extend[i])
+
+
 @st.composite
-def _crossing_layers(draw, crossing: str, layers, kv_max: int):
-    """``layers`` with the first MHA layer made to cross ``crossing`` where the draw left none crossing it: a
-    soft-cap (small, so that it changes the scores), the model's window short enough to hide a key from the longest
-    request's last position, a KV scale other than 1. An fp8 cache is the batch's, drawn as such already."""
+def _crossing_layers(draw, crossing: str, layers, highest: int):
+    """``layers`` with the first MHA layer made to cross ``crossing`` where the draw left none that crosses it
+    visibly: a soft-cap of 5 or less (a cap of 50 changes unit-scale scores by less than a bfloat16 bound), the
+    model's window short enough to hide a key from the query at position ``highest`` (the furthest), a KV scale
+    other than 1. An fp8 cache is the batch's, drawn as such already."""
     mha = [i for i, l in enumerate(layers) if l.kind == "mha"]
     if not mha:
         return layers
     first = layers[mha[0]]
-    if crossing == "logit_cap" and all(layers[i].logit_cap is None for i in mha):
+    if crossing == "logit_cap" and not any(layers[i].logit_cap and layers[i].logit_cap <= 5.0 for i in mha):
         first = dataclasses.replace(first, logit_cap=draw(st.sampled_from([5.0, 1.0])))
     elif crossing in ("sliding_window", "verify_window"):
         window = next((layers[i].sliding_window for i in mha if layers[i].sliding_window), None)
-        if window is None or window > kv_max - 2:  # one model window, short of the longest request's keys
-            window = draw(st.integers(1, max(1, kv_max - 2)))
+        if window is None or window > highest - 1:  # one model window, short of the furthest query's position
+            window = draw(st.integers(1, max(1, highest - 1)))
             layers = tuple(dataclasses.replace(l, sliding_window=window) if l.kind == "mha" and l.sliding_window
                            else l for l in layers)
             first = layers[mha[0]]

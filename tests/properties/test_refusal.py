@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 
 from backends.registry import parse
 from batch.spec import BatchSpec, ForwardMode, MHALayer
+from engine.materialize import query_positions
 from harness.mutants.catalogue import MUTANTS
 from properties import PROPERTIES
 from properties.refusal import OVERREACHES, overreaches
@@ -31,22 +32,26 @@ def test_rows_are_the_leaves_that_declare_a_limit():
     assert "declares no limit" in PROPERTY.applies(torch_native, ForwardMode.IDLE)
 
 
-@pytest.mark.parametrize("name", sorted(OVERREACHES))
-def test_each_overreach_draws_batches_that_cross_it(name):
-    mode = ForwardMode.TARGET_VERIFY if name == "verify_window" else ForwardMode.EXTEND
-    inside = INSIDE | ({"sliding_window": True} if name == "verify_window" else {})
+CROSSINGS = [(name, mode) for name, o in sorted(OVERREACHES.items()) for mode in sorted(o.modes, key=str)]
 
-    @settings(max_examples=25, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+
+@pytest.mark.parametrize("name, mode", CROSSINGS, ids=[f"{n}-{m.value}" for n, m in CROSSINGS])
+def test_each_overreach_draws_batches_that_cross_it(name, mode):
+    # trees and empty extends drawn too: a crossing must land where a query sees it
+    inside = INSIDE | {"tree": mode is ForwardMode.TARGET_VERIFY, "empty_extend": True}
+    inside |= {"sliding_window": True} if name == "verify_window" else {}
+
+    @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(batch_specs(CI, mode, frozenset({"mha", "mla"}), overreach=(name,), **inside))
     def crosses(spec):
-        kv_max = max(spec.kv_lens)
+        furthest = int(query_positions(spec).max())
         mha = [l for l in spec.layers if l.kind == "mha"]
         assert mha, "a limit of MHA layers is crossed by MHA layers"
-        if name == "logit_cap":
-            assert kv_max >= 2 and any(l.logit_cap for l in mha)
+        if name == "logit_cap":  # a query over two keys or more, a cap small enough to show in any dtype's bound
+            assert furthest >= 1 and any(l.logit_cap and l.logit_cap <= 5.0 for l in mha)
         elif name in ("sliding_window", "verify_window"):
-            # a position past the window plus one exists: the window hides a key from some query
-            assert any(l.sliding_window is not None and l.sliding_window <= kv_max - 2 for l in mha)
+            # some query sits past the window: key 0 is hidden from it (a tree node's position is its depth's)
+            assert any(l.sliding_window is not None and furthest - l.sliding_window > 0 for l in mha)
         elif name == "fp8_kv_cache":
             assert spec.kv_cache_dtype == "fp8_e4m3"
         else:
