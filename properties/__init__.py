@@ -16,7 +16,7 @@ import torch
 from backends.base import SERVING_MODES
 from backends.registry import Composition
 from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
-from properties.blame import adapter_frame
+from properties.blame import adapter_frame, crash_reason
 from properties.cache import cache_writes_exact
 from properties.conformance import conformance, dispatch, mode_dispatch
 from properties.equivalence import (
@@ -30,8 +30,8 @@ from properties.graph import graph_plans_satisfy_invariants, graph_replay_equals
 from properties.linear_state import verify_commits_every_position
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
-from properties import refusal
-from properties import replan
+from properties.refusal import REFUSAL, overreach_options, refusal_applies, refuses_or_computes_correctly
+from properties.replan import REPLAN, replan_applies, replan_gives_the_new_batch
 from properties.tree import tree_branch_equals_chain
 from properties.verdict import Verdict
 
@@ -110,7 +110,7 @@ class Property:
         try:
             verdict = self.check(composition, spec, device)
         except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
-            verdict = Verdict(self.name, False, _crash(e), details={"traceback": crash_frames(e)})
+            verdict = Verdict(self.name, False, crash_reason(e), details={"traceback": crash_frames(e)})
             culprit = adapter_frame(e, composition)
             if culprit is not None:  # the harness's own code failed around an engine's classes: not the engine's bug
                 verdict = Verdict(self.name, False, f"adapter error at {culprit}: {verdict.reason}",
@@ -120,7 +120,7 @@ class Property:
                 torch.cuda.synchronize()
             except Exception as e:  # noqa: BLE001 - a fault of this case's kernels: the context is lost
                 before = "" if verdict.ok else f"; before it, the case had failed: {verdict.reason}"
-                verdict = dataclasses.replace(verdict, ok=False, reason=_crash(e) + before)
+                verdict = dataclasses.replace(verdict, ok=False, reason=crash_reason(e) + before)
         return verdict
 
 
@@ -130,15 +130,6 @@ def crash_frames(e: BaseException, keep: int = 12) -> list[str]:
     called it wrongly)."""
     frames = traceback.extract_tb(e.__traceback__)[-keep:]
     return [f"{'/'.join(f.filename.split('/')[-3:])}:{f.lineno} in {f.name}" for f in frames]
-
-
-def _crash(e: Exception) -> str:
-    """``crashed: TYPE: message (file.py:LINE in function: `the failing line`)``: the line number says where in this
-    release, the function and the source line say what failed in any release (the ledger matches those)."""
-    frame = traceback.extract_tb(e.__traceback__)[-1]
-    line = f": `{frame.line.strip()}`" if frame.line else ""
-    return (f"crashed: {type(e).__name__}: {e} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in "
-            f"{frame.name}{line})")
 
 
 PROPERTIES: dict[str, Property] = {p.name: p for p in [
@@ -190,13 +181,13 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              # Not yet under SGLang's TBO: its graph halves are cut from the padded batch by SGLang's splitter, and
              # the harness's view of each half's padded rows is not derived yet
              excludes_wrapper="tbo"),
-    Property(replan.NAME, replan.replan_gives_the_new_batch,
+    Property(REPLAN, replan_gives_the_new_batch,
              "one backend object, then a second batch of the same shapes (requests reordered, other pages, rows, "
              "data, q/k/v as fused views): the second's outputs and states are its own, not a stale plan's",
-             modes=frozenset(SERVING_MODES) - {ForwardMode.IDLE}, per_child=True, row_applies=replan.applies,
+             modes=frozenset(SERVING_MODES) - {ForwardMode.IDLE}, per_child=True, row_applies=replan_applies,
              runs_twice=True),
-    Property(refusal.NAME, refusal.refuses_or_computes_correctly,
+    Property(REFUSAL, refuses_or_computes_correctly,
              "a batch past one limit the backend declares (soft-cap, window, fp8 cache or its KV scales) "
              "is refused with an error or computed within the bound, never answered wrong",
-             row_applies=refusal.applies, row_options=refusal.strategy_options, crosses_declarations=True),
+             row_applies=refusal_applies, row_options=overreach_options, crosses_declarations=True),
 ]}

@@ -69,3 +69,12 @@ def _stand_in_lacking(e: BaseException) -> str | None:
     frame = traceback.extract_tb(e.__traceback__)[-1]
     return (f"{module}'s {type(obj).__name__} (the adapter's stand-in) lacks {e.name!r}, read at "
             f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in {frame.name}")
+
+
+def crash_reason(e: BaseException) -> str:
+    """``crashed: TYPE: message (file.py:LINE in function: `the failing line`)``: the line number says where in this
+    release, the function and the source line say what failed in any release (the ledger matches those)."""
+    frame = traceback.extract_tb(e.__traceback__)[-1]
+    line = f": `{frame.line.strip()}`" if frame.line else ""
+    return (f"crashed: {type(e).__name__}: {e} ({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno} in "
+            f"{frame.name}{line})")

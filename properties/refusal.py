@@ -16,7 +16,6 @@ error (``Property.run``), never a refusal.
 
 from __future__ import annotations
 
-import traceback
 from dataclasses import dataclass
 from typing import Callable
 
@@ -25,13 +24,13 @@ from backends.registry import Composition
 from batch.spec import BatchSpec, ForwardMode
 from engine.execute import execute
 from engine.materialize import materialize
-from properties.blame import adapter_frame
+from properties.blame import adapter_frame, crash_reason
 from properties.outputs import judge
 from properties.run import Run
 from properties.verdict import Verdict
 from reference.batch import reference_outputs
 
-NAME = "refuse_or_correct"
+REFUSAL = "refuse_or_correct"
 _COMPUTING = frozenset(m for m in ForwardMode if m is not ForwardMode.IDLE)  # an idle batch computes nothing
 
 
@@ -75,7 +74,7 @@ def overreaches(composition: Composition, mode: ForwardMode) -> tuple[str, ...]:
     return tuple(name for name, o in OVERREACHES.items() if o.crossable(support, mode))
 
 
-def applies(composition: Composition, mode: ForwardMode) -> str | None:
+def refusal_applies(composition: Composition, mode: ForwardMode) -> str | None:
     if not composition.is_leaf:
         return "a wrapper's limits are its leaves': each leaf's own rows cross them"
     if not overreaches(composition, mode):
@@ -83,14 +82,14 @@ def applies(composition: Composition, mode: ForwardMode) -> str | None:
     return None
 
 
-def strategy_options(composition: Composition, mode: ForwardMode) -> dict:
+def overreach_options(composition: Composition, mode: ForwardMode) -> dict:
     return {"overreach": overreaches(composition, mode)}
 
 
 def refuses_or_computes_correctly(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     crossed = composition.unsupported_reason(spec)
     if crossed is None:
-        return Verdict(NAME, True, "the batch stays inside the declarations (nothing to refuse)")
+        return Verdict(REFUSAL, True, "the batch stays inside the declarations (nothing to refuse)")
     case = materialize(spec, device)
     reference = reference_outputs(case)
     try:
@@ -98,9 +97,6 @@ def refuses_or_computes_correctly(composition: Composition, spec: BatchSpec, dev
     except Exception as e:  # noqa: BLE001 - a refusal is one of the two right outcomes
         if adapter_frame(e, composition) is not None:
             raise  # the harness's own code failed: Property.run reports it as an adapter error
-        frame = traceback.extract_tb(e.__traceback__)[-1]
-        message = str(e).splitlines()[0] if str(e) else ""
-        return Verdict(NAME, True, f"refused ({crossed}): {type(e).__name__}: {message} "
-                                   f"({frame.filename.rsplit('/', 1)[-1]}:{frame.lineno})")
-    return judge(NAME, Run(case, execution, reference), composition, device,
+        return Verdict(REFUSAL, True, f"refused ({crossed}): {crash_reason(e).removeprefix('crashed: ')}")
+    return judge(REFUSAL, Run(case, execution, reference), composition, device,
                  f"answered without refusing ({crossed}); outputs vs float64 reference")

@@ -33,7 +33,7 @@ from properties.run import Run
 from properties.verdict import Verdict
 from reference.batch import reference_outputs
 
-NAME = "replan"
+REPLAN = "replan"
 
 
 def same_shapes(spec: BatchSpec) -> BatchSpec:
@@ -72,7 +72,7 @@ def moved_into(first: Case, second: Case) -> Case:
     return dataclasses.replace(second, forward_batch=fb)
 
 
-def applies(composition: Composition, mode) -> str | None:
+def replan_applies(composition: Composition, mode) -> str | None:
     """Leaves and wrappers directly over leaves: where plans are made and kept (a leaf's own caches; TBO's children
     and hybrid's halves, each planned per batch). A deeper nest adds no plan of its own, only CI time."""
     if any(not child.is_leaf for child in composition.children):
@@ -91,6 +91,6 @@ def replan_gives_the_new_batch(composition: Composition, spec: BatchSpec, device
     reference = reference_outputs(second)  # from the batch's own pools, before they move
     second = moved_into(first, second)
     execution = execute(composition, second, backend, fused_qkv=True)
-    return judge(NAME, Run(second, execution, reference), composition, device,
+    return judge(REPLAN, Run(second, execution, reference), composition, device,
                  f"after a batch of the same shapes through the same backend (requests in another order, "
                  f"{before.kv_layout} pages, other data), q/k/v as fused views: vs float64 reference")
