@@ -46,6 +46,10 @@ SERVING_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.M
                            ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE})
 
 
+# Modes of a backend that also serves a draft worker's multi-step draft decode (AttentionBackend.multi_step_draft)
+DRAFTING_MODES = SERVING_MODES | {ForwardMode.DRAFT_DECODE}
+
+
 def env_flag(name: str) -> bool:
     """Whether environment variable ``name`` is set to anything but empty, ``0``, ``false`` or ``False``."""
     return os.environ.get(name, "") not in ("", "0", "false", "False")
@@ -398,6 +402,15 @@ class AttentionBackend:
 
     def _missing(self, method: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} does not implement {method}()")
+
+    @classmethod
+    def multi_step_draft(cls, model_runner, topk: int, speculative_num_steps: int):
+        """The draft worker's container of one backend of this class per draft step, for DRAFT_DECODE batches (a
+        backend that declares that mode): ours is :class:`backends.draft.MultiStepDraft`; an engine's adapter
+        builds the engine's own."""
+        from backends.draft import MultiStepDraft
+
+        return MultiStepDraft(cls, model_runner, topk, speculative_num_steps)
 
     # ---- per batch ----
     def init_forward_metadata(self, forward_batch) -> None:

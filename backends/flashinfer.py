@@ -40,7 +40,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import DRAFTING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.planner import exclusive_cumsum, page_kv_indices
 from batch.spec import ForwardMode, is_recurrent
 
@@ -231,7 +231,7 @@ def paged_cache(pool, layer_id: int, page_size: int) -> tuple[torch.Tensor, torc
 class FlashInferBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=SERVING_MODES,
+        modes=DRAFTING_MODES,
         dtypes=frozenset({"bfloat16", "float16"}),  # FlashInfer's prefill/decode kernels have no fp32 path
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's FA2/FA3 kernels are instantiated for
         page_sizes=None,  # page_size is a plan() argument of the paged kernels, not a compiled one

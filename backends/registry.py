@@ -122,6 +122,10 @@ class Composition:
         if "graph" in self.wrappers():
             prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
             support = dataclasses.replace(support, modes=support.modes & (support.cuda_graph_modes | prefill))
+        if not self.is_leaf:
+            # A draft worker builds its multi-step draft backend from the one backend it is configured with
+            # (SGLang: DraftBackendFactory.create_decode_backend), never under a wrapper
+            support = dataclasses.replace(support, modes=support.modes - {ForwardMode.DRAFT_DECODE})
         gapped = {mode for _, mode, _ in self.wrapped_gaps()} | {mode for mode, _ in self.engine_mode_gaps()}
         return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support
 
@@ -174,6 +178,8 @@ class Composition:
     def build(self, spec: BatchSpec, model_runner) -> AttentionBackend:
         """Instantiate the backends for batches of ``spec`` over ``model_runner``'s pools (the hybrid layout
         comes from the spec)."""
+        if self.is_leaf and spec.mode.is_draft_decode():  # the draft worker's container of one backend per step
+            return leaf_class(self.name).multi_step_draft(model_runner, spec.spec.topk, spec.spec.spec_steps)
         if self.is_leaf:
             return leaf_class(self.name)(model_runner)
         if self.name == "hybrid" and self.engine != "harness":

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import DRAFTING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads
 from backends.lse import attention_with_lse, merge_attention_states
 from backends.planner import exclusive_cumsum, plan_token_level
@@ -59,7 +59,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, 
 class TorchNativeBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha", "mla"}),
-        modes=SERVING_MODES,
+        modes=DRAFTING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16", "float64"}),
         logit_cap=False,  # scaled_dot_product_attention has no soft-cap
         # No CUDA graphs: its forward walks the requests on the host (.tolist(), one SDPA per request), which a

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.base import SERVING_MODES, AttentionBackend, Capabilities, PlannedMetadata
+from backends.base import DRAFTING_MODES, AttentionBackend, Capabilities, PlannedMetadata
 from backends.planner import exclusive_cumsum, plan_token_level
 from batch.spec import ForwardMode
 
@@ -28,7 +28,7 @@ LENGTH_BOUNDARIES = frozenset({n * m for n in _DECODE_BLOCK_N for m in (1, DECOD
 class TritonBackend(AttentionBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=SERVING_MODES,
+        modes=DRAFTING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
         # Graph planning (out_graph) for these; idle batches replay the decode graph, all rows padding.
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,

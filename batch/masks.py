@@ -8,10 +8,12 @@ from batch.spec import BatchSpec
 
 
 def tree_depths(parents: torch.Tensor) -> torch.Tensor:
-    """``[B, D]`` depth of each draft token from its parent indices (the root, index 0, has depth 0)."""
+    """``[B, D]`` depth of each draft token from its parent indices (a root, parent -1, has depth 0: index 0, or
+    each branch's first token in a draft decode's forest)."""
     depth = torch.zeros_like(parents)
     for j in range(1, parents.shape[1]):
-        depth[:, j] = depth.gather(1, parents[:, j:j + 1].clamp(min=0))[:, 0] + 1
+        above = depth.gather(1, parents[:, j:j + 1].clamp(min=0))[:, 0] + 1
+        depth[:, j] = torch.where(parents[:, j] < 0, 0, above)
     return depth
 
 

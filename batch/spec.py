@@ -60,6 +60,9 @@ class ForwardMode(str, Enum):
     MIXED = "mixed"
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
+    # EAGLE's multi-step draft decode: spec_steps - 1 forward steps of the draft model, each decoding one token per
+    # branch (topk per request) over the request's cached prefix and its branch's own draft tokens so far
+    DRAFT_DECODE = "draft_decode"
     IDLE = "idle"
 
     def is_idle(self) -> bool:
@@ -73,6 +76,23 @@ class ForwardMode(str, Enum):
 
     def is_draft_extend(self) -> bool:
         return self is ForwardMode.DRAFT_EXTEND
+
+    def is_draft_decode(self) -> bool:
+        return self is ForwardMode.DRAFT_DECODE
+
+    def drafts_tree(self) -> bool:
+        """The batch's new tokens are draft tokens placed by ``spec.parents`` (a verify tree, the draft loop's
+        branches): each sits at seq_len + its depth and sees the cached tokens, itself and its ancestors."""
+        return self in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_DECODE)
+
+
+def draft_forest(topk: int, steps: int) -> tuple[int, ...]:
+    """The draft tokens of one request in a DRAFT_DECODE batch as a parent list: ``topk`` branches of
+    ``steps - 1`` tokens each, branch by branch (token ``j * (steps - 1) + s`` is branch j's step s; each branch's
+    first token is a root, -1). A draft step's query sees the cached prefix and its own branch's tokens up to
+    itself (SGLang: ``generate_draft_decode_kv_indices`` gives branch j the prefix plus its step slots)."""
+    n = steps - 1
+    return tuple(-1 if s == 0 else j * n + s - 1 for j in range(topk) for s in range(n))
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -235,7 +255,8 @@ class SpecInput:
     """Speculative-decoding inputs.
 
     ``parents[i][j]`` is the parent of draft token j of request i in its draft tree (-1 for the root,
-    which is token 0; a parent always precedes its child). ``accept_lens[i]`` is how many draft tokens
+    which is token 0; a parent always precedes its child; in DRAFT_DECODE the forest of
+    :func:`draft_forest`). ``accept_lens[i]`` is how many draft tokens
     verification accepted (a chain from the root): TARGET_VERIFY commits the linear-attention state at that
     position; DRAFT_EXTEND extends by exactly that many tokens.
     """
@@ -291,6 +312,10 @@ class BatchSpec:
     kernels/ops/attention/extend_attention.py:191; its FlashInfer backend skips ``extend_len == 0`` rows,
     flashinfer_backend.py:2131), and a backend declares whether it takes them (``Capabilities.empty_extend``).
     ``kv_layout`` is one of :data:`KV_LAYOUTS`.
+    DRAFT_DECODE runs the draft loop's ``spec.spec_steps - 1`` steps over one plan: extend_lens all
+    ``topk * (spec_steps - 1)`` (every branch's token of every step, branch by branch, :func:`draft_forest`), and
+    each request's cache row holds ``topk * spec_steps`` draft slots after its prefix, branch j's step s at column
+    ``prefix + j * spec_steps + s`` (SGLang's layout; the last step's slots are allocated but never written).
     """
 
     mode: ForwardMode
@@ -333,9 +358,26 @@ class BatchSpec:
     @property
     def seq_lens(self) -> tuple[int, ...]:
         """SGLang's ``seq_lens``: cached + new, except in TARGET_VERIFY where drafts are not counted."""
-        if self.mode.is_target_verify():
+        if self.mode.drafts_tree():
             return self.prefix_lens
         return self.kv_lens
+
+    @property
+    def cache_lens(self) -> tuple[int, ...]:
+        """Tokens each request's cache row (``req_to_token``) holds once the batch's slots are allocated: its keys,
+        or in DRAFT_DECODE the prefix and every branch's ``spec_steps`` draft slots."""
+        if self.mode.is_draft_decode():
+            return tuple(p + self.spec.topk * self.spec.spec_steps for p in self.prefix_lens)
+        return self.kv_lens
+
+    def new_token_columns(self, request: int) -> list[int]:
+        """The cache-row column of each of ``request``'s new tokens, in row order: after its prefix in turn, or in
+        DRAFT_DECODE branch j's step s at ``prefix + j * spec_steps + s``."""
+        p, e = self.prefix_lens[request], self.extend_lens[request]
+        if not self.mode.is_draft_decode():
+            return list(range(p, p + e))
+        n, steps = self.spec.spec_steps - 1, self.spec.spec_steps
+        return [p + (r // n) * steps + r % n for r in range(e)]
 
     @property
     def full_attn_layers(self) -> tuple[int, ...]:
@@ -367,7 +409,7 @@ class BatchSpec:
     def _positions(self) -> tuple[int, ...]:
         out: list[int] = []
         for i, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
-            if self.mode.is_target_verify():
+            if self.mode.drafts_tree():
                 out.extend(p + d for d in self.spec.depths(i))
             else:
                 out.extend(range(p, p + e))
@@ -437,12 +479,13 @@ class BatchSpec:
         _require(self.num_tokens >= 1, f"a {m.value} batch needs at least one new token (every extend is empty)")
         if m.is_decode():
             _require(all(e == 1 for e in self.extend_lens), "decode batches have extend_lens all 1")
-        if m.is_decode() or m.is_target_verify():
+        if m.is_decode() or m.drafts_tree():
             # Decoding and verification always follow a prefill, so something is cached already.
             _require(all(p >= 1 for p in self.prefix_lens), f"{m.value} batches need prefix_lens >= 1")
-        needs_spec = m.is_target_verify() or m.is_draft_extend()
+        needs_spec = m.drafts_tree() or m.is_draft_extend()
         _require(needs_spec == (self.spec is not None),
-                 f"spec (speculative inputs) is required for target_verify/draft_extend and only there; mode is {m.value}")
+                 f"spec (speculative inputs) is required for target_verify/draft_extend/draft_decode and only there; "
+                 f"mode is {m.value}")
         if self.spec is None:
             return
         s = self.spec
@@ -450,6 +493,9 @@ class BatchSpec:
                  "spec.draft_token_num, spec.topk and spec.spec_steps must be >= 1")
         _require(len(s.parents) == B, f"spec.parents has {len(s.parents)} trees for {B} requests")
         _require(len(s.accept_lens) == B, f"spec.accept_lens has {len(s.accept_lens)} entries for {B} requests")
+        if m.is_draft_decode():
+            self._validate_draft_decode()
+            return
         for i, tree in enumerate(s.parents):
             _require(len(tree) == s.draft_token_num,
                      f"spec.parents[{i}] has {len(tree)} nodes, expected draft_token_num={s.draft_token_num}")
@@ -469,6 +515,32 @@ class BatchSpec:
                 _require(s.is_chain(), "linear-attention layers verify chains only (topk=1): spec.parents must be chains")
         if m.is_draft_extend():
             _require(self.extend_lens == s.accept_lens, "draft_extend batches have extend_lens == spec.accept_lens")
+
+    def _validate_draft_decode(self) -> None:
+        s = self.spec
+        _require(s.spec_steps >= 2, f"draft_decode batches need spec.spec_steps >= 2 (the draft loop runs "
+                                    f"spec_steps - 1 steps), got {s.spec_steps}")
+        forest = draft_forest(s.topk, s.spec_steps)
+        _require(s.draft_token_num == len(forest),
+                 f"draft_decode batches have spec.draft_token_num == topk * (spec_steps - 1) = {len(forest)}, "
+                 f"got {s.draft_token_num}")
+        _require(all(e == len(forest) for e in self.extend_lens),
+                 f"draft_decode batches have extend_lens all topk * (spec_steps - 1) = {len(forest)}")
+        for i, tree in enumerate(s.parents):
+            _require(tuple(tree) == forest, f"spec.parents[{i}] must be draft_forest(topk, spec_steps): "
+                                            f"{s.topk} branches of {s.spec_steps - 1} tokens each")
+        _require(all(a == 1 for a in s.accept_lens), "draft_decode batches accept nothing: spec.accept_lens all 1")
+        _require(not (self.attention_kinds & RECURRENT_KINDS),
+                 "draft_decode batches have full-attention layers only (a draft model's)")
+        _require(self.mrope is None, "mrope layouts are not modelled for draft_decode batches")
+        # SGLang gives each branch of a paged tree its own pages, the prefix's last partial page copied into each
+        # (eagle_worker_common.py, prepare_for_draft): a layout the harness does not build yet
+        _require(self.page_size == 1 or s.topk == 1,
+                 "draft_decode batches with page_size > 1 draft chains only (topk 1): the paged tree layout is not "
+                 "modelled")
+        for i, n in enumerate(self.cache_lens):
+            _require(n <= self.context_len, f"request {i}: prefix_lens + topk * spec_steps draft slots = {n} exceeds "
+                                            f"context_len={self.context_len}")
 
     def _validate_mrope(self) -> None:
         _require(not self.mode.is_target_verify(), "mrope layouts are not modelled for target_verify batches")

@@ -11,6 +11,7 @@ from backends.registry import Composition
 from batch.case import Case
 from batch.forward_batch import ModelRunner
 from batch.tbo_split import TboSplit, attach_tbo_children
+from engine.draft_loop import run_draft_steps
 from engine.model import run_layers
 
 
@@ -26,6 +27,9 @@ def execute(composition: Composition, case: Case, backend: AttentionBackend | No
     """Build the composition (unless given), split the batch if it is a TBO composition, run every layer (MHA
     layers' q, k, v as views of one buffer with ``fused_qkv``: engine.model.fused_views)."""
     backend = backend or composition.build(case.spec, ModelRunner.of(case.forward_batch, case.spec.layers))
+    if case.spec.mode.is_draft_decode():  # a multi-step draft backend, run as the draft worker's loop
+        return Execution(backend, run_draft_steps(backend, case.spec, case.forward_batch, case.inputs, case.weights,
+                                                  fused_qkv))
     split = None
     if composition.name == "tbo" and composition.engine == "harness":
         split = attach_tbo_children(case.forward_batch)

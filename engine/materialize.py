@@ -112,7 +112,7 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     dtype = TORCH_DTYPES[spec.dtype]
     draw = _Draw(spec.seed)
     B, ps = spec.batch_size, spec.page_size
-    kv_lens = spec.kv_lens
+    kv_lens = spec.cache_lens  # what each request's cache row holds (its keys; a draft loop's slots too)
 
     # Pages, in the spec's layout (batch.spec.KV_LAYOUTS); page 0 reserved so slot 0 is never a real token.
     # The shuffle is drawn whatever the layout, so the draws after it (pools, inputs) do not depend on it.
@@ -135,8 +135,7 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     slots = page * ps + index_in_request % ps  # [sum(kv_lens)] int64
     req_to_token[req_pool_indices[request_of_token], index_in_request] = slots.to(torch.int32)
     token_slots = slots.split(list(kv_lens))
-    is_new = index_in_request >= torch.tensor(spec.prefix_lens, dtype=torch.int64)[request_of_token]
-    out_cache_loc = slots[is_new]
+    out_cache_loc = torch.cat([token_slots[i][spec.new_token_columns(i)] for i in range(B)]) if B else slots[:0]
 
     # Linear-attention state slot of each req_to_token row (SGLang's mamba index), laid out as the spec says
     # (state_slots_of); row 0 (the padding row) maps to state slot 0, which is reserved.
@@ -321,10 +320,11 @@ def state_slots_of(layout: str, shuffled: torch.Tensor, req_pool_indices: torch.
 
 def query_positions(spec: BatchSpec) -> torch.Tensor:
     """``[T]`` positions as a scheduler builds them with tensor ops: prefix + offset, or in verification
-    seq_len + tree depth. (The reference derives them separately, from ``BatchSpec.positions``.)"""
+    seq_len + tree depth (a draft loop's: + step). (The reference derives them separately, from
+    ``BatchSpec.positions``.)"""
     prefix = torch.tensor(spec.prefix_lens, dtype=torch.int64)
     extend = torch.tensor(spec.extend_lens, dtype=torch.int64)
-    if spec.mode.is_target_verify():
+    if spec.mode.drafts_tree():
         parents = torch.tensor(spec.spec.parents, dtype=torch.int64)
         return (prefix[:, None] + tree_depths(parents)).reshape(-1)
     starts = torch.cumsum(extend, 0) - extend

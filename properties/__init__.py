@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from backends.base import SERVING_MODES
+from backends.base import DRAFTING_MODES, SERVING_MODES
 from backends.registry import Composition
 from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
 from properties.blame import adapter_frame, crash_reason
@@ -134,12 +134,13 @@ def crash_frames(e: BaseException, keep: int = 12) -> list[str]:
 
 PROPERTIES: dict[str, Property] = {p.name: p for p in [
     Property("outputs", outputs_match_reference,
-             "outputs finite, one row per token, within the dtype bound of the float64 reference; linear states too"),
+             "outputs finite, one row per token, within the dtype bound of the float64 reference; linear states too",
+             modes=DRAFTING_MODES),
     Property("metadata", metadata_invariants,
              "planned indptrs, indices, last-page lengths, masks and state slots satisfy the invariants", per_child=True,
-             plan_level=True),
+             plan_level=True, modes=DRAFTING_MODES),
     Property("cache", cache_writes_exact, "new K/V land exactly at out_cache_loc; no other slot or state changes",
-             per_child=True),
+             per_child=True, modes=DRAFTING_MODES),
     Property("conformance", conformance,
              "every protocol method exists, accepts the canonical call, and wrappers delegate it",
              modes=frozenset({ForwardMode.EXTEND}), class_level=True, plan_level=True),

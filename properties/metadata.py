@@ -5,13 +5,15 @@ verify length, state slots are the batch's."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from backends.base import PlannedMetadata
 from backends.registry import Composition
 from batch.forward_batch import ForwardBatch, ModelRunner
 from batch.masks import verify_mask
-from batch.spec import BatchSpec
+from batch.spec import BatchSpec, ForwardMode
 from engine.materialize import materialize
 from engine.model import prepare_batch
 from properties.run import run_case
@@ -150,7 +152,39 @@ def planned(composition: Composition, spec: BatchSpec, device: str):
     return run.execution.backend, run.case.forward_batch
 
 
+def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int) -> SimpleNamespace:
+    """What draft step ``step``'s plan must describe, read from the specification and the batch's cache rows alone:
+    one decode request per branch (request by request, branch by branch), its keys the request's cached prefix then
+    the branch's draft tokens of steps 0..step (their columns: ``BatchSpec.new_token_columns``), the last of them the
+    step's own new token."""
+    K, n = spec.spec.topk, spec.spec.spec_steps - 1
+    keys = []
+    for r, row in enumerate(fb.req_pool_indices.tolist()):
+        cols = spec.new_token_columns(r)
+        for j in range(K):
+            mine = list(range(spec.prefix_lens[r])) + cols[j * n:j * n + step + 1]
+            keys.append(fb.req_to_token[row, mine].to("cpu", torch.int64))
+    table = torch.zeros(len(keys), max((k.numel() for k in keys), default=0), dtype=torch.int64)
+    for i, k in enumerate(keys):
+        table[i, :k.numel()] = k
+    prefix = [k.numel() - 1 for k in keys]
+    B = len(keys)
+    return SimpleNamespace(batch_size=B, extend_num_tokens=B, num_padding=0, extend_seq_lens_cpu=[1] * B,
+                           extend_prefix_lens_cpu=prefix, seq_lens_cpu=torch.tensor(prefix) + 1,
+                           state_slots=torch.zeros(B, dtype=torch.int64), req_to_token=table,
+                           req_pool_indices=torch.arange(B), page_size=fb.page_size, forward_mode=ForwardMode.DECODE,
+                           spec_info=None)
+
+
 def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
+    if spec.mode.is_draft_decode():  # the draft loop: every step's plan, each a decode of every branch
+        run = run_case(composition, spec, device)
+        plans = run.execution.backend.step_plans()
+        for step, plan in enumerate(plans):
+            problem = check_plan(plan, draft_step_batch(spec, run.case.forward_batch, step))
+            if problem:
+                return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
+        return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant")
     leaves = planned_leaves(*planned(composition, spec, device))
     for backend, fb in leaves:
         problem = check_plan(backend.planned_metadata(), fb)

@@ -124,8 +124,8 @@ class PaddedBatch:
         query_key_index = prefix + r
         key_rows = torch.where(j < prefix, cached_starts + j, num_cached + starts + j - prefix)
         query_pos, key_pos = query_key_index, j.expand(len(requests), -1)
-        if spec.mode.is_target_verify():
-            # Every cached token, plus the draft tree: the token itself and its ancestors.
+        if spec.mode.drafts_tree():
+            # Every cached token, plus the draft tree (a draft loop's branches): the token itself and its ancestors.
             trees = torch.stack([tree_mask(spec.spec.parents[i]) for i in requests]).to(dev)  # (B, D, D)
             D = trees.shape[-1]
             draft = (j - prefix).clamp(0, D - 1)[:, None, :].expand(-1, D, -1)  # (B, D, Lk)

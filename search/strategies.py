@@ -13,7 +13,8 @@ import functools
 from hypothesis import strategies as st
 
 from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode,
-                        ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput, is_recurrent)
+                        ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput, draft_forest,
+                        is_recurrent)
 from search.profiles import Profile
 
 
@@ -135,6 +136,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     one of them is drawn and the batch crosses it (the options above that keep batches inside it are lifted).
     """
     dtype = dtype or profile.dtype
+    if mode is ForwardMode.DRAFT_DECODE:  # a draft model's layers: full attention only
+        kinds = kinds - RECURRENT_KINDS
     crossing = draw(st.sampled_from(overreach)) if overreach else None
     if crossing in ("logit_cap", "sliding_window", "verify_window"):
         logit_cap = logit_cap or crossing == "logit_cap"
@@ -225,6 +228,14 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 depth[j] = depth[tree_[j]] + 1
             accept.append(_accept(draw, max(depth) + 1))
         spec_input = SpecInput(D, topk, steps, trees, tuple(accept))
+    elif mode is ForwardMode.DRAFT_DECODE:
+        # The draft loop: 1..3 forward steps (spec_steps 2..4), each decoding every branch of every request.
+        steps = 2 if shape == SINGLE_TOKEN else draw(st.integers(2, 4))
+        topk = 1 if (chain or shape == SINGLE_TOKEN or page_size > 1) else draw(st.integers(1, 4))
+        prefix = [prefix_len(1) for _ in range(B)]
+        forest = draft_forest(topk, steps)
+        extend = [len(forest)] * B
+        spec_input = SpecInput(len(forest), topk, steps, tuple(forest for _ in range(B)), (1,) * B)
     elif mode is ForwardMode.DRAFT_EXTEND:
         # Ragged accepted lengths: each request extends by what verification accepted of its branch.
         steps = 1 if shape == SINGLE_TOKEN else draw(st.integers(1, 4))
@@ -256,9 +267,11 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         least = 2 if crossing in ("sliding_window", "verify_window") else 2 - extend[asking]
         prefix[asking] = max(prefix[asking], least)
     mrope_layout = None
-    if mrope and not mode.is_target_verify() and not has_linear and draw(st.booleans()):
+    if mrope and not mode.drafts_tree() and not has_linear and draw(st.booleans()):
         mrope_layout = draw(mrope_layouts(layers, prefix, extend))
-    kv_max = max(p + e for p, e in zip(prefix, extend))
+    # The longest cache row: its keys, or in a draft loop the prefix and every branch's draft slots
+    kv_max = max(p + (spec_input.topk * spec_input.spec_steps if mode is ForwardMode.DRAFT_DECODE else e)
+                 for p, e in zip(prefix, extend))
     seed = draw(st.integers(0, 2**31 - 1))
     # One padded row first: Hypothesis tries each choice's simplest value first, and a row searched with one example
     # (the ci profile's slow rows) checks that batch alone, so its replay is padded too. Then an exact fit, then more.
@@ -298,9 +311,9 @@ def context_len_for(kv_len: int) -> int:
 
 def _highest_query_position(mode: ForwardMode, prefix: list[int], extend: list[int], spec_input) -> int:
     """The position of the batch's furthest query: a request's last new token, or in a verify the deepest node of its
-    draft tree (a node's position is the cached length plus its depth)."""
+    draft tree or a draft loop's branches (a node's position is the cached length plus its depth)."""
     def top(i: int) -> int:
-        if mode.is_target_verify():
+        if mode.drafts_tree():
             return prefix[i] + max(spec_input.depths(i))
         return prefix[i] + extend[i] - 1
     return max(top(i) for i in range(len(prefix)) if extend[i])

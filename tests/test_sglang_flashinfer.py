@@ -22,8 +22,10 @@ def test_declared_as_sglang_cuda_leaves(name):
     assert caps.devices == {"cuda"} and "flashinfer" in caps.requires
     assert caps.dtypes == {"bfloat16", "float16"}  # FlashInfer has no float32 attention
     assert caps.attention_kinds == ({"mha"} if name == "sglang.flashinfer" else {"mla"})
-    # What the adapter translates (no draft_extend, no idle yet); every mode listed is served.
-    assert caps.modes == {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY}
+    # What the adapter translates (no draft_extend, no idle yet); every mode listed is served. The MHA backend's draft
+    # worker also runs the draft loop (FlashInferMultiStepDraftBackend); the MLA one's is not adapted yet.
+    served = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY}
+    assert caps.modes == (served | {ForwardMode.DRAFT_DECODE} if name == "sglang.flashinfer" else served)
     assert not caps.cuda_graph_modes  # graph() over SGLang's FlashInfer backends is not adapted
     reason = caps.unavailable_reason("cpu")
     assert reason is not None and "cuda" in reason

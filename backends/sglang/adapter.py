@@ -37,6 +37,9 @@ _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", Forw
 # SGLang's TBO splitter cuts a MIXED batch's tokens with the two-chunk rule but its requests without it
 # (docs/findings/sglang-tbo-mixed-two-chunk.md): Triton kernels then read and write past the halves' buffers,
 # which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
+# The modes of a leaf whose backend also serves the draft worker's multi-step draft decode
+# (DraftBackendFactory.create_decode_backend has a container for it: backends/sglang/draft.py)
+DRAFTING_MODES = ADAPTED_MODES | {ForwardMode.DRAFT_DECODE}
 TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
                                            "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
 # SGLang plans a draft extend on the draft worker with its own draft-extend backend
@@ -186,6 +189,14 @@ class SglangBackend(_SglangObject):
         return self.states
 
     # ---- building ----
+    @classmethod
+    def multi_step_draft(cls, model_runner, topk: int, speculative_num_steps: int):
+        """SGLang's own multi-step draft backend for this leaf, as its draft worker builds it
+        (backends/sglang/draft.py)."""
+        from backends.sglang.draft import SglangMultiStepDraft
+
+        return SglangMultiStepDraft(cls, model_runner, topk, speculative_num_steps)
+
     @classmethod
     def engine_backend(cls, sgl, sgl_runner):
         """SGLang's backend object for this leaf over ``sgl_runner``, as the server's ``--attention-backend``
@@ -549,7 +560,7 @@ class SglangTriton(SglangBackend):
     sglang_name = "triton"
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=ADAPTED_MODES,
+        modes=DRAFTING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),  # on the CPU only float32/16: see cpu_dtypes
         cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken (error ~1e10)
         requires=("sglang", "triton"),

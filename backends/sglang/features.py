@@ -111,6 +111,10 @@ FEATURES: dict[str, Feature] = {
     # Per mode, wrapper or leaf
     "draft_extend_v2": Feature("EAGLE v2 draft extends (EagleDraftExtendInput)", (
         _p("srt.speculative.eagle_info:EagleDraftExtendInput"),)),
+    "draft_decode": Feature("EAGLE's multi-step draft decode (DraftBackendFactory.create_decode_backend, "
+                            "EagleDraftInput)", (
+        _p("srt.speculative.draft_utils:DraftBackendFactory.create_decode_backend"),
+        _p("srt.speculative.eagle_info:EagleDraftInput"))),
     "three_method_graph_contract": Feature(
         "the metadata contract graph() drives: init_forward_metadata_out_graph(fb, in_capture) and "
         "init_forward_metadata_in_graph(fb) (older releases: init_forward_metadata_capture/replay_cuda_graph)", (
@@ -309,6 +313,7 @@ def mode_gaps(wrappers: set[str]) -> list[tuple[str, str]]:
     extends need EagleDraftExtendInput; graph() extends run through the breakable prefill graph, graph() draft
     extends through the three-method contract."""
     gaps = [("draft_extend", m) for m in missing(("draft_extend_v2",))]
+    gaps += [("draft_decode", m) for m in missing(("draft_decode",))]
     if "graph" in wrappers:
         gaps += [("extend", m) for m in missing(("prefill_graph",))]
         # Up to 0.5.12 draft extends are captured by their own runner (eagle_draft_extend_cuda_graph_runner.py),

@@ -68,12 +68,13 @@ def wrapper_plan(wrapper, *, kv_includes_new_tokens: bool) -> PlannedMetadata:
 
 class SglangFlashInfer(SglangBackend):
     """SGLang's ``FlashInferAttnBackend`` (MHA): ragged prefill over the new tokens merged with a paged
-    prefill over the prefix (extend), paged prefill under the tree mask (verify), paged decode."""
+    prefill over the prefix (extend), paged prefill under the tree mask (verify), paged decode; its draft worker's
+    ``FlashInferMultiStepDraftBackend`` (draft decode)."""
 
     sglang_name = "flashinfer"
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=FLASHINFER_MODES,
+        modes=FLASHINFER_MODES | {ForwardMode.DRAFT_DECODE},
         dtypes=FLASHINFER_DTYPES,
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's attention kernels are built for
         devices=frozenset({"cuda"}),

@@ -213,6 +213,10 @@ def _import_names() -> dict[str, object]:
     EagleDraftExtendInput = None
     if features.has("draft_extend_v2"):
         from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    EagleDraftInput = DraftBackendFactory = None
+    if features.has("draft_decode"):
+        from sglang.srt.speculative.draft_utils import DraftBackendFactory
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
     two_batch_overlap = TboAttnBackend = None
     if features.has("tbo"):
         from sglang.srt.batch_overlap import two_batch_overlap
@@ -564,7 +568,8 @@ def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
 
 
 def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
-                hybrid: HybridModel | None = None, decode_backend_name: str | None = None):
+                hybrid: HybridModel | None = None, decode_backend_name: str | None = None,
+                num_steps: int | None = None):
     """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
     states are copied, see :class:`StateSync`).
 
@@ -576,7 +581,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     layers), so ``attn_backend_wrapper`` builds SGLang's hybrid wrapper. ``decode_backend_name``: the server runs
     ``backend_name`` for prefill and this one for decode (``--prefill-attention-backend`` /
     ``--decode-attention-backend``; speculative verify on the prefill backend, SGLang's default
-    ``--speculative-attention-mode prefill``).
+    ``--speculative-attention-mode prefill``). ``num_steps``: the server's ``--speculative-num-steps`` (default: one
+    less than the draft tokens, a chain's).
     """
     sgl = load()
     kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
@@ -628,10 +634,10 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs, **split,
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
         enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
-        max_running_requests=None, pp_size=1, revision=None,
+        max_running_requests=None, page_size=page_size, pp_size=1, revision=None,
         speculative_algorithm="EAGLE" if max_draft_tokens else None,
         speculative_eagle_topk=topk, speculative_num_draft_tokens=max_draft_tokens,
-        speculative_num_steps=max(0, max_draft_tokens - 1), tp_size=1,
+        speculative_num_steps=max(0, max_draft_tokens - 1) if num_steps is None else num_steps, tp_size=1,
         triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,
         linear_attn_backend="triton", linear_attn_decode_backend=None, linear_attn_prefill_backend=None,
         _mamba_cache_chunk_size=64, disaggregation_mode=None, disable_chunked_prefix_cache=False,

@@ -156,6 +156,18 @@ def soft_cap_silently_dropped():
     return _replace(tn, "refuse_logit_cap", lambda layer: None)
 
 
+def draft_branches_read_first_branch():
+    import backends.draft as draft
+    table_of = draft.branch_table
+
+    def branch_table(fb, topk, steps):
+        table, prefix = table_of(fb, topk, steps)
+        for r in range(fb.batch_size):  # every branch of a request keyed by its first branch's draft slots
+            table[1 + r * topk + 1:1 + (r + 1) * topk] = table[1 + r * topk]
+        return table, prefix
+    return _replace(draft, "branch_table", branch_table)
+
+
 def plan_cached_by_shape():
     import backends.torch_native as tn
     plan = tn.TorchNativeBackend.init_forward_metadata
@@ -651,6 +663,19 @@ def sglang_triton_draft_extend_replay_keys_twice():
     return _replace(TritonAttnBackend, "_update_draft_extend_buffers", update)
 
 
+def sglang_triton_draft_step_keeps_previous_plan():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+    planned = TritonMultiStepDraftBackend.init_forward_metadata
+
+    def init_forward_metadata(self, forward_batch):
+        planned(self, forward_batch)
+        for i in range(len(self.attn_backends) - 1, 0, -1):  # each step left with the step before's plan
+            self.attn_backends[i].forward_metadata = self.attn_backends[i - 1].forward_metadata
+    return _replace(TritonMultiStepDraftBackend, "init_forward_metadata", init_forward_metadata)
+
+
 def sglang_linear_replay_pads_into_last_state():
     from backends.sglang.runtime import load
     load()
@@ -780,6 +805,10 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "plans the prefix as the whole seq_len, not seq_len less the accepted tokens; each replayed draft extend "
            "attends to its new tokens twice (once from the cache, once as the extend)",
            ("graph(sglang.triton)",), modes=("draft_extend",), engine="sglang"),
+    Mutant("sglang_triton_draft_step_keeps_previous_plan", "SGLang's TritonMultiStepDraftBackend leaves each draft "
+           "step after the first with the plan of the step before it; from the second step on every branch's query "
+           "reads one key too few (its own new token) and the draft tree is proposed from wrong hidden states",
+           ("sglang.triton",), modes=("draft_decode",), engine="sglang"),
     Mutant("sglang_linear_replay_pads_into_last_state", "SGLang's MambaAttnBackendBase replay gives padded rows the "
            "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
            "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",
@@ -865,6 +894,9 @@ CATALOGUE: list[Mutant] = [
     Mutant("soft_cap_silently_dropped", "a backend without a soft-cap computes a soft-capped layer uncapped "
            "instead of refusing it; a Gemma 2 served there answers a different function with no error",
            ("torch_native",), ("refuse_or_correct",)),
+    Mutant("draft_branches_read_first_branch", "the multi-step draft plan keys every branch of a request by its "
+           "first branch's draft slots; with topk > 1 each later branch attends to another branch's tokens and "
+           "writes its own over them", ("torch_native",), modes=("draft_decode",)),
     Mutant("plan_cached_by_shape", "plans cached by (mode, batch size, token count) and reused for the next batch "
            "of those shapes; its requests read the previous batch's pages and lengths, with no error",
            ("torch_native",), ("replan",)),

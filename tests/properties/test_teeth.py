@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer, MLALayer, SpecInput, draft_forest
 from harness.mutants.catalogue import MUTANTS
 from properties import PROPERTIES
 
@@ -23,6 +23,9 @@ DRAFT_WORKER = BatchSpec(ForwardMode.DECODE, (4, 2), (1, 1), (MHA,), draft_worke
 TREE_VERIFY = BatchSpec(ForwardMode.TARGET_VERIFY, (9, 5), (4, 4), (MHALayer(0, 4, 2, 32, 32, sliding_window=2),),
                         spec=SpecInput(4, 3, 2, ((-1, 0, 0, 0), (-1, 0, 1, 0)), (2, 3)), seed=5)
 HYB = "hybrid(torch_native,linear_torch)"
+# The draft loop: two requests, three branches each, two draft steps
+DRAFT_DECODE = BatchSpec(ForwardMode.DRAFT_DECODE, (5, 9), (6, 6), (MHA,),
+                         spec=SpecInput(6, 3, 3, (draft_forest(3, 3),) * 2, (1, 1)), seed=8)
 
 CASES = [
     ("outputs", "gqa_modulo_mapping", "torch_native", EXTEND),
@@ -55,6 +58,7 @@ CASES = [
      BatchSpec(ForwardMode.EXTEND, (2, 3), (2, 2), HYBRID_LAYERS[1:], state_slot_layout="gapped")),
     ("tree_branch", "verify_window_by_row", "torch_native", TREE_VERIFY),
     ("replan", "plan_cached_by_shape", "torch_native", EXTEND),
+    ("outputs", "draft_branches_read_first_branch", "torch_native", DRAFT_DECODE),
     ("refuse_or_correct", "soft_cap_silently_dropped", "torch_native",
      BatchSpec(ForwardMode.DECODE, (5, 2), (1, 1), (MHALayer(0, 4, 2, 32, 32, logit_cap=5.0),), seed=3)),
 ]

@@ -55,7 +55,7 @@ def per_request_outputs(case: Case) -> list[torch.Tensor | None]:
             start += extend
             cached = case.token_slots[i][:prefix]
             mask, window = None, getattr(layer, "sliding_window", None)
-            if spec.mode.is_target_verify():
+            if spec.mode.drafts_tree():  # a verify's tree, a draft loop's branches
                 mask = torch.cat([torch.ones(extend, prefix, dtype=torch.bool), tree_mask(spec.spec.parents[i])], 1)
                 if window is not None:  # by positions: a draft at prefix + depth, its row notwithstanding
                     q_pos = prefix + torch.tensor(spec.spec.depths(i))

@@ -1,0 +1,104 @@
+"""EAGLE's multi-step draft decode over one of our backends (DESIGN.md: the draft loop).
+
+A draft worker runs ``spec_steps - 1`` forward steps per iteration; step i decodes one token for each of a request's
+``topk`` branches. SGLang serves the loop with a container of one backend per step (``TritonMultiStepDraftBackend``,
+``FlashInferMultiStepDraftBackend``: built by ``DraftBackendFactory.create_decode_backend``), planned once before
+the loop (``init_forward_metadata``), each step then run by its own backend (``attn_backends[i]``).
+
+:class:`MultiStepDraft` is that container for our backends, written from the loop's definition rather than from
+SGLang's index kernel: step i of branch j of request r is a decode whose keys are r's cached prefix, then the branch's
+own draft slots for steps 0..i (``BatchSpec.new_token_columns``: branch j's step s sits at column
+``seq_len + j * spec_steps + s`` of r's cache row). Each step's backend plans that decode as an ordinary DECODE batch
+of ``B * topk`` requests over a scratch request table holding one row per branch, so the planners under test are our
+backends' own decode planners.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from batch.forward_batch import ForwardBatch, ModelRunner
+from batch.spec import ForwardMode
+
+
+def branch_table(fb: ForwardBatch, topk: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request table with one row per branch (row 0 the padding row, branch ``r * topk + j`` at row
+    ``1 + r * topk + j``): request r's cached prefix, then branch j's ``steps - 1`` draft slots; and the branches'
+    prefix lengths ``[B * topk]``."""
+    seq = fb.seq_lens_cpu.tolist()
+    rows = fb.req_to_token[fb.req_pool_indices]
+    table = torch.zeros(1 + len(seq) * topk, fb.req_to_token.shape[1], dtype=fb.req_to_token.dtype, device=fb.device)
+    for r, n in enumerate(seq):
+        for j in range(topk):
+            row = table[1 + r * topk + j]
+            row[:n] = rows[r, :n]
+            row[n:n + steps - 1] = rows[r, n + j * steps:n + j * steps + steps - 1]
+    prefix = torch.tensor(seq, dtype=torch.int64).repeat_interleave(topk)
+    return table, prefix
+
+
+def step_batch(fb: ForwardBatch, table: torch.Tensor, prefix: torch.Tensor, step: int) -> ForwardBatch:
+    """Step ``step`` of the draft loop as a plain DECODE batch of one request per branch: each branch decodes the token
+    at position ``prefix + step`` into its own slot, over ``prefix + step + 1`` keys."""
+    n = prefix.shape[0]
+    dev = fb.device
+    seq = prefix + step + 1
+    rows = torch.arange(1, n + 1, dtype=torch.int64)
+    loc = table[rows, prefix + step].to(torch.int64)
+    return ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=n, req_pool_indices=rows.to(dev), seq_lens=seq.to(dev),
+        seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()), extend_seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
+        extend_prefix_lens=(seq - 1).to(torch.int32).to(dev), extend_start_loc=torch.arange(n, dtype=torch.int32,
+                                                                                           device=dev),
+        extend_seq_lens_cpu=[1] * n, extend_prefix_lens_cpu=(seq - 1).tolist(), extend_num_tokens=n,
+        positions=(prefix + step).to(dev), mrope_positions=None, out_cache_loc=loc.to(dev), req_to_token=table,
+        req_to_state_slot=torch.zeros(table.shape[0], dtype=torch.int64, device=dev),
+        state_slots=torch.zeros(n, dtype=torch.int64, device=dev), token_to_kv_pool=fb.token_to_kv_pool,
+        mamba_pool=None, spec_info=None, device=dev, num_token_non_padded=n)
+
+
+class _Step:
+    """Step i's backend as the draft loop's model sees it: ``forward`` runs the layer on the batch this step planned
+    (the loop hands every step one draft batch; the step's own plan says whose keys each branch reads)."""
+
+    def __init__(self, backend, index: int) -> None:
+        self.backend = backend
+        self.index = index
+        self.planned: ForwardBatch | None = None
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        if self.planned is None:
+            raise RuntimeError(f"draft step {self.index} ran before the draft loop was planned")
+        return self.backend.forward(q, k, v, layer, self.planned, save_kv_cache=save_kv_cache, **kwargs)
+
+    def planned_metadata(self):
+        return self.backend.planned_metadata()
+
+
+class MultiStepDraft:
+    """One of our backends per draft step, planned together (see the module docstring)."""
+
+    def __init__(self, backend_cls, model_runner: ModelRunner, topk: int, speculative_num_steps: int) -> None:
+        self.backend_cls = backend_cls
+        self.model_runner = model_runner
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.attn_backends: list[_Step] = []
+
+    def step_plans(self) -> list:
+        """Each step's plan (:class:`backends.base.PlannedMetadata`), in step order."""
+        return [step.backend.planned_metadata() for step in self.attn_backends]
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        """Plan every step before the loop: a branch table, then each step's decode on its own backend (built over a
+        runner whose request table is the branch table, as a graph-state hook would read it)."""
+        table, prefix = branch_table(forward_batch, self.topk, self.speculative_num_steps)
+        runner = dataclasses.replace(self.model_runner, req_to_token=table,
+                                     req_to_state_slot=torch.zeros(table.shape[0], dtype=torch.int64,
+                                                                   device=forward_batch.device))
+        self.attn_backends = [_Step(self.backend_cls(runner), i) for i in range(self.speculative_num_steps - 1)]
+        for i, step in enumerate(self.attn_backends):
+            step.planned = step_batch(forward_batch, table, prefix, i)
+            step.backend.init_forward_metadata(step.planned)
