@@ -150,7 +150,8 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     layer = _failing_layer(spec, verdict)
     if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or _rel_l2(verdict) is None:
         return False
-    if spec.mode is ForwardMode.DECODE and layer.num_q_heads == layer.num_kv_heads:
+    # (a draft loop's steps run the same decode kernels)
+    if spec.mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE) and layer.num_q_heads == layer.num_kv_heads:
         return False
     return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
