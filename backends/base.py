@@ -172,6 +172,9 @@ class Capabilities:
     # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
     # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
     verify_window: bool = False
+    # Its multi-step draft container (DRAFT_DECODE) is built for a model with a sliding window; False: the engine
+    # refuses to build it for one, so a server with such a draft model cannot run the loop on this backend.
+    draft_window: bool = True
     # KV cache storage it reads and writes (batch.spec.KV_CACHE_DTYPES): "auto" (the batch's dtype), "fp8_e4m3";
     # and whether it honours per-layer KV scales other than 1 (stores k / k_scale, reads back times k_scale).
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -246,6 +249,7 @@ class Support:
     empty_extend: bool
     verify_window: bool
     draft_trees: bool = True
+    draft_window: bool = True  # the full-attention leaves' (see Capabilities)
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     # Some leaf's CPU path runs kernels under Triton's interpreter (the only flag a CPU path needs): cases take
@@ -315,7 +319,8 @@ class Support:
                    length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
                    empty_extend=all(c.empty_extend for c in caps),
                    draft_trees=all(c.draft_trees for c in caps),
-                   verify_window=all(c.verify_window for c in full))
+                   verify_window=all(c.verify_window for c in full),
+                   draft_window=all(c.draft_window for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""
@@ -354,6 +359,8 @@ class Support:
                 return "sliding window not supported"
             if layer.sliding_window is not None and spec.mode.is_target_verify() and not self.verify_window:
                 return "sliding window under a tree mask (target_verify) not supported"
+            if layer.sliding_window is not None and spec.mode.is_draft_decode() and not self.draft_window:
+                return "sliding window in the draft loop (draft_decode) not supported"
             if layer.logit_cap is not None and not self.logit_cap:
                 return "logit cap not supported"
         return None

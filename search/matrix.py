@@ -58,6 +58,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "boundaries": support.length_boundaries,
         "empty_extend": support.empty_extend,
         "verify_window": support.verify_window,
+        "draft_window": support.draft_window,
         "chain": not support.draft_trees,
         "graph_padding": "graph" in c.wrappers(),
     }

@@ -117,7 +117,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 kv_scales: bool = True, require_recurrent: bool = False,
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
-                verify_window: bool = False, graph_padding: bool = False,
+                verify_window: bool = False, draft_window: bool = True, graph_padding: bool = False,
                 overreach: tuple[str, ...] = ()) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
@@ -129,7 +129,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     the kind the composition serves) in every batch (for properties about states); ``state_slot_layout`` is
     drawn for batches with linear layers. ``head_configs`` (default the profile's) are the MHA shapes the composition compiles;
     ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
-    tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches. ``graph_padding`` (graph()
+    tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches, ``draft_window`` in DRAFT_DECODE ones.
+    ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
     in the simplest batch, at least one in about two cases of three, so a replay's padded rows are reached on first
     contact whatever the batch size. ``overreach`` names declared limits (properties/refusal.py's OVERREACHES):
@@ -173,7 +174,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
                        else LightningLayer(i, *profile.lightning) if k == "lightning"
                        else _full_layer(k, i, profile, draw, window, head) for i, k in enumerate(layer_kinds))
-    sliding_window = sliding_window and (verify_window or not mode.is_target_verify())
+    sliding_window = sliding_window and (verify_window or not mode.is_target_verify()) \
+        and (draft_window or not mode.is_draft_decode())
     if not sliding_window or not logit_cap:
         layers = tuple(_strip(l, sliding_window, logit_cap) for l in layers)
     kv_cache_dtype, layers = draw(kv_caches(layers, kv_cache_dtypes, kv_scales))

@@ -75,6 +75,11 @@ class SglangFlashInfer(SglangBackend):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
         modes=FLASHINFER_MODES | {ForwardMode.DRAFT_DECODE},
+        # FlashInferMultiStepDraftBackend builds each step's FlashInferAttnBackend over one shared kv_indptr row,
+        # which asserts a single wrapper (flashinfer_backend.py:482, `assert self.num_wrappers == 1`); a window
+        # model has two (window and full): the container refuses it with a bare AssertionError when it is built
+        # (seen on the H200, harness-out/gpu21.sh)
+        draft_window=False,
         dtypes=FLASHINFER_DTYPES,
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's attention kernels are built for
         devices=frozenset({"cuda"}),
