@@ -122,9 +122,10 @@ class Composition:
         if "graph" in self.wrappers():
             prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
             support = dataclasses.replace(support, modes=support.modes & (support.cuda_graph_modes | prefill))
-        if not self.is_leaf:
+        if not self.is_leaf and not (self.name == "graph" and self.children[0].is_leaf):
             # A draft worker builds its multi-step draft backend from the one backend it is configured with
-            # (SGLang: DraftBackendFactory.create_decode_backend), never under a wrapper
+            # (SGLang: DraftBackendFactory.create_decode_backend), never under a wrapper; its own graph runner
+            # captures that container (graph() over a leaf that declares the mode among its cuda_graph_modes)
             support = dataclasses.replace(support, modes=support.modes - {ForwardMode.DRAFT_DECODE})
         gapped = {mode for _, mode, _ in self.wrapped_gaps()} | {mode for mode, _ in self.engine_mode_gaps()}
         return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support

@@ -10,22 +10,31 @@ draft step's tokens), and puts each step's outputs back in the batch's row order
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 
 import torch
 
-from batch.forward_batch import ForwardBatch, LayerInputs
+from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights
 from batch.spec import BatchSpec, ForwardMode
+from engine.graph_runner import load_token_rows
 from engine.model import run_layer
+
+
+# Modes a draft graph runner captures (a graph() over a leaf that declares DRAFT_DECODE among its cuda_graph_modes)
+DRAFT_GRAPH_MODES = frozenset({ForwardMode.DRAFT_DECODE})
+
+
+def loop_rows(batch_size: int, topk: int, steps: int, step: int) -> torch.Tensor:
+    """The rows of draft step ``step`` in a draft batch of ``batch_size`` requests (each with ``topk`` branches of
+    ``steps - 1`` tokens): for each request, each branch's token of that step."""
+    n = steps - 1
+    return torch.tensor([r * topk * n + j * n + step for r in range(batch_size) for j in range(topk)],
+                        dtype=torch.int64)
 
 
 def step_rows(spec: BatchSpec, step: int) -> torch.Tensor:
     """The batch rows of draft step ``step``: for each request, each branch's token of that step."""
-    K, n = spec.spec.topk, spec.spec.spec_steps - 1
-    rows, start = [], 0
-    for e in spec.extend_lens:
-        rows.extend(start + j * n + step for j in range(K))
-        start += e
-    return torch.tensor(rows, dtype=torch.int64)
+    return loop_rows(spec.batch_size, spec.spec.topk, spec.spec.spec_steps, step)
 
 
 def step_view(fb: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
@@ -37,19 +46,127 @@ def step_view(fb: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
                                extend_num_tokens=rows.numel(), num_token_non_padded=rows.numel())
 
 
+def loop_order(drafter, batch_size: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Each step's rows (on ``device``) and the permutation that puts step-major results back in batch row order."""
+    K, steps = drafter.topk, drafter.speculative_num_steps
+    by_step = [loop_rows(batch_size, K, steps, step).to(device) for step in range(steps - 1)]
+    return by_step, torch.argsort(torch.cat(by_step))
+
+
+def run_loop(drafter, fb: ForwardBatch, layer_specs, inputs: list[LayerInputs], weights,
+             fused_qkv: bool = False, rows=None) -> list[torch.Tensor]:
+    """Every step's layers on its step backend, over a planned draft batch; one output per layer, in batch row order.
+    ``rows``: :func:`loop_order`'s, made beforehand (a graph records the loop: no host copy may happen inside)."""
+    by_step, order = rows or loop_order(drafter, fb.batch_size, fb.device)
+    outputs = []
+    for layer, inp, w in zip(layer_specs, inputs, weights):
+        parts = []
+        for step, rows in enumerate(by_step):
+            step_inputs = LayerInputs({name: t[rows] for name, t in inp.tensors.items()})
+            parts.append(run_layer(drafter.attn_backends[step], layer, step_inputs, w, step_view(fb, rows), None,
+                                   fused_qkv))
+        outputs.append(torch.cat(parts)[order])
+    return outputs
+
+
 def run_draft_steps(drafter, spec: BatchSpec, fb: ForwardBatch, inputs: list[LayerInputs], weights,
                     fused_qkv: bool = False) -> list[torch.Tensor]:
-    """Plan the loop once, run every step's layers on its step backend; one output per layer, in batch row order."""
+    """Plan the loop once, then run it (:func:`run_loop`)."""
     drafter.init_forward_metadata(fb)
-    outputs: list[torch.Tensor | None] = [None] * len(spec.layers)
-    for step in range(spec.spec.spec_steps - 1):
-        rows = step_rows(spec, step)
-        view = step_view(fb, rows)
-        backend = drafter.attn_backends[step]
-        for n, (layer, inp, w) in enumerate(zip(spec.layers, inputs, weights)):
-            step_inputs = LayerInputs({name: t[rows.to(t.device)] for name, t in inp.tensors.items()})
-            out = run_layer(backend, layer, step_inputs, w, view, spec.mrope_sections, fused_qkv)
-            if outputs[n] is None:
-                outputs[n] = out.new_empty((spec.num_tokens,) + tuple(out.shape[1:]))
-            outputs[n][rows.to(out.device)] = out
-    return outputs
+    return run_loop(drafter, fb, spec.layers, inputs, weights, fused_qkv)
+
+
+class DraftGraphRunner:
+    """The draft loop under a CUDA graph, as SGLang's ``EAGLEDraftCudaGraphRunner`` runs it
+    (speculative/eagle_draft_cuda_graph_runner.py): the container's ``init_cuda_graph_state(max_bs, max_bs * topk)``,
+    a static batch of ``bs`` requests whose padded rows have the first step backend's fill value as length, request
+    row 0 and write slot 0; at capture ``init_forward_metadata_out_graph(fb, in_capture=True)`` outside the graph,
+    then ``init_forward_metadata_in_graph`` and every step recorded in one graph; each replay copies the real batch
+    into the static buffers, pads the rest, re-plans outside the graph (``in_capture=False``, the padded rows
+    counted in ``num_padding``) and replays. On the CPU nothing is recorded: the same planning calls run and each
+    replay re-runs the loop over the static buffers (engine/graph_runner.py does the same for the other modes)."""
+
+    def __init__(self, drafter, model_runner, template: ForwardBatch, layer_specs, weights: list[LayerWeights],
+                 inputs_like: list[LayerInputs], bs: int, *, pad_value: float = 0.0) -> None:
+        self.drafter, self.mr, self.bs = drafter, model_runner, bs
+        self.layer_specs, self.weights, self.pad_value = list(layer_specs), weights, pad_value
+        self.use_cuda_graph = model_runner.device.type == "cuda"
+        self.mode = ForwardMode.DRAFT_DECODE
+        K, steps = drafter.topk, drafter.speculative_num_steps
+        width = K * (steps - 1)  # rows per request
+        n, dev = bs * width, model_runner.device
+        self.fill = fill = drafter.get_cuda_graph_seq_len_fill_value()
+        self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.full((bs,), fill, dtype=torch.int64, device=dev)
+        self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)  # slot 0: padding
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.mrope_positions = None
+        self.inputs = [LayerInputs({name: torch.zeros((n,) + t.shape[1:], dtype=t.dtype, device=dev)
+                                    for name, t in li.tensors.items()}) for li in inputs_like]
+        seq_cpu = self.seq_lens.cpu()
+        self.fb = replace(template, batch_size=bs, req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
+                          seq_lens_cpu=seq_cpu, seq_lens_sum=int(seq_cpu.sum()),
+                          extend_seq_lens=torch.full((bs,), width, dtype=torch.int32, device=dev),
+                          extend_prefix_lens=self.seq_lens.to(torch.int32),
+                          extend_start_loc=torch.arange(bs, dtype=torch.int32, device=dev) * width,
+                          extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=seq_cpu.tolist(),
+                          extend_num_tokens=n, positions=self.positions, out_cache_loc=self.out_cache_loc,
+                          state_slots=torch.zeros(bs, dtype=torch.int64, device=dev), spec_info=None,
+                          num_token_non_padded=n, num_padding=0)
+        self.rows = loop_order(drafter, bs, dev)
+        self.graph = None
+        self.outputs: list[torch.Tensor] = []
+
+    @property
+    def captured(self) -> str:
+        return f"at {self.bs} x {self.drafter.topk} branches x {self.drafter.speculative_num_steps - 1} steps"
+
+    def _loop(self) -> list[torch.Tensor]:
+        return run_loop(self.drafter, self.fb, self.layer_specs, self.inputs, self.weights, rows=self.rows)
+
+    def capture_plan(self) -> None:
+        self.drafter.init_cuda_graph_state(self.bs, self.bs * self.drafter.topk)
+        self.drafter.init_forward_metadata_out_graph(self.fb, in_capture=True)
+
+    def capture(self) -> None:
+        self.capture_plan()
+        if not self.use_cuda_graph:
+            return
+
+        def recorded():
+            self.drafter.init_forward_metadata_in_graph(self.fb)
+            return self._loop()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            recorded()  # warm-up outside the graph: kernels compile and allocate
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = recorded()
+
+    def replay_plan(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> int:
+        """The real batch loaded into the static one and padded, then the replay's planning; returns its rows."""
+        n = fb.batch_size
+        if n > self.bs:
+            raise ValueError(f"a draft batch of {n} requests does not fit a graph captured for {self.bs}")
+        t = fb.extend_num_tokens
+        self.req_pool_indices.zero_()
+        self.req_pool_indices[:n].copy_(fb.req_pool_indices)
+        self.seq_lens.fill_(self.fill)
+        self.seq_lens[:n].copy_(fb.seq_lens)
+        load_token_rows(self, fb, inputs, t)
+        seq_cpu = self.seq_lens.cpu()
+        self.fb.seq_lens_cpu, self.fb.seq_lens_sum = seq_cpu, int(seq_cpu.sum())
+        self.fb.extend_prefix_lens_cpu = seq_cpu.tolist()
+        self.fb.num_padding = self.bs - n
+        self.drafter.init_forward_metadata_out_graph(self.fb, in_capture=False)
+        return t
+
+    def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
+        t = self.replay_plan(fb, inputs)
+        if self.graph is not None:
+            self.graph.replay()
+            return [o[:t].clone() for o in self.outputs]
+        self.drafter.init_forward_metadata_in_graph(self.fb)
+        return [o[:t].clone() for o in self._loop()]

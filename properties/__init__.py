@@ -25,6 +25,7 @@ from properties.equivalence import (
     tbo_split_equals_unsplit,
     verify_chain_equals_extend,
 )
+from engine.draft_loop import DRAFT_GRAPH_MODES
 from engine.graph_runner import GRAPH_MODES, PREFILL_GRAPH_MODES
 from properties.graph import graph_plans_satisfy_invariants, graph_replay_equals_eager
 from properties.linear_state import verify_commits_every_position
@@ -172,12 +173,13 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              strategy_options=(("tree", True),)),
     Property("graph_replay", graph_replay_equals_eager,
              "CUDA-graph replay equals eager on real rows (padding poisoned), pools end identical, new inputs "
-             "give new outputs", modes=GRAPH_MODES | PREFILL_GRAPH_MODES, needs_wrapper="graph",
+             "give new outputs", modes=GRAPH_MODES | PREFILL_GRAPH_MODES | DRAFT_GRAPH_MODES, needs_wrapper="graph",
              # A graph holds a fixed number of tokens per request: draft extends of the whole draft window.
              strategy_options=(("fixed_width", True),)),
     Property("graph_metadata", graph_plans_satisfy_invariants,
              "every plan a graph makes, at capture and at a replay padded to the captured size, satisfies the "
-             "metadata invariants, padded rows included (no layer runs)", modes=GRAPH_MODES, needs_wrapper="graph",
+             "metadata invariants, padded rows included (no layer runs)", modes=GRAPH_MODES | DRAFT_GRAPH_MODES,
+             needs_wrapper="graph",
              strategy_options=(("fixed_width", True),), plan_level=True, per_child=True,
              # Not yet under SGLang's TBO: its graph halves are cut from the padded batch by SGLang's splitter, and
              # the harness's view of each half's padded rows is not derived yet

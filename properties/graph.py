@@ -16,6 +16,7 @@ import torch
 from backends.registry import Composition
 from batch.forward_batch import LayerInputs, ModelRunner
 from batch.spec import BatchSpec, ForwardMode
+from engine.draft_loop import DraftGraphRunner, run_draft_steps
 from engine.graph_runner import GraphRunner, PrefillGraphRunner, eager_run, replay_size
 from engine.materialize import materialize
 from properties.tolerances import layer_bound
@@ -59,6 +60,13 @@ def _graph_runner(composition: Composition, spec: BatchSpec, case, mr: ModelRunn
                        capture_linear=composition.support().graph_captures_linear)
 
 
+def _draft_graph_runner(composition: Composition, spec: BatchSpec, case, mr: ModelRunner, pad_value: float = 0.0
+                        ) -> DraftGraphRunner:
+    """The draft loop's graph runner of ``graph(leaf)`` for ``case``, at the padded size its requests replay in."""
+    return DraftGraphRunner(composition.children[0].build(spec, mr), mr, case.forward_batch, spec.layers,
+                            case.weights, case.inputs, replay_size(spec, mr.max_requests), pad_value=pad_value)
+
+
 def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     inner = composition.children[0]
     split_tbo = _splits_tbo_itself(inner)
@@ -71,6 +79,8 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     if spec.mode is ForwardMode.EXTEND:  # a breakable prefill graph
         runner = PrefillGraphRunner(inner.build(spec, mr), mr, fb, spec.layers, graph_case.weights, graph_case.inputs,
                                     spec.num_tokens, spec.mrope_sections, pad_value=POISON)
+    elif spec.mode.is_draft_decode():  # the draft loop's own graph runner
+        runner = _draft_graph_runner(composition, spec, graph_case, mr, pad_value=POISON)
     else:
         runner = _graph_runner(composition, spec, graph_case, mr, pad_value=POISON)
     runner.capture()
@@ -85,8 +95,12 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
         replayed = runner.replay(fb, inputs)
         eager_case = materialize(spec, device)
         eager_runner = ModelRunner.of(eager_case.forward_batch, spec.layers)
-        eager = eager_run(inner.build(spec, eager_runner), eager_case.forward_batch, spec.layers, inputs,
-                          eager_case.weights, spec.mrope_sections, split_tbo=split_tbo)
+        if spec.mode.is_draft_decode():
+            eager = run_draft_steps(inner.build(spec, eager_runner), spec, eager_case.forward_batch, inputs,
+                                    eager_case.weights)
+        else:
+            eager = eager_run(inner.build(spec, eager_runner), eager_case.forward_batch, spec.layers, inputs,
+                              eager_case.weights, spec.mrope_sections, split_tbo=split_tbo)
         label = "replay" if attempt == 0 else "replay with new inputs"
         for layer, a, b in zip(spec.layers, replayed, eager):
             # Not widened for a lightning layer's cancellation (properties/tolerances.py): replay and eager run the
@@ -115,10 +129,23 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
     kit checks the plan after replay initialisation too, runner_modes/metadata_invariants.py.) Only the plans are
     made (``GraphRunner.capture_plan``, ``replay_plan``), no layer runs: a plan-level composition
     (``Support.plan_only``) is checked too."""
-    from properties.metadata import check_plan, planned_leaves
+    from properties.metadata import check_plan, draft_step_batch, planned_leaves
 
     case = materialize(spec, device)
     fb = case.forward_batch
+    if spec.mode.is_draft_decode():  # each step's plan, the padded requests' branches included
+        runner = _draft_graph_runner(composition, spec, case, ModelRunner.of(fb, spec.layers))
+        runner.capture_plan()
+        runner.replay_plan(fb, case.inputs)
+        padded = runner.bs - spec.batch_size
+        plans = runner.drafter.step_plans()
+        for step, plan in enumerate(plans):
+            problem = check_plan(plan, draft_step_batch(spec, fb, step, padded_requests=padded))
+            if problem:
+                return Verdict(GRAPH_METADATA, False, f"at replay {runner.captured} ({padded} padded row(s)): "
+                                                      f"draft step {step}: {problem}", where=f"draft step {step}")
+        return Verdict(GRAPH_METADATA, True, f"{len(plans)} draft step plan(s) of a replay {runner.captured} "
+                                             f"({padded} padded row(s)) satisfy every invariant")
     runner = _graph_runner(composition, spec, case, ModelRunner.of(fb, spec.layers))
     runner.capture_plan()
     runner.replay_plan(fb, case.inputs)

@@ -152,11 +152,11 @@ def planned(composition: Composition, spec: BatchSpec, device: str):
     return run.execution.backend, run.case.forward_batch
 
 
-def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int) -> SimpleNamespace:
+def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_requests: int = 0) -> SimpleNamespace:
     """What draft step ``step``'s plan must describe, read from the specification and the batch's cache rows alone:
     one decode request per branch (request by request, branch by branch), its keys the request's cached prefix then
     the branch's draft tokens of steps 0..step (their columns: ``BatchSpec.new_token_columns``), the last of them the
-    step's own new token."""
+    step's own new token. A graph replay's ``padded_requests`` add their branches last, held only to valid indptrs."""
     K, n = spec.spec.topk, spec.spec.spec_steps - 1
     keys = []
     for r, row in enumerate(fb.req_pool_indices.tolist()):
@@ -167,9 +167,11 @@ def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int) -> SimpleName
     table = torch.zeros(len(keys), max((k.numel() for k in keys), default=0), dtype=torch.int64)
     for i, k in enumerate(keys):
         table[i, :k.numel()] = k
+    padding = padded_requests * K
+    keys += [torch.zeros(1, dtype=torch.int64)] * padding
     prefix = [k.numel() - 1 for k in keys]
     B = len(keys)
-    return SimpleNamespace(batch_size=B, extend_num_tokens=B, num_padding=0, extend_seq_lens_cpu=[1] * B,
+    return SimpleNamespace(batch_size=B, extend_num_tokens=B, num_padding=padding, extend_seq_lens_cpu=[1] * B,
                            extend_prefix_lens_cpu=prefix, seq_lens_cpu=torch.tensor(prefix) + 1,
                            state_slots=torch.zeros(B, dtype=torch.int64), req_to_token=table,
                            req_pool_indices=torch.arange(B), page_size=fb.page_size, forward_mode=ForwardMode.DECODE,

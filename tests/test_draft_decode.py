@@ -3,6 +3,8 @@ property catches there."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from backends.registry import parse
@@ -105,3 +107,16 @@ def test_a_draft_step_left_with_the_previous_steps_plan_is_caught(device):
     assert not outputs.ok and "out of bounds" in outputs.reason, str(outputs)
     # step 1 planned as step 0: each branch's keys stop one short, before its own new token
     assert not metadata.ok and metadata.reason.startswith("draft step 1: request 0: kv_indices hold"), str(metadata)
+
+
+@pytest.mark.parametrize("prop", ["graph_replay", "graph_metadata"])
+def test_sglangs_draft_loop_replays_in_a_graph_as_eagerly(prop, device):
+    _sglang_triton(device)
+    comp = parse("graph(sglang.triton)")
+    spec = dataclasses.replace(draft((6, 11, 3), topk=2, steps=3), graph_padding=1)  # 3 requests in a graph of 4
+    assert ForwardMode.DRAFT_DECODE in comp.support().modes
+    verdict = PROPERTIES[prop].run(comp, spec, device)
+    assert verdict.ok and "at 4 x 2 branches x 2 steps" in verdict.reason, str(verdict)
+    with next(m for m in SGLANG_CATALOGUE if m.name == "sglang_triton_draft_replay_keeps_capture_plan").patch():
+        broken = PROPERTIES[prop].run(comp, spec, device)
+    assert not broken.ok, str(broken)

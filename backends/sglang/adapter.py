@@ -577,7 +577,7 @@ class SglangTriton(SglangBackend):
         # TritonAttnBackend's out_graph plans decode (and idle, which replays the decode graph), target_verify
         # and draft_extend_v2 (triton_backend.py:1396-1438, _apply_cuda_graph_metadata).
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
-                                    ForwardMode.IDLE}),
+                                    ForwardMode.IDLE, ForwardMode.DRAFT_DECODE}),  # draft: the draft loop's runner
         prefill_graph=True,  # RadixAttention breaks SGLang's breakable prefill graph (radix_attention.py:133-165)
         # fp8 e4m3 cache: set_kv_buffer divides by layer.k_scale, the kernels multiply by k_scale_float
         # (triton_backend.py:1720-1745, :1835-1840, :2326-2370)

@@ -15,18 +15,25 @@ by one, as ``EagleWorkerV2.draft_forward`` does; step i's layers run under a for
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import torch
 
 from backends.sglang import compat, runtime
 
 
-def draft_out_cache_loc(fb, topk: int, num_steps: int) -> torch.Tensor:
-    """``[B * topk * num_steps]``: each request's draft slots, ``req_to_token[row, seq_len : seq_len + topk *
-    num_steps]`` (branch-major), as SGLang's allocator hands them to ``assign_draft_cache_locs_contiguous``."""
-    rows = fb.req_to_token[fb.req_pool_indices]
-    width = topk * num_steps
-    cols = fb.seq_lens[:, None] + torch.arange(width, device=fb.device)[None, :]
-    return rows.gather(1, cols).reshape(-1).to(torch.int64)
+def draft_out_cache_loc(fb, topk: int, num_steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B * topk * num_steps]``, request by request, branch by branch, step by step: the slots SGLang's
+    ``assign_draft_cache_locs_contiguous`` copies from each request's cache row, here from the harness batch's write
+    slots (its rows hold steps 0..num_steps-2 of each branch, in that order). The last step's slots, which no step
+    writes or reads, are the padding slot 0; so are a graph's padded rows' (SGLang's runner zeroes them)."""
+    B = fb.batch_size
+    loc = torch.zeros(B, topk, num_steps, dtype=torch.int64, device=fb.device) if out is None else \
+        out.view(B, topk, num_steps)
+    loc.zero_()
+    loc[:, :, :num_steps - 1] = fb.out_cache_loc.view(B, topk, num_steps - 1)
+    return loc.reshape(-1)
 
 
 class _SglangStep:
@@ -42,7 +49,11 @@ class _SglangStep:
 
 
 class SglangMultiStepDraft:
-    """SGLang's multi-step draft backend for one leaf (see the module docstring)."""
+    """SGLang's multi-step draft backend for one leaf (see the module docstring). Under a graph it is driven as
+    ``EAGLEDraftCudaGraphRunner`` drives it (speculative/eagle_draft_cuda_graph_runner.py): ``init_cuda_graph_state``
+    once, the static batch planned at capture (``init_forward_metadata_out_graph(fb, in_capture=True)``), each replay
+    re-planned over the same static SGLang batch (``in_capture=False``, with the padded rows counted), and the
+    in-graph step recorded before the steps."""
 
     def __init__(self, leaf_cls, model_runner, topk: int, speculative_num_steps: int) -> None:
         self.leaf = leaf_cls(model_runner)  # builds SGLang's layers (RadixAttention) and runs them
@@ -52,9 +63,9 @@ class SglangMultiStepDraft:
         self.inner = None  # SGLang's container
         self.sfb = None
         self.per_step_loc: torch.Tensor | None = None
-        self.step_positions: torch.Tensor | None = None
+        self.step0_positions: torch.Tensor | None = None
         self.attn_backends: list[_SglangStep] = []
-        self.steps_run = 0
+        self.graph = False  # the last plan was a graph's (over the static batch)
 
     def _build(self) -> None:
         sgl = self.leaf.sgl
@@ -68,21 +79,21 @@ class SglangMultiStepDraft:
             server_args=runner.server_args, draft_model_runner=runner, topk=K, speculative_num_steps=S)))
         self.inner = factory.create_decode_backend()
 
-    def init_forward_metadata(self, forward_batch) -> None:
-        fb, sgl = forward_batch, self.leaf.sgl
-        if self.inner is None:
-            self._build()
-        K, S = self.topk, self.speculative_num_steps
+    def _translate(self, fb, graph: bool):
+        """The draft batch as ``prepare_for_draft`` builds it (eager) or as the draft graph runner's static batch
+        (``graph``: lengths viewing the static int64 buffer, SGLang's own write slots zero on padded rows)."""
+        sgl, K, S = self.leaf.sgl, self.topk, self.speculative_num_steps
         loc = draft_out_cache_loc(fb, K, S)
         positions = fb.seq_lens.repeat_interleave(K)
+        seq_dtype = fb.seq_lens.dtype if graph else torch.int32
         sfb = sgl.ForwardBatch(
             forward_mode=sgl.ForwardMode.DECODE, batch_size=fb.batch_size,
             input_ids=torch.zeros(fb.batch_size * K, dtype=torch.int64, device=fb.device),
-            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int32),
-            seq_lens_cpu=fb.seq_lens_cpu.to(torch.int32), out_cache_loc=loc, seq_lens_sum=fb.seq_lens_sum,
-            positions=positions.clone())
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(seq_dtype),
+            seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=loc, seq_lens_sum=fb.seq_lens_sum,
+            positions=positions)
         sfb.global_num_token_non_padded_cpu = fb.batch_size * K
-        compat.bind_kv_indices(self.leaf.sgl_runner, sfb, False)
+        compat.bind_kv_indices(self.leaf.sgl_runner, sfb, graph)
         compat.attach_pools(sfb, self.leaf.sgl_runner)
         info = sgl.EagleDraftInput()
         info.num_tokens_per_req = K
@@ -91,34 +102,111 @@ class SglangMultiStepDraft:
         info.capture_hidden_mode = sgl.CaptureHiddenMode.LAST
         sfb.spec_info = info
         sfb.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
-        self.sfb = sfb
+        self.sfb, self.loc, self.step0_positions = sfb, loc, positions
         # The write slots step by step, as draft_forward slices them: [num_steps, B * topk]
-        self.per_step_loc = loc.view(fb.batch_size, K, S).permute(2, 0, 1).reshape(S, -1)
-        with compat.backend_scope(sgl, self.inner, sfb):
-            self.inner.init_forward_metadata(sfb)
+        self.per_step_loc = torch.empty(S, fb.batch_size * K, dtype=torch.int64, device=fb.device)
+        self._slice_steps()
         self.attn_backends = [_SglangStep(self, i) for i in range(S - 1)]
-        self.steps_run = 0
+        return sfb
+
+    def _slice_steps(self) -> None:
+        B_K = self.per_step_loc.shape[1]
+        self.per_step_loc.copy_(self.loc.view(B_K // self.topk, self.topk, -1).permute(2, 0, 1).reshape(
+            self.speculative_num_steps, -1))
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        if self.inner is None:
+            self._build()
+        sfb = self._translate(forward_batch, graph=False)
+        self.graph = False
+        with compat.backend_scope(self.leaf.sgl, self.inner, sfb):
+            self.inner.init_forward_metadata(sfb)
+
+    # ---- CUDA graphs, as EAGLEDraftCudaGraphRunner drives the container ----
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The padded rows' length: the first step backend's (the runner asks ``attn_backends[0]``)."""
+        if self.inner is None:
+            self._build()
+        return self.inner.attn_backends[0].get_cuda_graph_seq_len_fill_value()
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        if self.inner is None:
+            self._build()
+        self.inner.init_cuda_graph_state(max_bs, max_num_tokens)
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
+        """At capture the static batch is translated once (the graph holds its tensors); before each replay its
+        buffers are refreshed in place from the harness's static batch and SGLang's replay plan runs over it."""
+        fb, sgl = forward_batch, self.leaf.sgl
+        if in_capture or self.sfb is None or not self.graph:
+            sfb = self._translate(fb, graph=True)
+        else:
+            # The runner's replay: the static buffers refilled in place (the graph reads them), the batch's write
+            # slots and positions back to the whole draft window and step 0 (draft_forward's backups)
+            sfb = self.sfb
+            draft_out_cache_loc(fb, self.topk, self.speculative_num_steps, out=self.loc)
+            self._slice_steps()
+            self.step0_positions.copy_(fb.seq_lens.repeat_interleave(self.topk))
+            sfb.out_cache_loc, sfb.positions = self.loc, self.step0_positions
+            sfb.seq_lens_cpu = fb.seq_lens_cpu
+            sfb.seq_lens_sum = fb.seq_lens_sum
+        self.graph = True
+        padded = getattr(fb, "num_padding", 0) or 0
+        with compat.backend_scope(sgl, self.inner, sfb):
+            if features_three_method():
+                # The runner hands its replay a view carrying num_padding (eagle_draft_cuda_graph_runner.py:738)
+                view = sfb if in_capture else SimpleNamespace(**vars(sfb), num_padding=padded)
+                self.inner.init_forward_metadata_out_graph(view, in_capture=in_capture)
+            elif in_capture:
+                self.inner.init_forward_metadata_capture_cuda_graph(sfb)
+            else:
+                self.inner.init_forward_metadata_replay_cuda_graph(sfb, sfb.batch_size)
+
+    def init_forward_metadata_in_graph(self, forward_batch) -> None:
+        if features_three_method():
+            with compat.backend_scope(self.leaf.sgl, self.inner, self.sfb):
+                self.inner.init_forward_metadata_in_graph(self.sfb)
 
     def step_plans(self) -> list:
-        """Each step's plan as the leaf reads its backend's (``planned_metadata``), in step order."""
+        """Each step's plan as the leaf reads its backend's (``planned_metadata``), in step order (a graph's cut to
+        what its kernels read)."""
         leaf, plans = self.leaf, []
-        saved = leaf.inner, leaf.batches
+        saved = leaf.inner, leaf.batches, leaf.planned_graph
         try:
             for step in self.inner.attn_backends:
-                leaf.inner, leaf.batches = step, {0: self.sfb}
-                plans.append(leaf.planned_metadata())
+                leaf.inner, leaf.batches, leaf.planned_graph = step, {0: self.sfb}, False
+                plan = leaf.planned_metadata()
+                if self.graph and plan.kv_indices is not None:
+                    # A captured step keeps the capture's slice of the container's static index row: its kernels read
+                    # that row through the slice's pointer as far as the replayed kv_indptr says, so the plan is the row
+                    plan = dataclasses.replace(plan, kv_indices=to_end_of_storage(plan.kv_indices)).cut_to_indptrs()
+                plans.append(plan)
         finally:
-            leaf.inner, leaf.batches = saved
+            leaf.inner, leaf.batches, leaf.planned_graph = saved
         return plans
 
     def run_step(self, index: int, q, k, v, layer, forward_batch, save_kv_cache: bool):
         sfb = self.sfb
         if sfb is None:
             raise RuntimeError(f"draft step {index} ran before the draft loop was planned")
-        while self.steps_run < index:  # the loop moved on: one position further per step, as draft_forward adds
-            sfb.positions.add_(1)
-            self.steps_run += 1
+        # Step i writes its own slots and sits i positions past step 0, as draft_forward moves the batch on (a new
+        # tensor from the static one, so a captured loop leaves the static positions as it found them)
         sfb.out_cache_loc = self.per_step_loc[index]
+        sfb.positions = self.step0_positions + index
         leaf = self.leaf
         leaf.batches = {id(forward_batch): sfb}
         return leaf._run(q, k, v, layer, forward_batch, save_kv_cache, via=self.inner.attn_backends[index])
+
+
+def to_end_of_storage(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous 1-D view ``t`` widened to the end of the storage it views (what a kernel handed its pointer may
+    read)."""
+    remaining = t.untyped_storage().nbytes() // t.element_size() - t.storage_offset()
+    return torch.as_strided(t, (remaining,), (1,), t.storage_offset())
+
+
+def features_three_method() -> bool:
+    """Whether the installed SGLang's containers take the three-method graph contract (0.5.14 on)."""
+    from backends.sglang import features
+
+    return features.chosen("graph_contract") == "three_method_graph_contract"

@@ -676,6 +676,19 @@ def sglang_triton_draft_step_keeps_previous_plan():
     return _replace(TritonMultiStepDraftBackend, "init_forward_metadata", init_forward_metadata)
 
 
+def sglang_triton_draft_replay_keeps_capture_plan():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonMultiStepDraftBackend
+    planned = TritonMultiStepDraftBackend.init_forward_metadata_out_graph
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        if in_capture:
+            planned(self, forward_batch, in_capture=True)
+        # a replay plans nothing: every step keeps the capture batch's key lists
+    return _replace(TritonMultiStepDraftBackend, "init_forward_metadata_out_graph", init_forward_metadata_out_graph)
+
+
 def sglang_linear_replay_pads_into_last_state():
     from backends.sglang.runtime import load
     load()
@@ -809,6 +822,10 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "step after the first with the plan of the step before it; from the second step on every branch's query "
            "reads one key too few (its own new token) and the draft tree is proposed from wrong hidden states",
            ("sglang.triton",), modes=("draft_decode",), engine="sglang"),
+    Mutant("sglang_triton_draft_replay_keeps_capture_plan", "SGLang's TritonMultiStepDraftBackend plans nothing "
+           "before a draft-graph replay; every replayed draft step reads the capture batch's key lists (padding "
+           "rows') instead of its requests' prefixes and branches",
+           ("graph(sglang.triton)",), modes=("draft_decode",), engine="sglang"),
     Mutant("sglang_linear_replay_pads_into_last_state", "SGLang's MambaAttnBackendBase replay gives padded rows the "
            "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
            "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",
