@@ -156,6 +156,14 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 
+def _draft_decode_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A draft loop whose worst element is in a sliding-window layer: up to 0.5.22 SGLang's Triton draft steps plan
+    no window KV list (docs/findings/sglang-triton-draft-decode-window.md), so a window layer reads an empty or stale
+    one."""
+    return spec.mode is ForwardMode.DRAFT_DECODE and \
+        getattr(_failing_layer(spec, verdict), "sliding_window", None) is not None
+
+
 def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
     """An fp8 KV cache, the worst element in a lightning layer of a decode batch (or of the decode step of a
     chunked or prefill-then-decode check), and an error within two e4m3 roundings: SGLang's lightning decode
@@ -392,6 +400,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_verify_tensor_token_blocks": _tbo_verify_tensor_token_blocks,
     "tbo_linear_stray_writes": _tbo_linear_stray_writes,
     "draft_extend_window_layer": _draft_extend_window_layer,
+    "draft_decode_window_layer": _draft_decode_window_layer,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
     "split_hides_block_m": _split_hides_block_m,
     "split_hides_support_triton": _split_hides_support_triton,
