@@ -53,9 +53,12 @@ def test_sglang_terms_are_sglangs_own_classes_only():
 
 def test_sglang_graph_modes_are_declared_from_sglangs_graph_runners():
     graph = parse("graph(sglang.triton)").support().modes
-    # decode/verify/draft-extend graphs, and extends through the breakable prefill graph
+    # decode/verify/draft-extend graphs, extends through the breakable prefill graph, the draft loop through the draft
+    # graph runner
     assert graph == {ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.IDLE,
-                     ForwardMode.EXTEND}
+                     ForwardMode.EXTEND, ForwardMode.DRAFT_DECODE}
+    # The draft loop's container is built from one backend: a graph over a wrapper has no draft_decode rows
+    assert ForwardMode.DRAFT_DECODE not in parse("graph(tbo(sglang.triton))").support().modes
     # The GDN hybrid: SGLang's hybrid plans decode/idle and verify graphs only (hybrid_linear_attn_backend.py:911)
     assert parse("graph(hybrid(sglang.triton,sglang.gdn))").support().modes == {
         ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE, ForwardMode.EXTEND}
