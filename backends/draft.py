@@ -39,21 +39,22 @@ def branch_table(fb: ForwardBatch, topk: int, steps: int) -> tuple[torch.Tensor,
     return table, prefix
 
 
-def step_batch(fb: ForwardBatch, table: torch.Tensor, prefix: torch.Tensor, step: int) -> ForwardBatch:
+def step_batch(fb: ForwardBatch, table: torch.Tensor, prefix: torch.Tensor, steps: int, step: int) -> ForwardBatch:
     """Step ``step`` of the draft loop as a plain DECODE batch of one request per branch: each branch decodes the token
-    at position ``prefix + step`` into its own slot, over ``prefix + step + 1`` keys."""
+    at position ``prefix + step`` into the write slot the draft batch gives it (branch b, request by request and branch
+    by branch, has its step s at row ``b * (steps - 1) + s``), over ``prefix + step + 1`` keys."""
     n = prefix.shape[0]
     dev = fb.device
     seq = prefix + step + 1
     rows = torch.arange(1, n + 1, dtype=torch.int64)
-    loc = table[rows, prefix + step].to(torch.int64)
+    loc = fb.out_cache_loc[(torch.arange(n, device=dev) * (steps - 1) + step)]
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE, batch_size=n, req_pool_indices=rows.to(dev), seq_lens=seq.to(dev),
         seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()), extend_seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
         extend_prefix_lens=(seq - 1).to(torch.int32).to(dev), extend_start_loc=torch.arange(n, dtype=torch.int32,
                                                                                            device=dev),
         extend_seq_lens_cpu=[1] * n, extend_prefix_lens_cpu=(seq - 1).tolist(), extend_num_tokens=n,
-        positions=(prefix + step).to(dev), mrope_positions=None, out_cache_loc=loc.to(dev), req_to_token=table,
+        positions=(prefix + step).to(dev), mrope_positions=None, out_cache_loc=loc, req_to_token=table,
         req_to_state_slot=torch.zeros(table.shape[0], dtype=torch.int64, device=dev),
         state_slots=torch.zeros(n, dtype=torch.int64, device=dev), token_to_kv_pool=fb.token_to_kv_pool,
         mamba_pool=None, spec_info=None, device=dev, num_token_non_padded=n)
@@ -100,5 +101,5 @@ class MultiStepDraft:
                                                                    device=forward_batch.device))
         self.attn_backends = [_Step(self.backend_cls(runner), i) for i in range(self.speculative_num_steps - 1)]
         for i, step in enumerate(self.attn_backends):
-            step.planned = step_batch(forward_batch, table, prefix, i)
+            step.planned = step_batch(forward_batch, table, prefix, self.speculative_num_steps, i)
             step.backend.init_forward_metadata(step.planned)

@@ -100,6 +100,7 @@ SHAPES = 16
 SINGLE_TOKEN, LARGEST, LONG, WIDE = 12, 13, 14, 15
 LONG_MAX_REQUESTS = 3
 GRAPH_PADDING_ORDER = (1, 0) + tuple(range(2, MAX_GRAPH_PADDING + 1))  # graph_padding, simplest first
+DRAFT_TOPK_ORDER, DRAFT_STEPS_ORDER = (2, 1, 3, 4), (3, 2, 4)  # a draft loop's branches and spec_steps, simplest first
 LONG_MAX_EXTEND = 64
 WIDE_MAX_EXTEND = 4
 
@@ -231,9 +232,11 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
             accept.append(_accept(draw, max(depth) + 1))
         spec_input = SpecInput(D, topk, steps, trees, tuple(accept))
     elif mode is ForwardMode.DRAFT_DECODE:
-        # The draft loop: 1..3 forward steps (spec_steps 2..4), each decoding every branch of every request.
-        steps = 2 if shape == SINGLE_TOKEN else draw(st.integers(2, 4))
-        topk = 1 if (chain or shape == SINGLE_TOKEN or page_size > 1) else draw(st.integers(1, 4))
+        # The draft loop: 1..3 forward steps (spec_steps 2..4), each decoding every branch of every request. The
+        # simplest loop has two branches and two steps (DRAFT_TOPK_ORDER, DRAFT_STEPS_ORDER): a row searched with few examples still
+        # sees a step read its own branch's earlier token, beside another branch's.
+        steps = 2 if shape == SINGLE_TOKEN else draw(st.sampled_from(DRAFT_STEPS_ORDER))
+        topk = 1 if (chain or shape == SINGLE_TOKEN or page_size > 1) else draw(st.sampled_from(DRAFT_TOPK_ORDER))
         prefix = [prefix_len(1) for _ in range(B)]
         forest = draft_forest(topk, steps)
         extend = [len(forest)] * B

@@ -71,7 +71,7 @@ def test_draft_decode_rows_are_leaves_only():
         assert ForwardMode.DRAFT_DECODE not in parse(term).support().modes, term
 
 
-@pytest.mark.parametrize("prop", ["outputs", "cache", "metadata"])
+@pytest.mark.parametrize("prop", ["outputs", "metadata"])
 def test_branches_keyed_by_another_branch_are_caught(prop, device):
     spec = draft((5, 9), topk=3, steps=3)
     comp = parse("torch_native")

@@ -912,8 +912,8 @@ CATALOGUE: list[Mutant] = [
            "instead of refusing it; a Gemma 2 served there answers a different function with no error",
            ("torch_native",), ("refuse_or_correct",)),
     Mutant("draft_branches_read_first_branch", "the multi-step draft plan keys every branch of a request by its "
-           "first branch's draft slots; with topk > 1 each later branch attends to another branch's tokens and "
-           "writes its own over them", ("torch_native",), modes=("draft_decode",)),
+           "first branch's draft slots; with topk > 1 each later branch attends to the first branch's tokens, not "
+           "its own", ("torch_native",), modes=("draft_decode",)),
     Mutant("plan_cached_by_shape", "plans cached by (mode, batch size, token count) and reused for the next batch "
            "of those shapes; its requests read the previous batch's pages and lengths, with no error",
            ("torch_native",), ("replan",)),
