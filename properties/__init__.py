@@ -191,6 +191,6 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              runs_twice=True),
     Property(REFUSAL, refuses_or_computes_correctly,
              "a batch past one limit the backend declares (soft-cap, window, fp8 cache or its KV scales) "
-             "is refused with an error or computed within the bound, never answered wrong",
+             "is refused with an error or computed within the bound, never answered wrong", modes=DRAFTING_MODES,
              row_applies=refusal_applies, row_options=overreach_options, crosses_declarations=True),
 ]}

@@ -56,6 +56,10 @@ OVERREACHES: dict[str, Overreach] = {o.name: o for o in [
     # a sliding-window model served with EAGLE draft trees (--speculative-eagle-topk above 1)
     Overreach("verify_window", frozenset({ForwardMode.TARGET_VERIFY}),
               lambda s: s.sliding_window and not s.verify_window),
+    # a sliding-window draft model in the draft loop (EAGLE with a windowed draft, or an EAGLE3 draft under
+    # --speculative-draft-window-size, which sets its layers' window)
+    Overreach("draft_window", frozenset({ForwardMode.DRAFT_DECODE}),
+              lambda s: s.sliding_window and not s.draft_window),
     # --kv-cache-dtype fp8_e4m3 (or a checkpoint whose kv_cache_quant_algo is FP8); models without MLA layers
     Overreach("fp8_kv_cache", _COMPUTING,
               lambda s: "fp8_e4m3" not in s.kv_cache_dtypes and "mla" not in s.attention_kinds),

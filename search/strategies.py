@@ -141,10 +141,11 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     if mode is ForwardMode.DRAFT_DECODE:  # a draft model's layers: full attention only
         kinds = kinds - RECURRENT_KINDS
     crossing = draw(st.sampled_from(overreach)) if overreach else None
-    if crossing in ("logit_cap", "sliding_window", "verify_window"):
+    if crossing in ("logit_cap", "sliding_window", "verify_window", "draft_window"):
         logit_cap = logit_cap or crossing == "logit_cap"
-        sliding_window = sliding_window or crossing == "sliding_window"
+        sliding_window = sliding_window or crossing in ("sliding_window", "draft_window")
         verify_window = verify_window or crossing in ("sliding_window", "verify_window")
+        draft_window = draft_window or crossing in ("sliding_window", "draft_window")
     elif crossing in ("fp8_kv_cache", "kv_scales"):
         kv_cache_dtypes, kv_scales = ("fp8_e4m3",), True
     shape = draw(st.integers(0, SHAPES - 1))
@@ -269,7 +270,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         # a request with queries gets the cached keys for its crossing to show (its first query at position 2 or
         # more under a window, whatever its draft tree; two keys or more under a soft-cap)
         asking = max((i for i in range(B) if extend[i]), key=lambda i: prefix[i] + extend[i])
-        least = 2 if crossing in ("sliding_window", "verify_window") else 2 - extend[asking]
+        least = 2 if crossing in ("sliding_window", "verify_window", "draft_window") else 2 - extend[asking]
         prefix[asking] = max(prefix[asking], least)
     mrope_layout = None
     if mrope and not mode.drafts_tree() and not has_linear and draw(st.booleans()):
@@ -336,7 +337,7 @@ def _crossing_layers(draw, crossing: str, layers, highest: int):
     first = layers[mha[0]]
     if crossing == "logit_cap" and not any(layers[i].logit_cap and layers[i].logit_cap <= 5.0 for i in mha):
         first = dataclasses.replace(first, logit_cap=draw(st.sampled_from([5.0, 1.0])))
-    elif crossing in ("sliding_window", "verify_window"):
+    elif crossing in ("sliding_window", "verify_window", "draft_window"):
         window = next((layers[i].sliding_window for i in mha if layers[i].sliding_window), None)
         if window is None or window > highest - 1:  # one model window, short of the furthest query's position
             window = draw(st.integers(1, max(1, highest - 1)))

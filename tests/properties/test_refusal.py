@@ -20,7 +20,7 @@ PROPERTY = PROPERTIES["refuse_or_correct"]
 CI = PROFILES["ci"]
 # Options that keep a batch inside every limit an overreach lifts (as a backend declaring all of them would)
 INSIDE = dict(sliding_window=False, logit_cap=False, kv_cache_dtypes=("auto",), kv_scales=False,
-              verify_window=False)
+              verify_window=False, draft_window=False)
 
 
 def test_rows_are_the_leaves_that_declare_a_limit():
@@ -39,7 +39,7 @@ CROSSINGS = [(name, mode) for name, o in sorted(OVERREACHES.items()) for mode in
 def test_each_overreach_draws_batches_that_cross_it(name, mode):
     # trees and empty extends drawn too: a crossing must land where a query sees it
     inside = INSIDE | {"tree": mode is ForwardMode.TARGET_VERIFY, "empty_extend": True}
-    inside |= {"sliding_window": True} if name == "verify_window" else {}
+    inside |= {"sliding_window": True} if name in ("verify_window", "draft_window") else {}
 
     @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
     @given(batch_specs(CI, mode, frozenset({"mha", "mla"}), overreach=(name,), **inside))
@@ -49,7 +49,7 @@ def test_each_overreach_draws_batches_that_cross_it(name, mode):
         assert mha, "a limit of MHA layers is crossed by MHA layers"
         if name == "logit_cap":  # a query over two keys or more, a cap small enough to show in any dtype's bound
             assert furthest >= 1 and any(l.logit_cap and l.logit_cap <= 5.0 for l in mha)
-        elif name in ("sliding_window", "verify_window"):
+        elif name in ("sliding_window", "verify_window", "draft_window"):
             # some query sits past the window: key 0 is hidden from it (a tree node's position is its depth's)
             assert any(l.sliding_window is not None and furthest - l.sliding_window > 0 for l in mha)
         elif name == "fp8_kv_cache":
