@@ -60,6 +60,14 @@ def step_batch(fb: ForwardBatch, table: torch.Tensor, prefix: torch.Tensor, step
         mamba_pool=None, spec_info=None, device=dev, num_token_non_padded=n)
 
 
+def refill(static: ForwardBatch, new: ForwardBatch) -> None:
+    """``static``'s tensors refilled in place from ``new`` (a batch of the same shape), its host-side fields set."""
+    for name in ("req_pool_indices", "seq_lens", "extend_prefix_lens", "positions", "out_cache_loc"):
+        getattr(static, name).copy_(getattr(new, name))
+    static.seq_lens_cpu, static.seq_lens_sum = new.seq_lens_cpu, new.seq_lens_sum
+    static.extend_prefix_lens_cpu, static.num_padding = new.extend_prefix_lens_cpu, new.num_padding
+
+
 class _Step:
     """Step i's backend as the draft loop's model sees it: ``forward`` runs the layer on the batch this step planned
     (the loop hands every step one draft batch; the step's own plan says whose keys each branch reads)."""
@@ -88,9 +96,49 @@ class MultiStepDraft:
         self.speculative_num_steps = speculative_num_steps
         self.attn_backends: list[_Step] = []
 
+    # ---- CUDA graphs: the draft graph runner's calls (engine/draft_loop.py, DraftGraphRunner) ----
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        """The padded rows' length: the step backends' own fill value."""
+        return self.backend_cls(self.model_runner).get_cuda_graph_seq_len_fill_value()
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """One static branch table for the largest graph (``max_bs * topk`` branches), the step backends built over
+        it and their graph state sized for one decode per branch."""
+        mr, K = self.model_runner, self.topk
+        self.graph_table = torch.zeros(1 + max_bs * K, mr.req_to_token.shape[1], dtype=mr.req_to_token.dtype,
+                                       device=mr.device)
+        runner = dataclasses.replace(mr, req_to_token=self.graph_table,
+                                     req_to_state_slot=torch.zeros(self.graph_table.shape[0], dtype=torch.int64,
+                                                                   device=mr.device))
+        self.attn_backends = [_Step(self.backend_cls(runner), i) for i in range(self.speculative_num_steps - 1)]
+        for step in self.attn_backends:
+            step.backend.init_cuda_graph_state(max_bs * K, max_bs * K)
+
+    def init_forward_metadata_out_graph(self, forward_batch: ForwardBatch, in_capture: bool = False) -> None:
+        """The padded draft batch's branch table written into the static one, then each step's decode planned over it
+        (its padded requests' branches counted as padding). A step keeps the batch it was captured with: a replay
+        refills that batch's tensors in place, since the captured kernels read them."""
+        fb, K = forward_batch, self.topk
+        table, prefix = branch_table(fb, K, self.speculative_num_steps)
+        self.graph_table[:table.shape[0]].copy_(table)
+        padding = (getattr(fb, "num_padding", 0) or 0) * K
+        for i, step in enumerate(self.attn_backends):
+            planned = step_batch(fb, self.graph_table, prefix, self.speculative_num_steps, i)
+            planned.num_padding = padding
+            if in_capture or step.planned is None:
+                step.planned = planned
+            else:
+                refill(step.planned, planned)
+            step.backend.init_forward_metadata_out_graph(step.planned, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
+        for step in self.attn_backends:
+            step.backend.init_forward_metadata_in_graph(step.planned)
+
     def step_plans(self) -> list:
-        """Each step's plan (:class:`backends.base.PlannedMetadata`), in step order."""
-        return [step.backend.planned_metadata() for step in self.attn_backends]
+        """Each step's plan (:class:`backends.base.PlannedMetadata`), in step order; a graph's cut to what its kernels
+        read."""
+        return [step.backend.planned_metadata().cut_to_indptrs() for step in self.attn_backends]
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan every step before the loop: a branch table, then each step's decode on its own backend (built over a

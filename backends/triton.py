@@ -31,8 +31,9 @@ class TritonBackend(AttentionBackend):
         modes=DRAFTING_MODES,
         dtypes=frozenset({"float32", "bfloat16", "float16"}),
         # Graph planning (out_graph) for these; idle batches replay the decode graph, all rows padding.
+        # (draft_decode: its draft loop's container, backends/draft.py, plans each step's decode graph)
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
-                                    ForwardMode.IDLE}),
+                                    ForwardMode.IDLE, ForwardMode.DRAFT_DECODE}),
         requires=("triton",),
         cpu_needs_env="TRITON_INTERPRET",
         # On NVIDIA GPUs float32 dots use three-pass TF32 ("tf32x3"); see properties/tolerances.py.

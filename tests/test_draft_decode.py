@@ -65,9 +65,10 @@ def test_an_impossible_draft_batch_is_one_line(change, message):
                   spec=SpecInput(**s))
 
 
-def test_draft_decode_rows_are_leaves_only():
+def test_draft_decode_rows_are_leaves_and_graphs_of_leaves_only():
     assert ForwardMode.DRAFT_DECODE in parse("torch_native").support().modes
-    for term in ("tbo(torch_native)", "graph(triton)", "hybrid(torch_native,linear_torch)"):
+    assert ForwardMode.DRAFT_DECODE in parse("graph(triton)").support().modes  # the draft graph runner
+    for term in ("tbo(torch_native)", "graph(tbo(triton))", "hybrid(torch_native,linear_torch)"):
         assert ForwardMode.DRAFT_DECODE not in parse(term).support().modes, term
 
 
@@ -118,5 +119,18 @@ def test_sglangs_draft_loop_replays_in_a_graph_as_eagerly(prop, device):
     verdict = PROPERTIES[prop].run(comp, spec, device)
     assert verdict.ok and "at 4 x 2 branches x 2 steps" in verdict.reason, str(verdict)
     with next(m for m in SGLANG_CATALOGUE if m.name == "sglang_triton_draft_replay_keeps_capture_plan").patch():
+        broken = PROPERTIES[prop].run(comp, spec, device)
+    assert not broken.ok, str(broken)
+
+
+@pytest.mark.parametrize("prop", ["graph_replay", "graph_metadata"])
+def test_our_draft_loop_replays_in_a_graph_and_a_stale_branch_table_is_caught(prop, device):
+    if parse("triton").unavailable_reason(device):
+        pytest.skip(parse("triton").unavailable_reason(device))
+    comp = parse("graph(triton)")
+    spec = dataclasses.replace(draft((6, 11, 3), topk=2, steps=3), graph_padding=1)
+    verdict = PROPERTIES[prop].run(comp, spec, device)
+    assert verdict.ok and "at 4 x 2 branches x 2 steps" in verdict.reason, str(verdict)
+    with MUTANTS["draft_graph_table_kept_from_capture"].patch():
         broken = PROPERTIES[prop].run(comp, spec, device)
     assert not broken.ok, str(broken)

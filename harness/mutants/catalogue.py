@@ -168,6 +168,22 @@ def draft_branches_read_first_branch():
     return _replace(draft, "branch_table", branch_table)
 
 
+def draft_graph_table_kept_from_capture():
+    import backends.draft as draft
+    plan = draft.MultiStepDraft.init_forward_metadata_out_graph
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture=False):
+        if in_capture:
+            return plan(self, forward_batch, in_capture=True)
+        static = self.graph_table
+        self.graph_table = static.clone()  # the replay's branch table written where no step reads it
+        try:
+            plan(self, forward_batch, in_capture=False)
+        finally:
+            self.graph_table = static
+    return _replace(draft.MultiStepDraft, "init_forward_metadata_out_graph", init_forward_metadata_out_graph)
+
+
 def plan_cached_by_shape():
     import backends.torch_native as tn
     plan = tn.TorchNativeBackend.init_forward_metadata
@@ -914,6 +930,9 @@ CATALOGUE: list[Mutant] = [
     Mutant("draft_branches_read_first_branch", "the multi-step draft plan keys every branch of a request by its "
            "first branch's draft slots; with topk > 1 each later branch attends to the first branch's tokens, not "
            "its own", ("torch_native",), modes=("draft_decode",)),
+    Mutant("draft_graph_table_kept_from_capture", "a draft-graph replay re-plans each step over the branch table "
+           "the capture wrote; every replayed step reads the capture batch's keys (padding rows'), not its "
+           "requests'", ("graph(triton)",), modes=("draft_decode",)),
     Mutant("plan_cached_by_shape", "plans cached by (mode, batch size, token count) and reused for the next batch "
            "of those shapes; its requests read the previous batch's pages and lengths, with no error",
            ("torch_native",), ("replan",)),
