@@ -153,9 +153,10 @@ class TritonBackend(AttentionBackend):
         buffers. Host-side (lengths, row gathers of dynamic size), so all of it runs here and
         ``init_forward_metadata_in_graph`` has nothing to record. Eager batches plan in init_forward_metadata."""
         fb = forward_batch
-        if fb.forward_mode not in self.capabilities.cuda_graph_modes or fb.forward_mode.is_idle():
+        if fb.forward_mode not in self.capabilities.cuda_graph_modes or fb.forward_mode.is_idle() \
+                or fb.forward_mode.is_draft_decode():
             raise NotImplementedError(f"triton captures no {fb.forward_mode.value} graph (idle batches replay "
-                                      f"the decode graph)")
+                                      f"the decode graph; a draft loop's steps are decodes its container plans)")
         if self.graph_buffers is None:
             raise RuntimeError("TritonBackend: init_cuda_graph_state must run before graph planning")
         self._plan_graph(fb)

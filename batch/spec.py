@@ -356,8 +356,17 @@ class BatchSpec:
         return tuple(p + e for p, e in zip(self.prefix_lens, self.extend_lens))
 
     @property
+    def keys_seen(self) -> tuple[int, ...]:
+        """The most keys one query of each request attends to: its keys, or in a draft loop its prefix and one
+        branch's tokens (a step sees its own branch only)."""
+        if self.mode.is_draft_decode():
+            return tuple(p + self.spec.spec_steps - 1 for p in self.prefix_lens)
+        return self.kv_lens
+
+    @property
     def seq_lens(self) -> tuple[int, ...]:
-        """SGLang's ``seq_lens``: cached + new, except in TARGET_VERIFY where drafts are not counted."""
+        """SGLang's ``seq_lens``: cached + new, except in TARGET_VERIFY and DRAFT_DECODE, where drafts are not
+        counted."""
         if self.mode.drafts_tree():
             return self.prefix_lens
         return self.kv_lens

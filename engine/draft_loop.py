@@ -16,7 +16,7 @@ import torch
 
 from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights
 from batch.spec import BatchSpec, ForwardMode
-from engine.graph_runner import load_token_rows
+from engine.graph_runner import capture_graph, load_token_rows
 from engine.model import run_layer
 
 
@@ -98,6 +98,7 @@ class DraftGraphRunner:
         self.fill = fill = drafter.get_cuda_graph_seq_len_fill_value()
         self.req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=dev)
         self.seq_lens = torch.full((bs,), fill, dtype=torch.int64, device=dev)
+        self.extend_prefix_lens = self.seq_lens.to(torch.int32)  # a draft batch's prefix is its committed length
         self.out_cache_loc = torch.zeros(n, dtype=torch.int64, device=dev)  # slot 0: padding
         self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
         self.mrope_positions = None
@@ -107,7 +108,7 @@ class DraftGraphRunner:
         self.fb = replace(template, batch_size=bs, req_pool_indices=self.req_pool_indices, seq_lens=self.seq_lens,
                           seq_lens_cpu=seq_cpu, seq_lens_sum=int(seq_cpu.sum()),
                           extend_seq_lens=torch.full((bs,), width, dtype=torch.int32, device=dev),
-                          extend_prefix_lens=self.seq_lens.to(torch.int32),
+                          extend_prefix_lens=self.extend_prefix_lens,
                           extend_start_loc=torch.arange(bs, dtype=torch.int32, device=dev) * width,
                           extend_seq_lens_cpu=[width] * bs, extend_prefix_lens_cpu=seq_cpu.tolist(),
                           extend_num_tokens=n, positions=self.positions, out_cache_loc=self.out_cache_loc,
@@ -124,26 +125,25 @@ class DraftGraphRunner:
     def _loop(self) -> list[torch.Tensor]:
         return run_loop(self.drafter, self.fb, self.layer_specs, self.inputs, self.weights, rows=self.rows)
 
-    def capture_plan(self) -> None:
+    def _plan_capture(self) -> None:
         self.drafter.init_cuda_graph_state(self.bs, self.bs * self.drafter.topk)
         self.drafter.init_forward_metadata_out_graph(self.fb, in_capture=True)
 
+    def capture_plan(self) -> None:
+        """The capture's planning alone: the graph state, the fill-value batch's out_graph plan and its in_graph step
+        (run here, not recorded)."""
+        self._plan_capture()
+        self.drafter.init_forward_metadata_in_graph(self.fb)
+
     def capture(self) -> None:
-        self.capture_plan()
+        self._plan_capture()
         if not self.use_cuda_graph:
             return
 
         def recorded():
             self.drafter.init_forward_metadata_in_graph(self.fb)
             return self._loop()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            recorded()  # warm-up outside the graph: kernels compile and allocate
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = recorded()
+        self.graph, self.outputs = capture_graph(recorded)
 
     def replay_plan(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> int:
         """The real batch loaded into the static one and padded, then the replay's planning; returns its rows."""
@@ -156,17 +156,20 @@ class DraftGraphRunner:
         self.seq_lens.fill_(self.fill)
         self.seq_lens[:n].copy_(fb.seq_lens)
         load_token_rows(self, fb, inputs, t)
+        self.extend_prefix_lens.copy_(self.seq_lens)
         seq_cpu = self.seq_lens.cpu()
         self.fb.seq_lens_cpu, self.fb.seq_lens_sum = seq_cpu, int(seq_cpu.sum())
         self.fb.extend_prefix_lens_cpu = seq_cpu.tolist()
         self.fb.num_padding = self.bs - n
         self.drafter.init_forward_metadata_out_graph(self.fb, in_capture=False)
+        if self.graph is None:  # no recorded graph (CPU, or only planned): run the in-graph step it would replay
+            self.drafter.init_forward_metadata_in_graph(self.fb)
         return t
 
     def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
+        """Run the real batch ``fb`` through the captured loop; each layer's output rows of the real tokens."""
         t = self.replay_plan(fb, inputs)
         if self.graph is not None:
             self.graph.replay()
             return [o[:t].clone() for o in self.outputs]
-        self.drafter.init_forward_metadata_in_graph(self.fb)
         return [o[:t].clone() for o in self._loop()]

@@ -114,6 +114,22 @@ def load_token_rows(runner, fb: ForwardBatch, inputs: list[LayerInputs], t: int)
             x[:t].copy_(real.tensors[name])
 
 
+def capture_graph(fn):
+    """Warm ``fn`` up on a side stream (kernels compile and allocate outside the graph), then capture it; returns the
+    graph and what ``fn`` returned in it (the tensors a replay refills)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with warnings.catch_warnings():  # a composition with no in-graph metadata ops records an empty graph
+        warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
+        with torch.cuda.graph(graph):
+            out = fn()
+    return graph, out
+
+
 class GraphRunner:
     """Captures ``backend`` for batches like ``template`` (its mode and speculative shape) at ``bs`` requests
     over ``model_runner``'s pools. ``pad_value`` fills the padded rows' per-token inputs (a property passes
@@ -221,18 +237,7 @@ class GraphRunner:
                                             self.fb, self.mrope_sections)
 
     def _capture_graph(self, fn):
-        """Warm ``fn`` up on a side stream (kernels compile and allocate outside the graph), then capture it."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with warnings.catch_warnings():  # a composition with no in-graph metadata ops records an empty graph
-            warnings.filterwarnings("ignore", message="The CUDA Graph is empty")
-            with torch.cuda.graph(graph):
-                out = fn()
-        return graph, out
+        return capture_graph(fn)
 
     def _in_graph(self) -> None:
         self.backend.init_forward_metadata_in_graph(self.fb)

@@ -183,7 +183,7 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device:
     """The output bound of one layer on ``device``: its dtype, the longest reduction, the kernels' matmul
     precision there."""
     support = composition.support()
-    reduction = max(spec.kv_lens, default=1)
+    reduction = max(spec.keys_seen, default=1)
     roundoff = support.matmul_roundoff(layer.kind, device)
     bound = output_bound(input_dtype(spec, layer), reduction, roundoff, inner_dim=score_dot_len(layer))
     if layer.kind in ("mha", "mla"):
@@ -240,7 +240,7 @@ def branch_bound(composition: Composition, spec: BatchSpec, layer: Layer, device
     if dtype == "float32":
         u = max(u, support.matmul_roundoff(layer.kind, device))
     runs = 2
-    acc = runs * (math.sqrt(max(max(spec.kv_lens, default=1), 1)) + math.sqrt(score_dot_len(layer))) \
+    acc = runs * (math.sqrt(max(max(spec.keys_seen, default=1), 1)) + math.sqrt(score_dot_len(layer))) \
         * ACCUMULATION_ROUNDOFF
     rel = runs * BRANCH_ROUNDINGS * u + acc
     element = ELEMENT_FACTOR * u + acc

@@ -168,7 +168,7 @@ def estimated_bytes(spec: BatchSpec) -> int:
     linear-attention states, and the reference's largest score matrix (heads x new tokens x keys)."""
     ps = spec.page_size
     kv_lens = spec.kv_lens
-    pages = sum(-(-n // ps) for n in kv_lens)
+    pages = sum(-(-n // ps) for n in spec.cache_lens)  # what materialize allocates (a draft loop's every slot)
     slots = (1 + pages + 2 + pages // 4) * ps
     reqs = 1 + spec.batch_size + MAX_GRAPH_PADDING  # engine.materialize.SPARE_REQ_ROWS
     T = spec.num_tokens

@@ -45,7 +45,7 @@ def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
     """The worst element is in a layer whose sliding window is shorter than some request's keys."""
     layer = _failing_layer(spec, verdict)
     return (layer is not None and getattr(layer, "sliding_window", None) is not None
-            and max(spec.kv_lens, default=0) > layer.sliding_window)
+            and max(spec.keys_seen, default=0) > layer.sliding_window)
 
 
 def _tree_window_by_row(spec: BatchSpec, verdict: Verdict) -> bool:

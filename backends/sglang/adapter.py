@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from backends.base import AttentionBackend, Capabilities, EngineBrokeInvariant, PlannedMetadata
+from backends.base import DRAFTING_MODES, AttentionBackend, Capabilities, EngineBrokeInvariant, PlannedMetadata
 from backends.sglang import compat, runtime
 from batch.spec import ForwardMode
 from batch.tbo_split import TboSplit, slice_spec_info
@@ -37,9 +37,6 @@ _SGLANG_MODE = {ForwardMode.EXTEND: "EXTEND", ForwardMode.DECODE: "DECODE", Forw
 # SGLang's TBO splitter cuts a MIXED batch's tokens with the two-chunk rule but its requests without it
 # (docs/findings/sglang-tbo-mixed-two-chunk.md): Triton kernels then read and write past the halves' buffers,
 # which aborts the process (interpreted: heap corruption; CUDA: an illegal access), so the row is not run.
-# The modes of a leaf whose backend also serves the draft worker's multi-step draft decode
-# (DraftBackendFactory.create_decode_backend has a container for it: backends/sglang/draft.py)
-DRAFTING_MODES = ADAPTED_MODES | {ForwardMode.DRAFT_DECODE}
 TBO_MIXED_GAP = ("tbo", ForwardMode.MIXED, "SGLang's splitter corrupts MIXED halves (docs/findings/"
                                            "sglang-tbo-mixed-two-chunk.md) and Triton then writes out of bounds")
 # SGLang plans a draft extend on the draft worker with its own draft-extend backend
@@ -560,7 +557,7 @@ class SglangTriton(SglangBackend):
     sglang_name = "triton"
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=DRAFTING_MODES,
+        modes=DRAFTING_MODES,  # its draft worker's container too (backends/sglang/draft.py)
         dtypes=frozenset({"float32", "bfloat16", "float16"}),  # on the CPU only float32/16: see cpu_dtypes
         cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken (error ~1e10)
         requires=("sglang", "triton"),

@@ -5,12 +5,12 @@ The container is the one the server builds: ``DraftBackendFactory(draft_runner, 
 so the factory's choice (``TritonMultiStepDraftBackend``, ``FlashInferMultiStepDraftBackend``, ...) is SGLang's.
 The draft batch is built as ``prepare_for_draft`` builds it (speculative/eagle_worker_common.py, the path without
 a KV location plan: a draft tree, or a chain on a CPU): mode DECODE, ``seq_lens`` the committed lengths,
-``out_cache_loc`` every request's ``topk * num_steps`` draft slots read from its cache row (SGLang's
-``assign_draft_cache_locs_contiguous``), the positions each branch's step-0 token sits at, and an
-``EagleDraftInput``. The container plans every step once (``init_forward_metadata``); before step i the loop sets the
-batch's write slots to that step's (``per_step_draft_out_cache_loc(...)[i]``), and after it advances the positions
-by one, as ``EagleWorkerV2.draft_forward`` does; step i's layers run under a forward context whose backend is
-``attn_backends[i]``.
+``out_cache_loc`` every request's ``topk * num_steps`` draft slots (the slots ``assign_draft_cache_locs_contiguous``
+copies from its cache row, here the harness batch's write slots: ``draft_out_cache_loc``), the positions each
+branch's step-0 token sits at, and an ``EagleDraftInput``. The container plans every step once
+(``init_forward_metadata``); for step i the batch carries that step's write slots (SGLang's
+``per_step_draft_out_cache_loc(...)[i]``) and positions one further per step, as ``EagleWorkerV2.draft_forward`` moves
+it on; step i's layers run under a forward context whose backend is ``attn_backends[i]``.
 """
 
 from __future__ import annotations
@@ -110,9 +110,15 @@ class SglangMultiStepDraft:
         return sfb
 
     def _slice_steps(self) -> None:
-        B_K = self.per_step_loc.shape[1]
-        self.per_step_loc.copy_(self.loc.view(B_K // self.topk, self.topk, -1).permute(2, 0, 1).reshape(
-            self.speculative_num_steps, -1))
+        """Each step's write slots, as ``draft_forward`` slices the window: SGLang's ``per_step_draft_out_cache_loc``
+        where the release has it (0.5.23), else the reshape its older draft_forward makes inline."""
+        K, S = self.topk, self.speculative_num_steps
+        B = self.per_step_loc.shape[1] // K
+        slices = self.leaf.sgl.per_step_draft_out_cache_loc
+        if slices is not None:
+            self.per_step_loc.copy_(slices(self.loc, B, K, S))
+        else:
+            self.per_step_loc.copy_(self.loc.view(B, K, S).permute(2, 0, 1).reshape(S, -1))
 
     def init_forward_metadata(self, forward_batch) -> None:
         if self.inner is None:
@@ -189,13 +195,17 @@ class SglangMultiStepDraft:
         sfb = self.sfb
         if sfb is None:
             raise RuntimeError(f"draft step {index} ran before the draft loop was planned")
-        # Step i writes its own slots and sits i positions past step 0, as draft_forward moves the batch on (a new
-        # tensor from the static one, so a captured loop leaves the static positions as it found them)
+        # Step i writes its own slots and sits i positions past step 0, as draft_forward moves the batch on; after the
+        # layer the batch is the whole window at step 0 again, as the draft graph runner restores it after the loop
+        # (eagle_draft_cuda_graph_runner.py run_once), so whatever plans after the loop sees what it planned
         sfb.out_cache_loc = self.per_step_loc[index]
         sfb.positions = self.step0_positions + index
         leaf = self.leaf
         leaf.batches = {id(forward_batch): sfb}
-        return leaf._run(q, k, v, layer, forward_batch, save_kv_cache, via=self.inner.attn_backends[index])
+        try:
+            return leaf._run(q, k, v, layer, forward_batch, save_kv_cache, via=self.inner.attn_backends[index])
+        finally:
+            sfb.out_cache_loc, sfb.positions = self.loc, self.step0_positions
 
 
 def to_end_of_storage(t: torch.Tensor) -> torch.Tensor:

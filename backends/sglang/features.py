@@ -115,6 +115,9 @@ FEATURES: dict[str, Feature] = {
                             "EagleDraftInput)", (
         _p("srt.speculative.draft_utils:DraftBackendFactory.create_decode_backend"),
         _p("srt.speculative.eagle_info:EagleDraftInput"))),
+    "draft_step_slices": Feature("the draft window's per-step write slots as SGLang slices them "
+                                 "(per_step_draft_out_cache_loc; before, draft_forward slices inline)", (
+        _p("srt.speculative.eagle_utils:per_step_draft_out_cache_loc"),)),
     "three_method_graph_contract": Feature(
         "the metadata contract graph() drives: init_forward_metadata_out_graph(fb, in_capture) and "
         "init_forward_metadata_in_graph(fb) (older releases: init_forward_metadata_capture/replay_cuda_graph)", (

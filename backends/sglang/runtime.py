@@ -213,10 +213,12 @@ def _import_names() -> dict[str, object]:
     EagleDraftExtendInput = None
     if features.has("draft_extend_v2"):
         from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
-    EagleDraftInput = DraftBackendFactory = None
+    EagleDraftInput = DraftBackendFactory = per_step_draft_out_cache_loc = None
     if features.has("draft_decode"):
         from sglang.srt.speculative.draft_utils import DraftBackendFactory
         from sglang.srt.speculative.eagle_info import EagleDraftInput
+    if features.has("draft_step_slices"):
+        from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
     two_batch_overlap = TboAttnBackend = None
     if features.has("tbo"):
         from sglang.srt.batch_overlap import two_batch_overlap
