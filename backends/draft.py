@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from batch.forward_batch import ForwardBatch, ModelRunner
-from batch.spec import ForwardMode
+from batch.spec import ForwardMode, draft_step_rows
 
 
 def branch_table(fb: ForwardBatch, topk: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,13 +41,13 @@ def branch_table(fb: ForwardBatch, topk: int, steps: int) -> tuple[torch.Tensor,
 
 def step_batch(fb: ForwardBatch, table: torch.Tensor, prefix: torch.Tensor, steps: int, step: int) -> ForwardBatch:
     """Step ``step`` of the draft loop as a plain DECODE batch of one request per branch: each branch decodes the token
-    at position ``prefix + step`` into the write slot the draft batch gives it (branch b, request by request and branch
-    by branch, has its step s at row ``b * (steps - 1) + s``), over ``prefix + step + 1`` keys."""
+    at position ``prefix + step`` into the write slot the draft batch gives it (its row of that step:
+    ``draft_step_rows``), over ``prefix + step + 1`` keys."""
     n = prefix.shape[0]
     dev = fb.device
     seq = prefix + step + 1
     rows = torch.arange(1, n + 1, dtype=torch.int64)
-    loc = fb.out_cache_loc[(torch.arange(n, device=dev) * (steps - 1) + step)]
+    loc = fb.out_cache_loc[torch.tensor(draft_step_rows(fb.batch_size, n // fb.batch_size, steps, step), device=dev)]
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE, batch_size=n, req_pool_indices=rows.to(dev), seq_lens=seq.to(dev),
         seq_lens_cpu=seq, seq_lens_sum=int(seq.sum()), extend_seq_lens=torch.ones(n, dtype=torch.int32, device=dev),
@@ -81,9 +81,6 @@ class _Step:
         if self.planned is None:
             raise RuntimeError(f"draft step {self.index} ran before the draft loop was planned")
         return self.backend.forward(q, k, v, layer, self.planned, save_kv_cache=save_kv_cache, **kwargs)
-
-    def planned_metadata(self):
-        return self.backend.planned_metadata()
 
 
 class MultiStepDraft:

@@ -95,6 +95,13 @@ def draft_forest(topk: int, steps: int) -> tuple[int, ...]:
     return tuple(-1 if s == 0 else j * n + s - 1 for j in range(topk) for s in range(n))
 
 
+def draft_step_rows(batch_size: int, topk: int, steps: int, step: int) -> list[int]:
+    """The rows of draft step ``step`` in a DRAFT_DECODE batch of ``batch_size`` requests (each ``topk`` branches of
+    ``steps - 1`` tokens, :func:`draft_forest`): for each request, each branch's token of that step."""
+    n = steps - 1
+    return [(r * topk + j) * n + step for r in range(batch_size) for j in range(topk)]
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise SpecError(msg)

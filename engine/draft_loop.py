@@ -15,26 +15,13 @@ from dataclasses import replace
 import torch
 
 from batch.forward_batch import ForwardBatch, LayerInputs, LayerWeights
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import BatchSpec, ForwardMode, draft_step_rows
 from engine.graph_runner import capture_graph, load_token_rows
 from engine.model import run_layer
 
 
 # Modes a draft graph runner captures (a graph() over a leaf that declares DRAFT_DECODE among its cuda_graph_modes)
 DRAFT_GRAPH_MODES = frozenset({ForwardMode.DRAFT_DECODE})
-
-
-def loop_rows(batch_size: int, topk: int, steps: int, step: int) -> torch.Tensor:
-    """The rows of draft step ``step`` in a draft batch of ``batch_size`` requests (each with ``topk`` branches of
-    ``steps - 1`` tokens): for each request, each branch's token of that step."""
-    n = steps - 1
-    return torch.tensor([r * topk * n + j * n + step for r in range(batch_size) for j in range(topk)],
-                        dtype=torch.int64)
-
-
-def step_rows(spec: BatchSpec, step: int) -> torch.Tensor:
-    """The batch rows of draft step ``step``: for each request, each branch's token of that step."""
-    return loop_rows(spec.batch_size, spec.spec.topk, spec.spec.spec_steps, step)
 
 
 def step_view(fb: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
@@ -49,7 +36,8 @@ def step_view(fb: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
 def loop_order(drafter, batch_size: int, device) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Each step's rows (on ``device``) and the permutation that puts step-major results back in batch row order."""
     K, steps = drafter.topk, drafter.speculative_num_steps
-    by_step = [loop_rows(batch_size, K, steps, step).to(device) for step in range(steps - 1)]
+    by_step = [torch.tensor(draft_step_rows(batch_size, K, steps, step), dtype=torch.int64, device=device)
+               for step in range(steps - 1)]
     return by_step, torch.argsort(torch.cat(by_step))
 
 

@@ -8,8 +8,7 @@ import dataclasses
 import pytest
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecError, SpecInput, draft_forest
-from engine.draft_loop import step_rows
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecError, SpecInput, draft_forest, draft_step_rows
 from engine.materialize import materialize
 from harness.mutants.catalogue import MUTANTS, SGLANG_CATALOGUE
 from properties import PROPERTIES
@@ -34,7 +33,7 @@ def test_a_draft_batch_holds_every_branch_of_every_step():
     assert spec.keys_seen == (5 + 3, 9 + 3) and spec.kv_lens == (5 + 6, 9 + 6)
     assert spec.new_token_columns(0) == [5, 6, 7, 9, 10, 11]  # branch j's step s at prefix + j * steps + s
     # one draft step: each request's branches in turn (SGLang's order of a step's tokens)
-    assert step_rows(spec, 1).tolist() == [1, 4, 7, 10]
+    assert draft_step_rows(2, 2, 4, 1) == [1, 4, 7, 10]
 
 
 def test_materialized_draft_slots_follow_sglangs_cache_rows():

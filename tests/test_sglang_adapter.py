@@ -88,6 +88,35 @@ DRAFT_EXTEND = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 9), (3, 1, 2), (MHA,),
                          spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 3, (3, 1, 2)), seed=11)
 
 
+# Scheduling settings SGLang's attention and speculative code reads that a server may leave unset: each read falls back
+# (``or 0`` in base_spec_worker.py and dspark_planner.py; mqa_logits_utils.py serves DSA's indexer, not adapted)
+UNSET_SCHEDULE_SETTINGS = {"max_running_requests", "mem_fraction_static"}
+
+
+@needs_sglang
+def test_every_scheduling_setting_sglangs_backends_read_is_published():
+    """The adapter publishes what a server would (0.5.22 on: the runtime context). A setting it forgets reads None in
+    SGLang's code, which fails there, as a finding against SGLang rather than an adapter error: ``page_size`` was such
+    a setting (the draft containers read it, their kv-index kernel divided by None)."""
+    import re
+
+    from backends.sglang import compat, features
+
+    if features.chosen("server_args") != "runtime_context":
+        pytest.skip("before 0.5.22 the server args are one ServerArgs dataclass, published with its defaults")
+    spec = BatchSpec(ForwardMode.DECODE, (5,), (1,), (MHA,), page_size=4)
+    case = materialize(spec)
+    runtime.make_runner(ModelRunner.of(case.forward_batch, spec.layers), "triton")
+    root = features.package_root() / "srt"
+    read = {name for folder in ("layers/attention", "speculative") for path in (root / folder).rglob("*.py")
+            for name in re.findall(r"get_schedule\(\)\.(\w+)", path.read_text(encoding="utf-8", errors="replace"))}
+    assert "page_size" in read
+    unset = {name for name in read - UNSET_SCHEDULE_SETTINGS
+             if compat.server_setting(runtime.load(), "schedule", name) is None}
+    assert not unset, f"settings SGLang's backends read that the adapter leaves unset: {sorted(unset)}"
+    assert compat.server_setting(runtime.load(), "schedule", "page_size") == 4
+
+
 @needs_sglang
 def test_draft_extend_is_sglangs_eagle_draft_extend_input(device):
     from backends.sglang.adapter import SglangTriton
