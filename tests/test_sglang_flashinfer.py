@@ -1,10 +1,13 @@
 """SGLang's FlashInfer leaves on a CPU: their declarations and registration, and the parts of the adapter
-that run without a GPU (the MLA runner over shared pools, SGLang's own choice of MLA forward method). The
-leaves themselves run on the GPU (`harness run --profile gpu --backends sglang.flashinfer ...`)."""
+that run without a GPU (the MLA runner over shared pools, SGLang's own choice of MLA forward method, where a graph's
+plan is read). The leaves themselves run on the GPU (`harness run --profile gpu --backends sglang.flashinfer ...`)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from backends.registry import LEAVES, all_compositions, leaf_capabilities, parse
 from backends.sglang import runtime
@@ -22,15 +25,19 @@ def test_declared_as_sglang_cuda_leaves(name):
     assert caps.devices == {"cuda"} and "flashinfer" in caps.requires
     assert caps.dtypes == {"bfloat16", "float16"}  # FlashInfer has no float32 attention
     assert caps.attention_kinds == ({"mha"} if name == "sglang.flashinfer" else {"mla"})
-    # What the adapter translates (no draft_extend, no idle yet); every mode listed is served. The MHA backend's draft
-    # worker also runs the draft loop (FlashInferMultiStepDraftBackend); the MLA one's is not adapted yet.
-    served = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY}
-    assert caps.modes == (served | {ForwardMode.DRAFT_DECODE} if name == "sglang.flashinfer" else served)
-    assert not caps.cuda_graph_modes  # graph() over SGLang's FlashInfer backends is not adapted
+    # Every mode listed is served. The MHA backend's draft worker also runs the draft loop
+    # (FlashInferMultiStepDraftBackend) and draft extends; the MLA one's draft worker is not adapted yet.
+    served = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}
+    drafting = {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE}
+    assert caps.modes == (served | drafting if name == "sglang.flashinfer" else served)
+    # The graphs SGLang captures for each: the MLA backend's out_graph raises for anything but decode/idle and verify
+    graphs = {ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY}
+    assert caps.cuda_graph_modes == (graphs | drafting if name == "sglang.flashinfer" else graphs)
+    assert caps.cuda_graph_modes <= caps.modes
     reason = caps.unavailable_reason("cpu")
     assert reason is not None and "cuda" in reason
     terms = {str(c) for c in all_compositions()}
-    assert {name, f"tbo({name})"} <= terms
+    assert {name, f"tbo({name})", f"graph({name})", f"graph(tbo({name}))"} <= terms
     assert parse(f"tbo({name})").engine == "sglang"
 
 
@@ -76,7 +83,6 @@ def test_sglang_chooses_the_mla_forward_method(prefix, mode, method):
 
 def test_wrapper_plan_reads_the_plan_not_the_slack():
     import torch
-    from types import SimpleNamespace
 
     from backends.sglang.flashinfer import wrapper_plan
 
@@ -135,3 +141,59 @@ def test_flashinfer_ledger_conditions_are_narrow():
     assert known("sglang.flashinfer_mla", spec, conf(refresh), "extend", "conformance").id == \
         "sglang-flashinfer-no-verify-refresh"
     assert known("sglang.flashinfer", spec, conf(refresh + ["forward"]), "extend", "conformance") is None
+
+
+class _Mode:
+    """SGLang's ForwardMode as the graph-plan readers ask it (name, is_decode_or_idle)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def is_decode_or_idle(self):
+        return self.name in ("DECODE", "IDLE")
+
+
+def _wrapper(indptr, indices, qo=None):
+    w = SimpleNamespace(_paged_kv_indptr_buf=torch.tensor(indptr), _paged_kv_indices_buf=torch.tensor(indices))
+    if qo is not None:
+        w._qo_indptr_buf = torch.tensor(qo)
+    return w
+
+
+def test_graph_plans_are_read_from_the_wrappers_of_the_replayed_size_and_mode():
+    # SGLang points forward_metadata at a graph's wrappers only while capturing them: after capturing 4 then 2, a replay
+    # of 4 must be read from the size-4 set, not forward_metadata
+
+    from backends.sglang.flashinfer import graph_wrappers
+    four, two = [_wrapper([0, 1, 2, 3, 4], [5, 6, 7, 8])], [_wrapper([0, 1, 2], [9, 9])]
+    verify, extend = [_wrapper([0, 3], [1, 2, 3], qo=[0, 2])], [_wrapper([0, 4], [4, 5, 6, 7], qo=[0, 2])]
+    backend = SimpleNamespace(decode_cuda_graph_metadata={4: four, 2: two}, prefill_cuda_graph_metadata={1: verify},
+                              draft_extend_cuda_graph_metadata={1: extend})
+    batch = lambda mode, bs: SimpleNamespace(forward_mode=_Mode(mode), batch_size=bs)  # noqa: E731
+    assert graph_wrappers(backend, batch("DECODE", 4)) is four
+    assert graph_wrappers(backend, batch("IDLE", 2)) is two
+    assert graph_wrappers(backend, batch("TARGET_VERIFY", 1)) is verify
+    assert graph_wrappers(backend, batch("DRAFT_EXTEND_V2", 1)) is extend
+    assert graph_wrappers(backend, batch("DECODE", 8)) is None  # never captured: the caller falls back
+    del backend.draft_extend_cuda_graph_metadata  # up to 0.5.22 draft-extend graphs sit beside verify's
+    assert graph_wrappers(backend, batch("DRAFT_EXTEND_V2", 1)) is verify
+    backend.decode_cuda_graph_metadata = {4: four[0]}  # the MLA backend keeps one wrapper per size
+    assert graph_wrappers(backend, batch("DECODE", 4)) == four
+
+
+def test_an_mla_decode_replay_is_read_from_the_host_indptrs_it_was_planned_with():
+    # fast_mla_decode_plan plans from host indptrs and refills only the index buffer; the wrapper's device kv_indptr
+    # keeps the capture's fill values (one key per row), which no kernel reads
+
+    from backends.sglang.flashinfer import SglangFlashInferMLA
+    wrapper = SimpleNamespace(_kv_indptr_buf=torch.tensor([0, 1, 2]), _kv_indices_buf=torch.tensor([1, 2, 0, 7, 7]),
+                              _qo_indptr_buf=torch.tensor([0, 1, 2]))
+    leaf = object.__new__(SglangFlashInferMLA)
+    leaf.inner = SimpleNamespace(decode_cuda_graph_metadata={2: wrapper}, forward_metadata=None,
+                                 fast_decode_kwargs={"qo_indptr_cpu": torch.tensor([0, 1, 2]),
+                                                     "kv_indptr_cpu": torch.tensor([0, 2, 3])})
+    leaf.batches, leaf.planned_graph = {0: SimpleNamespace(forward_mode=_Mode("DECODE"), batch_size=2)}, True
+    plan = leaf.planned_metadata()
+    assert plan.kv_indptr.tolist() == [0, 2, 3] and plan.kv_indices.tolist() == [1, 2, 0]
+    leaf.planned_graph = False  # an eager plan is forward_metadata's (none here)
+    assert leaf.planned_metadata().kv_indptr is None

@@ -31,12 +31,19 @@ import torch
 from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
-from backends.sglang.adapter import SglangBackend
+from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend
 from batch.spec import ForwardMode
 
-# The modes run on the GPU so far. DRAFT_EXTEND (EagleDraftExtendInput) and IDLE are translated by the adapter
-# but were never run through SGLang's FlashInfer backends on a GPU: not declared until they are.
-FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY})
+FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                              ForwardMode.IDLE})
+# What each class plans graphs for (init_forward_metadata_out_graph, 0.5.23; capture/replay_cuda_graph before): the MHA
+# backend decode and idle (decode wrappers), target_verify and draft_extend_v2 (paged prefill wrappers,
+# flashinfer_backend.py:764-826); the MLA backend decode/idle and target_verify only (any other mode raises,
+# flashinfer_mla_backend.py:349-393). The MHA draft worker's container captures its steps' decode wrappers
+# (FlashInferMultiStepDraftBackend.init_forward_metadata_out_graph).
+FLASHINFER_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY,
+                                    ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE})
+FLASHINFER_MLA_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY})
 # FlashInfer has no float32 attention kernels; SGLang serves bf16 and fp16 models with it.
 FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
 
@@ -66,6 +73,27 @@ def wrapper_plan(wrapper, *, kv_includes_new_tokens: bool) -> PlannedMetadata:
                            kv_indices=indices[:int(indptr[-1])], kv_includes_new_tokens=kv_includes_new_tokens)
 
 
+def graph_wrappers(backend, sfb) -> list | None:
+    """The wrappers a graph of ``sfb``'s size and mode replays with (the last one the full-attention one), or None
+    when none was captured for it. SGLang keeps one set per captured size: ``decode_cuda_graph_metadata`` (decode,
+    idle), ``prefill_cuda_graph_metadata`` (verify; draft extend too up to 0.5.22), ``draft_extend_cuda_graph_metadata``
+    (draft extend, 0.5.23). It points ``forward_metadata`` at a set only while capturing it, so after a replay
+    ``forward_metadata`` names the last size captured, not necessarily the one replayed. The MLA backend keeps one
+    wrapper per size, not a list."""
+    mode, bs = sfb.forward_mode, sfb.batch_size
+    if mode.is_decode_or_idle():
+        tables = ("decode_cuda_graph_metadata",)
+    elif mode.name == "DRAFT_EXTEND_V2":
+        tables = ("draft_extend_cuda_graph_metadata", "prefill_cuda_graph_metadata")
+    else:
+        tables = ("prefill_cuda_graph_metadata",)
+    for name in tables:
+        found = (getattr(backend, name, None) or {}).get(bs)
+        if found is not None:
+            return found if isinstance(found, list) else [found]
+    return None
+
+
 class SglangFlashInfer(SglangBackend):
     """SGLang's ``FlashInferAttnBackend`` (MHA): ragged prefill over the new tokens merged with a paged
     prefill over the prefix (extend), paged prefill under the tree mask (verify), paged decode; its draft worker's
@@ -74,7 +102,10 @@ class SglangFlashInfer(SglangBackend):
     sglang_name = "flashinfer"
     capabilities = Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=FLASHINFER_MODES | {ForwardMode.DRAFT_DECODE},
+        modes=FLASHINFER_MODES | {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE},
+        cuda_graph_modes=FLASHINFER_GRAPH_MODES,
+        prefill_graph=True,  # RadixAttention breaks SGLang's breakable prefill graph (radix_attention.py:133-165)
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         # FlashInferMultiStepDraftBackend builds each step's FlashInferAttnBackend over one shared kv_indptr row,
         # which asserts a single wrapper (flashinfer_backend.py:482, `assert self.num_wrappers == 1`); a window
         # model has two (window and full): the container refuses it with a bare AssertionError when it is built
@@ -93,6 +124,10 @@ class SglangFlashInfer(SglangBackend):
         wrapper (over the prefix when the new tokens go through the ragged wrapper, else over every key).
         With a sliding window SGLang plans two wrappers; the second is the full-attention one
         (``_get_wrapper_idx``)."""
+        if self.planned_graph:
+            wrappers = graph_wrappers(self.inner, next(iter(self.batches.values())))
+            if wrappers is not None:  # every graph plans paged wrappers over every key, the new ones included
+                return wrapper_plan(wrappers[-1], kv_includes_new_tokens=True)
         meta = getattr(self.inner, "forward_metadata", None)
         if meta is None:
             return PlannedMetadata()
@@ -139,6 +174,7 @@ class SglangFlashInferMLA(SglangBackend):
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
         modes=FLASHINFER_MODES,
+        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
         dtypes=FLASHINFER_DTYPES,
         devices=frozenset({"cuda"}),
         requires=("sglang", "flashinfer"),
@@ -194,6 +230,21 @@ class SglangFlashInferMLA(SglangBackend):
     def planned_metadata(self) -> PlannedMetadata:
         """The MLA wrapper's plan (decode, verify, absorbed extend: every key, the new ones included), or the
         ragged wrapper's query indptr for an extend that runs as MHA."""
+        if self.planned_graph:
+            sfb = next(iter(self.batches.values()))
+            wrappers = graph_wrappers(self.inner, sfb)
+            host = getattr(self.inner, "fast_decode_kwargs", None) or {}
+            if wrappers is not None and sfb.forward_mode.is_decode_or_idle() and "kv_indptr_cpu" in host:
+                # A decode replay plans from host indptrs (fast_mla_decode_plan, handed fast_decode_kwargs by
+                # _apply_cuda_graph_metadata) and refills only the index buffer: the wrapper's device kv_indptr
+                # keeps the capture's values, and the kernel never reads it (FlashInfer's MLA run takes the plan
+                # and _kv_indices_buf alone). The plan is the host indptrs over that buffer.
+                kv_indptr = host["kv_indptr_cpu"]
+                return PlannedMetadata(qo_indptr=host["qo_indptr_cpu"], kv_indptr=kv_indptr,
+                                       kv_indices=wrappers[-1]._kv_indices_buf[:int(kv_indptr[-1])],
+                                       kv_includes_new_tokens=True)
+            if wrappers is not None:
+                return wrapper_plan(wrappers[-1], kv_includes_new_tokens=True)
         meta = getattr(self.inner, "forward_metadata", None)
         if meta is None:
             return PlannedMetadata()
