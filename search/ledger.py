@@ -59,6 +59,30 @@ def _tree_window_by_row(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.spec.depths(request)[node] < node
 
 
+def _spec_window_trimmed_by_request(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A verify or draft extend whose worst element is a token that sees keys past its sliding window when the
+    window's keys are cut per request, not per token (docs/findings/sglang-flashinfer-spec-window-unplanned.md): a
+    verify keeps the last ``min(prefix, window)`` cached keys for every draft token and its tree ancestors, so a
+    token at depth d >= 1 sees too much once prefix + d > window; a draft extend of e tokens keeps the last
+    ``min(seq_len, window + e)`` keys for all of them, so token j sees ``e - 1 - j`` fewer than that, and too many
+    when that exceeds its own ``min(prefix + j + 1, window + 1)``."""
+    layer = _failing_layer(spec, verdict)
+    window = getattr(layer, "sliding_window", None)
+    m = re.search(r"request (\d+), (?:token|draft node) (\d+)", verdict.where or "")
+    if window is None or m is None:
+        return False
+    request, token = int(m.group(1)), int(m.group(2))
+    prefix = spec.prefix_lens[request]
+    if spec.mode.is_target_verify():
+        depth = spec.spec.depths(request)[token]
+        return depth >= 1 and prefix + depth > window
+    if spec.mode is ForwardMode.DRAFT_EXTEND:
+        e = spec.extend_lens[request]
+        seen = min(prefix + e, window + e) - (e - 1 - token)
+        return seen > min(prefix + token + 1, window + 1)
+    return False
+
+
 def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     """A MIXED batch whose extend lengths make SGLang's splitter choose a two-chunk cut."""
     return spec.mode is ForwardMode.MIXED and bool(spec.extend_lens) and two_chunk_split_enabled(list(spec.extend_lens))
@@ -388,6 +412,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "trtllm_one_arg_mha_chunk": _trtllm_one_arg_mha_chunk,
     "layer_has_logit_cap": _layer_has_logit_cap,
     "window_inside_extend": _window_inside_extend,
+    "spec_window_trimmed_by_request": _spec_window_trimmed_by_request,
     "tree_not_chain": _tree_not_chain,
     "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
     "wrappers_hide_flash_attention_members": _wrappers_hide_flash_attention_members,

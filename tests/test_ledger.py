@@ -266,3 +266,29 @@ def test_flex_lowering_is_known_on_cuda_only_and_only_for_its_compile_error():
     other = Verdict("outputs", False, reason.replace("target: flex_attention", "target: aten.mm"))
     assert ledger.match(term, "extend", "outputs", spec, other, "cuda") is None
     assert ledger.match("sglang.triton", "extend", "outputs", spec, crash, "cuda") is None
+
+
+def test_a_speculative_window_is_known_only_where_the_request_trim_lets_a_token_past_its_window():
+    # docs/findings/sglang-flashinfer-spec-window-unplanned.md: FlashInfer keeps a request's last min(prefix, window)
+    # cached keys for every draft token of a verify, and its last min(seq_len, window + e) keys for every token of a
+    # graphed draft extend of e tokens; only a token that then sees more than its own window is explained.
+    fi = "sglang.flashinfer"
+    def verify(prefix, window):
+        return BatchSpec(ForwardMode.TARGET_VERIFY, (prefix,), (3,), (MHALayer(0, 8, 2, 128, 128, sliding_window=window),),
+                         dtype="bfloat16", spec=SpecInput(3, 1, 2, ((-1, 0, 1),), (1,)))
+    def at(token):
+        return Verdict("refuse_or_correct", False, "out of bounds", 1.0, 1e-2, f"layer 0: request 0, token {token}")
+    assert ledger.match(fi, "target_verify", "refuse_or_correct", verify(2, 1), at(1), "cuda") is not None
+    assert ledger.match(fi, "target_verify", "refuse_or_correct", verify(2, 1), at(0), "cuda") is None  # the root
+    assert ledger.match(fi, "target_verify", "refuse_or_correct", verify(1, 4), at(2), "cuda") is None  # 1 + 2 <= 4
+    assert ledger.match(fi, "target_verify", "refuse_or_correct", verify(2, 4), at(2), "cuda") is None  # 2 + 2 <= 4
+    assert ledger.match(fi, "target_verify", "refuse_or_correct", verify(3, 4), at(2), "cuda") is not None
+    def draft_extend(prefix, window):
+        return BatchSpec(ForwardMode.DRAFT_EXTEND, (prefix,), (2,), (MHALayer(0, 8, 2, 128, 128, sliding_window=window),),
+                         dtype="bfloat16", spec=SpecInput(2, 1, 1, ((-1, 0),), (2,)))
+    graph = "graph(sglang.flashinfer)"
+    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(2, 1), at(1), "cuda") is not None
+    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(2, 1), at(0), "cuda") is None
+    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(0, 1), at(1), "cuda") is None  # 2 keys: in
+    # the eager draft extend plans its window per token (spec_info=None there): not this entry
+    assert ledger.match(fi, "draft_extend", "outputs", draft_extend(2, 1), at(1), "cuda") is None
