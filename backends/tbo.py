@@ -60,6 +60,10 @@ class TboAttnBackend(AttentionBackend):
         split = compute_split(forward_mode, [D] * bs, D)
         return None if split is None else split.split_seq
 
+    def replay_split(self, forward_batch) -> int | None:
+        """The request a graph replay of the padded ``forward_batch`` cuts it at (None: it does not split)."""
+        return self._graph_split(forward_batch.batch_size, forward_batch.forward_mode, forward_batch.spec_info)
+
     def _graph_children(self, forward_batch) -> list:
         """(child backend, child batch) for the two halves of the padded graph batch, or [] when it does not
         split. A child batch views its requests' rows (and their tokens) of the parent's static buffers."""

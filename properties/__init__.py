@@ -180,10 +180,7 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              "every plan a graph makes, at capture and at a replay padded to the captured size, satisfies the "
              "metadata invariants, padded rows included (no layer runs)", modes=GRAPH_MODES | DRAFT_GRAPH_MODES,
              needs_wrapper="graph",
-             strategy_options=(("fixed_width", True),), plan_level=True, per_child=True,
-             # Not yet under SGLang's TBO: its graph halves are cut from the padded batch by SGLang's splitter, and
-             # the harness's view of each half's padded rows is not derived yet
-             excludes_wrapper="tbo"),
+             strategy_options=(("fixed_width", True),), plan_level=True, per_child=True),
     Property(REPLAN, replan_gives_the_new_batch,
              "one backend object, then a second batch of the same shapes (requests reordered, other pages, rows, "
              "data, q/k/v as fused views): the second's outputs and states are its own, not a stale plan's",

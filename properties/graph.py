@@ -121,6 +121,29 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
 GRAPH_METADATA = "graph_metadata"
 
 
+def _replay_leaves(backend, fb) -> list[tuple[object, object]]:
+    """(leaf, the batch it planned) for every plan a replay of the padded ``fb`` made. Under a two-batch-overlap
+    wrapper: its primary's of the whole batch, and each non-empty half's, cut where the wrapper's replay cut the padded
+    batch (``replay_split``: the harness's wrapper's rule, or SGLang's ``compute_split_indices_for_cuda_graph_replay``
+    for its ``TboAttnBackend``), each half counting its own padded rows (the parent's are the last ones)."""
+    from batch.tbo_split import TboSplit, split_forward_batch
+    from properties.metadata import planned_leaves
+
+    if not hasattr(backend, "replay_split"):
+        return planned_leaves(backend, fb)
+    out = planned_leaves(backend.primary, fb)
+    s = backend.replay_split(fb)
+    if s is None:
+        return out
+    per_request = fb.spec_info.draft_token_num if fb.forward_mode.is_target_verify() else 1
+    real = fb.batch_size - (fb.num_padding or 0)
+    halves = split_forward_batch(fb, TboSplit(s, s * per_request))
+    for child, half, (lo, hi) in zip(backend.children, halves, ((0, s), (s, fb.batch_size))):
+        half.num_padding = (hi - lo) - max(0, min(hi, real) - lo)
+        out += planned_leaves(child, half)
+    return out
+
+
 def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     """The plan a decode, verify or draft-extend graph replays with satisfies the metadata invariants
     (properties/metadata.py), read where the graph's layers would read it: after a capture over the fill-value batch,
@@ -149,7 +172,7 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
     runner = _graph_runner(composition, spec, case, ModelRunner.of(fb, spec.layers))
     runner.capture_plan()
     runner.replay_plan(fb, case.inputs)
-    leaves = planned_leaves(runner.backend, runner.fb)
+    leaves = _replay_leaves(runner.backend, runner.fb)
     padded = runner.bs - spec.batch_size
     for backend, planned_fb in leaves:
         problem = check_plan(backend.planned_metadata(), planned_fb)

@@ -458,3 +458,18 @@ def test_a_backend_that_cannot_take_long_contexts_on_a_cpu_draws_none_there():
     assert row_profile(support, nightly, "cuda").long_context == nightly.long_context
     assert row_profile(parse("tbo(sglang.torch_native)").support(), nightly, "cpu").long_context is None
     assert row_profile(parse("torch_native").support(), nightly, "cpu") == nightly  # our own keeps them there
+
+
+@needs_sglang
+def test_graph_metadata_reads_each_tbo_half_a_replay_plans(device):
+    # A padded replay under SGLang's TboAttnBackend replans each half from the replay view it cuts itself; the check
+    # holds each half's plan to that half of the padded batch, its own padded rows counted. Three requests replay in a
+    # graph of four, cut 2 | 2: the right half holds request 2 and the padded row.
+    from harness.mutants.catalogue import MUTANTS
+
+    comp = parse("graph(tbo(sglang.triton))")
+    spec = BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), seed=6)
+    assert PROPERTIES["graph_metadata"].run(comp, spec, device).ok
+    with MUTANTS["sglang_tbo_replay_right_half_reads_left_lengths"].patch():
+        verdict = PROPERTIES["graph_metadata"].run(comp, spec, device)
+    assert not verdict.ok and "_TboChild: request 0" in verdict.reason, verdict.reason

@@ -820,6 +820,8 @@ class SglangTbo(_SglangObject):
             self.inner.init_forward_metadata(sfb)
         self.primary.batches = {id(fb): sfb}
         self._attach_children(fb, sfb)
+        for planner in (self.primary, *self.children):
+            planner.planned_graph = False
 
     def _attach_children(self, fb, sfb) -> None:
         """Hand the engine harness-side views of SGLang's child batches ``sfb.tbo_children`` (if it split)."""
@@ -871,11 +873,24 @@ class SglangTbo(_SglangObject):
             fb.tbo_children = self.graph_children[0]
             for child, batches in zip(self.children, self.graph_children[1]):
                 child.batches = batches
+        for planner in (self.primary, *self.children):  # the whole batch and each half, into graph buffers
+            planner.planned_graph = True
         self.graph_sfb = sfb
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
         with compat.backend_scope(self.sgl, self.inner, self.graph_sfb):
             compat.plan_in_graph(self.inner, self.graph_sfb)
+
+    def replay_split(self, forward_batch) -> int | None:
+        """The request where ``TboAttnBackend`` cuts a replay of the padded ``forward_batch``: SGLang's own
+        ``compute_split_indices_for_cuda_graph_replay`` (0.5.10 on), which its replay path calls on the replay view
+        (``_dispatch_children_from_replay_view`` in 0.5.23; ``init_forward_metadata_replay_cuda_graph`` before)."""
+        tbo, sfb = self.sgl.two_batch_overlap, self.graph_sfb
+        per_seq = tbo.get_token_num_per_seq(forward_mode=sfb.forward_mode, spec_info=sfb.spec_info)
+        seq, _ = tbo.compute_split_indices_for_cuda_graph_replay(
+            forward_mode=sfb.forward_mode, cuda_graph_num_tokens=forward_batch.batch_size * per_seq,
+            spec_info=sfb.spec_info)
+        return None if seq is None or not 0 < seq < forward_batch.batch_size else seq
 
     @staticmethod
     def _harness_child(fb, schild, req: slice):

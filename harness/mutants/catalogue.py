@@ -20,6 +20,8 @@ from unittest import mock
 
 import torch
 
+from harness.options import UsageError
+
 CPU_HYBRID = "hybrid(torch_native,linear_torch)"
 
 
@@ -37,6 +39,11 @@ class Mutant:
     def patch(self) -> ContextManager:
         """The fault, active inside the returned context: the module function named after the mutant."""
         return globals()[self.name]()
+
+
+class MutantUnavailable(UsageError):
+    """The code a mutant patches is not in the installed release: ``harness mutants`` reports the mutant
+    unavailable there, ``harness run --mutant`` says so in one line (exit 2)."""
 
 
 def _replace(obj, attr, new):
@@ -705,6 +712,25 @@ def sglang_triton_draft_replay_keeps_capture_plan():
     return _replace(TritonMultiStepDraftBackend, "init_forward_metadata_out_graph", init_forward_metadata_out_graph)
 
 
+def sglang_tbo_replay_right_half_reads_left_lengths():
+    from backends.sglang.runtime import load
+    load()
+    import sglang.srt.layers.attention.tbo_backend as tbo_backend
+    built = getattr(tbo_backend, "_build_tbo_child_replay_fb_view", None)
+    if built is None:  # releases before the three-method contract split in TboAttnBackend._init_..._cuda_graph_split
+        raise MutantUnavailable("sglang_tbo_replay_right_half_reads_left_lengths: this SGLang's TboAttnBackend has no "
+                                "_build_tbo_child_replay_fb_view (the three-method graph contract's replay split)")
+
+    def build(fb_view, *, child_bs, seq_slice, tok_slice, token_num_per_seq):
+        view = built(fb_view, child_bs=child_bs, seq_slice=seq_slice, tok_slice=tok_slice,
+                     token_num_per_seq=token_num_per_seq)
+        # every half's lengths sliced from the batch's first rows (the left half's), not its own
+        view.seq_lens, view.seq_lens_cpu = fb_view.seq_lens[:child_bs], fb_view.seq_lens_cpu[:child_bs]
+        view.seq_lens_sum = int(view.seq_lens_cpu.sum())
+        return view
+    return _replace(tbo_backend, "_build_tbo_child_replay_fb_view", build)
+
+
 def sglang_linear_replay_pads_into_last_state():
     from backends.sglang.runtime import load
     load()
@@ -842,6 +868,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "before a draft-graph replay; every replayed draft step reads the capture batch's key lists (padding "
            "rows') instead of its requests' prefixes and branches",
            ("graph(sglang.triton)",), modes=("draft_decode",), engine="sglang"),
+    Mutant("sglang_tbo_replay_right_half_reads_left_lengths", "SGLang's TboAttnBackend replay view of each half "
+           "slices its sequence lengths from the batch's first rows (_build_tbo_child_replay_fb_view), so the right half "
+           "plans its requests with the left half's key counts; under TBO every replayed decode or verify graph's "
+           "second half attends over too many or too few keys",
+           ("graph(tbo(sglang.triton))",), modes=("decode", "target_verify"), engine="sglang"),
     Mutant("sglang_linear_replay_pads_into_last_state", "SGLang's MambaAttnBackendBase replay gives padded rows the "
            "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
            "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",

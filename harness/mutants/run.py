@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from backends.registry import parse
-from harness.mutants.catalogue import Mutant
+from harness.mutants.catalogue import Mutant, MutantUnavailable
 from harness.procs import COMPILE_TIMEOUT_S, compiler_running, default_case_timeout
 from search.casefile import modified, pending_cases
 from search.matrix import matrix_rows
@@ -80,8 +80,12 @@ def _search_mutant(mutant: Mutant, profile: Profile, device: str, out_dir: Path,
     if not runnable:
         reasons = "; ".join(f"{c}: {c.unavailable_reason(device)}" for c in compositions)
         return MutantResult(mutant.name, "unavailable", reason=reasons)
+    try:
+        patch = mutant.patch()
+    except MutantUnavailable as e:
+        return MutantResult(mutant.name, "unavailable", reason=str(e))
     start = time.perf_counter()
-    with mutant.patch():
+    with patch:
         rows = [r for comp in runnable
                 for r in matrix_rows(device, profile, [str(comp)],
                                      list(mutant.properties) if mutant.properties else None,
