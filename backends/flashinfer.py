@@ -239,7 +239,9 @@ class FlashInferBackend(AttentionBackend):
         sliding_window=True,
         logit_cap=True,
         mrope=True,  # RoPE is applied by the model before attention
-        cuda_graph_modes=frozenset({ForwardMode.DECODE}),  # graph planning (out_graph) for decode batches
+        # graph planning (out_graph) for decode batches; the draft loop's graph runner plans each step as one
+        # (backends/draft.py MultiStepDraft over a branch table)
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.DRAFT_DECODE}),
         devices=frozenset({"cuda"}),
         requires=("flashinfer",),
         # fp8 e4m3 paged caches with k_scale/v_scale at run(): wired, and run only by the gpu profile (no CPU path)
