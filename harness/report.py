@@ -108,8 +108,10 @@ def junit_xml(data: dict) -> str:
                     r.get("headline") or f.get("reason") or r["failure"], r["failure"] or f.get("reason"),
                     r.get("case_file") or f.get("case_file"))
         if r.get("known"):
+            steered = r.get("steered") or {}
             ET.SubElement(el, "system-out").text = "known failures (docs/findings/known-failures.toml): " + \
-                ", ".join(f"{k} ({n} case(s))" for k, n in r["known"].items())
+                ", ".join(f"{k} ({n} case(s)" + (f"; then {steered[k]} of its batches not run)" if steered.get(k)
+                                                 else ")") for k, n in r["known"].items())
     ran = {r["row"] for r in rows}
     for f in findings:
         if f.get("row") in ran:
@@ -218,12 +220,14 @@ def markdown(data: dict, plot_names: list[str]) -> str:
     for r in rows:
         by_prop[r["composition"], r["property"]].append(r)
         by_mode[r["composition"], r["mode"]].append(r)
-    known = [(r["row"], k, n) for r in rows for k, n in (r.get("known") or {}).items()]
+    known = [(r["row"], k, n, (r.get("steered") or {}).get(k, 0)) for r in rows for k, n in (r.get("known") or {}).items()]
     if known:
         out += ["", "## Known failures (docs/findings/known-failures.toml)", "",
-                "Cases that failed exactly as a ledger entry describes: triaged and reported upstream, so not findings.",
-                "", "| row | ledger entry | cases |", "|---|---|---:|"]
-        out += [f"| {row} | `{k}` | {n} |" for row, k, n in known]
+                "Cases that failed exactly as a ledger entry describes: triaged and reported upstream, so not findings. "
+                "Once a row has met an entry, its later draws with what that bug needs are not run (`not run`): the "
+                "search goes to the rest of the row's batches.",
+                "", "| row | ledger entry | cases | not run |", "|---|---|---:|---:|"]
+        out += [f"| {row} | `{k}` | {n} | {m} |" for row, k, n, m in known]
     out += ["", "## Pass/fail: composition x property (over modes)", "",
             "Each cell counts the rows (one per mode) that ran: `ok (N)` all N passed, `**FAILED** (F/N)` F of N "
             "had a finding; rows that did not run (a stopped or short run) are counted apart as `not run`; "

@@ -111,6 +111,7 @@ class RowState:
     near_misses_known: dict = field(default_factory=dict)  # ledger id -> passing near misses it explains
     finding: dict | None = None
     known: dict = field(default_factory=dict)  # ledger id -> cases that failed as it describes, all rounds
+    steered: dict = field(default_factory=dict)  # ledger id -> draws not run after meeting it, all rounds
 
     def absorb(self, result: dict) -> None:
         self.rounds += 1
@@ -118,6 +119,8 @@ class RowState:
         self.seconds += result.get("seconds", 0.0)
         for known_id, n in (result.get("known") or {}).items():
             self.known[known_id] = self.known.get(known_id, 0) + n
+        for known_id, n in (result.get("steered") or {}).items():
+            self.steered[known_id] = self.steered.get(known_id, 0) + n
         err, bound = result.get("worst_error"), result.get("bound")
         if is_worse(err, bound, self.worst_error, self.bound):
             self.worst_error, self.bound = err, bound
@@ -134,7 +137,8 @@ class RowState:
                           headroom=dict(self.headroom), unexplained=dict(self.unexplained),
                           near_misses_known=dict(self.near_misses_known),
                           failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
-                          case_file=None if f is None else f.get("case_file"), known=dict(self.known)).record()
+                          case_file=None if f is None else f.get("case_file"), known=dict(self.known),
+                          steered=dict(self.steered)).record()
 
 
 @dataclass

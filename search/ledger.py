@@ -432,6 +432,36 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
 }
 
 
+def _window_layers(spec: BatchSpec) -> list[int]:
+    return [w for w in (getattr(layer, "sliding_window", None) for layer in spec.layers) if w is not None]
+
+
+# What a batch must have for an entry's bug to show, read from the batch alone (a condition also reads the verdict:
+# where the worst element is, what crashed). Once a row has met an entry, the rest of its search steers away from
+# batches that have it (search/search_row.py): a known bug then stops taking the row's draws. Conditions without a
+# batch-only form are not steered.
+COULD_SHOW = {
+    "layer_has_logit_cap": lambda spec: any(getattr(layer, "logit_cap", None) is not None for layer in spec.layers),
+    "window_inside_extend": lambda spec: any(max(spec.extend_lens, default=0) - 1 > w for w in _window_layers(spec)),
+    "spec_window_trimmed_by_request": lambda spec: (spec.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+                                                    and bool(_window_layers(spec))),
+    "draft_extend_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_EXTEND and bool(_window_layers(spec)),
+    "draft_decode_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE and bool(_window_layers(spec)),
+    "e4m3_arithmetic": lambda spec: spec.kv_cache_dtype == "fp8_e4m3",
+    "tree_not_chain": lambda spec: spec.spec is not None and not spec.spec.is_chain(),
+    "mixed_two_chunk": lambda spec: _mixed_two_chunk(spec, None),
+    "tbo_verify_tensor_token_blocks": lambda spec: spec.mode.is_target_verify() and spec.context_len >= 32768,
+    "layer_kv_scaled": lambda spec: spec.kv_cache_dtype != "auto" and any(
+        layer.kind == "mha" and (layer.k_scale != 1.0 or layer.v_scale != 1.0) for layer in spec.layers),
+    "window_cuts_keys": lambda spec: any(max(spec.keys_seen, default=0) > w for w in _window_layers(spec)),
+    "tbo_linear_plain_split": lambda spec: _tbo_linear_plain_cut(spec),
+    "tbo_linear_stray_writes": lambda spec: _tbo_linear_plain_cut(spec),
+    "tbo_mrope_unsliced": lambda spec: spec.mrope is not None,
+    "lightning_fp8_decode": lambda spec: spec.kv_cache_dtype == "fp8_e4m3" and any(
+        layer.kind == "lightning" for layer in spec.layers),
+}
+
+
 class LedgerError(ValueError):
     """A malformed ledger entry."""
 
@@ -477,6 +507,15 @@ class KnownFailure:
                 device: str) -> bool:
         return (not verdict.ok and self.covers(composition, mode, prop) and self.applies_to(engine_version())
                 and (not self.devices or device in self.devices) and CONDITIONS[self.condition](spec, verdict))
+
+    @property
+    def steerable(self) -> bool:
+        """Whether a search can steer away from this entry's batches (its condition has a batch-only form)."""
+        return self.condition in COULD_SHOW
+
+    def could_show(self, spec: BatchSpec) -> bool:
+        """Whether ``spec`` has what this entry's bug needs (False for an entry that is not steerable)."""
+        return self.steerable and COULD_SHOW[self.condition](spec)
 
     @property
     def case_path(self) -> Path:

@@ -75,6 +75,8 @@ class RowOutcome:
     first_failure_seconds: float | None = None
     shrink_seconds: float | None = None  # spent shrinking the failure to the reported case
     known: dict[str, int] = field(default_factory=dict)  # ledger id -> cases that failed as it describes
+    # ledger id -> draws rejected, not run, after the row met that entry: batches with what its bug needs
+    steered: dict[str, int] = field(default_factory=dict)
     # A case left a sticky CUDA error (a known failure's included): the search of this row stopped there, and
     # the rows after it need a fresh process
     context_poisoned: bool = False
@@ -115,7 +117,9 @@ class RowOutcome:
         if self.ok:
             err = "" if self.worst_error is None else f", worst {self.worst_error:.2e} / bound {self.bound:.2e}"
             err += "".join(f", AT RISK: {check} at {self.unexplained[check]:.2f} of its bound" for check in self.at_risk)
-            known = "".join(f", {n} known failure(s) {k}" for k, n in self.known.items())
+            known = "".join(f", {n} known failure(s) {k}" + (f" (then {self.steered[k]} of its batches not run)"
+                                                                if self.steered.get(k) else "")
+                            for k, n in self.known.items())
             return f"ok ({self.cases} cases{err}{known})"
         return f"FAILED: {self.headline()}"
 
@@ -139,7 +143,8 @@ class RowOutcome:
                 "batch_size": None if spec is None else spec.batch_size,
                 "num_tokens": None if spec is None else spec.num_tokens,
                 "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
-                "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known)}
+                "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known),
+                "steered": dict(self.steered)}
 
 
 def failure_at(failure: Verdict | str | None) -> dict | None:

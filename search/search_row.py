@@ -11,8 +11,8 @@ import dataclasses
 import time
 from pathlib import Path
 
-from hypothesis import given
-from hypothesis.errors import Flaky, HypothesisException
+from hypothesis import given, reject
+from hypothesis.errors import Flaky, HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
 from batch.spec import BatchSpec
@@ -96,6 +96,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     profile = row_profile(support, profile, device)
     pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
+    steer_off: list = []  # ledger entries this row has met: later draws with what their bugs need are rejected
     start = time.perf_counter()
 
     def shrink_time_spent() -> bool:
@@ -107,6 +108,10 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     def probe(spec: BatchSpec) -> None:
         if shrink_time_spent():
             raise ShrinkBudgetSpent
+        met = next((entry for entry in steer_off if entry.could_show(spec)), None)
+        if met is not None:  # a known bug's batch again: not run, and Hypothesis draws another
+            result.steered[met.id] = result.steered.get(met.id, 0) + 1
+            reject()
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
         result.cases += 1
@@ -125,6 +130,8 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
             if poisoned or known.corrupts_process:  # ... unless it left the context (or memory) unusable
                 result.context_poisoned = True
                 raise ContextPoisoned
+            if known.steerable and known not in steer_off:
+                steer_off.append(known)
             return
         # A passing case near its bound that a ledger entry would explain had it failed is a known bug's mild
         # instance (SGLang Triton's e4m3 arithmetic passes at up to 0.99 of the bf16 bound), not a risk of the bound's
@@ -193,8 +200,11 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         else:
             result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
     except HypothesisException as e:
-        result.ok = False
-        result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")
+        # Unsatisfiable after steering: every batch drawn after the first ones had what a known bug needs and was not
+        # run (only steering rejects draws); the row has nothing else to search, and what it met is in result.known
+        if not (isinstance(e, Unsatisfiable) and result.steered):
+            result.ok = False
+            result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")
     except KeyboardInterrupt:
         stopped = True
         raise

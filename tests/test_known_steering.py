@@ -1,0 +1,110 @@
+"""Known bugs stop costing search: once a row has met a ledger entry, its later draws with what that entry's bug
+needs are not run (Hypothesis draws others), and the outcome says how many."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from batch.spec import BatchSpec, ForwardMode, MHALayer
+from properties.verdict import Verdict
+from search import ledger
+from search import search_row as search_row_module
+from search.matrix import matrix_rows
+from search.profiles import PROFILES
+from search.search_row import search_row
+
+PROFILE = PROFILES["ci"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongFromThreeTokens:
+    """A stand-in property: wrong on every batch of 3 tokens or more; records the token counts it ran."""
+
+    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
+    name: str = "outputs"
+    strategy_options: tuple = ()
+    runs_twice: bool = False
+
+    def options(self, composition, mode) -> dict:
+        return dict(self.strategy_options)
+
+    def run(self, composition, spec, device) -> Verdict:
+        self.seen.append(spec.num_tokens)
+        ok = spec.num_tokens < 3
+        return Verdict(self.name, ok, "ok" if ok else "out of bounds", 1.0, 1e-3, "layer 0: request 0, token 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A stand-in ledger entry: explains any failure; its bug needs 3 tokens or more, or cannot be steered from."""
+
+    id: str = "three-tokens"
+    steerable: bool = True
+    corrupts_process: bool = False
+
+    def could_show(self, spec) -> bool:
+        return self.steerable and spec.num_tokens >= 3
+
+
+def search(prop, entry, tmp_path, monkeypatch):
+    row = dataclasses.replace(matrix_rows("cpu", PROFILE, ["torch_native"], ["outputs"], ["extend"])[0][0],
+                              property=prop)
+    monkeypatch.setattr(search_row_module.ledger, "match", lambda *args: entry)
+    return search_row(row, PROFILE, "cpu", max_examples=40, out_dir=tmp_path, seed=3)
+
+
+def test_after_a_known_failure_its_batches_are_not_run(tmp_path, monkeypatch):
+    prop = WrongFromThreeTokens()
+    result = search(prop, Entry(), tmp_path, monkeypatch)
+    assert result.ok and result.known == {"three-tokens": 1}
+    first = next(i for i, n in enumerate(prop.seen) if n >= 3)
+    assert all(n < 3 for n in prop.seen[first + 1:]), prop.seen  # none of its batches ran after the first
+    assert result.steered.get("three-tokens", 0) > 0
+    assert "of its batches not run" in result.summary()
+    assert result.record()["steered"] == result.steered
+
+
+def test_an_entry_without_a_batch_form_is_not_steered_from(tmp_path, monkeypatch):
+    prop = WrongFromThreeTokens()
+    result = search(prop, Entry(steerable=False), tmp_path, monkeypatch)
+    assert result.ok and result.known["three-tokens"] > 1 and not result.steered
+
+
+def test_every_batch_form_is_of_a_condition_and_holds_for_its_entrys_own_case():
+    assert set(ledger.COULD_SHOW) <= set(ledger.CONDITIONS)
+    from search.casefile import CaseFile
+
+    for entry in ledger.known_failures():
+        if entry.steerable:
+            spec = CaseFile.read(entry.case_path).spec
+            assert entry.could_show(spec), f"{entry.id}: its own case lacks what its batch form asks for"
+
+
+@pytest.mark.parametrize("spec, shows", [
+    (BatchSpec(ForwardMode.DECODE, (5,), (1,), (MHALayer(0, 4, 2, 32, 32, logit_cap=5.0),)), True),
+    (BatchSpec(ForwardMode.DECODE, (5,), (1,), (MHALayer(0, 4, 2, 32, 32),)), False),
+])
+def test_a_soft_cap_batch_form(spec, shows):
+    assert ledger.COULD_SHOW["layer_has_logit_cap"](spec) is shows
+
+
+def test_a_row_whose_every_batch_is_a_known_bugs_ends_without_a_finding(tmp_path, monkeypatch):
+    # Every batch of this row fails as the entry describes: after the first, everything drawn is rejected, which
+    # Hypothesis reports as unsatisfiable; the row is done, not broken
+    @dataclasses.dataclass(frozen=True)
+    class AlwaysWrong(WrongFromThreeTokens):
+        def run(self, composition, spec, device) -> Verdict:
+            self.seen.append(spec.num_tokens)
+            return Verdict(self.name, False, "out of bounds", 1.0, 1e-3, "layer 0: request 0, token 0")
+
+    @dataclasses.dataclass(frozen=True)
+    class Everywhere(Entry):
+        def could_show(self, spec) -> bool:
+            return True
+
+    prop = AlwaysWrong()
+    result = search(prop, Everywhere(), tmp_path, monkeypatch)
+    assert result.ok and result.failure is None and result.known == {"three-tokens": 1}
+    assert len(prop.seen) == 1 and result.steered["three-tokens"] > 0
