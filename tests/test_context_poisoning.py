@@ -10,25 +10,17 @@ from unittest import mock
 
 from properties.verdict import Verdict
 from search import search_row as search_row_module
-from search.matrix import matrix_rows
 from search.profiles import PROFILES
 from search.search_row import search_row
+from tests.stand_ins import StandInProperty, row_with
 
 PROFILE = PROFILES["ci"]
 ILLEGAL = "crashed: AcceleratorError: CUDA error: an illegal memory access was encountered"
 
 
 @dataclasses.dataclass(frozen=True)
-class IllegalAccessFromThreeTokens:
-    """A stand-in property: 'crashes' the device on any batch of 3 tokens or more, and records its cases."""
-
-    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-    name: str = "outputs"
-    strategy_options: tuple = ()
-    runs_twice: bool = False
-
-    def options(self, composition, mode) -> dict:
-        return dict(self.strategy_options)
+class IllegalAccessFromThreeTokens(StandInProperty):
+    """'Crashes' the device on any batch of 3 tokens or more."""
 
     def run(self, composition, spec, device) -> Verdict:
         ok = spec.num_tokens < 3
@@ -37,9 +29,7 @@ class IllegalAccessFromThreeTokens:
 
 
 def search(prop, device, tmp_path):
-    row = dataclasses.replace(matrix_rows("cpu", PROFILE, ["torch_native"], ["outputs"], ["extend"])[0][0],
-                              property=prop)
-    return search_row(row, PROFILE, device, max_examples=60, out_dir=tmp_path, seed=3)
+    return search_row(row_with(prop), PROFILE, device, max_examples=60, out_dir=tmp_path, seed=3)
 
 
 def test_a_finding_that_poisons_the_context_is_reported_unshrunk(tmp_path):

@@ -12,35 +12,21 @@ import time
 import pytest
 
 from properties.verdict import Verdict
-from search.matrix import matrix_rows
 from search.profiles import PROFILES
 from search.search_row import search_row
+from tests.stand_ins import StandInProperty, row_with
 
 PROFILE = PROFILES["ci"]
 
 
 @dataclasses.dataclass(frozen=True)
-class FailsOnThreeTokens:
-    """A cheap stand-in property: fails on any batch of 3 tokens or more (never on Hypothesis's first, minimal
-    example), and records every case it is given."""
-
-    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-    name: str = "outputs"
-    strategy_options: tuple = ()
-    runs_twice: bool = False
-
-    def options(self, composition, mode) -> dict:
-        return dict(self.strategy_options)
+class FailsOnThreeTokens(StandInProperty):
+    """Fails on any batch of 3 tokens or more (never on Hypothesis's first, minimal example)."""
 
     def run(self, composition, spec, device) -> Verdict:
         ok = spec.num_tokens < 3
         self.seen.append((spec, ok))
         return Verdict(self.name, ok, "ok" if ok else "too many tokens")
-
-
-def row_with(prop):
-    row = matrix_rows("cpu", PROFILE, ["torch_native"], ["outputs"], ["extend"])[0][0]
-    return dataclasses.replace(row, property=prop)
 
 
 def replayed_first(database, tmp_path) -> None:
@@ -113,21 +99,13 @@ def test_seeded_search_saves_and_replays_from_redis(redis_url, tmp_path):
 
 
 @dataclasses.dataclass(frozen=True)
-class FailsOnce:
+class FailsOnce(StandInProperty):
     """A stand-in property whose first failure does not repeat: as an engine that changes state after a failure
     (torch.compile running a frame eagerly once its compile failed)."""
 
-    calls: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-    name: str = "outputs"
-    strategy_options: tuple = ()
-    runs_twice: bool = False
-
-    def options(self, composition, mode) -> dict:
-        return dict(self.strategy_options)
-
     def run(self, composition, spec, device) -> Verdict:
-        self.calls.append(spec)
-        ok = len(self.calls) != 2
+        self.seen.append(spec)
+        ok = len(self.seen) != 2
         return Verdict(self.name, ok, "ok" if ok else "crashed: InductorError: no valid choices")
 
 

@@ -11,24 +11,16 @@ from batch.spec import BatchSpec, ForwardMode, MHALayer
 from properties.verdict import Verdict
 from search import ledger
 from search import search_row as search_row_module
-from search.matrix import matrix_rows
 from search.profiles import PROFILES
 from search.search_row import search_row
+from tests.stand_ins import StandInProperty, row_with
 
 PROFILE = PROFILES["ci"]
 
 
 @dataclasses.dataclass(frozen=True)
-class WrongFromThreeTokens:
-    """A stand-in property: wrong on every batch of 3 tokens or more; records the token counts it ran."""
-
-    seen: list = dataclasses.field(default_factory=list, compare=False, hash=False)
-    name: str = "outputs"
-    strategy_options: tuple = ()
-    runs_twice: bool = False
-
-    def options(self, composition, mode) -> dict:
-        return dict(self.strategy_options)
+class WrongFromThreeTokens(StandInProperty):
+    """Wrong on every batch of 3 tokens or more; records the token counts it ran."""
 
     def run(self, composition, spec, device) -> Verdict:
         self.seen.append(spec.num_tokens)
@@ -49,10 +41,8 @@ class Entry:
 
 
 def search(prop, entry, tmp_path, monkeypatch):
-    row = dataclasses.replace(matrix_rows("cpu", PROFILE, ["torch_native"], ["outputs"], ["extend"])[0][0],
-                              property=prop)
     monkeypatch.setattr(search_row_module.ledger, "match", lambda *args: entry)
-    return search_row(row, PROFILE, "cpu", max_examples=40, out_dir=tmp_path, seed=3)
+    return search_row(row_with(prop), PROFILE, "cpu", max_examples=40, out_dir=tmp_path, seed=3)
 
 
 def test_after_a_known_failure_its_batches_are_not_run(tmp_path, monkeypatch):
