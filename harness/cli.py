@@ -8,7 +8,6 @@ whose only failures are the harness's own (adapter errors around an engine's cla
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import sys
 import time
 from pathlib import Path
@@ -227,22 +226,26 @@ def cmd_run(args) -> int:
 
 
 def _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant):
-    """The rows searched in this process; a row that stalls (a hung kernel, a compile) prints every thread's
-    stack, so a hang is never silent."""
+    """The rows searched in this process; a row that stalls says so every --stall-seconds: in one line while a JIT
+    compiler runs under this process, else with every thread's stack, so a hang is never silent."""
     import contextlib
 
     from harness.isolate import search_rows
+    from harness.procs import StallWatchdog
 
-    with mutant.patch() if mutant else contextlib.nullcontext():
-        for kind, row, result in search_rows(rows, profile, device, database=_database(args.db),
-                                             max_examples=args.max_examples, out_dir=out_dir,
-                                             shrink_seconds=shrink_seconds, seed=args.seed):
-            if kind == "start":
-                faulthandler.dump_traceback_later(args.stall_seconds, repeat=True, file=sys.stderr)
-            else:
-                faulthandler.cancel_dump_traceback_later()
-            yield kind, row, result
-    faulthandler.cancel_dump_traceback_later()
+    watchdog = StallWatchdog(args.stall_seconds)
+    try:
+        with mutant.patch() if mutant else contextlib.nullcontext():
+            for kind, row, result in search_rows(rows, profile, device, database=_database(args.db),
+                                                 max_examples=args.max_examples, out_dir=out_dir,
+                                                 shrink_seconds=shrink_seconds, seed=args.seed):
+                if kind == "start":
+                    watchdog.start(row.id)
+                else:
+                    watchdog.stop()
+                yield kind, row, result
+    finally:
+        watchdog.stop()
 
 
 def cmd_repro(args) -> int:

@@ -26,7 +26,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from harness.mutants.run import exit_description
-from harness.procs import COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, compiler_running, default_case_timeout
+from harness.procs import (COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, StallWatchdog, compiler_running,
+                           default_case_timeout)
 from harness.sweep_worker import EXIT_CONTEXT_POISONED  # a sticky CUDA error: the rows left need a fresh process
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.outcome import RowOutcome
@@ -91,6 +92,7 @@ def _child(task: dict, conn) -> None:
         from hypothesis.database import DirectoryBasedExampleDatabase
 
         database = DirectoryBasedExampleDatabase(task["db"])
+    watchdog = StallWatchdog(task["stall_seconds"])  # a compile says so in one line; a stall dumps every stack
     with mutant_patch(task["mutant"]):
         for kind, row, result in search_rows(rows, profile, device, database=database,
                                              max_examples=task["max_examples"], out_dir=Path(task["out_dir"]),
@@ -98,9 +100,9 @@ def _child(task: dict, conn) -> None:
                                              seed=task["seed"]):
             if kind == "start":
                 conn.send(("start", row.id, None))
-                faulthandler.dump_traceback_later(task["stall_seconds"], repeat=True, file=sys.stderr)
+                watchdog.start(row.id)
                 continue
-            faulthandler.cancel_dump_traceback_later()
+            watchdog.stop()
             conn.send(("done", row.id, _picklable(result)))
             if device == "cuda" and result.cuda_context_lost:
                 conn.close()

@@ -49,6 +49,66 @@ def _process_table() -> dict[int, tuple[int, str]]:
     return table
 
 
+def compilers_under(root: int) -> list[str]:
+    """The names of the compiler processes descending from ``root`` (sorted, each once; empty without /proc)."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, stack = set(), list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if table[pid][1] in COMPILERS:
+            found.add(table[pid][1])
+        stack.extend(children.get(pid, []))
+    return sorted(found)
+
+
+class StallWatchdog:
+    """While a row runs: every ``seconds`` without the row ending, one line if a JIT compiler runs under this process
+    (a compile is slow, not hung: FlashInfer's nvcc builds take minutes on a cold machine), else every thread's stack
+    (a hang is never silent). ``start(row)`` arms it for a row, ``stop()`` disarms it; a daemon thread."""
+
+    def __init__(self, seconds: float, file=None) -> None:
+        import threading
+
+        self.seconds, self.file = seconds, file or sys.stderr
+        self._armed = threading.Event()
+        self._rearmed = threading.Event()
+        self.row, self.since = None, 0.0
+        threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
+
+    def start(self, row: str) -> None:
+        import time
+
+        self.row, self.since = row, time.monotonic()
+        self._armed.set()
+        self._rearmed.set()
+
+    def stop(self) -> None:
+        self._armed.clear()
+        self._rearmed.set()
+
+    def _watch(self) -> None:
+        import faulthandler
+        import time
+
+        while True:
+            self._armed.wait()
+            self._rearmed.clear()
+            if self._rearmed.wait(self.seconds) or not self._armed.is_set():
+                continue  # the row ended (or another started) within the period
+            waited = time.monotonic() - self.since
+            compilers = compilers_under(os.getpid())
+            if compilers:
+                print(f"{self.row}: still compiling kernels after {waited:.0f} s ({', '.join(compilers)} running)",
+                      file=self.file, flush=True)
+            else:
+                print(f"{self.row}: no progress for {waited:.0f} s and no compiler running; every thread's stack:",
+                      file=self.file, flush=True)
+                faulthandler.dump_traceback(file=self.file, all_threads=True)
+
+
 def compiler_running(roots: Iterable[int], machine_wide: bool = False) -> bool:
     """Whether a compiler process descends from any of ``roots`` or, with ``machine_wide``, runs anywhere as this
     user (module docstring); always False without /proc."""

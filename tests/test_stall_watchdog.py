@@ -1,0 +1,58 @@
+"""A row that makes no progress says so every --stall-seconds: in one line while a JIT compiler runs under the
+process (a cold FlashInfer build takes minutes; a stack wall there only hides what is happening), else with every
+thread's stack (a hang is never silent)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from harness.procs import StallWatchdog, compilers_under
+
+
+def watched(tmp_path, seconds: float, during) -> str:
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as f:
+        dog = StallWatchdog(seconds, file=f)
+        dog.start("torch_native-decode-outputs")
+        during()
+        dog.stop()
+        time.sleep(2 * seconds)  # stopped: nothing more is written
+        f.flush()
+        size = log.stat().st_size
+        time.sleep(2 * seconds)
+    assert log.stat().st_size == size
+    return log.read_text()
+
+
+def test_a_stall_without_a_compiler_dumps_every_threads_stack(tmp_path):
+    text = watched(tmp_path, 0.2, lambda: time.sleep(0.5))
+    assert "torch_native-decode-outputs: no progress for" in text
+    assert "Thread" in text and "File " in text  # faulthandler's dump
+
+
+def test_a_compile_in_progress_is_one_line_naming_the_compiler(tmp_path):
+    sleep = shutil.which("sleep")
+    if sleep is None:
+        pytest.skip("no sleep(1) to stand in for a compiler")
+    ninja = tmp_path / "ninja"  # a process whose name is a compiler's, as FlashInfer's build runs one
+    shutil.copy(sleep, ninja)
+    proc = subprocess.Popen([str(ninja), "5"])
+    try:
+        time.sleep(0.1)
+        if "ninja" not in compilers_under(os.getpid()):
+            pytest.skip("no /proc to see child processes in")
+        text = watched(tmp_path, 0.2, lambda: time.sleep(0.5))
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "torch_native-decode-outputs: still compiling kernels after" in text and "(ninja running)" in text
+    assert "File " not in text  # no stack wall
+
+
+def test_a_row_that_ends_in_time_says_nothing(tmp_path):
+    assert watched(tmp_path, 1.0, lambda: time.sleep(0.1)) == ""
