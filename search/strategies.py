@@ -139,6 +139,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     """
     dtype = dtype or profile.dtype
     if mode is ForwardMode.DRAFT_DECODE:  # a draft model's layers: full attention only
+        if not kinds - RECURRENT_KINDS:
+            raise ValueError(f"draft_decode batches need a full-attention layer kind; {sorted(kinds)} has none")
         kinds = kinds - RECURRENT_KINDS
     crossing = draw(st.sampled_from(overreach)) if overreach else None
     if crossing in ("logit_cap", "sliding_window", "verify_window", "draft_window"):

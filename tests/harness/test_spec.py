@@ -22,11 +22,13 @@ def any_spec(draw):
     mode = draw(st.sampled_from(list(ForwardMode)))
     kinds = draw(st.sampled_from([frozenset({"mha"}), frozenset({"mla"}), frozenset({"mha", "linear"}),
                                   frozenset({"mla", "linear"}), frozenset({"linear"}), frozenset({"mha", "lightning"})]))
+    if mode is ForwardMode.DRAFT_DECODE and kinds == {"linear"}:
+        kinds = frozenset({"mha", "linear"})  # a draft model has full-attention layers: no linear-only draft loop
     return draw(batch_specs(CI, mode, kinds, hybrid=len(kinds) > 1))
 
 
 @given(any_spec())
-def test_json_round_trip(spec):
+def test_json_round_trip(spec):  # (unseeded: it found a linear-only draft loop drawn from an empty choice once)
     text = spec.to_json()
     again = BatchSpec.from_json(text)
     assert again == spec
