@@ -174,6 +174,10 @@ def cmd_run(args) -> int:
     for stale in (out_dir / "pending").glob("*.json"):  # a stopped run's cases, not this run's crashes
         stale.unlink()
     mutant = MUTANTS[args.mutant] if args.mutant else None
+    if mutant is not None:
+        # Built, not applied: a mutant whose code this release lacks says so here, in one line (MutantUnavailable),
+        # before any worker process starts
+        mutant.patch()
     if mutant and mutant.needs_device and mutant.needs_device != device:
         print(f"note: mutant {mutant.name} only has an effect on {mutant.needs_device}", file=sys.stderr)
     # A child process runs the rows where a crash or a hang is likely or costly: on a GPU (a device-side
@@ -245,7 +249,7 @@ def _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant):
                     watchdog.stop()
                 yield kind, row, result
     finally:
-        watchdog.stop()
+        watchdog.close()
 
 
 def cmd_repro(args) -> int:

@@ -107,6 +107,7 @@ def _child(task: dict, conn) -> None:
             if device == "cuda" and result.cuda_context_lost:
                 conn.close()
                 os._exit(EXIT_CONTEXT_POISONED)
+    watchdog.close()
     conn.close()
 
 

@@ -67,46 +67,93 @@ def compilers_under(root: int) -> list[str]:
 class StallWatchdog:
     """While a row runs: every ``seconds`` without the row ending, one line if a JIT compiler runs under this process
     (a compile is slow, not hung: FlashInfer's nvcc builds take minutes on a cold machine), else every thread's stack
-    (a hang is never silent). ``start(row)`` arms it for a row, ``stop()`` disarms it; a daemon thread."""
+    (a hang is never silent). ``start(row)`` arms it for a row, ``stop()`` disarms it, ``close()`` ends its thread.
+
+    The check runs on a Python thread, which needs the interpreter lock: a hang that holds the lock (in a C
+    extension) would silence it, so faulthandler's own timer (a C thread) stays armed as a backstop at twice the
+    period, pushed back each time the Python thread reports."""
 
     def __init__(self, seconds: float, file=None) -> None:
         import threading
 
         self.seconds, self.file = seconds, file or sys.stderr
-        self._armed = threading.Event()
-        self._rearmed = threading.Event()
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._generation, self._armed, self._closed = 0, False, False
         self.row, self.since = None, 0.0
-        threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
+        self._thread.start()
+
+    def _backstop(self, on: bool) -> None:
+        import faulthandler
+
+        faulthandler.cancel_dump_traceback_later()
+        if on:
+            try:
+                faulthandler.dump_traceback_later(2 * self.seconds, repeat=True, file=self.file)
+            except (ValueError, OSError, AttributeError):  # a file without a descriptor (a test's capture)
+                pass
 
     def start(self, row: str) -> None:
         import time
 
-        self.row, self.since = row, time.monotonic()
-        self._armed.set()
-        self._rearmed.set()
+        with self._wake:
+            self.row, self.since = row, time.monotonic()
+            self._generation += 1
+            self._armed = True
+            self._backstop(True)
+            self._wake.notify()
 
     def stop(self) -> None:
-        self._armed.clear()
-        self._rearmed.set()
+        with self._wake:
+            self._generation += 1
+            self._armed = False
+            self._backstop(False)
+            self._wake.notify()
+
+    def close(self) -> None:
+        with self._wake:
+            self._closed, self._armed = True, False
+            self._backstop(False)
+            self._wake.notify()
+        self._thread.join(timeout=5)
 
     def _watch(self) -> None:
-        import faulthandler
         import time
 
         while True:
-            self._armed.wait()
-            self._rearmed.clear()
-            if self._rearmed.wait(self.seconds) or not self._armed.is_set():
-                continue  # the row ended (or another started) within the period
-            waited = time.monotonic() - self.since
-            compilers = compilers_under(os.getpid())
-            if compilers:
-                print(f"{self.row}: still compiling kernels after {waited:.0f} s ({', '.join(compilers)} running)",
-                      file=self.file, flush=True)
-            else:
-                print(f"{self.row}: no progress for {waited:.0f} s and no compiler running; every thread's stack:",
-                      file=self.file, flush=True)
-                faulthandler.dump_traceback(file=self.file, all_threads=True)
+            with self._wake:
+                while not self._armed and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                generation = self._generation
+                self._wake.wait(self.seconds)
+                if self._closed:
+                    return
+                if not self._armed or self._generation != generation:
+                    continue  # the row ended, or another started, within the period
+                row, waited = self.row, time.monotonic() - self.since
+                self._backstop(True)  # this thread still runs: push the C timer back
+            try:
+                self._report(row, waited)
+            except Exception as e:  # noqa: BLE001 - the watchdog must outlive a bad output file
+                try:
+                    print(f"{row}: stall watchdog could not report: {type(e).__name__}: {e}", file=sys.__stderr__)
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _report(self, row: str, waited: float) -> None:
+        import faulthandler
+
+        compilers = compilers_under(os.getpid())
+        if compilers:
+            print(f"{row}: still compiling kernels after {waited:.0f} s ({', '.join(compilers)} running)",
+                  file=self.file, flush=True)
+        else:
+            print(f"{row}: no progress for {waited:.0f} s and no compiler running; every thread's stack:",
+                  file=self.file, flush=True)
+            faulthandler.dump_traceback(file=self.file, all_threads=True)
 
 
 def compiler_running(roots: Iterable[int], machine_wide: bool = False) -> bool:

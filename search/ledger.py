@@ -436,18 +436,34 @@ def _window_layers(spec: BatchSpec) -> list[int]:
     return [w for w in (getattr(layer, "sliding_window", None) for layer in spec.layers) if w is not None]
 
 
+def _spec_window_may_trim(spec: BatchSpec) -> bool:
+    """Some token of a verify or draft extend sees keys past a window under FlashInfer's per-request trim
+    (``_spec_window_trimmed_by_request``, for every token of every request)."""
+    windows = _window_layers(spec)
+    if not windows or spec.mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        return False
+    w = min(windows)
+    for r, prefix in enumerate(spec.prefix_lens):
+        if spec.mode.is_target_verify():
+            depth = max(spec.spec.depths(r), default=0)
+            if depth >= 1 and prefix + depth > w:
+                return True
+        elif spec.extend_lens[r] >= 2 and prefix + spec.extend_lens[r] > w + 1:
+            return True
+    return False
+
+
 # What a batch must have for an entry's bug to show, read from the batch alone (a condition also reads the verdict:
 # where the worst element is, what crashed). Once a row has met an entry, the rest of its search steers away from
 # batches that have it (search/search_row.py): a known bug then stops taking the row's draws. Conditions without a
-# batch-only form are not steered.
+# batch-only form are not steered, nor those that bound an error (e4m3 arithmetic): their batches can hold a new,
+# larger bug too.
 COULD_SHOW = {
     "layer_has_logit_cap": lambda spec: any(getattr(layer, "logit_cap", None) is not None for layer in spec.layers),
     "window_inside_extend": lambda spec: any(max(spec.extend_lens, default=0) - 1 > w for w in _window_layers(spec)),
-    "spec_window_trimmed_by_request": lambda spec: (spec.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
-                                                    and bool(_window_layers(spec))),
+    "spec_window_trimmed_by_request": lambda spec: _spec_window_may_trim(spec),
     "draft_extend_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_EXTEND and bool(_window_layers(spec)),
     "draft_decode_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE and bool(_window_layers(spec)),
-    "e4m3_arithmetic": lambda spec: spec.kv_cache_dtype == "fp8_e4m3",
     "tree_not_chain": lambda spec: spec.spec is not None and not spec.spec.is_chain(),
     "mixed_two_chunk": lambda spec: _mixed_two_chunk(spec, None),
     "tbo_verify_tensor_token_blocks": lambda spec: spec.mode.is_target_verify() and spec.context_len >= 32768,
@@ -457,8 +473,6 @@ COULD_SHOW = {
     "tbo_linear_plain_split": lambda spec: _tbo_linear_plain_cut(spec),
     "tbo_linear_stray_writes": lambda spec: _tbo_linear_plain_cut(spec),
     "tbo_mrope_unsliced": lambda spec: spec.mrope is not None,
-    "lightning_fp8_decode": lambda spec: spec.kv_cache_dtype == "fp8_e4m3" and any(
-        layer.kind == "lightning" for layer in spec.layers),
 }
 
 

@@ -108,8 +108,10 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     def probe(spec: BatchSpec) -> None:
         if shrink_time_spent():
             raise ShrinkBudgetSpent
-        met = next((entry for entry in steer_off if entry.could_show(spec)), None)
-        if met is not None:  # a known bug's batch again: not run, and Hypothesis draws another
+        # A known bug's batch again: not run, and Hypothesis draws another. Never once a new failure is found: its
+        # shrinking and final replay must see every batch they try (a rejected replay reads as flaky)
+        met = None if failures else next((entry for entry in steer_off if entry.could_show(spec)), None)
+        if met is not None:
             result.steered[met.id] = result.steered.get(met.id, 0) + 1
             reject()
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
@@ -130,7 +132,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
             if poisoned or known.corrupts_process:  # ... unless it left the context (or memory) unusable
                 result.context_poisoned = True
                 raise ContextPoisoned
-            if known.steerable and known not in steer_off:
+            if known.steerable and known not in steer_off and not failures:
                 steer_off.append(known)
             return
         # A passing case near its bound that a ledger entry would explain had it failed is a known bug's mild
@@ -200,8 +202,8 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         else:
             result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
     except HypothesisException as e:
-        # Unsatisfiable after steering: every batch drawn after the first ones had what a known bug needs and was not
-        # run (only steering rejects draws); the row has nothing else to search, and what it met is in result.known
+        # Hypothesis ends a search quietly when most draws are rejected (it stops at its limit of invalid draws); should
+        # a release call that unsatisfiable instead, a row steered off everything it drew is done, not broken
         if not (isinstance(e, Unsatisfiable) and result.steered):
             result.ok = False
             result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")

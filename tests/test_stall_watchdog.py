@@ -56,3 +56,14 @@ def test_a_compile_in_progress_is_one_line_naming_the_compiler(tmp_path):
 
 def test_a_row_that_ends_in_time_says_nothing(tmp_path):
     assert watched(tmp_path, 1.0, lambda: time.sleep(0.1)) == ""
+
+
+def test_a_closed_watchdog_ends_its_thread_and_a_bad_file_does_not_kill_it(tmp_path):
+    import io
+
+    dog = StallWatchdog(0.1, file=io.StringIO())  # no file descriptor: faulthandler cannot dump into it
+    dog.start("row")
+    time.sleep(0.35)
+    assert dog._thread.is_alive()  # it reported the failure to report, and watches on
+    dog.close()
+    assert not dog._thread.is_alive()

@@ -884,7 +884,8 @@ class SglangTbo(_SglangObject):
     def replay_split(self, forward_batch) -> int | None:
         """The request where ``TboAttnBackend`` cuts a replay of the padded ``forward_batch``: SGLang's own
         ``compute_split_indices_for_cuda_graph_replay`` (0.5.10 on), which its replay path calls on the replay view
-        (``_dispatch_children_from_replay_view`` in 0.5.23; ``init_forward_metadata_replay_cuda_graph`` before)."""
+        (``_dispatch_children_from_replay_view`` under the three-method contract; ``init_forward_metadata_replay_cuda_graph``
+        before it)."""
         tbo, sfb = self.sgl.two_batch_overlap, self.graph_sfb
         per_seq = tbo.get_token_num_per_seq(forward_mode=sfb.forward_mode, spec_info=sfb.spec_info)
         seq, _ = tbo.compute_split_indices_for_cuda_graph_replay(
