@@ -95,20 +95,20 @@ class StallWatchdog:
                 pass
 
     def start(self, row: str) -> None:
+        self._arm(row)
+
+    def stop(self) -> None:
+        self._arm(None)
+
+    def _arm(self, row: str | None) -> None:
+        """Watch ``row`` from now (None: watch nothing); a period in progress no longer counts."""
         import time
 
         with self._wake:
             self.row, self.since = row, time.monotonic()
             self._generation += 1
-            self._armed = True
-            self._backstop(True)
-            self._wake.notify()
-
-    def stop(self) -> None:
-        with self._wake:
-            self._generation += 1
-            self._armed = False
-            self._backstop(False)
+            self._armed = row is not None
+            self._backstop(self._armed)
             self._wake.notify()
 
     def close(self) -> None:

@@ -94,6 +94,25 @@ def graph_wrappers(backend, sfb) -> list | None:
     return None
 
 
+def graph_plan(backend, sfb) -> PlannedMetadata | None:
+    """The plan a replayed graph of ``sfb`` runs with (None: none captured for its size and mode): its full-attention
+    wrapper's, over every key (graphs plan paged wrappers only). An MLA decode replay plans from host indptrs
+    (``fast_mla_decode_plan``, handed ``fast_decode_kwargs`` by ``_apply_cuda_graph_metadata``) and refills only the
+    index buffer: the wrapper's device kv_indptr keeps the capture's values and no kernel reads it (FlashInfer's MLA
+    run takes the plan and ``_kv_indices_buf`` alone), so that plan is the host indptrs over that buffer. (The MHA
+    backend keeps no ``fast_decode_kwargs``.)"""
+    wrappers = graph_wrappers(backend, sfb)
+    if wrappers is None:
+        return None
+    host = getattr(backend, "fast_decode_kwargs", None) or {}
+    if sfb.forward_mode.is_decode_or_idle() and "kv_indptr_cpu" in host:
+        kv_indptr = host["kv_indptr_cpu"]
+        return PlannedMetadata(qo_indptr=host["qo_indptr_cpu"], kv_indptr=kv_indptr,
+                               kv_indices=wrappers[-1]._kv_indices_buf[:int(kv_indptr[-1])],
+                               kv_includes_new_tokens=True)
+    return wrapper_plan(wrappers[-1], kv_includes_new_tokens=True)
+
+
 class SglangFlashInfer(SglangBackend):
     """SGLang's ``FlashInferAttnBackend`` (MHA): ragged prefill over the new tokens merged with a paged
     prefill over the prefix (extend), paged prefill under the tree mask (verify), paged decode; its draft worker's
@@ -124,10 +143,9 @@ class SglangFlashInfer(SglangBackend):
         wrapper (over the prefix when the new tokens go through the ragged wrapper, else over every key).
         With a sliding window SGLang plans two wrappers; the second is the full-attention one
         (``_get_wrapper_idx``)."""
-        if self.planned_graph:
-            wrappers = graph_wrappers(self.inner, next(iter(self.batches.values())))
-            if wrappers is not None:  # every graph plans paged wrappers over every key, the new ones included
-                return wrapper_plan(wrappers[-1], kv_includes_new_tokens=True)
+        plan = graph_plan(self.inner, next(iter(self.batches.values()))) if self.planned_graph else None
+        if plan is not None:
+            return plan
         meta = getattr(self.inner, "forward_metadata", None)
         if meta is None:
             return PlannedMetadata()
@@ -230,21 +248,9 @@ class SglangFlashInferMLA(SglangBackend):
     def planned_metadata(self) -> PlannedMetadata:
         """The MLA wrapper's plan (decode, verify, absorbed extend: every key, the new ones included), or the
         ragged wrapper's query indptr for an extend that runs as MHA."""
-        if self.planned_graph:
-            sfb = next(iter(self.batches.values()))
-            wrappers = graph_wrappers(self.inner, sfb)
-            host = getattr(self.inner, "fast_decode_kwargs", None) or {}
-            if wrappers is not None and sfb.forward_mode.is_decode_or_idle() and "kv_indptr_cpu" in host:
-                # A decode replay plans from host indptrs (fast_mla_decode_plan, handed fast_decode_kwargs by
-                # _apply_cuda_graph_metadata) and refills only the index buffer: the wrapper's device kv_indptr
-                # keeps the capture's values, and the kernel never reads it (FlashInfer's MLA run takes the plan
-                # and _kv_indices_buf alone). The plan is the host indptrs over that buffer.
-                kv_indptr = host["kv_indptr_cpu"]
-                return PlannedMetadata(qo_indptr=host["qo_indptr_cpu"], kv_indptr=kv_indptr,
-                                       kv_indices=wrappers[-1]._kv_indices_buf[:int(kv_indptr[-1])],
-                                       kv_includes_new_tokens=True)
-            if wrappers is not None:
-                return wrapper_plan(wrappers[-1], kv_includes_new_tokens=True)
+        plan = graph_plan(self.inner, next(iter(self.batches.values()))) if self.planned_graph else None
+        if plan is not None:
+            return plan
         meta = getattr(self.inner, "forward_metadata", None)
         if meta is None:
             return PlannedMetadata()
