@@ -196,6 +196,7 @@ class LayerInputs:
     mha: ``q[T, Hq, D]``, ``k[T, Hk, D]``, ``v[T, Hk, Dv]``.
     mla: ``q[T, H, nope + rope]`` (q_nope then q_pe), ``ckv[T, kv_lora_rank]``, ``kpe[T, rope]``.
     linear: ``mixed_qkv[T, conv_dim]``, ``a[T, Hv]``, ``b[T, Hv]``.
+    short_conv: ``bcx[T, 3 * hidden]`` (B, C, x).
     """
 
     tensors: dict[str, torch.Tensor]

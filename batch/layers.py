@@ -63,5 +63,8 @@ def make_layer(spec: Layer, weights: LayerWeights, mode: ForwardMode) -> Attenti
     if spec.kind == "lightning":  # Bailing's linear layers are plain RadixAttention objects of H heads
         return AttentionLayer(spec.layer_id, "lightning", spec.num_heads, spec.num_heads, spec.num_heads,
                               spec.head_dim, spec.head_dim, spec.scale, spec=spec)
+    if spec.kind == "short_conv":  # one "head" over the hidden size: LFM2's conv layers have no heads
+        return AttentionLayer(spec.layer_id, "short_conv", 1, 1, 1, spec.hidden, spec.hidden, 1.0, spec=spec,
+                              weights=weights.tensors)
     return AttentionLayer(spec.layer_id, "linear", spec.num_v_heads, spec.num_k_heads, spec.num_v_heads,
                           spec.head_k_dim, spec.head_v_dim, spec.scale, spec=spec, weights=weights.tensors)

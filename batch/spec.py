@@ -246,11 +246,34 @@ class LightningLayer(_Shaped):
         _require(self.head_dim >= 1, f"{where}.head_dim must be >= 1, got {self.head_dim}")
 
 
-Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer]
-_LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer, "lightning": LightningLayer}
+@dataclass(frozen=True)
+class ShortConvLayer(_Shaped):
+    """A gated short convolution (LFM2's conv layers, reference/short_conv.py): each token's ``B``, ``C`` and ``x``
+    (``hidden`` each, as the model's input projection emits them), ``C * conv(B * x)`` causal and depthwise over
+    ``conv_kernel`` tokens; its state per request is the last ``conv_kernel - 1`` values of ``B * x``. A model has
+    one kernel width and one bias setting for all its conv layers (LFM2's ``conv_L_cache``, ``conv_bias``)."""
+
+    layer_id: int
+    hidden: int
+    conv_kernel: int = 3
+    conv_bias: bool = False
+    kind: str = field(default="short_conv", init=False)
+    SHAPE = ("hidden", "conv_kernel", "conv_bias")
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        _require(self.hidden >= 1, f"{where}.hidden must be >= 1, got {self.hidden}")
+        _require(self.conv_kernel >= 2, f"{where}.conv_kernel must be >= 2, got {self.conv_kernel}")
+        _require(isinstance(self.conv_bias, bool), f"{where}.conv_bias must be true or false, got {self.conv_bias!r}")
+
+
+Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer, ShortConvLayer]
+_LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer, "lightning": LightningLayer,
+                "short_conv": ShortConvLayer}
 # Layers with a recurrent state per request (linear attention) instead of a KV cache: the gated delta rule
-# ("linear", Qwen3-Next's GDN) and lightning attention. A hybrid model has one of them beside its full layers.
-RECURRENT_KINDS = frozenset({"linear", "lightning"})
+# ("linear", Qwen3-Next's GDN), lightning attention and the short convolution (a conv state only). A hybrid model
+# has one of them beside its full layers.
+RECURRENT_KINDS = frozenset({"linear", "lightning", "short_conv"})
 
 
 def is_recurrent(layer: Layer) -> bool:

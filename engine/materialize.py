@@ -190,6 +190,22 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
                 inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, Dh, Dh, device=device)
             inputs.append(LayerInputs({n: draw.normal(T, H, Dh, device=device) for n in ("q", "k", "v")}))
             weights.append(LayerWeights({}))  # the decay rates are the model's (reference/lightning.py)
+        elif layer.kind == "short_conv":
+            Dh, W = layer.hidden, layer.conv_kernel
+            conv_states[layer.layer_id] = draw.normal(num_state_slots, Dh, W - 1, device=device)
+            # No SSM state: SGLang's pool for LFM2 keeps an empty one ([1, hidden, 0]: state_size 0, configs/lfm2.py)
+            ssm_states[layer.layer_id] = draw.normal(num_state_slots, 1, Dh, 0, device=device)
+            if spec.mode.is_target_verify():
+                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, Dh, W - 1, device=device)
+                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, 1, Dh, 0, device=device)
+            # B, C and x as LFM2's in_proj emits them (one [T, 3 * hidden] output, chunked in that order)
+            inputs.append(LayerInputs({"bcx": draw.normal(T, 3 * Dh, device=device)}))
+            # A model's conv parameters are in its dtype (SGLang's CUDA causal_conv1d takes them in x's dtype only):
+            # drawn on that grid, so the float32 copies every path reads hold the very values the model has.
+            conv = {"conv_weight": draw.normal(Dh, W, scale=W**-0.5, device=device).to(dtype).float()}
+            if layer.conv_bias:
+                conv["conv_bias"] = draw.normal(Dh, scale=0.5, device=device).to(dtype).float()
+            weights.append(LayerWeights(conv))
         else:
             W, Hv, K, V = layer.conv_kernel, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
             conv_states[layer.layer_id] = draw.normal(num_state_slots, layer.conv_dim, W - 1, device=device)

@@ -36,6 +36,10 @@ interpreter runs tl.dot as an exact float32 product, and a backend may declare t
   output is the same kind of signed sum, its state read ``scale * sum_k q_t[k] S_t[k, v]``, and is widened by
   the RSS of that read's terms (``read_magnitudes``): a float32 GDN token with no state, whose output
   ``beta (q.k) v`` cancels in q.k, came within 0.84 of its bound on the CPU (nightly sweep, seed 11).
+  A short convolution (LFM2) is the smallest such sum, ``C * sum_j w_j (B x)_{t-j}`` over the kernel's W taps:
+  three roundings in the model's dtype (``B * x`` before the conv, which is also what its state stores; the conv's
+  output; the product with ``C``), each at most u of its term, and W float32 products accumulated (``D`` = W in the
+  bound). Its terms' RSS (``reference/short_conv.py``, ``magnitudes``) widens it where the taps cancel.
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -137,7 +141,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.registry import Composition
-from batch.spec import BatchSpec, Layer, LightningLayer, MHALayer, MLALayer
+from batch.spec import BatchSpec, Layer, LightningLayer, MHALayer, MLALayer, ShortConvLayer
 
 SCORE_TAIL = 8.0  # lambda: P(one score's rounding beyond lambda sqrt(D) u S) <= 2 exp(-lambda^2 / 2) ~ 2.5e-14
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -225,6 +229,8 @@ def score_dot_len(layer: Layer) -> int:
         return layer.head_dim
     if isinstance(layer, MLALayer):
         return layer.kv_lora_rank + layer.qk_rope_head_dim
+    if isinstance(layer, ShortConvLayer):  # each output sums its kernel's taps
+        return layer.conv_kernel
     return max(layer.head_k_dim, layer.conv_kernel)
 
 

@@ -16,7 +16,7 @@ import torch
 from batch.case import Case
 from batch.masks import tree_mask
 from batch.spec import BatchSpec
-from reference import gdn, lightning, mha, mla
+from reference import gdn, lightning, mha, mla, short_conv
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 
 
@@ -251,6 +251,10 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
         elif layer.kind == "lightning":
             out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _lightning_layer(case, layer, t, dtype)
             outputs.append(out)
+        elif layer.kind == "short_conv":
+            out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _short_conv_layer(case, layer, t, wt,
+                                                                                                dtype)
+            outputs.append(out)
         elif not groups:  # an idle batch
             outputs.append(_empty(layer, dtype, case.device))
             element_scales[layer.layer_id] = _empty(layer, dtype, case.device)
@@ -369,6 +373,35 @@ def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch
     return torch.cat(per_request), states, torch.cat(magnitudes)
 
 
+def _short_conv_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+                      dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One short-convolution layer, request by request, from each request's carried conv state (zeros without a
+    prefix); outputs ``[T, 1, hidden]`` with their terms' magnitudes. No SSM state: ``ssm[i]`` is ``[1, hidden, 0]``,
+    as the pools keep it."""
+    spec = case.spec
+    verify = spec.mode.is_target_verify()
+    states = LinearStates([], [], [] if verify else None, [] if verify else None)
+    pool = case.mamba_pool_before.conv_states[layer.layer_id]
+    no_ssm = t["bcx"].new_zeros(1, layer.hidden, 0)
+    per_request, magnitudes, start = [], [], 0
+    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
+        rows = slice(start, start + spec.extend_lens[i])
+        start = rows.stop
+        carried = pool[slot].to(dtype) if spec.prefix_lens[i] > 0 else None
+        res = short_conv.short_conv(t["bcx"][rows], wt["conv_weight"], wt.get("conv_bias"), carried,
+                                    keep_states=verify)
+        per_request.append(res.o[:, None, :])
+        magnitudes.append(res.magnitudes[:, None, :])
+        states.conv.append(res.state)
+        states.ssm.append(no_ssm)
+        if verify:
+            states.conv_steps.append(res.states)
+            states.ssm_steps.append(t["bcx"].new_zeros(rows.stop - rows.start, 1, layer.hidden, 0))
+    if not per_request:
+        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
+    return torch.cat(per_request), states, torch.cat(magnitudes)
+
+
 def _empty(layer, dtype, device) -> torch.Tensor:
     if layer.kind == "mha":
         return torch.zeros(0, layer.num_q_heads, layer.v_head_dim, dtype=dtype, device=device)
@@ -376,4 +409,6 @@ def _empty(layer, dtype, device) -> torch.Tensor:
         return torch.zeros(0, layer.num_heads, layer.v_head_dim, dtype=dtype, device=device)
     if layer.kind == "lightning":
         return torch.zeros(0, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+    if layer.kind == "short_conv":
+        return torch.zeros(0, 1, layer.hidden, dtype=dtype, device=device)
     return torch.zeros(0, layer.num_v_heads, layer.head_v_dim, dtype=dtype, device=device)

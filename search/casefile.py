@@ -195,6 +195,11 @@ def estimated_bytes(spec: BatchSpec) -> int:
             total += T * 3 * H * Dh * draw * 2
             total += (T if D else 1) * H * Dh * Dh * 8  # the reference's float64 state (one per verified token)
             heads = 0
+        elif layer.kind == "short_conv":
+            Dh, W = layer.hidden, layer.conv_kernel
+            total += reqs * Dh * (W - 1) * (1 + D) * (4 + 4)  # conv states (and per-draft-step ones)
+            total += T * 4 * Dh * draw * 2  # B, C, x in; the output
+            heads = 0
         else:
             Hv, K, V, W = layer.num_v_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel
             state = layer.conv_dim * (W - 1) + Hv * K * V

@@ -67,6 +67,10 @@ class Profile:
     # Lightning layers (num_heads, head_dim): Ling's head dim, 128, whatever the profile (SGLang's seg_la decode
     # splits the key dim in blocks of 128, and Bailing configs have head_dim 128).
     lightning: tuple[int, int] = (2, 128)
+    # Short-convolution layers: the hidden size (LFM2-350M's is 1024), and the kernel widths drawn (a model's one
+    # width; LFM2's checkpoints use 3, SGLang's causal_conv1d kernels take 2 to 4).
+    short_conv_hidden: int = 32
+    short_conv_kernels: tuple[int, ...] = (2, 3, 4)
 
     @property
     def heads(self) -> tuple[HeadConfig, ...]:
@@ -100,7 +104,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
             max_requests=16, max_prefix=600, max_extend=200, max_layers=4, max_examples=20, max_boundary=600,
             rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
                                    (8, 8, 64, 64), (8, 2, 256, 256), (8, 1, 256, 256)),
-            long_context=(16384, 32768), wide_batch=(64, 160), lightning=(8, 128),
+            long_context=(16384, 32768), wide_batch=(64, 160), lightning=(8, 128), short_conv_hidden=1024,
             description="GPU runners: bf16, serving head dims (64/128/256, MHA to MQA), 16k-32k contexts"),
 ]}
 

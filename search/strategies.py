@@ -13,8 +13,8 @@ import functools
 from hypothesis import strategies as st
 
 from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode,
-                        ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, SpecInput, draft_forest,
-                        is_recurrent)
+                        ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, ShortConvLayer,
+                        SpecInput, draft_forest, is_recurrent)
 from search.profiles import Profile
 
 
@@ -175,8 +175,11 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         layer_kinds = [draw(st.sampled_from([k for k in (full_kind, recurrent_kind) if k])) for _ in range(n_layers)]
         if require_recurrent and recurrent_kind is not None and recurrent_kind not in layer_kinds:
             layer_kinds[-1] = recurrent_kind
+        conv = (profile.short_conv_hidden, draw(st.sampled_from(profile.short_conv_kernels)), draw(st.booleans())) \
+            if recurrent_kind == "short_conv" else None  # one kernel width and bias setting per model
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
                        else LightningLayer(i, *profile.lightning) if k == "lightning"
+                       else ShortConvLayer(i, *conv) if k == "short_conv"
                        else _full_layer(k, i, profile, draw, window, head) for i, k in enumerate(layer_kinds))
     sliding_window = sliding_window and (verify_window or not mode.is_target_verify()) \
         and (draft_window or not mode.is_draft_decode())

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from batch.spec import BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, MLALayer, SpecError, SpecInput
+from batch.spec import (BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, MLALayer, ShortConvLayer, SpecError,
+                        SpecInput)
 from search.profiles import PROFILES
 from search.strategies import batch_specs
 
@@ -91,7 +92,8 @@ def test_empty_extends_and_windows_in_verify_are_batches():
     assert verify.positions() == [3, 4, 4, 1, 2, 2]  # positions by tree depth, the window's too
 
 
-@pytest.mark.parametrize("linear", [LinearLayer(1, 2, 4, 8, 8), LightningLayer(1, 2, 16)], ids=["gdn", "lightning"])
+@pytest.mark.parametrize("linear", [LinearLayer(1, 2, 4, 8, 8), LightningLayer(1, 2, 16), ShortConvLayer(1, 8)],
+                         ids=["gdn", "lightning", "short_conv"])
 def test_linear_verify_needs_chains(linear):
     with pytest.raises(SpecError, match="chains only"):
         good(mode=ForwardMode.TARGET_VERIFY, prefix_lens=(3, 1), extend_lens=(3, 3),
@@ -102,9 +104,13 @@ def test_linear_verify_needs_chains(linear):
 def test_a_model_has_one_kind_of_linear_attention():
     with pytest.raises(SpecError, match="one kind of linear attention"):
         good(layers=(mha(0), LinearLayer(1, 2, 4, 8, 8), LightningLayer(2, 2, 16)))
+    with pytest.raises(SpecError, match="one kind of linear attention"):
+        good(layers=(mha(0), ShortConvLayer(1, 8), LightningLayer(2, 2, 16)))
     spec = good(layers=(LightningLayer(3, 2, 16), mha(0)))
     assert spec.full_attn_layers == (0,) and spec.num_model_layers == 4
     assert BatchSpec.from_json(spec.to_json()) == spec
+    conv = good(layers=(ShortConvLayer(2, 8, conv_kernel=4, conv_bias=True), mha(0)))
+    assert conv.full_attn_layers == (0,) and BatchSpec.from_json(conv.to_json()) == conv
 
 
 @pytest.mark.parametrize("mutate, message", [
