@@ -30,6 +30,7 @@ LEAVES: dict[str, str] = {
     "sglang.flex_attention": "backends.sglang.adapter:SglangFlexAttention",
     "sglang.gdn": "backends.sglang.adapter:SglangGdn",
     "sglang.lightning": "backends.sglang.adapter:SglangLightning",
+    "sglang.short_conv": "backends.sglang.adapter:SglangShortConv",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
     # SGLang's backends whose planning runs here but not their kernels (backends/sglang/plans.py)

@@ -24,7 +24,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do versions+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
 [ ${#versions[@]} -gt 0 ] || { echo "usage: bash ci/releases.sh VERSION... [-- HARNESS-RUN-ARGUMENTS]" >&2; exit 2; }
 run_args=("$@")
-[ ${#run_args[@]} -gt 0 ] || run_args=(--profile ci --backends sglang.torch_native sglang.triton sglang.gdn sglang.lightning)
+[ ${#run_args[@]} -gt 0 ] || run_args=(--profile ci --backends sglang.torch_native sglang.triton sglang.gdn sglang.lightning sglang.short_conv)
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "error: no .venv: run bash ci/setup.sh first" >&2; exit 2; }
 ENVS=${HARNESS_ENVS:-$HOME/.cache/attn-harness/envs}

@@ -583,6 +583,9 @@ def conformance(composition: Composition, spec: BatchSpec, device: str) -> Verdi
 
 
 _ROUTED = ("init_forward_metadata", "forward", "forward_extend", "forward_decode")
+# How a short-conv layer reaches its backend: it asks for its state by layer id and runs its own kernels
+# (SGLang's ShortConvHybridAttnBackend.conv_state_metadata, 0.5.22 on), never through forward
+_STATE_REQUESTS = ("conv_state_metadata",)
 
 
 class _CallRecorder:
@@ -593,6 +596,11 @@ class _CallRecorder:
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
+        if name in _STATE_REQUESTS:
+            def requested(layer_id, *args, **kwargs):
+                self._calls.append((name, layer_id))
+                return attr(layer_id, *args, **kwargs)
+            return requested
         if name not in _ROUTED:
             return attr
 
@@ -604,7 +612,7 @@ class _CallRecorder:
 
 
 def _forwarded(calls: list) -> set:
-    """The layer ids a recorder's forward methods saw."""
+    """The layer ids a recorder's forward methods (or state requests) saw."""
     return {layer for method, layer in calls if method != "init_forward_metadata" and layer is not None}
 
 
@@ -621,9 +629,17 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     if not hybrids:
         return Verdict(name, True, "no hybrid wrapper in this composition")
     full_calls, linear_calls = [], []
+    # Short-conv layers that read their state without asking a backend (SGLang's LFM2 layer up to 0.5.21 reads the
+    # request pool itself): nothing to route, so they must reach neither backend's forward
+    unrouted = set()
     for h in hybrids:
         h.full_attn_backend = _CallRecorder(h.full_attn_backend, full_calls)
-        h.linear_attn_backend = _CallRecorder(h.linear_attn_backend, linear_calls)
+        linear = _CallRecorder(h.linear_attn_backend, linear_calls)
+        h.linear_attn_backend = linear
+        if hasattr(h, "short_conv_backend"):  # the same object as its linear child, asked by its conv layers
+            h.short_conv_backend = linear
+        elif not hasattr(h, "conv_state_metadata"):
+            unrouted |= {l.layer_id for l in spec.layers if l.kind == "short_conv"}
     error = None
     try:
         execute(composition, case, backend=backend)
@@ -640,7 +656,7 @@ def dispatch(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
                                     f"(full got {sorted(full_seen)}, linear got {sorted(linear_seen)})")
     if error:
         return Verdict(name, False, f"run crashed: {error}")
-    missing = sorted((full_ids - full_seen) | (linear_ids - linear_seen))
+    missing = sorted((full_ids - full_seen) | (linear_ids - linear_seen - unrouted))
     if missing and spec.batch_size:
         return Verdict(name, False, f"layer id(s) {missing} never reached their backend")
     return Verdict(name, True, f"full layers {sorted(full_ids)} and linear layers {sorted(linear_ids)} dispatched correctly")

@@ -13,7 +13,7 @@ from backends.registry import CompositionError, all_compositions, parse
 from batch.forward_batch import ModelRunner
 from backends.sglang import runtime
 from backends.sglang.adapter import retrieve_links
-from batch.spec import BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, ShortConvLayer, SpecInput
 from engine.materialize import materialize
 from properties import PROPERTIES
 from properties.run import run_case
@@ -473,3 +473,23 @@ def test_graph_metadata_reads_each_tbo_half_a_replay_plans(device):
     with MUTANTS["sglang_tbo_replay_right_half_reads_left_lengths"].patch():
         verdict = PROPERTIES["graph_metadata"].run(comp, spec, device)
     assert not verdict.ok and "_TboChild: request 0" in verdict.reason, verdict.reason
+
+
+@needs_sglang
+def test_sglang_builds_its_short_conv_hybrid_for_an_lfm2_model(device):
+    # An LFM2-shaped model: SGLang's attn_backend_wrapper picks its short-conv sidecar for the Lfm2Config (0.5.22 on:
+    # ShortConvAttnBackend under ShortConvHybridAttnBackend; before, Mamba2AttnBackend under the plain hybrid), the
+    # full layers by id; the conv layers are SGLang's own Lfm2ShortConv, asking the hybrid for their state.
+    layers = (ShortConvLayer(0, 16, 3, True), MHALayer(1, 4, 2, 16, 16), ShortConvLayer(2, 16, 3, True))
+    extend = BatchSpec(ForwardMode.EXTEND, (5, 0, 3), (4, 7, 1), layers, seed=9)
+    composition = parse("hybrid(sglang.torch_native,sglang.short_conv)")
+    run = run_case(composition, extend, device)
+    sgl = runtime.load()
+    hybrid = run.execution.backend.inner
+    assert isinstance(hybrid, sgl.HybridLinearAttnBackend) and hybrid.full_attn_layers == [1]
+    assert {i: type(r).__name__ for i, r in run.execution.backend.radix.items()} == {
+        0: "Lfm2ShortConv", 1: "RadixAttention", 2: "Lfm2ShortConv"}
+    if hasattr(hybrid, "conv_state_metadata"):
+        assert type(hybrid.linear_attn_backend).__name__ == "ShortConvAttnBackend"
+    for name in ("outputs", "cache", "dispatch"):
+        assert PROPERTIES[name].run(composition, extend, device).ok, name

@@ -46,6 +46,13 @@ TBO_DRAFT_EXTEND_GAP = ("tbo", ForwardMode.DRAFT_EXTEND, "SGLang's draft worker 
                                                          "backend, never under TboAttnBackend")
 
 
+class _Identity(torch.nn.Module):
+    """A projection that hands its input through, as SGLang's linear layers return it: ``(output, bias)``."""
+
+    def forward(self, x):
+        return x, None
+
+
 def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
     """EAGLE's tree links from a parent list: each node's first child and its next sibling (-1: none)."""
     first_child, next_sibling = [-1] * len(parents), [-1] * len(parents)
@@ -248,6 +255,31 @@ class SglangBackend(_SglangObject):
             self.radix[layer.layer_id] = radix
         return radix
 
+    def _conv_layer(self, layer):
+        """SGLang's own LFM2 conv layer (``Lfm2ShortConv``) for a harness short-conv layer (cached per layer id),
+        with the drawn conv weights and its two projections the identity: the harness hands it the input
+        projection's output (B, C, x side by side) and reads its output before the output projection. Its forward is
+        then the model's, whatever the release: the kernel calls, the state it asks the backend for."""
+        conv = self.radix.get(layer.layer_id)
+        if conv is None:
+            sgl, w = self.sgl, layer.weights
+            conv = sgl.Lfm2ShortConv.__new__(sgl.Lfm2ShortConv)
+            torch.nn.Module.__init__(conv)  # no __init__: it would build TP-sharded projections and load nothing
+            conv.layer_idx, conv.conv_kernel = layer.layer_id, layer.spec.conv_kernel
+            conv.hidden_size = conv.hidden_size_per_partition = layer.spec.hidden
+            conv.use_bias = layer.spec.conv_bias
+            conv.in_proj = conv.out_proj = _Identity()
+            # In the model's dtype, as a checkpoint loads them (the drawn values lie on its grid: exact)
+            dtype = self.sgl_runner.dtype
+            conv.conv_weight = torch.nn.Parameter(w["conv_weight"].to(dtype), requires_grad=False)
+            conv.conv_bias = torch.nn.Parameter(w["conv_bias"].to(dtype), requires_grad=False) if "conv_bias" in w \
+                else None
+            if sgl.register_shortconv_verify_buffers is not None:
+                sgl.register_shortconv_verify_buffers(conv)
+                conv.to(w["conv_weight"].device)
+            self.radix[layer.layer_id] = conv
+        return conv
+
     def translate(self, fb, graph: bool = False):
         """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree). ``graph``: the
         graph runner's static batch, translated as SGLang's graph runners build theirs (int64 ``seq_lens``
@@ -416,10 +448,26 @@ class SglangBackend(_SglangObject):
                          verify=forward_batch.forward_mode.is_target_verify())
         return o.reshape(T, s.num_v_heads, s.head_v_dim)
 
+    def _run_short_conv(self, layer, forward_batch, bcx, via=None) -> torch.Tensor:
+        """bcx ``[T, 3 * hidden]`` -> o ``[T, 1, hidden]`` through SGLang's LFM2 conv layer, which asks the forward
+        context's backend for its state (``conv_state_metadata``, 0.5.22 on) and runs its own conv kernels; its
+        states then come back into the harness's pools."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        T = bcx.shape[0]
+        with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
+            o = self._conv_layer(layer)(bcx, sfb)
+        self.states.pull(layer.layer_id, forward_batch.state_slots,
+                         verify=forward_batch.forward_mode.is_target_verify())
+        return o[:, :layer.spec.hidden].reshape(T, 1, layer.spec.hidden)
+
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
-                mixed_qkv=None, a=None, b=None, via=None, **kwargs):
+                mixed_qkv=None, a=None, b=None, bcx=None, via=None, **kwargs):
         if layer.kind == "linear":  # the model calls its RadixLinearAttention, which SGLang's hybrid dispatches
             return self._run_linear(layer, forward_batch, mixed_qkv, a, b, via)
+        if layer.kind == "short_conv":  # the model calls its conv layer, which never goes through forward
+            return self._run_short_conv(layer, forward_batch, bcx, via)
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, via)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
@@ -602,13 +650,13 @@ LINEAR_CHILD_CPU_GAPS = (("verify_chain", "SGLang's state commit after verify ru
                          ("verify_commit", "SGLang's state commit after verify runs on CUDA/XPU tensors only"))
 
 
-def _linear_child_capabilities(**own) -> Capabilities:
-    """A linear child's declaration: what every one shares (above), its own facts in ``own``. Each child's layers
-    break out of a breakable prefill graph (``prefill_graph``; GDN's RadixLinearAttention goes eager,
+def _linear_child_capabilities(prefill_graph: bool = True, **own) -> Capabilities:
+    """A linear child's declaration: what every one shares (above), its own facts in ``own``. A child whose layers
+    break out of a breakable prefill graph declares ``prefill_graph`` (GDN's RadixLinearAttention goes eager,
     radix_linear_attention.py:97-121, 159-165, sgl-project/sglang#25110; lightning's layers are RadixAttention
     objects, where the graph breaks anyway)."""
     return Capabilities(modes=LINEAR_CHILD_MODES, cuda_graph_modes=LINEAR_CHILD_GRAPH_MODES,
-                        graph_captures_linear=True, prefill_graph=True, requires=("sglang", "triton"),
+                        graph_captures_linear=True, prefill_graph=prefill_graph, requires=("sglang", "triton"),
                         cpu_needs_env="TRITON_INTERPRET", cpu_gaps=LINEAR_CHILD_CPU_GAPS, engine="sglang",
                         one_shape_per_kind=True, **own)
 
@@ -671,6 +719,29 @@ class SglangLightning(_LinearChild):
         # (lightning_backend.py:82-93). A Bailing model is served with topk 1.
         draft_trees=False,
         slow_on_cpu="the interpreted seg_la kernels take seconds a case (head dim 128, a program per 32x32 block)",
+    )
+
+
+class SglangShortConv(_LinearChild):
+    """SGLang's short-convolution backend for LFM2-style hybrids: ``ShortConvAttnBackend`` under
+    ``ShortConvHybridAttnBackend`` (0.5.22 on), ``Mamba2AttnBackend`` under ``HybridLinearAttnBackend`` before. It only
+    plans: each conv layer asks it for its state (slot indices, ``has_initial_state``, ``query_start_loc``; the
+    hybrid's ``conv_state_metadata``) and runs its own causal_conv1d kernels (models/lfm2.py, Lfm2ShortConv), so the
+    harness runs SGLang's own conv layer (backends/sglang/adapter.py, ``_conv_layer``)."""
+
+    sglang_name = "short_conv"
+    capabilities = _linear_child_capabilities(
+        attention_kinds=frozenset({"short_conv"}),
+        engine_features=("hybrid_linear", "short_conv_model"),
+        # Its kernels convolve elementwise in float32 (no tl.dot): every model dtype runs, on the CPU too.
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        # The verify conv kernel advances the request's conv state through the draft tokens in place, as GDN's
+        # (causal_conv1d_update with intermediate_conv_window, models/lfm2.py shortconv_target_verify); the commit
+        # rewrites it.
+        verify_advances_conv_state=True,
+        # LFM2's conv layer marks no break for SGLang's breakable prefill graph (models/lfm2.py has none, unlike
+        # GDN's RadixLinearAttention): whether a server captures it there is not adapted.
+        prefill_graph=False,
     )
 
 

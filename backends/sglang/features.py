@@ -159,6 +159,11 @@ FEATURES: dict[str, Feature] = {
     "gdn_model": Feature("a Qwen3-Next config for GDN hybrids", (_p("srt.configs.qwen3_next:Qwen3NextConfig"),)),
     "lightning_model": Feature("a Bailing config for lightning hybrids", (
         _p("srt.configs.bailing_hybrid:BailingHybridConfig"),)),
+    # LFM2's conv layer runs its own conv kernels against state its backend hands it; its forward is called as
+    # the model calls it (backends/sglang/runtime.py, short_conv_layer). Up to 0.5.21 the layer reads the pool itself,
+    # by request row; from 0.5.22 through ShortConvAttnBackend.conv_state_metadata.
+    "short_conv_model": Feature("an LFM2 config and its short-convolution layer for short-conv hybrids", (
+        _p("srt.configs.lfm2:Lfm2Config"), _p("srt.models.lfm2:Lfm2ShortConv"))),
     "deepseek_mla": Feature("DeepSeek's choice of MLA forward method (FlashInfer MLA rows)", (
         _p("srt.models.deepseek_common.attention_backend_handler:handle_attention_flashinfer"),
         _p("srt.models.deepseek_common.attention_forward_methods.forward_methods:AttnForwardMethod"))),

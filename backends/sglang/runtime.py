@@ -241,6 +241,13 @@ def _import_names() -> dict[str, object]:
         from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     if features.has("lightning_model"):
         from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
+    Lfm2Config = Lfm2ShortConv = register_shortconv_verify_buffers = None
+    if features.has("short_conv_model"):
+        from sglang.srt.configs.lfm2 import Lfm2Config
+        from sglang.srt.models import lfm2
+        Lfm2ShortConv = lfm2.Lfm2ShortConv
+        # Its verify path's index buffer (0.5.22 on; before, LFM2 verified through its prefill path)
+        register_shortconv_verify_buffers = getattr(lfm2, "register_shortconv_verify_buffers", None)
     # The breakable prefill graph: its capture, its scope flags, the live batch its graph breaks read
     BreakableCUDAGraph = BreakableCUDAGraphCapture = enable_breakable_cuda_graph = None
     set_forward_batch = prefill_graph_scope = None
@@ -413,6 +420,7 @@ def model_window(runner: ModelRunner) -> int | None:
 _IDLE_LINEAR_SHAPES = {
     "linear": (2, 4, 16, 16, 4),  # GDN: key heads, value heads, key dim, value dim, conv kernel
     "lightning": (2, 128),  # heads, head dim (seg_la's decode splits the key dim in blocks of 128)
+    "short_conv": (16, 3, False),  # hidden size, kernel width, bias
 }
 
 
@@ -429,7 +437,8 @@ class HybridModel:
     and that layer's shape, and whether this runner is an MTP draft worker."""
 
     layer_types: tuple[str, ...]  # "attention" / "linear_attention", as the configs' layers_block_type
-    linear_kind: str  # "linear": GDN (a Qwen3-Next-shaped model); "lightning": Bailing/Ling's lightning layers
+    linear_kind: str  # "linear": GDN (a Qwen3-Next-shaped model); "lightning": Bailing/Ling's lightning layers;
+    # "short_conv": LFM2's conv layers
     shape: tuple[int, ...]  # see _IDLE_LINEAR_SHAPES
     draft_worker: bool
 
@@ -474,6 +483,16 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
     drawn shape. Bailing's config has one head count and head dim, which its lightning layers take (its MHA
     layers' shapes reach SGLang's full backend through the runner's model config, not this one)."""
     n = len(hybrid.layer_types)
+    if hybrid.linear_kind == "short_conv":
+        # SGLang's own LFM2 config: its layer_types name the conv layers, full_attention_layer_ids the others, and
+        # its mamba2_cache_params size a conv state of [hidden, kernel - 1] and no SSM state (configs/lfm2.py).
+        hidden, kernel, bias = hybrid.shape
+        cfg = load().Lfm2Config(
+            num_hidden_layers=n, hidden_size=hidden, num_attention_heads=hq, num_key_value_heads=hk,
+            conv_L_cache=kernel, conv_bias=bias,
+            layer_types=["conv" if t == "linear_attention" else "full_attention" for t in hybrid.layer_types])
+        cfg.architectures = ["Lfm2ForCausalLM"]
+        return cfg
     if hybrid.linear_kind == "lightning":
         heads, head_dim = hybrid.shape
         cfg = _hybrid_config_class("lightning")(num_hidden_layers=n, hidden_size=heads * head_dim,

@@ -748,6 +748,43 @@ def sglang_linear_replay_pads_into_last_state():
     return _replace(MambaAttnBackendBase, "_replay_metadata", replay_metadata)
 
 
+def _short_conv_backend():
+    """SGLang's ShortConvAttnBackend (0.5.22 on: before it, LFM2's conv layer read the pool itself)."""
+    from backends.sglang.runtime import load
+    load()
+    try:
+        from sglang.srt.layers.attention.linear.short_conv_backend import ShortConvAttnBackend
+    except ImportError:
+        raise MutantUnavailable("this SGLang has no ShortConvAttnBackend (0.5.22 on): LFM2's conv layer reads the "
+                                "pool itself") from None
+    return ShortConvAttnBackend
+
+
+def sglang_short_conv_drops_initial_state():
+    backend = _short_conv_backend()
+    planned = backend.init_forward_metadata
+
+    def init_forward_metadata(self, forward_batch):
+        planned(self, forward_batch)
+        if self._has_initial_state is not None:  # every request treated as fresh: its cached conv window ignored
+            self._has_initial_state = torch.zeros_like(self._has_initial_state)
+    return _replace(backend, "init_forward_metadata", init_forward_metadata)
+
+
+def sglang_short_conv_slots_by_request_row():
+    backend = _short_conv_backend()
+    handed = backend.conv_state_metadata
+
+    def conv_state_metadata(self, layer_id, forward_batch):
+        meta = handed(self, layer_id, forward_batch)
+        if meta.cache_indices is None:
+            return meta
+        # the request's row in req_to_token, not its state slot (SGLang's LFM2 layer did this up to 0.5.21)
+        rows = forward_batch.req_pool_indices[:meta.cache_indices.shape[0]].to(meta.cache_indices.dtype)
+        return meta._replace(cache_indices=rows)
+    return _replace(backend, "conv_state_metadata", conv_state_metadata)
+
+
 def sglang_fa3_verify_replay_keys_without_drafts():
     from backends.sglang.runtime import load
     load()
@@ -877,6 +914,14 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
            "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",
            ("graph(hybrid(sglang.triton,sglang.gdn))",), modes=("decode",), engine="sglang"),
+    Mutant("sglang_short_conv_drops_initial_state", "SGLang's ShortConvAttnBackend plans every extend as a fresh "
+           "request (has_initial_state all false); a request that continues a cached prefix (chunked prefill, a "
+           "radix-cache hit) convolves zeros where its last tokens were (LFM2 models lose the context's tail)",
+           ("hybrid(sglang.torch_native,sglang.short_conv)",), ("outputs",), modes=("extend",), engine="sglang"),
+    Mutant("sglang_short_conv_slots_by_request_row", "SGLang's ShortConvAttnBackend hands LFM2's conv layers each "
+           "request's req_to_token row as its state slot instead of its mamba index (as LFM2's layer itself did up to "
+           "0.5.21); requests read and overwrite each other's conv states",
+           ("hybrid(sglang.torch_native,sglang.short_conv)",), ("outputs",), modes=("decode",), engine="sglang"),
     Mutant("sglang_fa3_verify_replay_keys_without_drafts", "SGLang's FlashAttentionBackend replay of a target_verify "
            "graph (draft chains) counts each request's keys without its own draft tokens; every replayed verify's "
            "drafts read none of the drafts before them. Caught at plan level, where FA3's kernels cannot run",
