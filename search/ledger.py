@@ -233,10 +233,11 @@ def _idle_lightning_layer(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 def _triton_reads_layer0_kv(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A lightning hybrid whose layer 0 is a lightning layer, crashed where SGLang's Triton backend asks the hybrid
-    KV pool for layer 0's value buffer to learn the value head dim (docs/findings/sglang-triton-hybrid-layer0.md):
-    by mechanism, the pool's refusal of a layer id that has no KV cache."""
-    return (any(layer.layer_id == 0 and layer.kind == "lightning" for layer in spec.layers)
+    """A lightning or LFM2 short-conv hybrid whose layer 0 is a linear layer (the models Triton's check does not
+    recognise), crashed where SGLang's Triton backend asks the hybrid KV
+    pool for layer 0's value buffer to learn the value head dim (docs/findings/sglang-triton-hybrid-layer0.md): by
+    mechanism, the pool's refusal of a layer id that has no KV cache."""
+    return (any(layer.layer_id == 0 and layer.kind in ("lightning", "short_conv") for layer in spec.layers)
             and "layer_id=0 not in full attention layers" in verdict.reason
             and "_transfer_full_attention_id" in verdict.reason)
 
@@ -378,11 +379,25 @@ def _tbo_mixed_not_implemented(spec: BatchSpec, verdict: Verdict) -> bool:
 def _draft_worker_misrouted(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft worker's batch (its one full-attention layer has id 0) whose layer reached the hybrid's linear
     backend: the GDN backend's assertion on the missing mixed_qkv, the lightning backend's seg_la unpacking the full
-    layer's flat q as [T, H, D] (seen on an H200, 0.5.10), or dispatch seeing the misroute."""
+    layer's flat q as [T, H, D] (seen on an H200, 0.5.10), an LFM2 hybrid's Mamba2AttnBackend refusing a forward it
+    never serves (0.5.10, CPU), or dispatch seeing the misroute."""
     reason = verdict.reason
     return spec.draft_worker and ("assert isinstance(mixed_qkv, torch.Tensor)" in reason
                                   or ("seg_la" in reason and "not enough values to unpack" in reason)
+                                  or "Mamba2AttnBackend's forward is called directly" in reason
                                   or ("reached the wrong backend" in reason and "linear got [0]" in reason))
+
+
+def _conv_state_by_request_row(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The disagreement is in a short-conv layer: its output or its conv state off (the worst element's layer), or
+    a conv-state slot outside the batch written (the cache property names the layer). SGLang's LFM2 conv layer up to
+    0.5.21 reads and writes the state pool at each request's req_to_token row, not its state slot, and never reads
+    a cached prefix's state (docs/findings/sglang-lfm2-conv-state-by-request-row.md)."""
+    layer = _failing_layer(spec, verdict)
+    if layer is not None:
+        return layer.kind == "short_conv"
+    m = re.search(r"layer (\d+) conv_states", verdict.reason)
+    return m is not None and any(l.layer_id == int(m.group(1)) and l.kind == "short_conv" for l in spec.layers)
 
 
 def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -427,6 +442,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "draft_extend_window_layer": _draft_extend_window_layer,
     "draft_decode_window_layer": _draft_decode_window_layer,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
+    "conv_state_by_request_row": _conv_state_by_request_row,
     "split_hides_block_m": _split_hides_block_m,
     "split_hides_support_triton": _split_hides_support_triton,
 }
