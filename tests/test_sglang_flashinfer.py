@@ -4,6 +4,8 @@ plan is read). The leaves themselves run on the GPU (`harness run --profile gpu 
 
 from __future__ import annotations
 
+import sys
+
 from types import SimpleNamespace
 
 import pytest
@@ -108,6 +110,23 @@ def test_sgl_kernel_stand_in_answers_with_sglangs_own_and_is_inert_elsewhere():
     top = stub.create_module(importlib.machinery.ModuleSpec("sgl_kernel", stub, is_package=True))
     with pytest.raises(RuntimeError, match="inert stub"):
         top.merge_state_v2()  # a kernel nobody adapted fails loudly
+
+
+def test_an_inert_ipython_lets_matplotlib_draw_the_reports_plots(monkeypatch, tmp_path):
+    """A GPU image without IPython gets the stand-in, which matplotlib then asks for its version and shell when the
+    report draws its plots: it must answer as IPython outside a shell does (measured: the inert one raised a
+    TypeError at the end of `harness run --mutant` on the H200)."""
+    import importlib.machinery
+
+    from matplotlib.figure import Figure
+
+    stub = runtime._StubPackage("IPython", runtime._REAL_WHEN_ABSENT["IPython"])
+    ipython = stub.create_module(importlib.machinery.ModuleSpec("IPython", stub, is_package=True))
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    Figure(figsize=(2, 2)).savefig(tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    with pytest.raises(RuntimeError, match="inert stub"):
+        ipython.embed()  # anything else stays inert
 
 
 def test_flashinfer_ledger_conditions_are_narrow():

@@ -143,6 +143,11 @@ _SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_suppor
 # stubbed: SGLang's one importer (srt/observability/trace.py) catches the ImportError, which a stub would turn
 # into a RuntimeError at import.
 _INERT_WHEN_ABSENT = ("torchvision", "IPython", "sniffio")
+# Read by others once the stand-in is in sys.modules: matplotlib, drawing the report's plots, asks any imported IPython
+# for version_info[:2] and then get_ipython() (backend_bases.py, _fix_ipython_backend2gui); inert, the first raised
+# TypeError at the end of every GPU run that had loaded SGLang in the parent (seen on the H200, harness run --mutant).
+# Answered as an IPython outside a shell answers: an old version and no shell, so matplotlib leaves it alone.
+_REAL_WHEN_ABSENT = {"IPython": {"IPython": {"version_info": (0, 0, 0), "get_ipython": lambda: None}}}
 
 
 def _install_shims() -> list[str]:
@@ -150,7 +155,7 @@ def _install_shims() -> list[str]:
     installed = []
     for name in _INERT_WHEN_ABSENT:
         if importlib.util.find_spec(name) is None:
-            sys.meta_path.insert(0, _StubPackage(name))
+            sys.meta_path.insert(0, _StubPackage(name, _REAL_WHEN_ABSENT.get(name)))
             installed.append(name)
     if importlib.util.find_spec("sgl_kernel") is None:
         sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
