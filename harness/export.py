@@ -22,10 +22,25 @@ built: its file runs the harness's class check itself (``class_call_problems``, 
 properties/conformance.py when the file is written) on the same classes, and the wrapper check on the members the
 harness found hidden.
 
-What it covers today (anything else is refused with one line, exit 2): the ``outputs`` property of a plain
-dense SGLang leaf (``sglang.torch_native``, ``sglang.triton``, ``sglang.flashinfer``) in EXTEND, DECODE or MIXED,
-with an ``auto`` KV cache; the ``conformance`` property of any SGLang composition, class-level ones included. The other kinds named by
-issue 27 (metadata invariants, graph replay, TBO splits, linear attention, MLA, verify trees) are not exported yet.
+What it covers today (anything else is refused with one line, exit 2):
+
+* the ``outputs`` and ``refuse_or_correct`` properties of a plain dense SGLang leaf (``sglang.torch_native``,
+  ``sglang.triton``, ``sglang.flashinfer``, ``sglang.flex_attention``), in EXTEND, DECODE, MIXED, TARGET_VERIFY
+  or DRAFT_EXTEND (SGLang's DRAFT_EXTEND_V2), over an ``auto`` or an ``fp8_e4m3`` KV cache:
+  - a refuse_or_correct file passes when SGLang raises (a loud refusal; an error of the file's own code is not
+    one) or answers within the bound, and fails with the refusal property's words ("answered without refusing
+    (logit cap not supported); ...") otherwise;
+  - over an fp8 cache the file swaps SGLang's fp8 pool into the kit's runner, sets the layer's checkpoint KV
+    scales as SGLang's loader leaves them, stores the cached e4m3 values as they are, and its reference reads them
+    times the scales (the new tokens as the cache stores them), as the harness's reference does; on a CPU a Triton
+    case also gets the harness's correction of Triton's interpreted fp8 cast (interpreter_shims.py, shim 6);
+  - a verify or draft-extend batch keeps SGLang's seq_lens and positions and rebuilds its spec info with SGLang's
+    ``EagleVerifyInput`` (the draft tree's custom mask and retrieve links, as the harness handed them) or
+    ``EagleDraftExtendInput``; the reference places each draft token at the cached length plus its depth;
+* the ``conformance`` property of any SGLang composition, class-level ones included.
+
+The other kinds named by issue 27 (metadata invariants, graph replay, TBO splits, linear attention, MLA, the draft
+loop) are not exported yet.
 """
 
 from __future__ import annotations
@@ -45,16 +60,22 @@ import torch
 from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
-DENSE_LEAVES = {"sglang.torch_native": "torch_native", "sglang.triton": "triton", "sglang.flashinfer": "flashinfer"}
-PROPERTIES = ("outputs", "conformance")
-MODES = ("extend", "decode", "mixed")
+DENSE_LEAVES = {"sglang.torch_native": "torch_native", "sglang.triton": "triton", "sglang.flashinfer": "flashinfer",
+                "sglang.flex_attention": "flex_attention"}
+# The properties whose file runs one layer against a float64 reference; refuse_or_correct also takes a raise
+OUTPUT_PROPERTIES = ("outputs", "refuse_or_correct")
+PROPERTIES = (*OUTPUT_PROPERTIES, "conformance")
+REFUSAL = "refuse_or_correct"
+MODES = ("extend", "decode", "mixed", "target_verify", "draft_extend")
+# "auto": the cache in the model's dtype; fp8_e4m3: --kv-cache-dtype fp8_e4m3, with the layer's checkpoint scales
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # Up to this many tensor elements the data is written into the file itself; above, into one .pt beside it.
 INLINE_ELEMENTS = 4096
 # The first SGLang release whose wheel ships the attention unit-test kit the file builds with.
 KIT_SINCE = "0.5.14"
 # Where a server reaches each leaf: the flag that selects it.
 SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--attention-backend triton",
-               "flashinfer": "--attention-backend flashinfer"}
+               "flashinfer": "--attention-backend flashinfer", "flex_attention": "--attention-backend flex_attention"}
 
 
 def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
@@ -69,9 +90,9 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
     if prop not in PROPERTIES:
         return f"export covers the {', '.join(PROPERTIES)} property, not {prop}"
     if mode not in MODES:
-        return f"export covers {', '.join(MODES)} batches, not {mode} (verify trees and draft extends are not yet)"
-    if kv_cache_dtype != "auto":
-        return f"export covers an auto KV cache, not {kv_cache_dtype}"
+        return f"export covers {', '.join(MODES)} batches, not {mode} (draft-loop batches are not exported yet)"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return f"export covers a KV cache of {' or '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype}"
     return None
 
 
@@ -84,9 +105,33 @@ class LayerCall:
     k: torch.Tensor  # [T, Hk, D], the batch's new tokens
     v: torch.Tensor  # [T, Hk, Dv]
     radix: dict  # RadixAttention's constructor arguments as the adapter passed them
-    slots: list[list[int]]  # each request's KV slot per position (its req_to_token row up to its length)
+    slots: list[list[int]]  # each request's KV slot per position (cached: its req_to_token row; new: out_cache_loc)
     cached_k: list[torch.Tensor]  # each request's keys at its cached positions, read from the pool before the layer
-    cached_v: list[torch.Tensor]
+    cached_v: list[torch.Tensor]  # (as stored: float8_e4m3fn in an fp8 cache)
+    kv_scales: tuple[float, float] | None  # the layer's k_scale, v_scale (an fp8 cache), as the adapter set them
+    spec: dict | None = None  # a speculative batch's SGLang inputs (speculative_inputs), None for any other
+    spec_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def speculative_inputs(sfb) -> tuple[dict | None, dict[str, torch.Tensor]]:
+    """What SGLang's ForwardBatch ``sfb`` carries for speculative decoding, as the file rebuilds it: its seq_lens
+    (a verify's count the cached tokens only), and the spec info's fields: EagleVerifyInput's draft tree (custom
+    mask, retrieve links, steps, topk, draft tokens), EagleDraftExtendInput's accepted tokens per request. Tensors
+    apart (positions included: a draft token's is seq_len + its depth, not its row). ``(None, {})`` for a batch
+    without spec info."""
+    info, bs = sfb.spec_info, sfb.batch_size
+    if info is None:
+        return None, {}
+    spec = {"seq_lens": [int(n) for n in sfb.seq_lens_cpu[:bs].tolist()]}
+    tensors = {"positions": sfb.positions.detach().cpu().clone()}
+    if sfb.forward_mode.is_target_verify():
+        spec.update(spec_steps=int(info.spec_steps), topk=int(info.topk), draft_token_num=int(info.draft_token_num))
+        tensors["custom_mask"] = info.custom_mask.detach().cpu().clone()
+        for name in ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "retrieve_cum_len"):
+            tensors[name] = getattr(info, name).detach().cpu().clone()
+    else:  # a draft extend (DRAFT_EXTEND_V2)
+        spec["num_accept_tokens"] = [int(a) for a in info.num_accept_tokens_cpu]
+    return spec, tensors
 
 
 @dataclass
@@ -96,7 +141,7 @@ class Recorder:
     calls: dict[int, LayerCall] = field(default_factory=dict)
 
     @contextmanager
-    def listening(self, prefix_lens: list[int]):
+    def listening(self, prefix_lens: list[int], new_lens: list[int]):
         from unittest import mock
 
         from backends.sglang.adapter import SglangBackend
@@ -108,21 +153,27 @@ class Recorder:
             if layer.layer_id not in recorder.calls and layer.kind == "mha":
                 sfb = backend.batches[id(forward_batch)]
                 runner = backend.sgl_runner
-                seq_lens = [int(n) for n in sfb.seq_lens_cpu[:sfb.batch_size].tolist()]
                 rows = sfb.req_pool_indices[:sfb.batch_size].tolist()
                 table = runner.req_to_token_pool.req_to_token
-                slots = [table[r, :n].tolist() for r, n in zip(rows, seq_lens)]
+                # Each request's cached tokens' slots from its request row, then its new tokens' write slots (a
+                # verify's seq_lens count only the cached tokens)
+                out_loc = sfb.out_cache_loc.tolist()
+                starts = [sum(new_lens[:i]) for i in range(len(new_lens))]
+                slots = [table[r, :p].tolist() + out_loc[s:s + n]
+                         for r, p, s, n in zip(rows, prefix_lens, starts, new_lens)]
                 pool = runner.token_to_kv_pool
                 kbuf, vbuf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
                 cached = [torch.tensor(s[:p], dtype=torch.int64, device=kbuf.device) for s, p in zip(slots, prefix_lens)]
                 radix = backend._layer(layer)
+                scales = getattr(radix, "k_scale_float", None), getattr(radix, "v_scale_float", None)
                 recorder.calls[layer.layer_id] = LayerCall(
                     layer.layer_id, q.detach().cpu().clone(), k.detach().cpu().clone(), v.detach().cpu().clone(),
                     {"num_heads": radix.tp_q_head_num, "num_kv_heads": radix.tp_k_head_num,
                      "head_dim": radix.head_dim, "v_head_dim": radix.v_head_dim, "scaling": float(radix.scaling),
                      "logit_cap": float(radix.logit_cap or 0.0),
                      "sliding_window_size": int(radix.sliding_window_size)},
-                    slots, [kbuf[c].cpu().clone() for c in cached], [vbuf[c].cpu().clone() for c in cached])
+                    slots, [kbuf[c].cpu().clone() for c in cached], [vbuf[c].cpu().clone() for c in cached],
+                    None if scales[0] is None else (float(scales[0]), float(scales[1])), *speculative_inputs(sfb))
             return original(backend, q, k, v, layer, forward_batch, save_kv_cache, via)
 
         with mock.patch.object(SglangBackend, "_run", _run):
@@ -155,18 +206,27 @@ def _compact_slots(slots: list[list[int]], page_size: int) -> list[list[int]]:
     return out
 
 
-def _server_configuration(name: str, spec, radix: dict) -> str:
+def _server_configuration(name: str, spec, radix: dict, kv_scales: tuple[float, float] | None) -> str:
     parts = [f"python -m sglang.launch_server {SERVER_FLAG[name]}"]
     if spec.page_size > 1:
         parts.append(f"--page-size {spec.page_size}")
+    if spec.kv_cache_dtype != "auto":
+        parts.append(f"--kv-cache-dtype {spec.kv_cache_dtype}")
     model = [f"{radix['num_heads']} query / {radix['num_kv_heads']} KV heads of dim {radix['head_dim']}",
              f"dtype {spec.dtype}"]
+    if kv_scales and kv_scales != (1.0, 1.0):
+        model.append(f"checkpoint KV scales k_scale {kv_scales[0]:g}, v_scale {kv_scales[1]:g}")
     if radix["sliding_window_size"] >= 0:
         model.append(f"sliding window {radix['sliding_window_size']} (a Gemma-2/Mistral-style SWA layer)")
     if radix["logit_cap"]:
         model.append(f"attention logit soft-cap {radix['logit_cap']:g} (Gemma-2/Grok-style)")
+    if spec.spec is not None:
+        parts.append(f"--speculative-algorithm EAGLE --speculative-num-steps {spec.spec.spec_steps} "
+                     f"--speculative-eagle-topk {spec.spec.topk} --speculative-num-draft-tokens "
+                     f"{spec.spec.draft_token_num}")
     step = {"decode": "a decode step", "extend": "a prefill (extend) step", "mixed": "a mixed prefill+decode step "
-            "(--enable-mixed-chunk)"}[spec.mode.value]
+            "(--enable-mixed-chunk)", "target_verify": "the target model's verify of a draft tree",
+            "draft_extend": "the draft model's extend over the accepted tokens"}[spec.mode.value]
     return f"{' '.join(parts)}, a model with {', '.join(model)}; {step}"
 
 
@@ -188,12 +248,18 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
     if reason:
         raise UsageError(f"cannot export {case.composition} {case.property}: {reason}")
     composition = parse(case.composition)
-    why = composition.unavailable_reason(device) or composition.unsupported_reason(spec)
+    why = composition.unavailable_reason(device)
+    # A refusal case crosses a limit the composition declares by construction: that is what it checks
+    crossed = composition.unsupported_reason(spec)
+    if case.property != REFUSAL:
+        why = why or crossed
+    elif crossed is None:
+        why = why or "the batch crosses no limit the composition declares (nothing to refuse)"
     if why:
         raise UsageError(f"cannot replay {case.composition} here to record SGLang's inputs: {why}")
     if case.property == "conformance":
         return _build_conformance(case, composition, device, case_path)
-    return _build_outputs(case, composition, device, case_path)
+    return _build_outputs(case, composition, device, case_path, crossed if case.property == REFUSAL else None)
 
 
 def _header(case, device: str, case_path: Path | None, headline: str, server: str, measured: str,
@@ -217,7 +283,10 @@ def _header(case, device: str, case_path: Path | None, headline: str, server: st
         measured=textwrap.fill(measured, 110, subsequent_indent="    "), needs=needs, device=device)
 
 
-def _build_outputs(case, composition, device: str, case_path: Path | None) -> Export:
+def _build_outputs(case, composition, device: str, case_path: Path | None, crossed: str | None) -> Export:
+    """An outputs case, or (``crossed``: the limit its batch crosses) a refuse_or_correct one: its file also passes
+    when SGLang raises, and its failure leads with the refusal property's words."""
+    from properties.blame import adapter_frame, crash_reason
     from properties.run import run_case
     from properties.tolerances import layer_bound, widen_for_cancellation
     from properties.verdict import compare, token_starts
@@ -225,8 +294,14 @@ def _build_outputs(case, composition, device: str, case_path: Path | None) -> Ex
     spec = case.spec
     recorder = Recorder()
     prefix_lens = list(spec.prefix_lens)  # the cached tokens of each request (a decode's too)
-    with recorder.listening(prefix_lens):
-        run = run_case(composition, spec, device)
+    with recorder.listening(prefix_lens, list(spec.extend_lens)):
+        try:
+            run = run_case(composition, spec, device)
+        except Exception as e:  # noqa: BLE001 - a refusal case may be refused here: nothing wrong to hand over
+            if crossed is None or adapter_frame(e, composition) is not None:
+                raise
+            raise UsageError(f"cannot export {case.composition} {case.property}: SGLang refused the batch here "
+                             f"({crossed}), which passes: {crash_reason(e).removeprefix('crashed: ')}") from e
     # The layer to hand over: the one furthest out of (or nearest to) its bound, as the property measured it
     starts = token_starts(spec)
     measured = {}
@@ -247,9 +322,11 @@ def _build_outputs(case, composition, device: str, case_path: Path | None) -> Ex
     slots = _compact_slots(call.slots, spec.page_size)
     seq_lens = [len(s) for s in slots]
     new_lens = [n - p for n, p in zip(seq_lens, prefix_lens)]
+    kv_dtype = call.cached_k[0].dtype if call.cached_k else None  # the cache's (float8_e4m3fn in an fp8 one)
     tensors = {"q": call.q, "k": call.k, "v": call.v,
-               "cached_k": torch.cat(call.cached_k) if call.cached_k else call.k[:0],
-               "cached_v": torch.cat(call.cached_v) if call.cached_v else call.v[:0]}
+               "cached_k": torch.cat(call.cached_k) if call.cached_k else call.k[:0].to(kv_dtype or call.k.dtype),
+               "cached_v": torch.cat(call.cached_v) if call.cached_v else call.v[:0].to(kv_dtype or call.v.dtype),
+               **call.spec_tensors}
     inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
     window = call.radix["sliding_window_size"]
     data_source = "\n".join(_tensor_source(k, t) for k, t in tensors.items()) if inline else None
@@ -261,20 +338,41 @@ def _build_outputs(case, composition, device: str, case_path: Path | None) -> Ex
     measured_text = (f"rel_l2 {comparison.rel_l2:.3g} (bound {bound.rel_l2:.3g}), element "
                      f"{comparison.element_error:.3g} (bound {comparison.element_bound:.3g}) at "
                      f"{comparison.where or 'nowhere'}")
-    header = _header(case, device, case_path, headline, _server_configuration(name, spec, call.radix),
+    # The refusal property's words for an answer it did not refuse (properties/refusal.py)
+    answered = f"answered without refusing ({crossed}); outputs vs float64 reference: " if crossed else ""
+    header = _header(case, device, case_path, answered + headline,
+                     _server_configuration(name, spec, call.radix, call.kv_scales),
                      f"on the layer below, {measured_text}",
                      f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds "
                      f"with")
     text = header + OUTPUTS.substitute(
-        kit_since=KIT_SINCE, backend=name, mode_upper=spec.mode.value.upper(), dtype=spec.dtype,
+        kit_since=KIT_SINCE, backend=name, mode_upper=SGLANG_MODE[spec.mode.value], dtype=spec.dtype,
         page_size=spec.page_size, prefix_lens=prefix_lens, new_lens=new_lens, slots=json.dumps(slots),
         radix=json.dumps(call.radix), layer_id=layer_id, rel_l2_bound=repr(bound.rel_l2),
         element_factor=repr(bound.element), score_factor=repr(bound.score),
         bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
-        window_note=("a key at position j is visible from a query at position p when p - W <= j <= p"
-                     if window >= 0 else "no sliding window"),
+        window_note=("and within its sliding window W: a key at position j only from a query at a position p with "
+                     "j >= p - W" if window >= 0 else "no sliding window"),
+        parents=json.dumps([list(p) for p in spec.spec.parents]) if spec.mode.drafts_tree() else "None",
+        speculative=(string.Template(SPECULATIVE_MODES[spec.mode.value]).substitute(spec=json.dumps(call.spec))
+                     if call.spec else ""),
+        speculative_runner=SPECULATIVE_RUNNER if call.spec else "",
+        use_speculative=USE_SPECULATIVE if call.spec else "",
+        forward_batch_names="CaptureHiddenMode, ForwardMode" if call.spec else "ForwardMode",
+        speculative_imports=(f"from sglang.srt.speculative.eagle_info import {SPECULATIVE_IMPORTS[spec.mode.value]}\n"
+                             "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
+                             if call.spec else ""),
         data=("TENSORS = {\n" + data_source + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
+        answered=repr(answered), crossed=repr(crossed), run_layer=REFUSED_OR_RUN if crossed else RUN,
+        test_name="test_refused_or_matches_float64_attention" if crossed else "test_outputs_match_float64_attention",
+        kv_cache_dtype=spec.kv_cache_dtype, kv_scales=repr(call.kv_scales or (1.0, 1.0)),
+        fp8_cache=FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
+        fp8_note=FP8_NOTE if spec.kv_cache_dtype == "fp8_e4m3" else "",
+        # Under Triton's CPU interpreter, SGLang's Triton kernels cast to fp8 through the interpreter's faulty cast
+        interpreter_cast=(INTERPRETER_CAST + _shim_source("_fp8_downcaster") + INSTALL_CAST
+                          if spec.kv_cache_dtype == "fp8_e4m3" and name == "triton" and device == "cpu" else ""),
+        use_fp8_cache=USE_FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
     )
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, bool(failed),
                   f"layer {layer_id}: {measured_text}")
@@ -392,6 +490,16 @@ def _conformance_header(case, device: str, case_path: Path | None, composition, 
                    "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
 
 
+def _shim_source(name: str) -> str:
+    """The source of a function of the adapter's interpreter shims (backends/sglang/interpreter_shims.py), to be
+    copied into an exported file, so the file corrects Triton's interpreter as the harness does."""
+    import importlib
+    import inspect
+
+    return textwrap.dedent(inspect.getsource(getattr(importlib.import_module("backends.sglang.interpreter_shims"),
+                                                     name)))
+
+
 def _source_of(*names: str) -> str:
     """The source of functions of properties/conformance.py, to be copied into an exported file (which must not
     import this project), so the file runs the harness's own checks, not a copy that could drift."""
@@ -477,6 +585,7 @@ import importlib.util
 import math
 import os
 import sys
+import traceback
 import types
 from pathlib import Path
 
@@ -533,32 +642,79 @@ except ModuleNotFoundError as e:
     pytest.skip(f"needs SGLang's attention unit-test kit (sglang $kit_since or newer): {e}", allow_module_level=True)
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.radix_attention import RadixAttention
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
+from sglang.srt.model_executor.forward_batch_info import $forward_batch_names
+$speculative_imports
 BACKEND = "$backend"
 MODE = ForwardMode.$mode_upper
 DTYPE = torch.$dtype
 PAGE_SIZE = $page_size
 PREFIX_LENS = $prefix_lens  # cached tokens per request
 NEW_LENS = $new_lens  # tokens this batch adds per request (their queries are the rows of q)
+# Each request's draft tree (each draft token's parent, -1 for the root), None: the new tokens follow in order
+PARENTS = $parents
 SLOTS = $slots  # each request's KV slot for each position (pages renumbered from 1, offsets kept)
 RADIX = $radix  # the layer (harness layer $layer_id), as RadixAttention is built
+KV_CACHE_DTYPE = "$kv_cache_dtype"  # SGLang's --kv-cache-dtype ("auto": the model's dtype)
+K_SCALE, V_SCALE = $kv_scales  # the layer's checkpoint KV scales: an fp8 cache stores k / K_SCALE, v / V_SCALE
+# A batch past a limit SGLang's backend has (CROSSED, None: none): SGLang must refuse it (raise) or compute it right.
+# A failure leads with ANSWERED: the harness's words for an answer it did not refuse.
+CROSSED = $crossed
+ANSWERED = $answered
 # The bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
 $bound_reason
 # The element bound scales with each output element's magnitude m = sum_j p_j |v_j| (the probability-weighted
 # size of the values it averages), plus the rounding of its row's scores, which scales with their size
 # S = scaling * |q| * max_j |k_j| over the keys the row sees: (ELEMENT_FACTOR + SCORE_FACTOR * S) * m, both computed
-# by the float64 reference below.
+# by the float64 reference below.$fp8_note
 REL_L2_BOUND = $rel_l2_bound
 ELEMENT_FACTOR = $element_factor
 SCORE_FACTOR = $score_factor
 
 $data
+$speculative$fp8_cache$interpreter_cast
+
+def run_layer(backend, layer, forward_batch, q, k, v):
+    """The layer over the batch as a model's forward runs it: SGLang's backend plans the batch, then RadixAttention
+    runs under SGLang's forward context (which hands it to the backend). Returns o [T, Hq, Dv] in float64."""
+    T = q.shape[0]
+    with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=backend)):
+        backend.init_forward_metadata(forward_batch)
+        out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
+    return out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
 
 
-def reference(q, keys, values, query_positions):
+def as_stored(x, scale):
+    """New keys or values as the KV cache gives them back, in float64: themselves in an auto cache; in an fp8 one,
+    divided by the layer's scale, rounded to e4m3 and multiplied back (the model hands them over on that grid, so
+    a backend that attends the call's k/v and one that reads the cache back see the same numbers)."""
+    if KV_CACHE_DTYPE == "auto":
+        return x.double()
+    return (x.double() / scale).to(torch.float8_e4m3fn).double() * scale
+
+
+def visibility(request):
+    """Which of a request's keys (its cached ones, then its new ones) each of its new tokens attends before any
+    window, and the positions of its queries and its keys. The new tokens follow the cached ones in order, each
+    seeing the keys up to its own; in a draft tree (PARENTS) each draft token sits at the cached length plus its
+    depth in the tree and sees the cached tokens, itself and its ancestors."""
+    cached, new = PREFIX_LENS[request], NEW_LENS[request]
+    if PARENTS is None:
+        positions = torch.arange(cached + new)
+        return positions[None, :] <= positions[cached:, None], positions[cached:], positions
+    ancestors = torch.zeros(new, new, dtype=torch.bool)  # [draft token, draft key]: the token and its ancestors
+    for token in range(new):
+        node = token
+        while node >= 0:
+            ancestors[token, node] = True
+            node = PARENTS[request][node]
+    positions = cached + ancestors.sum(dim=1) - 1  # the cached length plus the depth
+    attends = torch.cat([torch.ones(new, cached, dtype=torch.bool), ancestors], dim=1)
+    return attends, positions, torch.cat([torch.arange(cached), positions])
+
+
+def reference(q, keys, values, attends, query_positions, key_positions):
     """Float64 attention of one request: softmax(q.k * scaling, capped by logit_cap*tanh(s/logit_cap)) over the
-    keys it sees ($window_note), causal by position; returns the output, each element's m and each row's S."""
+    keys it attends ($window_note); returns the output, each element's m and each row's S."""
     q, keys, values = q.double(), keys.double(), values.double()
     group = RADIX["num_heads"] // RADIX["num_kv_heads"]
     keys = keys.repeat_interleave(group, dim=1)  # [L, Hq, D]
@@ -566,10 +722,9 @@ def reference(q, keys, values, query_positions):
     scores = torch.einsum("thd,lhd->htl", q, keys) * RADIX["scaling"]
     if RADIX["logit_cap"] > 0:
         scores = RADIX["logit_cap"] * torch.tanh(scores / RADIX["logit_cap"])
-    key_pos = torch.arange(keys.shape[0])
-    visible = key_pos[None, :] <= query_positions[:, None]
+    visible = attends.clone()
     if RADIX["sliding_window_size"] >= 0:
-        visible &= key_pos[None, :] >= query_positions[:, None] - RADIX["sliding_window_size"]
+        visible &= key_positions[None, :] >= query_positions[:, None] - RADIX["sliding_window_size"]
     p = torch.softmax(scores.masked_fill(~visible[None], float("-inf")), dim=-1)
     out = torch.einsum("htl,lhd->thd", p, values)
     magnitude = torch.einsum("htl,lhd->thd", p, values.abs())
@@ -578,7 +733,7 @@ def reference(q, keys, values, query_positions):
     return out, magnitude, sizes
 
 
-def test_outputs_match_float64_attention():
+def $test_name():
     torch.manual_seed(0)
     batch = len(PREFIX_LENS)
     seq_lens = [p + n for p, n in zip(PREFIX_LENS, NEW_LENS)]
@@ -592,31 +747,33 @@ def test_outputs_match_float64_attention():
                                  context_len=max_context_len, sliding_window_size=case.sliding_window_size)
     runner = kit.MockModelRunner(case=case, model_config=config, dtype=DTYPE, device=DEVICE,
                                  max_context_len=max_context_len, head_dim=RADIX["head_dim"])
-    backend = ATTENTION_BACKENDS[BACKEND](runner)
+$use_fp8_cache$speculative_runner    backend = ATTENTION_BACKENDS[BACKEND](runner)
     layer = RadixAttention(num_heads=RADIX["num_heads"], head_dim=RADIX["head_dim"], scaling=RADIX["scaling"],
                            num_kv_heads=RADIX["num_kv_heads"], layer_id=0, logit_cap=RADIX["logit_cap"],
                            v_head_dim=RADIX["v_head_dim"], sliding_window_size=RADIX["sliding_window_size"])
+    if KV_CACHE_DTYPE == "fp8_e4m3":
+        # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
+        # (layers/quantization/kv_cache.py, process_weights_after_loading)
+        layer.k_scale = torch.nn.Parameter(torch.tensor(K_SCALE), requires_grad=False)
+        layer.v_scale = torch.nn.Parameter(torch.tensor(V_SCALE), requires_grad=False)
+        layer.k_scale_float, layer.v_scale_float = K_SCALE, V_SCALE
     forward_batch = kit._make_forward_batch(case, runner, max_context_len=max_context_len, device=DEVICE,
                                             loc_fn=lambda request, position: SLOTS[request][position])
-    q, k, v = (TENSORS[name].to(DEVICE) for name in ("q", "k", "v"))
+$use_speculative    q, k, v = (TENSORS[name].to(DEVICE) for name in ("q", "k", "v"))
     cached_k, cached_v = TENSORS["cached_k"].to(DEVICE), TENSORS["cached_v"].to(DEVICE)
     cached_slots = torch.tensor([s for r in range(batch) for s in SLOTS[r][:PREFIX_LENS[r]]], dtype=torch.int64,
                                 device=DEVICE)
-    if cached_slots.numel():
+    if cached_slots.numel():  # as they are stored (an fp8 cache's e4m3 values are written unchanged)
         runner.token_to_kv_pool.set_kv_buffer(layer, cached_slots, cached_k, cached_v)
-    T = q.shape[0]
-    with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=backend)):
-        backend.init_forward_metadata(forward_batch)
-        out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
-    out = out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
-
+$run_layer
     expected, magnitude, size, token, cached = [], [], [], 0, 0
     for r in range(batch):
         new = slice(token, token + NEW_LENS[r])
-        keys = torch.cat([TENSORS["cached_k"][cached:cached + PREFIX_LENS[r]], TENSORS["k"][new]])
-        values = torch.cat([TENSORS["cached_v"][cached:cached + PREFIX_LENS[r]], TENSORS["v"][new]])
-        positions = torch.arange(PREFIX_LENS[r], seq_lens[r])
-        o, m, s = reference(TENSORS["q"][new], keys, values, positions)
+        keys = torch.cat([TENSORS["cached_k"][cached:cached + PREFIX_LENS[r]].double() * K_SCALE,
+                          as_stored(TENSORS["k"][new], K_SCALE)])
+        values = torch.cat([TENSORS["cached_v"][cached:cached + PREFIX_LENS[r]].double() * V_SCALE,
+                            as_stored(TENSORS["v"][new], V_SCALE)])
+        o, m, s = reference(TENSORS["q"][new], keys, values, *visibility(r))
         expected.append(o)
         magnitude.append(m)
         size.append(s)
@@ -633,10 +790,131 @@ def test_outputs_match_float64_attention():
     starts = [sum(NEW_LENS[:r]) for r in range(batch)]
     request = max(r for r in range(batch) if starts[r] <= token and NEW_LENS[r] > 0)
     where = f"request {request}, token {token - starts[request]}, head {head}, dim {dim}"
-    assert rel_l2 <= REL_L2_BOUND, f"relative L2 error {rel_l2:.3g} > bound {REL_L2_BOUND:.3g} (worst element at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
+    assert rel_l2 <= REL_L2_BOUND, f"{ANSWERED}relative L2 error {rel_l2:.3g} > bound {REL_L2_BOUND:.3g} (worst element at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
     element, element_bound = diff[worst].item(), allowed[worst].item()
-    assert element <= element_bound, f"element error {element:.3g} > bound {element_bound:.3g} at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
+    assert element <= element_bound, f"{ANSWERED}element error {element:.3g} > bound {element_bound:.3g} at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
 ''')
+
+# How the file runs its layer: an outputs case runs it; a refusal case also takes SGLang's raising as a right answer.
+RUN = """    out = run_layer(backend, layer, forward_batch, q, k, v)
+"""
+REFUSED_OR_RUN = """    try:
+        out = run_layer(backend, layer, forward_batch, q, k, v)
+    except Exception as e:  # refused, loudly: a server fails on its first such batch instead of answering wrong
+        if Path(traceback.extract_tb(e.__traceback__)[-1].filename) == Path(__file__):
+            raise  # raised by this file's own code (a release it does not fit), not by SGLang: no refusal
+        print(f"refused ({CROSSED}): {type(e).__name__}: {e}")
+        return
+"""
+
+# A speculative batch: the kit's ForwardBatch made into the one SGLang's EAGLE worker hands over, its spec info
+# rebuilt with SGLang's own classes from what the harness handed them (SPEC, and TENSORS' positions and tree).
+SPECULATIVE_RUNNER = """    runner.spec_algorithm = SpeculativeAlgorithm.EAGLE  # as --speculative-algorithm EAGLE sets it
+"""
+USE_SPECULATIVE = """    as_speculative(forward_batch)
+"""
+TARGET_VERIFY = '''
+SPEC = $spec  # SGLang's seq_lens (a verify's: the cached tokens) and its EagleVerifyInput's draft tree
+
+
+def as_speculative(batch):
+    """The batch as SGLang's EAGLE worker hands it to the target model for verification (as SGLang's kit builds it,
+    speculative_target_verify_runner.py): seq_lens count the cached tokens only, each draft token sits at its
+    request's seq_len plus its depth, and spec_info is an EagleVerifyInput whose custom mask holds, for each
+    request, each draft token's row over its seq_len + draft_token_num keys, flattened."""
+    batch.seq_lens = torch.tensor(SPEC["seq_lens"], dtype=torch.int32, device=DEVICE)
+    batch.seq_lens_cpu = torch.tensor(SPEC["seq_lens"], dtype=torch.int32)
+    batch.seq_lens_sum = sum(SPEC["seq_lens"])
+    batch.positions = TENSORS["positions"].to(DEVICE)
+    batch.spec_info = EagleVerifyInput(
+        draft_token=batch.input_ids, custom_mask=TENSORS["custom_mask"].to(DEVICE), positions=batch.positions,
+        retrieve_index=TENSORS["retrieve_index"].to(DEVICE),
+        retrieve_next_token=TENSORS["retrieve_next_token"].to(DEVICE),
+        retrieve_next_sibling=TENSORS["retrieve_next_sibling"].to(DEVICE),
+        retrieve_cum_len=TENSORS["retrieve_cum_len"].to(DEVICE), spec_steps=SPEC["spec_steps"], topk=SPEC["topk"],
+        draft_token_num=SPEC["draft_token_num"], capture_hidden_mode=CaptureHiddenMode.FULL,
+        seq_lens_sum=batch.seq_lens_sum, seq_lens_cpu=batch.seq_lens_cpu)
+    batch.spec_algorithm = SpeculativeAlgorithm.EAGLE
+
+'''
+DRAFT_EXTEND = '''
+SPEC = $spec  # SGLang's seq_lens (counting the accepted tokens) and each request's accepted tokens
+
+
+def as_speculative(batch):
+    """The batch as SGLang's EAGLE worker hands its draft model the tokens the target accepted (DRAFT_EXTEND_V2,
+    as SGLang's kit builds it, speculative_draft_extend_runner.py): seq_lens already count them, and spec_info
+    is an EagleDraftExtendInput of each request's accepted tokens."""
+    accepted = torch.tensor(SPEC["num_accept_tokens"], dtype=torch.int32, device=DEVICE)
+    batch.seq_lens = torch.tensor(SPEC["seq_lens"], dtype=torch.int32, device=DEVICE)
+    batch.seq_lens_cpu = torch.tensor(SPEC["seq_lens"], dtype=torch.int32)
+    batch.seq_lens_sum = sum(SPEC["seq_lens"])
+    batch.positions = TENSORS["positions"].to(DEVICE)
+    info = EagleDraftExtendInput(
+        hidden_states=None, num_correct_drafts=accepted - 1, num_accept_tokens=accepted,
+        num_accept_tokens_cpu=list(SPEC["num_accept_tokens"]), input_ids=batch.input_ids, seq_lens=batch.seq_lens,
+        seq_lens_cpu=batch.seq_lens_cpu, req_pool_indices=batch.req_pool_indices, positions=batch.positions,
+        capture_hidden_mode=CaptureHiddenMode.LAST, num_tokens_per_req=max(SPEC["num_accept_tokens"]),
+        num_tokens_for_logprob_per_req=1)
+    info.extend_seq_lens_tensor = accepted
+    info.extend_seq_lens_cpu = list(SPEC["num_accept_tokens"])
+    batch.spec_info = info
+    batch.spec_algorithm = SpeculativeAlgorithm.EAGLE
+
+'''
+# SGLang's name of each exported mode (the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2, see the adapter)
+SGLANG_MODE = {"extend": "EXTEND", "decode": "DECODE", "mixed": "MIXED", "target_verify": "TARGET_VERIFY",
+               "draft_extend": "DRAFT_EXTEND_V2"}
+SPECULATIVE_MODES = {"target_verify": TARGET_VERIFY, "draft_extend": DRAFT_EXTEND}
+SPECULATIVE_IMPORTS = {"target_verify": "EagleVerifyInput", "draft_extend": "EagleDraftExtendInput"}
+
+
+# An fp8 e4m3 KV cache: the kit's runner keeps the cache in the model's dtype, so the file swaps SGLang's fp8 pool in.
+FP8_CACHE = '''
+
+def use_fp8_cache(runner):
+    """SGLang's fp8 e4m3 KV pool, as --kv-cache-dtype fp8_e4m3 builds it, in place of the kit's (in the model's
+    dtype), before the backend is built: backends read runner.kv_cache_dtype when they are."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    kit_pool = runner.token_to_kv_pool
+    runner.kv_cache_dtype, runner.kv_cache_dtype_str = torch.float8_e4m3fn, "fp8_e4m3"
+    runner.token_to_kv_pool = MHATokenToKVPool(size=kit_pool.size, page_size=PAGE_SIZE, dtype=torch.float8_e4m3fn,
+                                               head_num=RADIX["num_kv_heads"], head_dim=RADIX["head_dim"],
+                                               layer_num=1, device=DEVICE, enable_memory_saver=False,
+                                               enable_alt_stream=False)
+    if hasattr(runner, "kv_index_translator"):  # a release whose runner converts KV ids holds the pool there too
+        runner.init_kv_index_translator()
+'''
+USE_FP8_CACHE = "    use_fp8_cache(runner)\n"
+# Triton's interpreter's fp8 cast, corrected as the harness corrects it (the function is copied in from the adapter)
+INTERPRETER_CAST = """
+
+# Triton's CPU interpreter casts float32 to fp8 wrongly (Triton 3.8.0, runtime/interpreter.py _convert_float: the
+# carry of a mantissa rounded up is ORed into the exponent field, so 1.97 becomes 1.0, not 2.0; ties go away from
+# zero), where a GPU rounds to nearest even (cvt.rn.satfinite). SGLang's Triton kernels cast q and the softmax
+# probabilities to the cache's fp8 dtype, so interpreted they would show errors a compiled kernel does not make.
+# The harness replaces that cast (backends/sglang/interpreter_shims.py, shim 6; upstream triton-lang/triton#8322,
+# PR #11897), and so does this file, with the harness's function, copied in:
+import triton.language as tl  # noqa: E402 - the copied function reads it as a global
+
+
+"""
+INSTALL_CAST = """
+
+from triton.runtime import interpreter  # noqa: E402
+
+interpreter.InterpreterBuilder.create_fp_to_fp = _fp8_downcaster(interpreter.InterpreterBuilder.create_fp_to_fp)
+"""
+# Why an fp8 cache widens no bound: properties/tolerances.py's reasoning, in its words
+FP8_NOTE = """
+# An fp8 KV cache (fp8_e4m3) adds no tolerance: the rounding of storing is part of the contract, not an error.
+# e4m3 keeps 3 mantissa bits, so rounding K and V to it moves the output by several percent, which as an allowance
+# would hide most bugs. So the reference attends over exactly the values the cache holds (the cached e4m3 values
+# times the layer's scale; the new tokens, handed over on the e4m3 grid, as stored), and the error a correct
+# backend may show stays its own arithmetic, under the bound above. (A kernel that also computes in e4m3, rounding
+# q and the softmax probabilities to it, is outside that contract.)"""
+
 
 # The class check of a class-level composition: a test over CLASSES, then the harness's own functions, copied in.
 CLASS_CHECKS = """

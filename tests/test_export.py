@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -65,6 +66,170 @@ def test_ledger_cases_export_to_files_that_fail_on_their_own(tmp_path):
     failed = set(re.findall(r"^FAILED test_block_m.py::\S+\[(\w+\.\w+)\]", output, flags=re.M))
     assert failed == {"HybridLinearAttnBackend.extend_attention_block_m"}, output[-3000:]
     assert "which its child TritonAttnBackend has: SGLang's hasattr-guarded call skips it" in output
+
+
+# Ledger entries of refuse_or_correct (a batch past a limit the backend declares: refused or right), each with what
+# its exported file's failure says on 0.5.23: the refusal property's words, then the figure the harness measured.
+REFUSAL_ENTRIES = {
+    "sglang-torch-native-ignores-logit-cap": r"answered without refusing \(logit cap not supported\); outputs vs "
+                                             r"float64 reference: relative L2 error 0\.00509 > bound 6\.6e-07",
+    "sglang-torch-native-ignores-kv-scales": r"answered without refusing \(KV scales other than 1 not supported\); "
+                                             r"outputs vs float64 reference: relative L2 error 0\.695 > bound 6\.6e-07",
+    "sglang-flex-ignores-logit-cap": r"answered without refusing \(logit cap not supported\); outputs vs float64 "
+                                     r"reference: relative L2 error 0\.0149 > bound 6\.6e-07",
+    "sglang-flex-ignores-window": r"answered without refusing \(sliding window not supported\); outputs vs float64 "
+                                  r"reference: relative L2 error 0\.743 > bound 6\.79e-07",
+}
+
+# A stand-in for an SGLang that refuses what its CPU backends cannot compute: their forward raises on a soft-capped,
+# windowed or KV-scaled layer (the limits the ledger entries above cross), before computing anything.
+REFUSING_PLUGIN = '''
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from sglang.srt.layers.attention.torch_flex_backend import TorchFlexAttnBackend
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    for cls in (TorchNativeAttnBackend, TorchFlexAttnBackend):
+        if getattr(cls.forward, "refuses", False):
+            continue
+        forward = cls.forward
+
+        def refusing(self, q, k, v, layer, *args, _forward=forward, **kwargs):
+            scales = (getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None))
+            if layer.logit_cap or layer.sliding_window_size >= 0 or any(s not in (None, 1.0) for s in scales):
+                raise NotImplementedError(f"{type(self).__name__} cannot compute this layer")
+            return _forward(self, q, k, v, layer, *args, **kwargs)
+
+        refusing.refuses = True
+        cls.forward = refusing
+'''
+
+
+@needs_kit
+def test_refusal_cases_export_to_files_that_fail_on_their_own_and_pass_when_refused(tmp_path, monkeypatch):
+    """The four refuse_or_correct entries of SGLang's CPU backends (TorchNative and flex attention ignore a
+    soft-cap, a window, an fp8 cache's KV scales, and answer anyway), exported and run in one fresh process without
+    this project: each file fails with the refusal property's words and the harness's figure. With SGLang made to
+    refuse those layers (a stand-in plugin), each file passes and says it was refused; a file whose own code
+    breaks is not taken for a refusal."""
+    from harness.export import run_exported
+
+    files = {}
+    for entry in REFUSAL_ENTRIES:
+        files[entry] = tmp_path / f"test_{entry.replace('-', '_')}.py"
+        assert main(["export", str(ROOT / f"docs/findings/cases/{entry}.json"), "--out", str(files[entry])]) == 0
+        _imports_nothing_of_ours(files[entry])
+    assert "CROSSED = 'logit cap not supported'" in files["sglang-flex-ignores-logit-cap"].read_text()
+    assert "--kv-cache-dtype fp8_e4m3" in files["sglang-torch-native-ignores-kv-scales"].read_text()
+
+    status, output = run_exported(list(files.values()), extra=["-rA"])
+    assert status == 1, output[-3000:]
+    for entry, says in REFUSAL_ENTRIES.items():
+        assert re.search(rf"^FAILED {files[entry].name}::", output, flags=re.M), f"{entry}: {output[-3000:]}"
+        assert re.search(rf"AssertionError: {says}", output), f"{entry}: {output[-3000:]}"
+
+    # The same files where SGLang refuses, and one whose own code no longer fits the release (it must fail)
+    broken = tmp_path / "test_broken_file.py"
+    text = files["sglang-flex-ignores-window"].read_text()
+    assert "kit.forward_context(" in text
+    broken.write_text(text.replace("kit.forward_context(", "kit.no_such_forward_context(", 1))
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "harness_refusing.py").write_text(REFUSING_PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", str(plugin))
+    status, output = run_exported([*files.values(), broken], extra=["-rA", "-p", "harness_refusing"])
+    assert status == 1, output[-3000:]
+    for entry, path in files.items():
+        assert re.search(rf"^PASSED {path.name}::", output, flags=re.M), f"{entry}: {output[-3000:]}"
+    assert len(re.findall(r"^refused \(.+ not supported\): NotImplementedError: \w+ cannot compute this layer",
+                          output, flags=re.M)) == len(files), output[-3000:]
+    assert re.search(r"^FAILED test_broken_file.py::", output, flags=re.M), output[-3000:]
+    assert "has no attribute 'no_such_forward_context'" in output, output[-3000:]
+
+
+def _variant(case: Path, out: Path, change) -> Path:
+    """A copy of a ledger case with ``change`` applied to its batch, its verdict dropped (it is not the finding)."""
+    data = json.loads(case.read_text())
+    change(data["batch"])
+    data.pop("verdict")
+    out.write_text(json.dumps(data))
+    return out
+
+
+@needs_kit
+def test_fp8_cache_case_exports_to_a_file_that_fails_where_triton_computes_in_e4m3(tmp_path):
+    """sglang-triton-fp8-e4m3-arithmetic: over an fp8 e4m3 cache SGLang's Triton GQA decode rounds q and the
+    probabilities to e4m3. Its file reads the cache as the harness's reference does (the stored e4m3 values times
+    the scales) and fails with the harness's figure (1.13e-2, with Triton's interpreted fp8 cast corrected as the
+    harness corrects it; uncorrected it would be 0.109). The same batch with one q head per KV head, which Triton's
+    other decode kernel dequantizes exactly, passes in the same fresh process."""
+    from harness.export import run_exported
+
+    case = ROOT / "docs/findings/cases/sglang-triton-fp8-e4m3-arithmetic.json"
+    gqa, mha = tmp_path / "test_fp8_gqa.py", tmp_path / "test_fp8_mha.py"
+
+    def one_q_head_per_kv_head(batch):
+        batch["layers"][0]["num_q_heads"] = batch["layers"][0]["num_kv_heads"]
+
+    for source, out in ((case, gqa), (_variant(case, tmp_path / "fp8_mha.json", one_q_head_per_kv_head), mha)):
+        assert main(["export", str(source), "--out", str(out)]) == 0
+        _imports_nothing_of_ours(out)
+    text = gqa.read_text()
+    assert "KV_CACHE_DTYPE = \"fp8_e4m3\"" in text and "dtype=torch.float8_e4m3fn" in text
+    assert "def _fp8_downcaster" in text  # the harness's interpreter cast, copied in
+
+    status, output = run_exported([gqa, mha], extra=["-rA"])
+    assert status == 1, output[-3000:]
+    assert re.search(r"^FAILED test_fp8_gqa.py::", output, flags=re.M), output[-3000:]
+    assert re.search(r"AssertionError: relative L2 error 0\.0113 > bound 2\.36e-06", output), output[-3000:]
+    assert re.search(r"^PASSED test_fp8_mha.py::", output, flags=re.M), output[-3000:]
+
+
+@needs_kit
+def test_speculative_cases_export_to_files_that_fail_where_the_bug_lives(tmp_path):
+    """TARGET_VERIFY and DRAFT_EXTEND batches, their spec info rebuilt in the file with SGLang's EagleVerifyInput and
+    EagleDraftExtendInput, in one fresh process without this project:
+    - sglang-triton-verify-window-by-row: under a topk-2 tree Triton windows a sibling draft by its row, not its
+      depth; the file fails with the harness's figure, and the same batch as a chain (each row its depth) passes;
+    - sglang-triton-draft-extend-v2-fp8-e4m3-arithmetic: a draft extend over an fp8 cache, whose prefix stage rounds
+      q and P to e4m3; the file fails with the harness's figure, and the same batch over an auto cache passes."""
+    from harness.export import run_exported
+
+    cases = ROOT / "docs/findings/cases"
+    verify_case = cases / "sglang-triton-verify-window-by-row.json"
+    draft_case = cases / "sglang-triton-draft-extend-v2.json"
+
+    def as_chain(batch):
+        batch["spec"].update(parents=[[-1, 0, 1]], topk=1, spec_steps=2)
+
+    sources = {
+        "test_verify_tree.py": verify_case,
+        "test_verify_chain.py": _variant(verify_case, tmp_path / "chain.json", as_chain),
+        "test_draft_extend_fp8.py": draft_case,
+        "test_draft_extend_auto.py": _variant(draft_case, tmp_path / "auto.json",
+                                              lambda batch: batch.update(kv_cache_dtype="auto")),
+    }
+    folder = tmp_path / "export"
+    for name, source in sources.items():
+        assert main(["export", str(source), "--out", str(folder / name)]) == 0
+        _imports_nothing_of_ours(folder / name)
+    verify = (folder / "test_verify_tree.py").read_text()
+    assert "EagleVerifyInput(" in verify and "PARENTS = [[-1, 0, 0]]" in verify
+    assert "--speculative-eagle-topk 2" in verify
+    assert "EagleDraftExtendInput(" in (folder / "test_draft_extend_fp8.py").read_text()
+
+    status, output = run_exported([folder / name for name in sources], extra=["-rA"])
+    assert status == 1, output[-3000:]
+    for name in ("test_verify_tree.py", "test_draft_extend_fp8.py"):
+        assert re.search(rf"^FAILED {name}::", output, flags=re.M), f"{name}: {output[-3000:]}"
+    for name in ("test_verify_chain.py", "test_draft_extend_auto.py"):
+        assert re.search(rf"^PASSED {name}::", output, flags=re.M), f"{name}: {output[-3000:]}"
+    assert re.search(r"AssertionError: relative L2 error 0\.415 > bound 2\.41e-06 \(worst element at request 0, "
+                     r"token 2, head 0", output), output[-3000:]
+    assert re.search(r"AssertionError: relative L2 error 0\.0112 > bound 2\.35e-06", output), output[-3000:]
 
 
 @needs_kit
