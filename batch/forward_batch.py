@@ -197,6 +197,7 @@ class LayerInputs:
     mla: ``q[T, H, nope + rope]`` (q_nope then q_pe), ``ckv[T, kv_lora_rank]``, ``kpe[T, rope]``.
     linear: ``mixed_qkv[T, conv_dim]``, ``a[T, Hv]``, ``b[T, Hv]``.
     short_conv: ``bcx[T, 3 * hidden]`` (B, C, x).
+    mamba2: ``zxbcdt[T, I + conv_dim + H]`` (z, xBC, dt).
     """
 
     tensors: dict[str, torch.Tensor]

@@ -267,13 +267,63 @@ class ShortConvLayer(_Shaped):
         _require(isinstance(self.conv_bias, bool), f"{where}.conv_bias must be true or false, got {self.conv_bias!r}")
 
 
-Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer, ShortConvLayer]
+@dataclass(frozen=True)
+class Mamba2Layer(_Shaped):
+    """A Mamba-2 mixer (SSD; Nemotron-H's, Falcon-H1's, Granite 4's mamba layers; reference/mamba2.py): ``num_heads``
+    heads of ``head_dim`` reading ``n_groups`` groups of B and C of ``state_size``, a causal conv of ``conv_kernel``
+    over x, B and C, a gated RMS norm by groups. Its input is the model's input projection's output (z, xBC, dt per
+    token), its output what goes into the output projection. ``chunk_size`` is the model's ``mamba_chunk_size``,
+    the block length of its SSD kernels' chunked scan. One setting of all of these per model."""
+
+    layer_id: int
+    num_heads: int
+    head_dim: int
+    n_groups: int = 1
+    state_size: int = 16
+    conv_kernel: int = 4
+    chunk_size: int = 16
+    conv_bias: bool = True
+    kind: str = field(default="mamba2", init=False)
+    SHAPE = ("num_heads", "head_dim", "n_groups", "state_size", "conv_kernel", "chunk_size", "conv_bias")
+
+    @property
+    def intermediate(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.n_groups * self.state_size
+
+    @property
+    def input_width(self) -> int:
+        """z, xBC and dt side by side, as the input projection emits them."""
+        return self.intermediate + self.conv_dim + self.num_heads
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        for name in ("num_heads", "head_dim", "n_groups", "state_size", "chunk_size"):
+            _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.num_heads % self.n_groups == 0,
+                 f"{where}: num_heads={self.num_heads} is not a multiple of n_groups={self.n_groups}")
+        _require(self.conv_kernel >= 2, f"{where}.conv_kernel must be >= 2, got {self.conv_kernel}")
+        _require(isinstance(self.conv_bias, bool), f"{where}.conv_bias must be true or false, got {self.conv_bias!r}")
+
+
+# The draws of a Mamba-2 layer's time steps and decays (engine/materialize.py): raw dt in [-4, 0], dt_bias in [-1, 0],
+# A in [-0.5, -0.02], so a token's decay exponent |dt * A| is at most softplus(0) * 0.5 = 0.3466 (the tolerances read
+# it). Trained models' time steps are smaller still (dt_bias initialised for dt in [0.001, 0.1]).
+MAMBA2_DT_RAW = (-4.0, 0.0)
+MAMBA2_DT_BIAS = (-1.0, 0.0)
+MAMBA2_NEG_A = (0.02, 0.5)
+MAMBA2_MAX_DT_A = 0.3466
+
+Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer, ShortConvLayer, Mamba2Layer]
 _LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer, "lightning": LightningLayer,
-                "short_conv": ShortConvLayer}
+                "short_conv": ShortConvLayer, "mamba2": Mamba2Layer}
 # Layers with a recurrent state per request (linear attention) instead of a KV cache: the gated delta rule
-# ("linear", Qwen3-Next's GDN), lightning attention and the short convolution (a conv state only). A hybrid model
-# has one of them beside its full layers.
-RECURRENT_KINDS = frozenset({"linear", "lightning", "short_conv"})
+# ("linear", Qwen3-Next's GDN), lightning attention, the short convolution (a conv state only) and the Mamba-2 mixer.
+# A hybrid model has one of them beside its full layers.
+RECURRENT_KINDS = frozenset({"linear", "lightning", "short_conv", "mamba2"})
 
 
 def is_recurrent(layer: Layer) -> bool:

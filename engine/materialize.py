@@ -18,7 +18,7 @@ from batch.case import TORCH_DTYPES, Case
 from batch.forward_batch import (FP8_KV_DTYPE, ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo,
                                  quantize_kv)
 from batch.masks import tree_depths, verify_custom_mask
-from batch.spec import MAX_GRAPH_PADDING, BatchSpec
+from batch.spec import MAMBA2_DT_BIAS, MAMBA2_DT_RAW, MAMBA2_NEG_A, MAX_GRAPH_PADDING, BatchSpec
 
 # Rows of req_to_token / state slots that belong to no request of the batch; a graph replay's padded rows fit
 # beside the batch's requests (the request pool is what graph buffers are sized by).
@@ -190,6 +190,28 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
                 inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, Dh, Dh, device=device)
             inputs.append(LayerInputs({n: draw.normal(T, H, Dh, device=device) for n in ("q", "k", "v")}))
             weights.append(LayerWeights({}))  # the decay rates are the model's (reference/lightning.py)
+        elif layer.kind == "mamba2":
+            H, P, N, W, Cd = layer.num_heads, layer.head_dim, layer.state_size, layer.conv_kernel, layer.conv_dim
+            conv_states[layer.layer_id] = draw.normal(num_state_slots, Cd, W - 1, device=device)
+            ssm_states[layer.layer_id] = draw.normal(num_state_slots, H, P, N, scale=0.5, device=device)
+            if spec.mode.is_target_verify():
+                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, Cd, W - 1, device=device)
+                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, P, N, device=device)
+            # z, xBC, dt as the input projection emits them; dt in a fixed range (batch/spec.py, MAMBA2_DT_RAW)
+            lo, hi = MAMBA2_DT_RAW
+            inputs.append(LayerInputs({"zxbcdt": torch.cat([
+                draw.normal(T, layer.intermediate + Cd), lo + (hi - lo) * draw.uniform(T, H)], dim=1)}))
+            # Parameters as a checkpoint loads them: A in float32 (SGLang keeps it so), the others in the model's
+            # dtype, drawn on its grid so every path reads the same values
+            grid = lambda t: t.to(dtype).float()  # noqa: E731
+            mixer = {"conv_weight": grid(draw.normal(Cd, W, scale=W**-0.5)),
+                     "dt_bias": grid(draw.uniform(H, lo=MAMBA2_DT_BIAS[0], hi=MAMBA2_DT_BIAS[1])),
+                     "A": -draw.uniform(H, lo=MAMBA2_NEG_A[0], hi=MAMBA2_NEG_A[1]),
+                     "D": grid(draw.normal(H)),
+                     "norm_weight": grid(1.0 + draw.normal(layer.intermediate, scale=0.1))}
+            if layer.conv_bias:
+                mixer["conv_bias"] = grid(draw.normal(Cd, scale=0.5))
+            weights.append(LayerWeights(mixer))
         elif layer.kind == "short_conv":
             Dh, W = layer.hidden, layer.conv_kernel
             conv_states[layer.layer_id] = draw.normal(num_state_slots, Dh, W - 1, device=device)

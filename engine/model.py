@@ -4,7 +4,7 @@ This is the caller's side of the protocol, written the way a serving engine's mo
 so that wrapper bugs (a missing ``forward``, a skipped ``init_mha_chunk_metadata``, dispatch by type) show
 up here exactly as they would in a model. Backend outputs come back in the layer's output space: MHA
 ``[T, Hq, Dv]``, MLA ``[T, H, v_head_dim]`` (absorbed outputs are up-projected here), linear ``[T, Hv, V]``,
-lightning ``[T, H, D]`` (float32, as Bailing's layers compute it), short conv ``[T, 1, hidden]``.
+lightning ``[T, H, D]`` (float32, as Bailing's layers compute it), short conv ``[T, 1, hidden]``, Mamba-2 ``[T, H, P]``.
 """
 
 from __future__ import annotations
@@ -109,6 +109,8 @@ def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeig
         if fused_qkv:
             q, k, v = fused_views(q, k, v)
         return backend.forward(q, k, v, layer, fb)
+    if spec.kind == "mamba2":  # a Mamba-2 layer: its input projection's output, z, xBC and dt side by side
+        return backend.forward(layer=layer, forward_batch=fb, zxbcdt=t["zxbcdt"])
     if spec.kind == "short_conv":  # LFM2's conv layer: its input projection's output, B, C and x side by side
         return backend.forward(layer=layer, forward_batch=fb, bcx=t["bcx"])
     if spec.kind == "lightning":

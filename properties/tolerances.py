@@ -40,6 +40,15 @@ interpreter runs tl.dot as an exact float32 product, and a backend may declare t
   three roundings in the model's dtype (``B * x`` before the conv, which is also what its state stores; the conv's
   output; the product with ``C``), each at most u of its term, and W float32 products accumulated (``D`` = W in the
   bound). Its terms' RSS (``reference/short_conv.py``, ``magnitudes``) widens it where the taps cancel.
+  A Mamba-2 mixer (SSD) is held to the same operand roundings, widened by its state read's terms through the gate
+  and the norm (``reference/mamba2.py``, ``magnitudes``), plus one term of its own: its chunked-scan kernels sum each
+  chunk's decay exponents ``dt * A`` in float32 (a cumulative sum over up to ``chunk_size`` tokens) and take the
+  exponential of their differences, so every decay factor carries an absolute exponent error, hence a relative
+  error, of the float32 accumulation of up to ``chunk_size`` terms of size at most ``MAMBA2_MAX_DT_A`` (the draws'
+  bound, batch/spec.py): with the sqrt(n) growth of random rounding, ``sqrt(chunk) * chunk * max|dt A| * 2**-24``,
+  added to both bounds (``mamba2_decay_term``), states included. In bf16 it is a hundredth of u; in float32 on the
+  CPU it is what lets a correct chunked scan pass (before it: outputs at 0.73 of float32's bound and a final SSM
+  state at 1.14 of it, ci profile, chunks of 16 and 32 tokens, 25 examples a row).
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -141,7 +150,8 @@ from dataclasses import dataclass
 import torch
 
 from backends.registry import Composition
-from batch.spec import BatchSpec, Layer, LightningLayer, MHALayer, MLALayer, ShortConvLayer
+from batch.spec import (MAMBA2_MAX_DT_A, BatchSpec, Layer, LightningLayer, Mamba2Layer, MHALayer, MLALayer,
+                        ShortConvLayer)
 
 SCORE_TAIL = 8.0  # lambda: P(one score's rounding beyond lambda sqrt(D) u S) <= 2 exp(-lambda^2 / 2) ~ 2.5e-14
 UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
@@ -192,6 +202,11 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device:
     bound = output_bound(input_dtype(spec, layer), reduction, roundoff, inner_dim=score_dot_len(layer))
     if layer.kind in ("mha", "mla"):
         bound = with_score_term(bound, score_dot_len(layer), roundoff)
+    if isinstance(layer, Mamba2Layer):
+        extra = mamba2_decay_term(layer)
+        bound = dataclasses.replace(bound, rel_l2=bound.rel_l2 + extra, element=bound.element + extra,
+                                    reason=f"{bound.reason}; + sqrt(chunk)*chunk*max|dt A|*2^-24 = {extra:.2g} (the "
+                                           f"chunked scan's float32 decay exponents, chunk {layer.chunk_size})")
     cap = getattr(layer, "logit_cap", None)
     if cap and support.softcap_via_sigmoid:
         extra = 2 * cap * ACCUMULATION_ROUNDOFF
@@ -199,6 +214,11 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device:
                                     reason=f"{bound.reason}; + 2*cap*2^-24 = {extra:.2g} (soft-cap tanh via sigmoid, "
                                            f"cap {cap:g})")
     return bound
+
+
+def mamba2_decay_term(layer: Mamba2Layer) -> float:
+    """The float32 accumulation of a chunk's decay exponents (module docstring)."""
+    return math.sqrt(layer.chunk_size) * layer.chunk_size * MAMBA2_MAX_DT_A * ACCUMULATION_ROUNDOFF
 
 
 def widen_for_cancellation(bound: Bound, expected: torch.Tensor, magnitudes: torch.Tensor | None) -> Bound:
@@ -231,6 +251,8 @@ def score_dot_len(layer: Layer) -> int:
         return layer.kv_lora_rank + layer.qk_rope_head_dim
     if isinstance(layer, ShortConvLayer):  # each output sums its kernel's taps
         return layer.conv_kernel
+    if isinstance(layer, Mamba2Layer):  # the state read sums state_size products, the conv its taps
+        return max(layer.state_size, layer.conv_kernel)
     return max(layer.head_k_dim, layer.conv_kernel)
 
 

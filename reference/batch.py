@@ -16,7 +16,7 @@ import torch
 from batch.case import Case
 from batch.masks import tree_mask
 from batch.spec import BatchSpec
-from reference import gdn, lightning, mha, mla, short_conv
+from reference import gdn, lightning, mamba2, mha, mla, short_conv
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 
 
@@ -255,6 +255,9 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
             out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _short_conv_layer(case, layer, t, wt,
                                                                                                 dtype)
             outputs.append(out)
+        elif layer.kind == "mamba2":
+            out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _mamba2_layer(case, layer, t, wt, dtype)
+            outputs.append(out)
         elif not groups:  # an idle batch
             outputs.append(_empty(layer, dtype, case.device))
             element_scales[layer.layer_id] = _empty(layer, dtype, case.device)
@@ -402,6 +405,38 @@ def _short_conv_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[st
     return torch.cat(per_request), states, torch.cat(magnitudes)
 
 
+def _mamba2_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One Mamba-2 layer, request by request, from each request's carried conv and SSM states (zeros without a
+    prefix); outputs ``[T, H, P]`` with their rounding scales."""
+    spec = case.spec
+    verify = spec.mode.is_target_verify()
+    states = LinearStates([], [], [] if verify else None, [] if verify else None)
+    mp = case.mamba_pool_before
+    H, P = layer.num_heads, layer.head_dim
+    per_request, magnitudes, start = [], [], 0
+    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
+        rows = slice(start, start + spec.extend_lens[i])
+        start = rows.stop
+        carried = spec.prefix_lens[i] > 0
+        res = mamba2.mamba2_mixer(
+            t["zxbcdt"][rows], conv_weight=wt["conv_weight"], conv_bias=wt.get("conv_bias"), dt_bias=wt["dt_bias"],
+            A=wt["A"], D=wt["D"], norm_weight=wt["norm_weight"], num_heads=H, head_dim=P, n_groups=layer.n_groups,
+            state_size=layer.state_size,
+            conv_state=mp.conv_states[layer.layer_id][slot].to(dtype) if carried else None,
+            ssm_state=mp.ssm_states[layer.layer_id][slot].to(dtype) if carried else None, keep_states=verify)
+        per_request.append(res.o.reshape(-1, H, P))
+        magnitudes.append(res.magnitudes.reshape(-1, H, P))
+        states.conv.append(res.conv_state)
+        states.ssm.append(res.ssm_state)
+        if verify:
+            states.conv_steps.append(res.conv_states)
+            states.ssm_steps.append(res.ssm_states)
+    if not per_request:
+        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
+    return torch.cat(per_request), states, torch.cat(magnitudes)
+
+
 def _empty(layer, dtype, device) -> torch.Tensor:
     if layer.kind == "mha":
         return torch.zeros(0, layer.num_q_heads, layer.v_head_dim, dtype=dtype, device=device)
@@ -411,4 +446,6 @@ def _empty(layer, dtype, device) -> torch.Tensor:
         return torch.zeros(0, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
     if layer.kind == "short_conv":
         return torch.zeros(0, 1, layer.hidden, dtype=dtype, device=device)
+    if layer.kind == "mamba2":
+        return torch.zeros(0, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
     return torch.zeros(0, layer.num_v_heads, layer.head_v_dim, dtype=dtype, device=device)

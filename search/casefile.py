@@ -195,6 +195,12 @@ def estimated_bytes(spec: BatchSpec) -> int:
             total += T * 3 * H * Dh * draw * 2
             total += (T if D else 1) * H * Dh * Dh * 8  # the reference's float64 state (one per verified token)
             heads = 0
+        elif layer.kind == "mamba2":
+            state = layer.conv_dim * (layer.conv_kernel - 1) + layer.num_heads * layer.head_dim * layer.state_size
+            total += reqs * state * (1 + D) * (4 + 4)  # states (and per-draft-step ones)
+            total += T * (layer.input_width + layer.intermediate) * draw * 2
+            total += (T if D else 1) * state * 8  # the reference's float64 states
+            heads = 0
         elif layer.kind == "short_conv":
             Dh, W = layer.hidden, layer.conv_kernel
             total += reqs * Dh * (W - 1) * (1 + D) * (4 + 4)  # conv states (and per-draft-step ones)

@@ -71,6 +71,12 @@ class Profile:
     # width; LFM2's checkpoints use 3, SGLang's causal_conv1d kernels take 2 to 4).
     short_conv_hidden: int = 32
     short_conv_kernels: tuple[int, ...] = (2, 3, 4)
+    # Mamba-2 layers (num_heads, head_dim, state_size, conv_kernel; Nemotron-H's per GPU of TP 8: 16, 64, 128, 4),
+    # with the groups and the SSD chunk sizes drawn (one of each per model; a chunk shorter than a request's tokens
+    # makes the chunked scan pass states between chunks, and across a cached prefix's boundary)
+    mamba2: tuple[int, int, int, int] = (4, 8, 16, 4)
+    mamba2_groups: tuple[int, ...] = (1, 2)
+    mamba2_chunks: tuple[int, ...] = (16, 32)
 
     @property
     def heads(self) -> tuple[HeadConfig, ...]:
@@ -105,6 +111,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
             rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
                                    (8, 8, 64, 64), (8, 2, 256, 256), (8, 1, 256, 256)),
             long_context=(16384, 32768), wide_batch=(64, 160), lightning=(8, 128), short_conv_hidden=1024,
+            mamba2=(16, 64, 128, 4), mamba2_groups=(1, 8), mamba2_chunks=(64, 256),
             description="GPU runners: bf16, serving head dims (64/128/256, MHA to MQA), 16k-32k contexts"),
 ]}
 

@@ -13,8 +13,8 @@ import functools
 from hypothesis import strategies as st
 
 from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode,
-                        ImageSpan, LightningLayer, LinearLayer, MHALayer, MLALayer, MropeLayout, ShortConvLayer,
-                        SpecInput, draft_forest, is_recurrent)
+                        ImageSpan, LightningLayer, LinearLayer, Mamba2Layer, MHALayer, MLALayer, MropeLayout,
+                        ShortConvLayer, SpecInput, draft_forest, is_recurrent)
 from search.profiles import Profile
 
 
@@ -122,7 +122,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 overreach: tuple[str, ...] = ()) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
-    ``hybrid`` draws layouts mixing full and linear layers by layer id (and draft-worker batches);
+    ``hybrid`` also draws draft-worker batches (a hybrid wrapper built for an MTP draft worker: its one full layer,
+    id 0; off where the model's draft has no linear layer and the engine wraps none, Capabilities.hybrid_draft_worker);
     ``chain`` makes every draft tree a chain (topk 1), ``tree`` gives trees two or more children per node
     where the layers allow it (linear layers verify chains only); ``fixed_width`` makes every draft extend
     cover the whole draft window (``spec_steps + 1`` tokens per request, as EAGLE v2 and its CUDA graphs run
@@ -177,9 +178,15 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
             layer_kinds[-1] = recurrent_kind
         conv = (profile.short_conv_hidden, draw(st.sampled_from(profile.short_conv_kernels)), draw(st.booleans())) \
             if recurrent_kind == "short_conv" else None  # one kernel width and bias setting per model
+        if recurrent_kind == "mamba2":  # one setting of each per model
+            heads, head_dim, state, kernel = profile.mamba2
+            mixer = dict(num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=kernel,
+                         n_groups=draw(st.sampled_from(profile.mamba2_groups)),
+                         chunk_size=draw(st.sampled_from(profile.mamba2_chunks)), conv_bias=draw(st.booleans()))
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
                        else LightningLayer(i, *profile.lightning) if k == "lightning"
                        else ShortConvLayer(i, *conv) if k == "short_conv"
+                       else Mamba2Layer(i, **mixer) if k == "mamba2"
                        else _full_layer(k, i, profile, draw, window, head) for i, k in enumerate(layer_kinds))
     sliding_window = sliding_window and (verify_window or not mode.is_target_verify()) \
         and (draft_window or not mode.is_draft_decode())
