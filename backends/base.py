@@ -169,6 +169,9 @@ class Capabilities:
     # Whether the backend verifies draft trees (speculative_eagle_topk > 1); False: a model with it is served
     # with topk 1 only (the backend refuses more when it is built), so its batches verify chains.
     draft_trees: bool = True
+    # A linear backend whose model's MTP draft worker the engine wraps in its hybrid too (with the draft's one full
+    # layer, id 0); False: the draft model has no layer of this kind and runs its full backend alone.
+    hybrid_draft_worker: bool = True
     # Applies the sliding window under a tree mask (TARGET_VERIFY) by positions (seq_len + depth), as
     # batch.spec.MHALayer defines it; a kernel that counts row indices instead is right for chains only.
     verify_window: bool = False
@@ -249,6 +252,7 @@ class Support:
     empty_extend: bool
     verify_window: bool
     draft_trees: bool = True
+    hybrid_draft_worker: bool = True  # every linear leaf's (see Capabilities)
     draft_window: bool = True  # the full-attention leaves' (see Capabilities)
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
@@ -319,6 +323,7 @@ class Support:
                    length_boundaries=frozenset().union(*(c.length_boundaries for c in caps)),
                    empty_extend=all(c.empty_extend for c in caps),
                    draft_trees=all(c.draft_trees for c in caps),
+                   hybrid_draft_worker=all(c.hybrid_draft_worker for c in linear),
                    verify_window=all(c.verify_window for c in full),
                    draft_window=all(c.draft_window for c in full))
 

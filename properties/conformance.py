@@ -589,10 +589,16 @@ _STATE_REQUESTS = ("conv_state_metadata",)
 
 
 class _CallRecorder:
-    """Forwards everything to a real backend, recording the routed calls it receives (method, layer id)."""
+    """Forwards everything to a real backend, recording the routed calls it receives (method, layer id). It passes
+    for the backend's class (a model may assert it: Nemotron-H's mamba layer checks its linear backend is SGLang's
+    Mamba2AttnBackend before handing it its mixer)."""
 
     def __init__(self, inner, calls: list) -> None:
         self._inner, self._calls = inner, calls
+
+    @property
+    def __class__(self):
+        return type(self._inner)
 
     def __getattr__(self, name):
         attr = getattr(self._inner, name)
@@ -606,7 +612,9 @@ class _CallRecorder:
 
         def recorded(*args, **kwargs):
             layer = kwargs.get("layer", args[3] if len(args) > 3 else None)
-            self._calls.append((name, getattr(layer, "layer_id", None)))
+            # a layer object, or a mixer handed over with its layer id (Mamba2AttnBackend.forward)
+            layer_id = kwargs.get("layer_id") if layer is None else getattr(layer, "layer_id", None)
+            self._calls.append((name, layer_id))
             return attr(*args, **kwargs)
         return recorded
 

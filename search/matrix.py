@@ -51,7 +51,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "sliding_window": support.sliding_window,
         "logit_cap": support.logit_cap,
         "mrope": support.mrope,
-        "hybrid": "hybrid" in c.wrappers(),
+        "hybrid": "hybrid" in c.wrappers() and support.hybrid_draft_worker,
         "kv_cache_dtypes": tuple(d for d in profile.kv_cache_dtypes if d in support.kv_cache_dtypes),
         "kv_scales": support.kv_scales,
         "head_configs": heads,

@@ -13,7 +13,8 @@ from backends.registry import CompositionError, all_compositions, parse
 from batch.forward_batch import ModelRunner
 from backends.sglang import runtime
 from backends.sglang.adapter import retrieve_links
-from batch.spec import BatchSpec, ForwardMode, LightningLayer, LinearLayer, MHALayer, ShortConvLayer, SpecInput
+from batch.spec import (BatchSpec, ForwardMode, LightningLayer, LinearLayer, Mamba2Layer, MHALayer, ShortConvLayer,
+                        SpecInput)
 from engine.materialize import materialize
 from properties import PROPERTIES
 from properties.run import run_case
@@ -493,3 +494,24 @@ def test_sglang_builds_its_short_conv_hybrid_for_an_lfm2_model(device):
         assert type(hybrid.linear_attn_backend).__name__ == "ShortConvAttnBackend"
     for name in ("outputs", "cache", "dispatch"):
         assert PROPERTIES[name].run(composition, extend, device).ok, name
+
+
+@needs_sglang
+def test_sglang_builds_its_mamba2_hybrid_for_a_nemotron_h_model(device):
+    # A Nemotron-H-shaped model: SGLang's attn_backend_wrapper picks Mamba2AttnBackend for its NemotronHConfig, the
+    # attention layers by the pattern; each mamba layer is SGLang's own decoder layer handing its MambaMixer2 to the
+    # backend. Two requests continue cached prefixes across the 16-token chunks of the scan, one starts fresh.
+    layers = (Mamba2Layer(0, 4, 8, 2, 16, chunk_size=16), MHALayer(1, 4, 2, 16, 16),
+              Mamba2Layer(2, 4, 8, 2, 16, chunk_size=16))
+    extend = BatchSpec(ForwardMode.EXTEND, (20, 0, 3), (13, 18, 1), layers, seed=9)
+    composition = parse("hybrid(sglang.torch_native,sglang.mamba2)")
+    run = run_case(composition, extend, device)
+    hybrid = run.execution.backend.inner
+    assert type(hybrid).__name__ == "HybridLinearAttnBackend" and hybrid.full_attn_layers == [1]
+    assert type(hybrid.linear_attn_backend).__name__ == "Mamba2AttnBackend"
+    assert {i: type(r).__name__ for i, r in run.execution.backend.radix.items()} == {
+        0: "NemotronHMambaDecoderLayer", 1: "RadixAttention", 2: "NemotronHMambaDecoderLayer"}
+    for name in ("outputs", "cache", "dispatch"):
+        assert PROPERTIES[name].run(composition, extend, device).ok, name
+    # Nemotron-H's MTP draft has no mamba layer: SGLang wraps no draft worker in its hybrid, so none is drawn
+    assert not parse("hybrid(sglang.triton,sglang.mamba2)").support().hybrid_draft_worker

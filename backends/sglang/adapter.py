@@ -46,11 +46,38 @@ TBO_DRAFT_EXTEND_GAP = ("tbo", ForwardMode.DRAFT_EXTEND, "SGLang's draft worker 
                                                          "backend, never under TboAttnBackend")
 
 
+class LayerBuildError(RuntimeError):
+    """SGLang's layer object (a RadixAttention, a model's mixer) could not be built where the adapter builds it: in
+    place of the model's constructor, outside a server's start-up (its parallel groups, its loader). Raised from the
+    adapter's frame, so the crash is the harness's (an adapter error), never counted as the engine's bug; an engine
+    that cannot build its own backends (``make_inner``) is still a finding."""
+
+
+@contextlib.contextmanager
+def _building(what: str):
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any failure here is the adapter's stand-in for the model's construction
+        raise LayerBuildError(f"building SGLang's {what} in place of the model's: {type(e).__name__}: {e}") from e
+
+
 class _Identity(torch.nn.Module):
     """A projection that hands its input through, as SGLang's linear layers return it: ``(output, bias)``."""
 
     def forward(self, x):
         return x, None
+
+
+class _Embed(torch.nn.Module):
+    """An output projection that keeps its input's channels and pads them with zeros to ``width``: ``(output,
+    bias)``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def forward(self, x):
+        return torch.nn.functional.pad(x, (0, self.width - x.shape[-1])), None
 
 
 def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
@@ -228,10 +255,11 @@ class SglangBackend(_SglangObject):
         """SGLang's RadixAttention for a harness layer (cached per layer id)."""
         radix = self.radix.get(layer.layer_id)
         if radix is None:
-            radix = self.sgl.RadixAttention(
-                num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
-                num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
-                v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
+            with _building("RadixAttention"):
+                radix = self.sgl.RadixAttention(
+                    num_heads=layer.tp_q_head_num, head_dim=layer.head_dim, scaling=layer.scaling,
+                    num_kv_heads=layer.tp_k_head_num, layer_id=layer.layer_id, logit_cap=layer.logit_cap,
+                    v_head_dim=layer.v_head_dim, sliding_window_size=layer.sliding_window_size)
             if self.sgl_runner.kv_cache_dtype == torch.float8_e4m3fn and layer.kind != "lightning":
                 # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
                 # (layers/quantization/kv_cache.py, process_weights_after_loading). A lightning layer has no KV
@@ -247,11 +275,12 @@ class SglangBackend(_SglangObject):
         radix = self.radix.get(layer.layer_id)
         if radix is None:
             s, w = layer.spec, layer.weights
-            radix = self.sgl.RadixLinearAttention(
-                layer_id=layer.layer_id, num_q_heads=s.num_k_heads, num_k_heads=s.num_k_heads,
-                num_v_heads=s.num_v_heads, head_q_dim=s.head_k_dim, head_k_dim=s.head_k_dim,
-                head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"], bias=None, activation="silu",
-                A_log=w["A_log"], dt_bias=w["dt_bias"])
+            with _building("RadixLinearAttention"):
+                radix = self.sgl.RadixLinearAttention(
+                    layer_id=layer.layer_id, num_q_heads=s.num_k_heads, num_k_heads=s.num_k_heads,
+                    num_v_heads=s.num_v_heads, head_q_dim=s.head_k_dim, head_k_dim=s.head_k_dim,
+                    head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"], bias=None, activation="silu",
+                    A_log=w["A_log"], dt_bias=w["dt_bias"])
             self.radix[layer.layer_id] = radix
         return radix
 
@@ -263,22 +292,53 @@ class SglangBackend(_SglangObject):
         conv = self.radix.get(layer.layer_id)
         if conv is None:
             sgl, w = self.sgl, layer.weights
-            conv = sgl.Lfm2ShortConv.__new__(sgl.Lfm2ShortConv)
-            torch.nn.Module.__init__(conv)  # no __init__: it would build TP-sharded projections and load nothing
-            conv.layer_idx, conv.conv_kernel = layer.layer_id, layer.spec.conv_kernel
-            conv.hidden_size = conv.hidden_size_per_partition = layer.spec.hidden
-            conv.use_bias = layer.spec.conv_bias
-            conv.in_proj = conv.out_proj = _Identity()
-            # In the model's dtype, as a checkpoint loads them (the drawn values lie on its grid: exact)
-            dtype = self.sgl_runner.dtype
-            conv.conv_weight = torch.nn.Parameter(w["conv_weight"].to(dtype), requires_grad=False)
-            conv.conv_bias = torch.nn.Parameter(w["conv_bias"].to(dtype), requires_grad=False) if "conv_bias" in w \
-                else None
-            if sgl.register_shortconv_verify_buffers is not None:
-                sgl.register_shortconv_verify_buffers(conv)
-                conv.to(w["conv_weight"].device)
+            with _building("Lfm2ShortConv"):
+                conv = sgl.Lfm2ShortConv.__new__(sgl.Lfm2ShortConv)
+                torch.nn.Module.__init__(conv)  # no __init__: it would build TP-sharded projections and load nothing
+                conv.layer_idx, conv.conv_kernel = layer.layer_id, layer.spec.conv_kernel
+                conv.hidden_size = conv.hidden_size_per_partition = layer.spec.hidden
+                conv.use_bias = layer.spec.conv_bias
+                conv.in_proj = conv.out_proj = _Identity()
+                # In the model's dtype, as a checkpoint loads them (the drawn values lie on its grid: exact)
+                dtype = self.sgl_runner.dtype
+                conv.conv_weight = torch.nn.Parameter(w["conv_weight"].to(dtype), requires_grad=False)
+                conv.conv_bias = torch.nn.Parameter(w["conv_bias"].to(dtype), requires_grad=False) \
+                    if "conv_bias" in w else None
+                if sgl.register_shortconv_verify_buffers is not None:
+                    sgl.register_shortconv_verify_buffers(conv)
+                    conv.to(w["conv_weight"].device)
             self.radix[layer.layer_id] = conv
         return conv
+
+    def _mamba2_layer(self, layer):
+        """A Nemotron-H mamba decoder layer of SGLang's own, for a harness Mamba-2 layer (cached per layer id): its
+        ``MambaMixer2`` built by SGLang for the model's config, with the drawn parameters, its input projection the
+        identity (the harness hands it z, xBC and dt) and its output projection a fixed embedding of its I channels
+        into that width (zeros after them: a release whose layer sizes its output buffer like its input, 0.5.10's,
+        gets one that fits); the decoder layer's ``_forward_mamba`` is then the model's call, whatever the release."""
+        block = self.radix.get(layer.layer_id)
+        if block is None:
+            sgl, s, w = self.sgl, layer.spec, layer.weights
+            config = self.sgl_runner.model_config.hf_config
+            dtype = self.sgl_runner.dtype  # as a checkpoint loads them (the drawn values lie on its grid: exact)
+            with _building("MambaMixer2"), torch.device(w["A"].device), torch.no_grad():
+                mixer = sgl.MambaMixer2(cache_params=config.mamba2_cache_params, hidden_size=s.input_width,
+                                        use_conv_bias=s.conv_bias, use_bias=False, n_groups=s.n_groups,
+                                        rms_norm_eps=config.layer_norm_epsilon, activation="silu",
+                                        prefix=f"layers.{s.layer_id}.mixer")
+                mixer.in_proj, mixer.out_proj = _Identity(), _Embed(s.input_width)
+                mixer.conv1d.weight = torch.nn.Parameter(w["conv_weight"].to(dtype)[:, None, :], requires_grad=False)
+                mixer.conv1d.bias = torch.nn.Parameter(w["conv_bias"].to(dtype), requires_grad=False) \
+                    if "conv_bias" in w else None
+                mixer.A = torch.nn.Parameter(w["A"].float(), requires_grad=False)  # float32, as SGLang keeps it
+                for name, value in (("D", w["D"]), ("dt_bias", w["dt_bias"])):
+                    setattr(mixer, name, torch.nn.Parameter(value.to(dtype), requires_grad=False))
+                mixer.norm.weight = torch.nn.Parameter(w["norm_weight"].to(dtype), requires_grad=False)
+                block = sgl.NemotronHMambaDecoderLayer.__new__(sgl.NemotronHMambaDecoderLayer)
+                torch.nn.Module.__init__(block)  # no __init__: it would build the mixer from a checkpoint's shapes
+                block.config, block.layer_id, block.mixer = config, s.layer_id, mixer
+            self.radix[layer.layer_id] = block
+        return block
 
     def translate(self, fb, graph: bool = False):
         """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree). ``graph``: the
@@ -303,7 +363,11 @@ class SglangBackend(_SglangObject):
             out.num_padding = fb.num_padding
         compat.bind_kv_indices(self.sgl_runner, out, graph)
         compat.attach_pools(out, self.sgl_runner)
-        if mode.is_extend(include_draft_extend_v2=True):
+        # A verify batch carries no extend_* fields, as SGLang's own ForwardBatch.init_new builds it (decode and
+        # target_verify take their positions from seq_lens or the spec info and skip the extend branch,
+        # model_executor/forward_batch_info.py:1226-1247): Mamba2AttnBackend plans a verify as one when its
+        # extend_num_tokens is None (Mamba2Metadata.prepare_mixed), as a prefill otherwise.
+        if mode.is_extend(include_draft_extend_v2=True) and not mode.is_target_verify():
             out.extend_prefix_lens = fb.extend_prefix_lens
             out.extend_prefix_lens_cpu = list(fb.extend_prefix_lens_cpu)
             out.extend_seq_lens = fb.extend_seq_lens
@@ -462,12 +526,29 @@ class SglangBackend(_SglangObject):
                          verify=forward_batch.forward_mode.is_target_verify())
         return o[:, :layer.spec.hidden].reshape(T, 1, layer.spec.hidden)
 
+    def _run_mamba2(self, layer, forward_batch, zxbcdt, via=None) -> torch.Tensor:
+        """zxbcdt ``[T, I + conv_dim + H]`` -> o ``[T, H, P]`` through SGLang's Nemotron-H mamba layer, which hands
+        its mixer to the hybrid's Mamba2AttnBackend; its states then come back into the harness's pools."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        T, s = zxbcdt.shape[0], layer.spec
+        if forward_batch.forward_mode.is_idle():  # Nemotron-H's decoder layers skip idle batches before their mixer
+            return zxbcdt.new_empty(0, s.num_heads, s.head_dim)  # (models/nemotron_h.py:616)
+        with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
+            o = self._mamba2_layer(layer)._forward_mamba(zxbcdt, sfb)
+        self.states.pull(layer.layer_id, forward_batch.state_slots,
+                         verify=forward_batch.forward_mode.is_target_verify())
+        return o[:T, :s.intermediate].reshape(T, s.num_heads, s.head_dim)
+
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
-                mixed_qkv=None, a=None, b=None, bcx=None, via=None, **kwargs):
+                mixed_qkv=None, a=None, b=None, bcx=None, zxbcdt=None, via=None, **kwargs):
         if layer.kind == "linear":  # the model calls its RadixLinearAttention, which SGLang's hybrid dispatches
             return self._run_linear(layer, forward_batch, mixed_qkv, a, b, via)
         if layer.kind == "short_conv":  # the model calls its conv layer, which never goes through forward
             return self._run_short_conv(layer, forward_batch, bcx, via)
+        if layer.kind == "mamba2":  # the model hands its mixer to the hybrid's Mamba-2 backend itself
+            return self._run_mamba2(layer, forward_batch, zxbcdt, via)
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, via)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
@@ -742,6 +823,34 @@ class SglangShortConv(_LinearChild):
         # LFM2's conv layer marks no break for SGLang's breakable prefill graph (models/lfm2.py has none, unlike
         # GDN's RadixLinearAttention): whether a server captures it there is not adapted.
         prefill_graph=False,
+    )
+
+
+class SglangMamba2(_LinearChild):
+    """SGLang's Mamba-2 backend (``Mamba2AttnBackend``) under its hybrid wrapper, for a Nemotron-H-shaped model: the
+    backend plans (state slots, ``query_start_loc``, the chunked scan's chunk indices and offsets, the prefix mask)
+    and runs the model's ``MambaMixer2`` (its causal conv and SSD kernels, Triton), which the model's mamba layer
+    hands it (``_forward_mamba``)."""
+
+    sglang_name = "mamba2"
+    capabilities = _linear_child_capabilities(
+        attention_kinds=frozenset({"mamba2"}),
+        # From 0.5.22 (the selective-state-update dispatch the scheduler installs). Before it the mixer's SSD kernels
+        # enter torch.cuda.device(index) and dispatch their state update elsewhere, which the CPU shims do not
+        # cover: on 0.5.10 every row crashed in the harness's stand-ins, so the rows are unavailable there instead.
+        engine_features=("hybrid_linear", "mamba2_model", "mamba_ssu_backend"),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken
+        # The verify conv kernel advances the request's conv state through the draft tokens in place (the mixer's
+        # causal_conv1d_update with intermediate_conv_window), as GDN's; the commit rewrites it.
+        verify_advances_conv_state=True,
+        # Nemotron-H's mamba layer breaks out of the breakable prefill graph (breakable_nemotron_mamba2_with_output,
+        # models/nemotron_h.py); not adapted here yet.
+        prefill_graph=False,
+        # A Nemotron-H MTP draft has no mamba layer: SGLang builds no hybrid for its draft worker
+        # (configs/hybrid_arch.py, mamba2_config: a draft model whose pattern has no "M")
+        hybrid_draft_worker=False,
+        slow_on_cpu="the interpreted SSD chunk-scan kernels take seconds a case",
     )
 
 

@@ -84,7 +84,9 @@ def enter_single_rank() -> None:
     if features.has("parallel_context"):
         import sglang.srt.runtime_context as runtime_context
 
-        wanted = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_dcp_rank": 0}
+        # and the model's tensor-parallel rank, which its parallel linear layers read when they are built
+        # (MambaMixer2's, backends/sglang/adapter.py)
+        wanted = {"attn_tp_size": 1, "attn_tp_rank": 0, "attn_dcp_rank": 0, "tp_size": 1, "tp_rank": 0}
         known = getattr(runtime_context, "_PARALLEL_FIELDS", None)
         parallel = runtime_context.get_parallel().override(
             **{k: v for k, v in wanted.items() if known is None or k in known})
@@ -93,11 +95,21 @@ def enter_single_rank() -> None:
     if features.has("attn_tp_group"):
         from sglang.srt.distributed import parallel_state
 
-        # and the attention context-parallel group, which 0.5.14's FlashInfer backends ask for directly
-        for group in ("_ATTN_TP", "_ATTN_CP"):
+        # and the attention context-parallel group, which 0.5.14's FlashInfer backends ask for directly, and the
+        # model's tensor-parallel group, which its parallel linear layers read when they are built (MambaMixer2's)
+        for group in ("_ATTN_TP", "_ATTN_CP", "_TP"):
             if hasattr(parallel_state, group) and getattr(parallel_state, group) is None:
                 setattr(parallel_state, group, SimpleNamespace(world_size=1, rank_in_group=0, ranks=[0],
                                                                local_rank=0, device_group=None, cpu_group=None))
+
+
+def init_mamba_backend(server_args) -> None:
+    """What SGLang's scheduler does at start-up for a Mamba model (managers/scheduler.py, 0.5.22 on): install the
+    selective-state-update backend its server args name, which MambaMixer2's decode and verify dispatch to (the
+    Mamba-2 leaf requires the feature: backends/sglang/adapter.py, SglangMamba2)."""
+    from sglang.kernels.ops.mamba.triton_ops import initialize_mamba_selective_state_update_backend
+
+    initialize_mamba_selective_state_update_backend(server_args)
 
 
 # ---- the backend a layer runs ----

@@ -162,6 +162,17 @@ FEATURES: dict[str, Feature] = {
     # LFM2's conv layer runs its own conv kernels against state its backend hands it; its forward is called as
     # the model calls it (backends/sglang/runtime.py, short_conv_layer). Up to 0.5.21 the layer reads the pool itself,
     # by request row; from 0.5.22 through ShortConvAttnBackend.conv_state_metadata.
+    # A Nemotron-H model's mamba layer: SGLang's MambaMixer2 (its SSD kernels) under Mamba2AttnBackend, called as the
+    # model's decoder layer calls it (NemotronHMambaDecoderLayer._forward_mamba: the backend from the batch up to
+    # 0.5.21, from the forward context after).
+    "mamba2_model": Feature("a Nemotron-H config, its mamba decoder layer and SGLang's Mamba-2 mixer", (
+        _p("srt.configs.nemotron_h:NemotronHConfig"), _p("srt.models.nemotron_h:NemotronHMambaDecoderLayer"),
+        _p("srt.models.nemotron_h:NemotronHMambaDecoderLayer._forward_mamba"),
+        _p("srt.layers.attention.mamba.mamba:MambaMixer2"))),
+    # The scheduler installs the selective-state-update backend the mixer's decode calls (0.5.22 on; before, the
+    # mixer called its kernel directly)
+    "mamba_ssu_backend": Feature("the Mamba selective-state-update backend the scheduler installs at start-up", (
+        _p("kernels.ops.mamba.triton_ops.ssu_dispatch:initialize_mamba_selective_state_update_backend"),)),
     "short_conv_model": Feature("an LFM2 config and its short-convolution layer for short-conv hybrids", (
         _p("srt.configs.lfm2:Lfm2Config"), _p("srt.models.lfm2:Lfm2ShortConv"))),
     "deepseek_mla": Feature("DeepSeek's choice of MLA forward method (FlashInfer MLA rows)", (

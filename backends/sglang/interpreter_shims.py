@@ -28,6 +28,12 @@
    gave errors a compiled kernel does not make (docs/findings/sglang-triton-draft-extend-v2.md). Float32/16 and
    bfloat16 -> fp8e4nv/fp8e5 casts are done by torch instead (nearest even), clamped to the format's finite range.
    Upstream: triton-lang/triton#8322 (ties), the carry reported on PR #9808 and fixed in the open PR #11897.
+7. SGLang's Mamba-2 mixer module (``layers/attention/mamba/mamba.py``) binds its causal-conv entry points only on
+   CUDA, NPU and XPU; on a CPU the names are missing and its first call raises NameError. They are bound to
+   SGLang's own Triton causal conv, as its XPU branch binds them ("the portable Triton implementation for both the
+   native and the _triton entry points"). Its SSD kernels enter ``torch.get_device_module(device).device(index)``
+   around each launch (``ssd_chunk_state.py``), which on a CPU is ``torch.cpu.device``, absent: a null context, as
+   for fla (2).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import contextlib
 import importlib
 import sys
 
+import torch
 import triton
 import triton.language as tl
 
@@ -160,6 +167,22 @@ def apply() -> None:
                 if aliases.get(id(getattr(module, name, None))) == name:
                     setattr(module, name, stand_ins[name])
         fla_utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+    if features.has("mamba2_model"):
+        mixer = importlib.import_module("sglang.srt.layers.attention.mamba.mamba")
+        for package in ("sglang.kernels.ops.mamba", "sglang.srt.layers.attention.mamba"):  # 0.5.22 on; before
+            try:
+                conv = importlib.import_module(package + ".causal_conv1d_triton")
+                break
+            except ModuleNotFoundError:
+                continue
+        for name, kernel in (("causal_conv1d_fn", conv.causal_conv1d_fn),
+                             ("causal_conv1d_fn_triton", conv.causal_conv1d_fn),
+                             ("causal_conv1d_update", conv.causal_conv1d_update),
+                             ("causal_conv1d_update_triton", conv.causal_conv1d_update)):
+            if not hasattr(mixer, name):
+                setattr(mixer, name, kernel)
+        if not hasattr(torch.cpu, "device"):
+            torch.cpu.device = lambda index: contextlib.nullcontext()
     run = autotuner.Autotuner.run
 
     def first_config(self, *args, **kwargs):

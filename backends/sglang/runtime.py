@@ -246,6 +246,11 @@ def _import_names() -> dict[str, object]:
         from sglang.srt.configs.qwen3_next import Qwen3NextConfig
     if features.has("lightning_model"):
         from sglang.srt.configs.bailing_hybrid import BailingHybridConfig
+    NemotronHConfig = NemotronHMambaDecoderLayer = MambaMixer2 = None
+    if features.has("mamba2_model"):
+        from sglang.srt.configs.nemotron_h import NemotronHConfig
+        from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
+        from sglang.srt.models.nemotron_h import NemotronHMambaDecoderLayer
     Lfm2Config = Lfm2ShortConv = register_shortconv_verify_buffers = None
     if features.has("short_conv_model"):
         from sglang.srt.configs.lfm2 import Lfm2Config
@@ -426,6 +431,7 @@ _IDLE_LINEAR_SHAPES = {
     "linear": (2, 4, 16, 16, 4),  # GDN: key heads, value heads, key dim, value dim, conv kernel
     "lightning": (2, 128),  # heads, head dim (seg_la's decode splits the key dim in blocks of 128)
     "short_conv": (16, 3, False),  # hidden size, kernel width, bias
+    "mamba2": (2, 16, 1, 16, 4, 16, True),  # heads, head dim, groups, state size, conv kernel, chunk size, conv bias
 }
 
 
@@ -488,6 +494,18 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
     drawn shape. Bailing's config has one head count and head dim, which its lightning layers take (its MHA
     layers' shapes reach SGLang's full backend through the runner's model config, not this one)."""
     n = len(hybrid.layer_types)
+    if hybrid.linear_kind == "mamba2":
+        # SGLang's own Nemotron-H config, its layers by pattern ("M" mamba, "*" attention); its mamba2_cache_params
+        # size the conv state [conv_dim, kernel - 1] and the SSM state [heads, head dim, state size]
+        heads, head_dim, groups, state, kernel, chunk, bias = hybrid.shape
+        cfg = load().NemotronHConfig(
+            hybrid_override_pattern="".join("M" if t == "linear_attention" else "*" for t in hybrid.layer_types),
+            hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
+            mamba_num_heads=heads, mamba_head_dim=head_dim, mamba_n_groups=groups, ssm_state_size=state,
+            mamba_d_conv=kernel, mamba_chunk_size=chunk, mamba_conv_bias=bias, n_routed_experts=0,
+            n_groups=groups)  # as a checkpoint's config.json names it too: mamba2_cache_params reads n_groups
+        cfg.architectures = ["NemotronHForCausalLM"]
+        return cfg
     if hybrid.linear_kind == "short_conv":
         # SGLang's own LFM2 config: its layer_types name the conv layers, full_attention_layer_ids the others, and
         # its mamba2_cache_params size a conv state of [hidden, kernel - 1] and no SSM state (configs/lfm2.py).
@@ -679,6 +697,9 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         mc = r.model_config
         mc.hf_config = mc.hf_text_config = _hybrid_config(hybrid, mc.num_attention_heads, mc.num_key_value_heads,
                                                           mc.head_dim)
+        mc.is_draft_model = hybrid.draft_worker  # read for Nemotron-H configs (configs/hybrid_arch.py, mamba2_config)
+        if hybrid.linear_kind == "mamba2":
+            compat.init_mamba_backend(r.server_args)
         r.req_to_token_pool = _hybrid_request_pool(sgl, mc.hf_config, runner, dtype, device, max_draft_tokens, topk)
         kv = _hybrid_kv_pool(sgl, runner, layers, kv_dtype, device, r.req_to_token_pool.mamba_pool, kv)
     r.req_to_token_pool.req_to_token = runner.req_to_token  # ours: [max_reqs, context_len] int32, row 0 padding

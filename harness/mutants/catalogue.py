@@ -785,6 +785,39 @@ def sglang_short_conv_slots_by_request_row():
     return _replace(backend, "conv_state_metadata", conv_state_metadata)
 
 
+def _mamba2_metadata():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
+    return Mamba2Metadata
+
+
+def sglang_mamba2_chunk_offsets_dropped():
+    metadata = _mamba2_metadata()
+    planned = metadata.prepare_mixed.__func__
+
+    def prepare_mixed(cls, *args, **kwargs):
+        meta = planned(cls, *args, **kwargs)
+        mixed = meta.mixed_metadata
+        if mixed is not None and mixed.chunk_offsets is not None:
+            mixed.chunk_offsets.zero_()  # every logical chunk taken to start at its physical chunk's first token
+        return meta
+    return _replace(metadata, "prepare_mixed", classmethod(prepare_mixed))
+
+
+def sglang_mamba2_prefix_states_dropped():
+    metadata = _mamba2_metadata()
+    planned = metadata.prepare_mixed.__func__
+
+    def prepare_mixed(cls, *args, **kwargs):
+        meta = planned(cls, *args, **kwargs)
+        mixed = meta.mixed_metadata
+        if mixed is not None and mixed.has_initial_states is not None:
+            mixed.has_initial_states.zero_()  # a cached prefix's SSM and conv states never read
+        return meta
+    return _replace(metadata, "prepare_mixed", classmethod(prepare_mixed))
+
+
 def sglang_fa3_verify_replay_keys_without_drafts():
     from backends.sglang.runtime import load
     load()
@@ -914,6 +947,14 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
            "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",
            ("graph(hybrid(sglang.triton,sglang.gdn))",), modes=("decode",), engine="sglang"),
+    Mutant("sglang_mamba2_chunk_offsets_dropped", "SGLang's Mamba2Metadata plans the chunked scan's chunk offsets as "
+           "zeros; where a request with a cached prefix starts inside a chunk, its initial state is applied at the "
+           "chunk's first token, to the request before it (Nemotron-H prefills batched after a prefix-cache hit)",
+           ("hybrid(sglang.torch_native,sglang.mamba2)",), ("outputs",), modes=("extend",), engine="sglang"),
+    Mutant("sglang_mamba2_prefix_states_dropped", "SGLang's Mamba2Metadata marks no request as having an initial "
+           "state; a chunked prefill or a prefix-cache hit restarts the SSM and conv states from zeros (Nemotron-H "
+           "forgets everything before the chunk)", ("hybrid(sglang.torch_native,sglang.mamba2)",), ("outputs",),
+           modes=("extend",), engine="sglang"),
     Mutant("sglang_short_conv_drops_initial_state", "SGLang's ShortConvAttnBackend plans every extend as a fresh "
            "request (has_initial_state all false); a request that continues a cached prefix (chunked prefill, a "
            "radix-cache hit) convolves zeros where its last tokens were (LFM2 models lose the context's tail)",
