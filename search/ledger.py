@@ -89,7 +89,7 @@ def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 def _tbo_linear_plain_cut(spec: BatchSpec) -> bool:
-    """An extend batch with linear layers (GDN or lightning) that SGLang's splitter cuts between requests (not
+    """An extend batch with linear layers (GDN, lightning, ...) that SGLang's splitter cuts between requests (not
     two-chunk): its second half's linear kernels index their tokens with start locations that were not rebased."""
     if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
         return False
@@ -99,12 +99,14 @@ def _tbo_linear_plain_cut(spec: BatchSpec) -> bool:
 def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:
     """A plainly cut batch with linear layers (``_tbo_linear_plain_cut``), and the failure is in a linear layer: an
     out-of-bounds access by its kernels (GDN's conv, lightning's seg_la; the interpreter's bounds checker on the
-    CPU, an illegal memory access on CUDA), or its outputs."""
+    CPU, an illegal memory access on CUDA), its outputs, or Mamba-2's planning of the chunked scan over those start
+    locations (an IndexError in Mamba2Metadata's chunk offsets, where a request carries a prefix)."""
     if not _tbo_linear_plain_cut(spec):
         return False
     layer = _failing_layer(spec, verdict)
     out_of_bounds = "OutOfBounds" in verdict.reason or "illegal memory access" in verdict.reason
-    return out_of_bounds or (layer is not None and is_recurrent(layer))
+    chunk_plan = "IndexError" in verdict.reason and "_query_start_loc_to_chunk_indices_offsets" in verdict.reason
+    return out_of_bounds or chunk_plan or (layer is not None and is_recurrent(layer))
 
 
 def _tbo_linear_stray_writes(spec: BatchSpec, verdict: Verdict) -> bool:

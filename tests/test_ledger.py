@@ -292,3 +292,44 @@ def test_a_speculative_window_is_known_only_where_the_request_trim_lets_a_token_
     assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(0, 1), at(1), "cuda") is None  # 2 keys: in
     # the eager draft extend plans its window per token (spec_info=None there): not this entry
     assert ledger.match(fi, "draft_extend", "outputs", draft_extend(2, 1), at(1), "cuda") is None
+
+
+def test_mamba2_plans_a_plainly_cut_half_over_its_unrebased_start_locations():
+    """H200 and CPU, 0.5.23: the second half's Mamba-2 planning raises where a request carries a prefix."""
+    from batch.spec import Mamba2Layer
+    layers = (Mamba2Layer(0, 4, 8, 2, 16), MHALayer(1, 4, 2, 32, 32))
+    plain = BatchSpec(ForwardMode.EXTEND, (0, 0, 20), (40, 3, 41), layers)
+    crash = Verdict("conformance", False, "crashed: IndexError: index 8 is out of bounds for dimension 0 with size 7 "
+                                          "(mamba2_metadata.py:190 in _query_start_loc_to_chunk_indices_offsets: "
+                                          "`chunk_offsets[_s] = s % chunk_size`)")
+    known = ledger.match("tbo(hybrid(sglang.triton,sglang.mamba2))", "extend", "conformance", plain, crash, "cpu")
+    assert known is not None and known.id == "sglang-tbo-gdn-child-start-loc"
+    other = Verdict("conformance", False, "crashed: IndexError: index 8 is out of bounds (somewhere_else.py:1)")
+    assert ledger.match("tbo(hybrid(sglang.triton,sglang.mamba2))", "extend", "conformance", plain, other, "cpu") \
+        is None
+
+
+def test_lfm2_state_by_request_row_is_known_only_in_short_conv_layers():
+    from batch.spec import ShortConvLayer
+    spec = BatchSpec(ForwardMode.DECODE, (1,), (1,), (ShortConvLayer(0, 16, 2), MHALayer(1, 4, 2, 32, 32)))
+    condition = ledger.CONDITIONS["conv_state_by_request_row"]
+    assert condition(spec, Verdict("outputs", False, "out of bounds", 1.26, 4e-7, "layer 0 request 0 conv state"))
+    assert not condition(spec, Verdict("outputs", False, "out of bounds", 1.0, 4e-7, "layer 1: request 0, token 0"))
+    assert condition(spec, Verdict("cache", False, "layer 0 conv_states: slot 2 changed but must not"))
+    assert not condition(spec, Verdict("cache", False, "layer 1 k_buffer: slot 2 changed"))
+    # and on the releases where it lives only: 0.5.22 rebuilt the layer on the backend's state handle
+    entry = next(e for e in ledger.known_failures() if e.id == "sglang-lfm2-conv-state-by-request-row")
+    assert entry.applies_to("0.5.10") and not entry.applies_to("0.5.23")
+
+
+def test_lfm2_hybrids_reach_the_draft_worker_and_layer0_entries_by_their_own_symptoms():
+    """0.5.10, CPU: an LFM2 hybrid's draft worker reaches Mamba2AttnBackend's refusal; its Triton backend, layer 0."""
+    from batch.spec import ShortConvLayer
+    refused = Verdict("outputs", False, "crashed: NotImplementedError: Mamba2AttnBackend's forward is called directly "
+                                        "instead of through HybridLinearAttnBackend")
+    draft = BatchSpec(ForwardMode.DECODE, (1,), (1,), (MHALayer(0, 4, 2, 32, 32),), draft_worker=True)
+    assert ledger.CONDITIONS["draft_worker_misrouted"](draft, refused)
+    layer0 = Verdict("metadata", False, "crashed: ValueError: layer_id=0 not in full attention layers: dict_keys([1]) "
+                                        "(memory_pool.py:1333 in _transfer_full_attention_id: `raise ValueError(`)")
+    first_conv = BatchSpec(ForwardMode.DECODE, (1,), (1,), (ShortConvLayer(0, 16), MHALayer(1, 4, 2, 32, 32)))
+    assert ledger.CONDITIONS["triton_reads_layer0_kv"](first_conv, layer0)
