@@ -312,129 +312,122 @@ def fp8_grid(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     return (x / scale).to(torch.float8_e4m3fn).to(dtype) * scale
 
 
-def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
-                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
-    """One gated-delta-rule layer, request by request (a recurrence over each request's tokens); with its outputs'
-    state-read magnitudes (``gdn.read_magnitudes``)."""
+@dataclass
+class _RequestStep:
+    """One request through a recurrent layer: its outputs ``[n, H, Dv]`` and their rounding scales, its final
+    states, and (verify) its states after each token."""
+
+    o: torch.Tensor
+    magnitudes: torch.Tensor
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    conv_steps: torch.Tensor | None = None
+    ssm_steps: torch.Tensor | None = None
+
+
+def _by_request(case: Case, layer, dtype: torch.dtype, step) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """A recurrent layer, request by request (a recurrence over each request's tokens):
+    ``step(rows, slot, carried, keep_states)`` runs one request's token ``rows`` from the states at its state
+    ``slot`` when ``carried`` (a cached prefix; a fresh request starts from zeros), keeping its per-token states in
+    TARGET_VERIFY. Returns the outputs in batch order, the states, and the outputs' rounding scales."""
     spec = case.spec
     verify = spec.mode.is_target_verify()
     states = LinearStates([], [], [] if verify else None, [] if verify else None)
-    mp = case.mamba_pool_before
-    per_request, magnitudes = [], []
-    start = 0
+    outputs, magnitudes, start = [], [], 0
     for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
         rows = slice(start, start + spec.extend_lens[i])
         start = rows.stop
-        has_state = spec.prefix_lens[i] > 0
+        res = step(rows, slot, spec.prefix_lens[i] > 0, verify)
+        outputs.append(res.o)
+        magnitudes.append(res.magnitudes)
+        states.conv.append(res.conv)
+        states.ssm.append(res.ssm)
+        if verify:
+            states.conv_steps.append(res.conv_steps)
+            states.ssm_steps.append(res.ssm_steps)
+    if not outputs:
+        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
+    return torch.cat(outputs), states, torch.cat(magnitudes)
+
+
+def _carried(case: Case, layer, dtype: torch.dtype):
+    """The pool states a request with a cached prefix starts from: ``(conv, ssm)`` at its slot (None without)."""
+    mp = case.mamba_pool_before
+
+    def at(slot: int, carried: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not carried:
+            return None, None
+        return (mp.conv_states[layer.layer_id][slot].to(dtype), mp.ssm_states[layer.layer_id][slot].to(dtype))
+    return at
+
+
+def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One gated-delta-rule layer, with its outputs' state-read magnitudes (``gdn.read_magnitudes``)."""
+    states_at = _carried(case, layer, dtype)
+
+    def step(rows, slot, carried, keep_states):
+        conv, ssm = states_at(slot, carried)
         res = gdn.linear_attention_layer(
             t["mixed_qkv"][rows], t["a"][rows], t["b"][rows],
             conv_weight=wt["conv_weight"], A_log=wt["A_log"], dt_bias=wt["dt_bias"],
             num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads,
             head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, scale=layer.scale,
-            conv_state=mp.conv_states[layer.layer_id][slot].to(dtype) if has_state else None,
-            ssm_state=mp.ssm_states[layer.layer_id][slot].to(dtype) if has_state else None,
-            keep_states=verify)
-        per_request.append(res.o)
-        magnitudes.append(res.read_magnitudes)
-        states.conv.append(res.conv_state)
-        states.ssm.append(res.ssm_state)
-        if verify:
-            states.conv_steps.append(res.conv_states)
-            states.ssm_steps.append(res.ssm_states)
-    if not per_request:
-        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
-    return torch.cat(per_request), states, torch.cat(magnitudes)
+            conv_state=conv, ssm_state=ssm, keep_states=keep_states)
+        return _RequestStep(res.o, res.read_magnitudes, res.conv_state, res.ssm_state, res.conv_states,
+                            res.ssm_states)
+    return _by_request(case, layer, dtype, step)
 
 
 def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch.dtype
                      ) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
-    """One lightning-attention layer, request by request, from each request's carried state (none without a
-    prefix: a fresh request starts from zeros); with its outputs' term magnitudes."""
-    spec = case.spec
-    verify = spec.mode.is_target_verify()
-    states = LinearStates([], [], [] if verify else None, [] if verify else None)
-    decay = lightning.decay_rates(layer.num_heads, layer.layer_id, spec.num_model_layers).to(case.device)
-    pool = case.mamba_pool_before.ssm_states[layer.layer_id]
+    """One lightning-attention layer, with its outputs' term magnitudes; no conv state (``[0, 0]``)."""
+    decay = lightning.decay_rates(layer.num_heads, layer.layer_id, case.spec.num_model_layers).to(case.device)
+    states_at = _carried(case, layer, dtype)
     no_conv = t["v"].new_zeros(0, 0)
-    per_request, magnitudes, start = [], [], 0
-    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
-        rows = slice(start, start + spec.extend_lens[i])
-        start = rows.stop
-        carried = pool[slot].to(dtype) if spec.prefix_lens[i] > 0 else None
-        res = lightning.lightning_attention(t["q"][rows], t["k"][rows], t["v"][rows], decay, scale=layer.scale,
-                                            initial_state=carried, keep_states=verify)
-        per_request.append(res.o)
-        magnitudes.append(lightning.term_magnitudes(t["q"][rows], t["k"][rows], t["v"][rows], decay,
-                                                    scale=layer.scale, initial_state=carried))
-        states.conv.append(no_conv)
-        states.ssm.append(res.state)
-        if verify:
-            states.conv_steps.append(t["v"].new_zeros(rows.stop - rows.start, 0, 0))
-            states.ssm_steps.append(res.states)
-    if not per_request:
-        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
-    return torch.cat(per_request), states, torch.cat(magnitudes)
+
+    def step(rows, slot, carried, keep_states):
+        _, state = states_at(slot, carried)
+        q, k, v = t["q"][rows], t["k"][rows], t["v"][rows]
+        res = lightning.lightning_attention(q, k, v, decay, scale=layer.scale, initial_state=state,
+                                            keep_states=keep_states)
+        magnitudes = lightning.term_magnitudes(q, k, v, decay, scale=layer.scale, initial_state=state)
+        conv_steps = t["v"].new_zeros(rows.stop - rows.start, 0, 0) if keep_states else None
+        return _RequestStep(res.o, magnitudes, no_conv, res.state, conv_steps, res.states)
+    return _by_request(case, layer, dtype, step)
 
 
 def _short_conv_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
                       dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
-    """One short-convolution layer, request by request, from each request's carried conv state (zeros without a
-    prefix); outputs ``[T, 1, hidden]`` with their terms' magnitudes. No SSM state: ``ssm[i]`` is ``[1, hidden, 0]``,
-    as the pools keep it."""
-    spec = case.spec
-    verify = spec.mode.is_target_verify()
-    states = LinearStates([], [], [] if verify else None, [] if verify else None)
-    pool = case.mamba_pool_before.conv_states[layer.layer_id]
+    """One short-convolution layer: outputs ``[T, 1, hidden]`` with their terms' magnitudes. No SSM state:
+    ``ssm[i]`` is ``[1, hidden, 0]``, as the pools keep it."""
+    states_at = _carried(case, layer, dtype)
     no_ssm = t["bcx"].new_zeros(1, layer.hidden, 0)
-    per_request, magnitudes, start = [], [], 0
-    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
-        rows = slice(start, start + spec.extend_lens[i])
-        start = rows.stop
-        carried = pool[slot].to(dtype) if spec.prefix_lens[i] > 0 else None
-        res = short_conv.short_conv(t["bcx"][rows], wt["conv_weight"], wt.get("conv_bias"), carried,
-                                    keep_states=verify)
-        per_request.append(res.o[:, None, :])
-        magnitudes.append(res.magnitudes[:, None, :])
-        states.conv.append(res.state)
-        states.ssm.append(no_ssm)
-        if verify:
-            states.conv_steps.append(res.states)
-            states.ssm_steps.append(t["bcx"].new_zeros(rows.stop - rows.start, 1, layer.hidden, 0))
-    if not per_request:
-        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
-    return torch.cat(per_request), states, torch.cat(magnitudes)
+
+    def step(rows, slot, carried, keep_states):
+        conv, _ = states_at(slot, carried)
+        res = short_conv.short_conv(t["bcx"][rows], wt["conv_weight"], wt.get("conv_bias"), conv,
+                                    keep_states=keep_states)
+        ssm_steps = t["bcx"].new_zeros(rows.stop - rows.start, 1, layer.hidden, 0) if keep_states else None
+        return _RequestStep(res.o[:, None, :], res.magnitudes[:, None, :], res.state, no_ssm, res.states, ssm_steps)
+    return _by_request(case, layer, dtype, step)
 
 
 def _mamba2_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
                   dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
-    """One Mamba-2 layer, request by request, from each request's carried conv and SSM states (zeros without a
-    prefix); outputs ``[T, H, P]`` with their rounding scales."""
-    spec = case.spec
-    verify = spec.mode.is_target_verify()
-    states = LinearStates([], [], [] if verify else None, [] if verify else None)
-    mp = case.mamba_pool_before
+    """One Mamba-2 layer: outputs ``[T, H, P]`` with their rounding scales."""
+    states_at = _carried(case, layer, dtype)
     H, P = layer.num_heads, layer.head_dim
-    per_request, magnitudes, start = [], [], 0
-    for i, slot in enumerate(case.forward_batch.state_slots.tolist()):
-        rows = slice(start, start + spec.extend_lens[i])
-        start = rows.stop
-        carried = spec.prefix_lens[i] > 0
+
+    def step(rows, slot, carried, keep_states):
+        conv, ssm = states_at(slot, carried)
         res = mamba2.mamba2_mixer(
             t["zxbcdt"][rows], conv_weight=wt["conv_weight"], conv_bias=wt.get("conv_bias"), dt_bias=wt["dt_bias"],
             A=wt["A"], D=wt["D"], norm_weight=wt["norm_weight"], num_heads=H, head_dim=P, n_groups=layer.n_groups,
-            state_size=layer.state_size,
-            conv_state=mp.conv_states[layer.layer_id][slot].to(dtype) if carried else None,
-            ssm_state=mp.ssm_states[layer.layer_id][slot].to(dtype) if carried else None, keep_states=verify)
-        per_request.append(res.o.reshape(-1, H, P))
-        magnitudes.append(res.magnitudes.reshape(-1, H, P))
-        states.conv.append(res.conv_state)
-        states.ssm.append(res.ssm_state)
-        if verify:
-            states.conv_steps.append(res.conv_states)
-            states.ssm_steps.append(res.ssm_states)
-    if not per_request:
-        return _empty(layer, dtype, case.device), states, _empty(layer, dtype, case.device)
-    return torch.cat(per_request), states, torch.cat(magnitudes)
+            state_size=layer.state_size, conv_state=conv, ssm_state=ssm, keep_states=keep_states)
+        return _RequestStep(res.o.reshape(-1, H, P), res.magnitudes.reshape(-1, H, P), res.conv_state,
+                            res.ssm_state, res.conv_states, res.ssm_states)
+    return _by_request(case, layer, dtype, step)
 
 
 def _empty(layer, dtype, device) -> torch.Tensor:

@@ -785,37 +785,28 @@ def sglang_short_conv_slots_by_request_row():
     return _replace(backend, "conv_state_metadata", conv_state_metadata)
 
 
-def _mamba2_metadata():
+def _mamba2_plan_zeroed(field: str):
+    """SGLang's Mamba2Metadata.prepare_mixed with one tensor of its extend plan (``MixedMetadata.<field>``) zeroed."""
     from backends.sglang.runtime import load
     load()
     from sglang.srt.layers.attention.mamba.mamba2_metadata import Mamba2Metadata
-    return Mamba2Metadata
+    planned = Mamba2Metadata.prepare_mixed.__func__
+
+    def prepare_mixed(cls, *args, **kwargs):
+        meta = planned(cls, *args, **kwargs)
+        plan = getattr(meta, "mixed_metadata", None)
+        if plan is not None and getattr(plan, field) is not None:
+            getattr(plan, field).zero_()
+        return meta
+    return _replace(Mamba2Metadata, "prepare_mixed", classmethod(prepare_mixed))
 
 
 def sglang_mamba2_chunk_offsets_dropped():
-    metadata = _mamba2_metadata()
-    planned = metadata.prepare_mixed.__func__
-
-    def prepare_mixed(cls, *args, **kwargs):
-        meta = planned(cls, *args, **kwargs)
-        mixed = meta.mixed_metadata
-        if mixed is not None and mixed.chunk_offsets is not None:
-            mixed.chunk_offsets.zero_()  # every logical chunk taken to start at its physical chunk's first token
-        return meta
-    return _replace(metadata, "prepare_mixed", classmethod(prepare_mixed))
+    return _mamba2_plan_zeroed("chunk_offsets")  # every logical chunk taken to start at its physical chunk's start
 
 
 def sglang_mamba2_prefix_states_dropped():
-    metadata = _mamba2_metadata()
-    planned = metadata.prepare_mixed.__func__
-
-    def prepare_mixed(cls, *args, **kwargs):
-        meta = planned(cls, *args, **kwargs)
-        mixed = meta.mixed_metadata
-        if mixed is not None and mixed.has_initial_states is not None:
-            mixed.has_initial_states.zero_()  # a cached prefix's SSM and conv states never read
-        return meta
-    return _replace(metadata, "prepare_mixed", classmethod(prepare_mixed))
+    return _mamba2_plan_zeroed("has_initial_states")  # a cached prefix's SSM and conv states never read
 
 
 def sglang_fa3_verify_replay_keys_without_drafts():
