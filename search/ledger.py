@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from batch.spec import BatchSpec, ForwardMode, is_recurrent
-from batch.tbo_split import two_chunk_split_enabled
+from batch.tbo_split import compute_split, two_chunk_split_enabled
 from properties.tolerances import E4M3_ARITHMETIC_REL_L2, E4M3_UNIT_ROUNDOFF
 from properties.verdict import Verdict
 
@@ -93,7 +93,14 @@ def _tbo_linear_plain_cut(spec: BatchSpec) -> bool:
     two-chunk): its second half's linear kernels index their tokens with start locations that were not rebased."""
     if spec.mode not in (ForwardMode.EXTEND, ForwardMode.MIXED) or spec.batch_size < 2:
         return False
-    return any(is_recurrent(layer) for layer in spec.layers) and not two_chunk_split_enabled(list(spec.extend_lens))
+    if not any(is_recurrent(layer) for layer in spec.layers):
+        return False
+    if not two_chunk_split_enabled(list(spec.extend_lens)):
+        return True
+    # The two-chunk rule, but its cut falls between two requests (one-token extends, [1, 1, 1]: seen on the CPU,
+    # the second half's query_start_loc [2, 3]): no request is chunked, and nothing rebases the half either
+    split = compute_split(ForwardMode.EXTEND, list(spec.extend_lens))
+    return split is not None and not split.two_chunk
 
 
 def _tbo_linear_plain_split(spec: BatchSpec, verdict: Verdict) -> bool:

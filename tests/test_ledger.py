@@ -333,3 +333,16 @@ def test_lfm2_hybrids_reach_the_draft_worker_and_layer0_entries_by_their_own_sym
                                         "(memory_pool.py:1333 in _transfer_full_attention_id: `raise ValueError(`)")
     first_conv = BatchSpec(ForwardMode.DECODE, (1,), (1,), (ShortConvLayer(0, 16), MHALayer(1, 4, 2, 32, 32)))
     assert ledger.CONDITIONS["triton_reads_layer0_kv"](first_conv, layer0)
+
+
+def test_a_two_chunk_cut_between_requests_is_a_plain_cut():
+    """CPU, 0.5.23: one-token extends [1, 1, 1] take the two-chunk rule, whose cut falls between requests; the second
+    half's start locations were not rebased (its LFM2 conv read past its tokens)."""
+    from batch.spec import ShortConvLayer
+    spec = BatchSpec(ForwardMode.EXTEND, (0, 0, 0), (1, 1, 1), (ShortConvLayer(0, 16),))
+    oob = Verdict("outputs", False, "crashed: InterpreterError: OutOfBounds('_causal_conv1d_fwd_kernel loads 32 "
+                                    "element(s) outside its tensor arguments')")
+    known = ledger.match("tbo(hybrid(sglang.torch_native,sglang.short_conv))", "extend", "outputs", spec, oob, "cpu")
+    assert known is not None and known.id == "sglang-tbo-gdn-child-start-loc"
+    chunked = dataclasses.replace(spec, prefix_lens=(0,), extend_lens=(80,))  # one request: cut inside it
+    assert not ledger.CONDITIONS["tbo_linear_plain_split"](chunked, oob)
