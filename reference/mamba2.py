@@ -27,9 +27,13 @@ decay (plus ``exp(sum_{r<=t} a_r) * S_0 @ C_t`` for a carried state S_0).
 
 ``magnitudes [T, I]`` gives, per output element, the scale of the rounding a correct kernel may make, to widen
 tolerances where terms cancel: ``|norm_weight| * |silu(z)| * rss_y / r``, where ``rss_y`` is the root sum of squares
-of the N + 1 terms of ``y_t[i]`` (the state read's ``S[p, n] * C[n]`` and ``D * x``) and ``r`` is the group's RMS
-denominator ``sqrt(mean(u_g^2) + eps)`` of that token. It is ``|o|`` with ``|y|`` replaced by what ``y`` would be
-without cancellation.
+of all the terms of ``y_t[i]`` in the quadratic form above, ``(C_t[n] B_s[n]) L[t, s] dt_s x_s[p]`` for every earlier
+token s and state channel n, the carried state's ``exp(...) S_0[p, n] C_t[n]`` (one term each: its history is not
+known) and ``D x_t[p]``, and ``r`` is the group's RMS denominator ``sqrt(mean(u_g^2) + eps)`` of that token. It is
+``|o|`` with ``|y|`` replaced by what ``y`` would be without cancellation, whether the terms cancel within the state
+read or over the tokens the state summed (a kernel rounds each token's contribution, chunk by chunk, not the
+state's final value). The squared terms follow the state's own recurrence with squared factors,
+``Q <- exp(dt A)^2 Q + dt^2 (x^2 B^2)``, and ``rss_y^2 = sum_n Q[p, n] C[n]^2 + (D x[p])^2``.
 
 Written from that definition, in float64 whatever the inputs' dtype; states passed in are copied, never aliased.
 """
@@ -59,7 +63,7 @@ class SSDResult:
     y: torch.Tensor  # (T, H, P): before the gate and the norm
     state: torch.Tensor  # (H, P, N): after the last token
     states: torch.Tensor | None  # (T, H, P, N): after each token (keep_states)
-    rss: torch.Tensor  # (T, H, P): root sum of squares of the N + 1 terms of each y
+    rss: torch.Tensor  # (T, H, P): root sum of squares of all the terms of each y (the module docstring)
 
 
 def _per_head(BC: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -102,14 +106,16 @@ def ssd_recurrence(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.
     N = B.shape[-1]
     B, C = _per_head(B, H), _per_head(C, H)
     S = x.new_zeros(H, P, N) if ssm_state is None else ssm_state.clone()
+    Q = S * S  # the squares of S's terms, summed (a carried state counts as one term)
     ys, rss, states = [], [], []
     for t in range(T):
         decay = torch.exp(dt[t] * A)[:, None, None]
-        S = decay * S + (dt[t][:, None] * x[t])[:, :, None] * B[t][:, None, :]
-        read_terms = S * C[t][:, None, :]  # (H, P, N): the N terms of the state read S @ C
+        added = (dt[t][:, None] * x[t])[:, :, None] * B[t][:, None, :]
+        S = decay * S + added
+        Q = decay * decay * Q + added * added
         skip = D[:, None] * x[t]  # (H, P)
-        ys.append(read_terms.sum(-1) + skip)
-        rss.append(((read_terms * read_terms).sum(-1) + skip * skip).sqrt())
+        ys.append((S * C[t][:, None, :]).sum(-1) + skip)
+        rss.append(((Q * (C[t] * C[t])[:, None, :]).sum(-1) + skip * skip).sqrt())
         if keep_states:
             states.append(S)
     if T == 0:

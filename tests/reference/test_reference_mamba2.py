@@ -123,7 +123,9 @@ def test_one_token_by_hand(limit):
     assert res.o.item() == pytest.approx(u / r * 1.5, rel=1e-14)
     assert res.conv_state.tolist() == [[0.5], [1.5], [2.0]]  # the raw inputs, not silu of them
     assert res.conv_states.tolist() == [[[0.5], [1.5], [2.0]]] and res.ssm_states.item() == res.ssm_state.item()
-    assert res.magnitudes.item() == pytest.approx(1.5 * silu(1.2) * math.hypot(S * C, 0.7 * x) / r, rel=1e-14)
+    # the terms of y: the carried state's read (one term), this token's, and the skip
+    terms = (math.exp(dt * -2.0) * 3.0 * C, dt * x * B * C, 0.7 * x)
+    assert res.magnitudes.item() == pytest.approx(1.5 * silu(1.2) * math.hypot(*terms) / r, rel=1e-14)
 
 
 def test_a_fresh_request_starts_from_zero_states_in_float64():
@@ -147,7 +149,7 @@ def test_a_request_split_anywhere_carries_both_states(cut):
                             keep_states=True)
     close = dict(rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(torch.cat([first.o, second.o]), whole.o, **close)
-    torch.testing.assert_close(torch.cat([first.magnitudes, second.magnitudes]), whole.magnitudes, **close)
+    torch.testing.assert_close(first.magnitudes, whole.magnitudes[:cut], **close)  # (the carry is one term after)
     torch.testing.assert_close(second.conv_state, whole.conv_state, **close)
     torch.testing.assert_close(second.ssm_state, whole.ssm_state, **close)
     torch.testing.assert_close(torch.cat([first.conv_states, second.conv_states]), whole.conv_states, **close)
@@ -217,3 +219,23 @@ def test_bad_shapes_name_the_field(field, bad):
     kwargs.update(bad)
     with pytest.raises(ValueError, match=rf"\b{field}\b"):
         m.mamba2_mixer(**kwargs)
+
+
+def test_magnitudes_are_the_rss_of_every_term_of_the_quadratic_form():
+    """For a fresh request, rss_y is the root sum of squares of (C_t . B_s)'s N products times L[t, s] dt_s x_s over
+    every s <= t, and D x_t: computed here term by term, against the recurrence's squared-state form."""
+    T, H, P, N = 6, 2, 3, 4
+    g = torch.Generator().manual_seed(5)
+    x, B, C = (torch.randn(T, H, P, generator=g, dtype=F64), torch.randn(T, 1, N, generator=g, dtype=F64),
+               torch.randn(T, 1, N, generator=g, dtype=F64))
+    dt, A, D = torch.rand(T, H, generator=g, dtype=F64), -torch.rand(H, generator=g, dtype=F64), torch.randn(H, dtype=F64)
+    got = m.ssd_recurrence(x, dt, A, B, C, D).rss
+    want = torch.zeros(T, H, P, dtype=F64)
+    for t in range(T):
+        for h in range(H):
+            squares = (D[h] * x[t, h]) ** 2
+            for s in range(t + 1):
+                decay = torch.exp(dt[s + 1:t + 1, h].sum() * A[h])
+                squares = squares + ((C[t, 0] * B[s, 0]) ** 2).sum() * (decay * dt[s, h] * x[s, h]) ** 2
+            want[t, h] = squares.sqrt()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
