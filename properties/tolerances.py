@@ -48,7 +48,12 @@ interpreter runs tl.dot as an exact float32 product, and a backend may declare t
   bound, batch/spec.py): with the sqrt(n) growth of random rounding, ``sqrt(chunk) * chunk * max|dt A| * 2**-24``,
   added to both bounds (``mamba2_decay_term``), states included. In bf16 it is a hundredth of u; in float32 on the
   CPU it is what lets a correct chunked scan pass (before it: outputs at 0.73 of float32's bound and a final SSM
-  state at 1.14 of it, ci profile, chunks of 16 and 32 tokens, 25 examples a row).
+  state at 1.14 of it, ci profile, chunks of 16 and 32 tokens, 25 examples a row). And the time steps: SGLang's SSD
+  kernels take ``softplus(x) = log(exp(x) + 1)`` in float32 (kernels/ops/mamba/triton_ops/mamba_ssm.py:22-25, the
+  form for Triton 3; ``log1p`` only before), and rounding ``exp(x) + 1`` leaves an absolute error of 2^-24 in the
+  log: a relative error of ``2**-24 / dt`` in each token's time step, hence in its contribution to the state. With
+  the draws' smallest step (``MAMBA2_MIN_DT``, 0.0486) that is 1.2e-6, added to both bounds; without it a one-token
+  state came out 4.85e-8 off against a bound of 4.34e-8 (CPU, float32, the test suite's matrix row).
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -150,7 +155,7 @@ from dataclasses import dataclass
 import torch
 
 from backends.registry import Composition
-from batch.spec import (MAMBA2_MAX_DT_A, BatchSpec, Layer, LightningLayer, Mamba2Layer, MHALayer, MLALayer,
+from batch.spec import (MAMBA2_MAX_DT_A, MAMBA2_MIN_DT, BatchSpec, Layer, LightningLayer, Mamba2Layer, MHALayer, MLALayer,
                         ShortConvLayer)
 
 SCORE_TAIL = 8.0  # lambda: P(one score's rounding beyond lambda sqrt(D) u S) <= 2 exp(-lambda^2 / 2) ~ 2.5e-14
@@ -205,8 +210,9 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device:
     if isinstance(layer, Mamba2Layer):
         extra = mamba2_decay_term(layer)
         bound = dataclasses.replace(bound, rel_l2=bound.rel_l2 + extra, element=bound.element + extra,
-                                    reason=f"{bound.reason}; + sqrt(chunk)*chunk*max|dt A|*2^-24 = {extra:.2g} (the "
-                                           f"chunked scan's float32 decay exponents, chunk {layer.chunk_size})")
+                                    reason=f"{bound.reason}; + (sqrt(chunk)*chunk*max|dt A| + 1/min dt)*2^-24 = "
+                                           f"{extra:.2g} (the chunked scan's float32 decay exponents, chunk "
+                                           f"{layer.chunk_size}, and its float32 softplus)")
     cap = getattr(layer, "logit_cap", None)
     if cap and support.softcap_via_sigmoid:
         extra = 2 * cap * ACCUMULATION_ROUNDOFF
@@ -217,8 +223,10 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device:
 
 
 def mamba2_decay_term(layer: Mamba2Layer) -> float:
-    """The float32 accumulation of a chunk's decay exponents (module docstring)."""
-    return math.sqrt(layer.chunk_size) * layer.chunk_size * MAMBA2_MAX_DT_A * ACCUMULATION_ROUNDOFF
+    """The float32 accumulation of a chunk's decay exponents, and the float32 softplus of each time step (module
+    docstring)."""
+    return (math.sqrt(layer.chunk_size) * layer.chunk_size * MAMBA2_MAX_DT_A + 1 / MAMBA2_MIN_DT) \
+        * ACCUMULATION_ROUNDOFF
 
 
 def widen_for_cancellation(bound: Bound, expected: torch.Tensor, magnitudes: torch.Tensor | None) -> Bound:
