@@ -15,6 +15,10 @@ property while a clock splits the time into
   (``Composition.build``, ``engine.model``, ``engine.execute``, the graph runner);
 - checking: everything else the property does (comparisons, invariants, bookkeeping).
 
+A failing case is counted as known when the ledger explains it (``docs/findings/known-failures.toml``: a bug already
+triaged), apart from new failures; each row's figures are printed as soon as the row is done, so a run killed
+before the end still says what it measured.
+
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
 boundary synchronizes the device so kernels are charged to the phase that launched them. Each row first
 runs ``--warmup`` cases of other specifications (Triton and FlashInfer compile on first use), not counted.
@@ -144,11 +148,12 @@ class RowTiming:
     mode: str
     property: str
     cases: int
-    failures: int
+    failures: int  # new ones: failures the ledger does not know
     seconds: dict[str, float]
     started: float = 0.0  # time.perf_counter() around the timed part (one clock for all processes)
     finished: float = 0.0
     workers: int = 1
+    known: int = 0  # failures the ledger explains (docs/findings/known-failures.toml): a bug already triaged
 
     @property
     def total(self) -> float:
@@ -169,6 +174,8 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     ``barrier``, every worker starts its timed part together (so their wall times overlap)."""
     import torch
 
+    from search import ledger
+
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for spec in draw_specs(row, profile, warmup, seed + 1_000_003) if warmup else []:
         row.property.run(row.composition, spec, device)
@@ -179,18 +186,23 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     specs = draw_specs(row, profile, n, seed)
     generation = time.perf_counter() - started
     clock = PhaseClock(sync)
-    failures = 0
+    failures = known = 0
     with instrumented(clock):
         for spec in specs:
             clock.enter("checking")  # whatever the property does outside the timed calls
             try:
-                failures += not row.property.run(row.composition, spec, device).ok
+                verdict = row.property.run(row.composition, spec, device)
             finally:
                 clock.leave()
+            if not verdict.ok:  # counted apart from the timed part: the ledger is the report's, not the search's
+                if ledger.match(str(row.composition), row.mode.value, row.property.name, spec, verdict, device):
+                    known += 1
+                else:
+                    failures += 1
     finished = time.perf_counter()
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
     return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, len(specs), failures,
-                     seconds, started, finished)
+                     seconds, started, finished, known=known)
 
 
 def combine(parts: list[RowTiming]) -> RowTiming:
@@ -198,6 +210,7 @@ def combine(parts: list[RowTiming]) -> RowTiming:
     first = parts[0]
     return dataclasses.replace(
         first, cases=sum(p.cases for p in parts), failures=sum(p.failures for p in parts),
+        known=sum(p.known for p in parts),
         seconds={ph: sum(p.seconds[ph] for p in parts) for ph in PHASES},
         started=min(p.started for p in parts), finished=max(p.finished for p in parts), workers=len(parts))
 
@@ -249,22 +262,29 @@ def run_workers(args, device: str, rows) -> list[RowTiming] | None:
             continue
         parts[n].append(timing)
         done += 1
-        if len(parts[n]) == len(procs):
-            print(f"[{n + 1}/{len(rows)}] {rows[n].id}", file=sys.stderr, flush=True)
+        if len(parts[n]) == len(procs):  # the row's figures now: a run killed later still tells what it measured
+            print(f"[{n + 1}/{len(rows)}] {table_row(combine(parts[n]), len(str(rows[n].composition)))}",
+                  file=sys.stderr, flush=True)
     for proc in procs:
         proc.join()
     return [combine(parts[n]) for n in range(len(rows))]
 
 
+def table_row(r: RowTiming, w: int) -> str:
+    """One row's figures: cases/s over wall time (all workers together), each phase's share of the summed per-phase
+    time, new failures and known ones (the ledger's)."""
+    shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
+    return (f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f}"
+            f"{shares} {r.failures:>5} {r.known:>5}")
+
+
 def print_table(results: list[RowTiming]) -> None:
     w = max([len(r.composition) for r in results] + [11])
     heads = "".join(f"{p[:5] + '%':>7}" for p in PHASES)
-    print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8}{heads} {'fails':>5}")
-    # Shares are of the summed per-phase time; cases/s is over wall time (all workers together).
+    print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8}{heads} {'fails':>5} "
+          f"{'known':>5}")
     for r in results:
-        shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
-        print(f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f}"
-              f"{shares} {r.failures:>5}")
+        print(table_row(r, w))
     total = {p: sum(r.seconds[p] for r in results) for p in PHASES}
     all_s, cases, wall = sum(total.values()), sum(r.cases for r in results), sum(r.wall for r in results)
     shares = "".join(f"{100 * total[p] / all_s if all_s else 0:>7.1f}" for p in PHASES)
@@ -314,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = []
         for n, row in enumerate(rows, 1):
-            print(f"[{n}/{len(rows)}] {row.id}", file=sys.stderr, flush=True)
             results.append(bench_row(row, profile, device, args.cases, args.seed, args.warmup))
+            print(f"[{n}/{len(rows)}] {table_row(results[-1], len(str(row.composition)))}", file=sys.stderr,
+                  flush=True)
     print_table(results)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"cases_per_second": r.cases_per_second}
