@@ -499,46 +499,41 @@ class SglangBackend(_SglangObject):
                              verify=forward_batch.forward_mode.is_target_verify())
         return o.reshape(T, layer.tp_q_head_num, layer.v_head_dim)
 
-    def _run_linear(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
-        """mixed_qkv ``[T, conv_dim]``, a, b ``[T, Hv]`` -> o ``[T, Hv, V]`` through SGLang's linear layer, whose
-        states then come back into the harness's pools."""
+    def _run_recurrent(self, layer, forward_batch, via, call) -> torch.Tensor:
+        """A linear-attention layer as its model runs it: ``call(sfb)`` (the model's call into SGLang's layer object)
+        under the forward context of ``via`` or this backend; then the layer's states come back into the harness's
+        pools."""
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("forward before init_forward_metadata planned this batch")
-        T, s = mixed_qkv.shape[0], layer.spec
         with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
-            o = self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b)
+            o = call(sfb)
         self.states.pull(layer.layer_id, forward_batch.state_slots,
                          verify=forward_batch.forward_mode.is_target_verify())
-        return o.reshape(T, s.num_v_heads, s.head_v_dim)
+        return o
+
+    def _run_linear(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
+        """mixed_qkv ``[T, conv_dim]``, a, b ``[T, Hv]`` -> o ``[T, Hv, V]`` through SGLang's linear layer."""
+        s = layer.spec
+        o = self._run_recurrent(layer, forward_batch, via,
+                                lambda sfb: self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b))
+        return o.reshape(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
 
     def _run_short_conv(self, layer, forward_batch, bcx, via=None) -> torch.Tensor:
         """bcx ``[T, 3 * hidden]`` -> o ``[T, 1, hidden]`` through SGLang's LFM2 conv layer, which asks the forward
-        context's backend for its state (``conv_state_metadata``, 0.5.22 on) and runs its own conv kernels; its
-        states then come back into the harness's pools."""
-        sfb = self.batches.get(id(forward_batch))
-        if sfb is None:
-            raise RuntimeError("forward before init_forward_metadata planned this batch")
-        T = bcx.shape[0]
-        with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
-            o = self._conv_layer(layer)(bcx, sfb)
-        self.states.pull(layer.layer_id, forward_batch.state_slots,
-                         verify=forward_batch.forward_mode.is_target_verify())
-        return o[:, :layer.spec.hidden].reshape(T, 1, layer.spec.hidden)
+        context's backend for its state (``conv_state_metadata``, 0.5.22 on) and runs its own conv kernels."""
+        hidden = layer.spec.hidden
+        o = self._run_recurrent(layer, forward_batch, via, lambda sfb: self._conv_layer(layer)(bcx, sfb))
+        return o[:, :hidden].reshape(bcx.shape[0], 1, hidden)
 
     def _run_mamba2(self, layer, forward_batch, zxbcdt, via=None) -> torch.Tensor:
         """zxbcdt ``[T, I + conv_dim + H]`` -> o ``[T, H, P]`` through SGLang's Nemotron-H mamba layer, which hands
-        its mixer to the hybrid's Mamba2AttnBackend; its states then come back into the harness's pools."""
-        sfb = self.batches.get(id(forward_batch))
-        if sfb is None:
-            raise RuntimeError("forward before init_forward_metadata planned this batch")
+        its mixer to the hybrid's Mamba2AttnBackend."""
         T, s = zxbcdt.shape[0], layer.spec
         if forward_batch.forward_mode.is_idle():  # Nemotron-H's decoder layers skip idle batches before their mixer
             return zxbcdt.new_empty(0, s.num_heads, s.head_dim)  # (models/nemotron_h.py:616)
-        with torch.no_grad(), compat.backend_scope(self.sgl, via or self.inner, sfb):
-            o = self._mamba2_layer(layer)._forward_mamba(zxbcdt, sfb)
-        self.states.pull(layer.layer_id, forward_batch.state_slots,
-                         verify=forward_batch.forward_mode.is_target_verify())
+        o = self._run_recurrent(layer, forward_batch, via,
+                                lambda sfb: self._mamba2_layer(layer)._forward_mamba(zxbcdt, sfb))
         return o[:T, :s.intermediate].reshape(T, s.num_heads, s.head_dim)
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
