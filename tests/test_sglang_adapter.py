@@ -335,6 +335,44 @@ def test_interpreted_fp8_casts_round_as_a_gpu_does():
 
 
 @needs_sglang
+def test_interpreted_bfloat16_dots_and_casts_take_the_values_not_the_bits():
+    # The interpreter keeps bfloat16 as uint16 bits: its tl.dot multiplied the bits as integers and its casts to and
+    # from float16 converted them (1.0 -> 16256.0). SGLang's KDA chunk kernels cast blocks to bfloat16 before their
+    # dots whatever the model's dtype, so every CPU KDA prefill of more than 16 tokens came out NaN. And libdevice's
+    # functions are declarations there (None): KDA's gate kernel takes its sigmoid through libdevice.exp.
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the shims apply to Triton's CPU interpreter only")
+    runtime.load()
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def dot(a, b, c, N: tl.constexpr):
+        rows, cols = tl.arange(0, N)[:, None], tl.arange(0, N)[None, :]
+        x = tl.load(a + rows * N + cols).to(tl.bfloat16)  # float16 -> bfloat16
+        y = tl.load(b + rows * N + cols).to(tl.bfloat16)
+        tl.store(c + rows * N + cols, tl.dot(x, y).to(tl.float16))
+
+    a = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)).half()
+    b = torch.randn(16, 16, generator=torch.Generator().manual_seed(1)).half()
+    c = torch.empty(16, 16, dtype=torch.float16)
+    dot[(1,)](a, b, c, N=16)
+    want = (a.bfloat16().float() @ b.bfloat16().float()).half()
+    torch.testing.assert_close(c, want, rtol=2**-10, atol=1e-3)
+
+    @triton.jit
+    def sigmoid(x, out, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        tl.store(out + offs, 1.0 / (1.0 + tl.extra.libdevice.exp(-tl.load(x + offs))))
+
+    x, out = torch.linspace(-4, 4, 8), torch.empty(8)
+    sigmoid[(1,)](x, out, N=8)
+    torch.testing.assert_close(out, torch.sigmoid(x))
+
+
+@needs_sglang
 def test_sglang_builds_its_lightning_hybrid_for_a_bailing_model(device):
     # A Bailing/Ling-shaped model: SGLang's attn_backend_wrapper picks LightningAttentionBackend for its
     # BailingHybridConfig, the full layers by id; the lightning layers are plain RadixAttention objects.

@@ -34,6 +34,16 @@
    native and the _triton entry points"). Its SSD kernels enter ``torch.get_device_module(device).device(index)``
    around each launch (``ssd_chunk_state.py``), which on a CPU is ``torch.cpu.device``, absent: a null context, as
    for fla (2).
+8. bfloat16 arithmetic: the interpreter keeps bfloat16 values as their uint16 bit patterns, and two of its operations
+   read those bits as integers. ``tl.dot`` multiplies them as uint16 matrices, and a cast between bfloat16 and any type
+   but float32 converts the integer (``astype``), so 1.0 in float16 becomes 16256.0 in "bfloat16". A GPU multiplies
+   bfloat16 operands exactly and accumulates in float32, and converts at nearest even (``cvt.rn``). SGLang's KDA chunk
+   kernels cast their off-diagonal blocks to bfloat16 before the dot whatever the model's dtype (``fla/chunk_intra.py``,
+   ``.to(tl.bfloat16)``), so under the interpreter a KDA prefill of more than 16 tokens came out NaN. Dots with a
+   bfloat16 operand take the widened float32 values; casts from and to bfloat16 go through torch's conversions.
+9. ``triton.language.extra.libdevice``'s functions are declarations whose body the interpreter runs as Python: they
+   return None. fla's KDA gate kernel computes its sigmoid with ``libdevice.exp`` (``fla/kda.py``); under the
+   interpreter ``libdevice.exp`` is the stand-in ``exp`` of (1).
 """
 
 from __future__ import annotations
@@ -143,6 +153,59 @@ def _fp8_downcaster(convert):
     return create_fp_to_fp
 
 
+def _torch_dtypes() -> dict:
+    """Triton's scalar types the bfloat16 shim (8) converts between, as torch's."""
+    return {tl.bfloat16: torch.bfloat16, tl.float16: torch.float16, tl.float32: torch.float32,
+            tl.float64: torch.float64, tl.int8: torch.int8, tl.int16: torch.int16, tl.int32: torch.int32,
+            tl.int64: torch.int64, tl.uint8: torch.uint8}
+
+
+def _as_torch(handle) -> torch.Tensor:
+    """An interpreter value as a torch tensor of its own type (bfloat16 from its uint16 bits)."""
+    import numpy as np
+
+    data = np.ascontiguousarray(handle.data)
+    if handle.dtype.scalar == tl.bfloat16:
+        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(data.copy())
+
+
+def _as_handle(x: torch.Tensor, dtype):
+    """A torch tensor back into an interpreter value of ``dtype`` (bfloat16 as its uint16 bits)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    if x.dtype == torch.bfloat16:
+        return interpreter.TensorHandle(x.view(torch.int16).numpy().view(np.uint16), dtype)
+    return interpreter.TensorHandle(x.numpy(), dtype)
+
+
+def _bf16_cast(cast):
+    """``cast_impl`` with conversions from and to bfloat16 done by torch (shim 8); every other one the interpreter's."""
+    def cast_impl(self, src, dst_type):
+        types = _torch_dtypes()
+        source, dst = src.dtype.scalar, dst_type.scalar
+        if (source == tl.bfloat16) == (dst == tl.bfloat16) or source not in types or dst not in types:
+            return cast(self, src, dst_type)
+        return _as_handle(_as_torch(src).to(types[dst]), dst)
+
+    return cast_impl
+
+
+def _bf16_dot(dot):
+    """``create_dot`` over the float32 values of bfloat16 operands (exact), accumulated in the accumulator's type
+    (shim 8); every other dot the interpreter's."""
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        from triton.runtime import interpreter
+
+        if tl.bfloat16 not in (a.dtype.scalar, b.dtype.scalar):
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        wide = [interpreter.TensorHandle(_as_torch(x).float().numpy(), tl.float32) for x in (a, b)]
+        return dot(self, *wide, d, input_precision, max_num_imprecise_acc)
+
+    return create_dot
+
+
 def apply() -> None:
     """Install the shims (idempotent). Call after ``import sglang``, before any fla kernel runs."""
     global _APPLIED
@@ -209,6 +272,11 @@ def apply() -> None:
 
     builder.create_masked_load, builder.create_masked_store = load, store
     builder.create_fp_to_fp = _fp8_downcaster(builder.create_fp_to_fp)
+    from triton.language.extra import libdevice
+
+    libdevice.exp = exp  # shim 9: looked up on the module at each call
+    builder.cast_impl = _bf16_cast(builder.cast_impl)
+    builder.create_dot = _bf16_dot(builder.create_dot)
 
     executor = interpreter.GridExecutor
     init_args = executor._init_args_hst
