@@ -159,6 +159,9 @@ class Capabilities:
     # The same on the CPU path, where it is finer: Triton's interpreter computes tl.dot as an exact float32 numpy
     # product whatever its input_precision (triton/runtime/interpreter.py, create_dot). None: as on CUDA.
     cpu_fp32_matmul_roundoff: float | None = None
+    # Unit roundoff of operands the kernels round to a type coarser than the layer's, whatever that is (SGLang's KDA
+    # chunk kernels: blocks cast to bfloat16 before their dots, 2**-8, also in a float16 model); 0: none.
+    operand_roundoff: float = 0.0
     # Key or query counts at which the kernels change shape (a new key block, a KV split that becomes
     # non-empty, a prefix chunk): the strategies draw lengths at and across each (L - 1, L, L + 1), within
     # the profile's Profile.max_boundary. Compiled and interpreted configurations both listed.
@@ -270,12 +273,17 @@ class Support:
     prefill_graph: bool = False  # every leaf runs EXTEND batches through a breakable prefill graph
     linear_head_dims: Optional[frozenset[int]] = None  # the linear leaves' (lightning layers)
     one_shape_per_kind: bool = False  # any leaf's (see Capabilities)
+    linear_operand_roundoff: float = 0.0  # the linear leaves' coarsest (Capabilities.operand_roundoff)
 
     def matmul_roundoff(self, layer_kind: str, device: str) -> float:
         """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind`` on
         ``device`` ("cpu" or "cuda")."""
         per_device = self.linear_fp32_matmul_roundoff if layer_kind in RECURRENT_KINDS else self.fp32_matmul_roundoff
         return per_device["cpu" if device == "cpu" else "cuda"]
+
+    def operand_roundoff(self, layer_kind: str) -> float:
+        """Unit roundoff of operands the kernels of a ``layer_kind`` layer round coarser than its dtype (0: none)."""
+        return self.linear_operand_roundoff if layer_kind in RECURRENT_KINDS else 0.0
 
     @classmethod
     def of(cls, caps: list[Capabilities]) -> "Support":
@@ -303,6 +311,7 @@ class Support:
                    cuda_graph_modes=frozenset.intersection(*(c.cuda_graph_modes for c in caps)),
                    fp32_matmul_roundoff=_roundoffs(full or caps),
                    linear_fp32_matmul_roundoff=_roundoffs(linear),
+                   linear_operand_roundoff=max((c.operand_roundoff for c in linear), default=0.0),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},

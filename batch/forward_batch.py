@@ -198,6 +198,7 @@ class LayerInputs:
     linear: ``mixed_qkv[T, conv_dim]``, ``a[T, Hv]``, ``b[T, Hv]``.
     short_conv: ``bcx[T, 3 * hidden]`` (B, C, x).
     mamba2: ``zxbcdt[T, I + conv_dim + H]`` (z, xBC, dt).
+    kda: ``mixed_qkv[T, conv_dim]``, ``a[T, H * K]`` (the raw forget gate, per channel), ``b[T, H]``.
     """
 
     tensors: dict[str, torch.Tensor]

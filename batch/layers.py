@@ -63,6 +63,9 @@ def make_layer(spec: Layer, weights: LayerWeights, mode: ForwardMode) -> Attenti
     if spec.kind == "lightning":  # Bailing's linear layers are plain RadixAttention objects of H heads
         return AttentionLayer(spec.layer_id, "lightning", spec.num_heads, spec.num_heads, spec.num_heads,
                               spec.head_dim, spec.head_dim, spec.scale, spec=spec)
+    if spec.kind == "kda":  # as SGLang's RadixLinearAttention for it: q, k and v heads alike
+        return AttentionLayer(spec.layer_id, "kda", spec.num_heads, spec.num_heads, spec.num_heads, spec.head_k_dim,
+                              spec.head_v_dim, spec.scale, spec=spec, weights=weights.tensors)
     if spec.kind == "mamba2":  # its heads: the output [T, H, P] before the output projection
         return AttentionLayer(spec.layer_id, "mamba2", spec.num_heads, spec.n_groups, spec.num_heads, spec.state_size,
                               spec.head_dim, 1.0, spec=spec, weights=weights.tensors)

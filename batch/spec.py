@@ -309,6 +309,48 @@ class Mamba2Layer(_Shaped):
         _require(isinstance(self.conv_bias, bool), f"{where}.conv_bias must be true or false, got {self.conv_bias!r}")
 
 
+@dataclass(frozen=True)
+class KdaLayer(_Shaped):
+    """Kimi Delta Attention (Kimi Linear's linear layers, reference/kda.py): the gated delta rule with a forget gate
+    per key channel. q, k and v have ``num_heads`` heads each (of ``head_k_dim``, ``head_k_dim``, ``head_v_dim``), a
+    causal conv of ``conv_kernel`` over them; ``lower_bound`` is the safe gate's bound (each token's log-decay in
+    [lower_bound, 0], Ling V3's and Kimi K3's), None for Kimi Linear's standard gate. Its inputs are what the model's
+    projections emit: ``mixed_qkv`` (q|k|v), the raw forget gate ``a`` (``[T, H * K]``) and the raw step size ``b``
+    (``[T, H]``). One setting of all of these per model."""
+
+    layer_id: int
+    num_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+    lower_bound: float | None = None
+    kind: str = field(default="kda", init=False)
+    SHAPE = ("num_heads", "head_k_dim", "head_v_dim", "conv_kernel", "lower_bound")
+
+    @property
+    def conv_dim(self) -> int:
+        return self.num_heads * (2 * self.head_k_dim + self.head_v_dim)
+
+    @property
+    def scale(self) -> float:
+        return self.head_k_dim**-0.5
+
+    def validate(self) -> None:
+        where = f"layers[id={self.layer_id}]"
+        for name in ("num_heads", "head_k_dim", "head_v_dim"):
+            _require(getattr(self, name) >= 1, f"{where}.{name} must be >= 1, got {getattr(self, name)}")
+        _require(self.conv_kernel >= 2, f"{where}.conv_kernel must be >= 2, got {self.conv_kernel}")
+        _require(self.lower_bound is None or (isinstance(self.lower_bound, (int, float)) and self.lower_bound < 0),
+                 f"{where}.lower_bound must be a negative number or null, got {self.lower_bound!r}")
+
+
+# The draws of a KDA layer's gates (engine/materialize.py): A = exp(A_log) in [0.02, 0.5] per head, dt_bias ~ N(0, 0.5)
+# and the raw gate ~ N(0, 1) per channel (as the gated delta rule's draws: decays near one, so a carried state
+# matters), and the safe gate's bound the one Ling V3 and Kimi K3 ship.
+KDA_NEG_A = (0.02, 0.5)
+KDA_LOWER_BOUND = -5.0
+
+
 # The draws of a Mamba-2 layer's time steps and decays (engine/materialize.py): raw dt in [-2, 0], dt_bias in [-1, 0],
 # A in [-0.5, -0.02]. So a time step lies in [softplus(-3), softplus(0)] = [0.0486, 0.6931] and a token's decay
 # exponent |dt * A| is at most 0.3466 (the tolerances read both). Trained models' time steps are smaller
@@ -320,13 +362,13 @@ MAMBA2_NEG_A = (0.02, 0.5)
 MAMBA2_MIN_DT = 0.048587
 MAMBA2_MAX_DT_A = 0.3466
 
-Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer, ShortConvLayer, Mamba2Layer]
+Layer = Union[MHALayer, MLALayer, LinearLayer, LightningLayer, ShortConvLayer, Mamba2Layer, KdaLayer]
 _LAYER_TYPES = {"mha": MHALayer, "mla": MLALayer, "linear": LinearLayer, "lightning": LightningLayer,
-                "short_conv": ShortConvLayer, "mamba2": Mamba2Layer}
+                "short_conv": ShortConvLayer, "mamba2": Mamba2Layer, "kda": KdaLayer}
 # Layers with a recurrent state per request (linear attention) instead of a KV cache: the gated delta rule
-# ("linear", Qwen3-Next's GDN), lightning attention, the short convolution (a conv state only) and the Mamba-2 mixer.
-# A hybrid model has one of them beside its full layers.
-RECURRENT_KINDS = frozenset({"linear", "lightning", "short_conv", "mamba2"})
+# ("linear", Qwen3-Next's GDN), lightning attention, the short convolution (a conv state only), the Mamba-2 mixer and
+# Kimi Delta Attention. A hybrid model has one of them beside its full layers.
+RECURRENT_KINDS = frozenset({"linear", "lightning", "short_conv", "mamba2", "kda"})
 
 
 def is_recurrent(layer: Layer) -> bool:

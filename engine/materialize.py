@@ -18,7 +18,7 @@ from batch.case import TORCH_DTYPES, Case
 from batch.forward_batch import (FP8_KV_DTYPE, ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo,
                                  quantize_kv)
 from batch.masks import tree_depths, verify_custom_mask
-from batch.spec import MAMBA2_DT_BIAS, MAMBA2_DT_RAW, MAMBA2_NEG_A, MAX_GRAPH_PADDING, BatchSpec
+from batch.spec import (KDA_NEG_A, MAMBA2_DT_BIAS, MAMBA2_DT_RAW, MAMBA2_NEG_A, MAX_GRAPH_PADDING, BatchSpec)
 
 # Rows of req_to_token / state slots that belong to no request of the batch; a graph replay's padded rows fit
 # beside the batch's requests (the request pool is what graph buffers are sized by).
@@ -190,6 +190,22 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
                 inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, Dh, Dh, device=device)
             inputs.append(LayerInputs({n: draw.normal(T, H, Dh, device=device) for n in ("q", "k", "v")}))
             weights.append(LayerWeights({}))  # the decay rates are the model's (reference/lightning.py)
+        elif layer.kind == "kda":
+            H, K, V, W, Cd = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel, layer.conv_dim
+            conv_states[layer.layer_id] = draw.normal(num_state_slots, Cd, W - 1, device=device)
+            ssm_states[layer.layer_id] = draw.normal(num_state_slots, H, K, V, scale=0.5, device=device)
+            if spec.mode.is_target_verify():
+                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, Cd, W - 1, device=device)
+                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, K, V, device=device)
+            inputs.append(LayerInputs({"mixed_qkv": draw.normal(T, Cd, device=device),
+                                       "a": draw.normal(T, H * K, device=device),
+                                       "b": draw.normal(T, H, device=device)}))
+            # As Kimi Linear keeps them: the conv weights, A_log and dt_bias in float32 (models/kimi_linear.py)
+            weights.append(LayerWeights({
+                "conv_weight": draw.normal(Cd, W, scale=W**-0.5, device=device),
+                "A_log": torch.log(draw.uniform(H, lo=KDA_NEG_A[0], hi=KDA_NEG_A[1])),
+                "dt_bias": draw.normal(H * K, scale=0.5, device=device),
+            }))
         elif layer.kind == "mamba2":
             H, P, N, W, Cd = layer.num_heads, layer.head_dim, layer.state_size, layer.conv_kernel, layer.conv_dim
             conv_states[layer.layer_id] = draw.normal(num_state_slots, Cd, W - 1, device=device)

@@ -4,7 +4,7 @@ This is the caller's side of the protocol, written the way a serving engine's mo
 so that wrapper bugs (a missing ``forward``, a skipped ``init_mha_chunk_metadata``, dispatch by type) show
 up here exactly as they would in a model. Backend outputs come back in the layer's output space: MHA
 ``[T, Hq, Dv]``, MLA ``[T, H, v_head_dim]`` (absorbed outputs are up-projected here), linear ``[T, Hv, V]``,
-lightning ``[T, H, D]`` (float32, as Bailing's layers compute it), short conv ``[T, 1, hidden]``, Mamba-2 ``[T, H, P]``.
+lightning ``[T, H, D]`` (float32, as Bailing's layers compute it), short conv ``[T, 1, hidden]``, Mamba-2 ``[T, H, P]``, KDA ``[T, H, V]``.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def run_layer(backend: Any, spec: Layer, inputs: LayerInputs, weights: LayerWeig
     an MHA layer's q, k, v come as views of one buffer (:func:`fused_views`), else each contiguous."""
     layer = make_layer(spec, weights, fb.forward_mode)
     t = inputs.tensors
-    if spec.kind == "linear":
+    if spec.kind in ("linear", "kda"):  # the model's projections: q|k|v, the gates' raw inputs
         return backend.forward(layer=layer, forward_batch=fb, mixed_qkv=t["mixed_qkv"], a=t["a"], b=t["b"])
     if spec.kind == "mha":
         q, k, v = mha_qkv(spec, inputs, fb, mrope_sections)

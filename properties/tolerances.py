@@ -54,6 +54,13 @@ interpreter runs tl.dot as an exact float32 product, and a backend may declare t
   log: a relative error of ``2**-24 / dt`` in each token's time step, hence in its contribution to the state. With
   the draws' smallest step (``MAMBA2_MIN_DT``, 0.0486) that is 1.2e-6, added to both bounds; without it a one-token
   state came out 4.85e-8 off against a bound of 4.34e-8 (CPU, float32, the test suite's matrix row).
+* Kimi Delta Attention (KDA) is held to the gated delta rule's bound, widened by its state read's terms as it is
+  (``reference/kda.py``, ``read_magnitudes``), with one difference: SGLang's KDA chunk kernels cast their blocks
+  to bfloat16 before the dots whatever the model's dtype (``fla/chunk_intra.py``, ``.to(tl.bfloat16)``), so a
+  float16 model's KDA layers carry bfloat16's operand roundings. A backend declares that
+  (``Capabilities.operand_roundoff``, 2**-8) and u is the larger of the two. Measured before the rows existed,
+  fla's ``chunk_kda`` under the interpreter in float16 (one request, 17 to 130 tokens, K = V = 16 and 32): 5e-4 to
+  7.9e-4 relative L2, above float16's u = 4.9e-4 and well inside bfloat16's.
 * A kernel that computes the soft-cap's tanh as ``2*sigmoid(2x) - 1`` (declared:
   ``Capabilities.softcap_via_sigmoid``; SGLang's Triton kernels do) loses the small scores to cancellation:
   ``1 - ...`` of two float32 numbers near 1 leaves an absolute error of about 2u(float32) in tanh, so
@@ -178,10 +185,11 @@ class Bound:
 
 
 def output_bound(dtype: str, reduction_len: int, fp32_matmul_roundoff: float = 2.0**-24,
-                 inner_dim: int = 1) -> Bound:
+                 inner_dim: int = 1, operand_roundoff: float = 0.0) -> Bound:
     """``reduction_len`` L: keys (or recurrence tokens) summed over; ``inner_dim`` D: the dot-product
-    length of each score (the head dim, or the state's key dim of a recurrence)."""
-    u = UNIT_ROUNDOFF[dtype]
+    length of each score (the head dim, or the state's key dim of a recurrence); ``operand_roundoff``: operands the
+    kernels round coarser than ``dtype`` whatever it is (module docstring)."""
+    u = max(UNIT_ROUNDOFF[dtype], operand_roundoff)
     if dtype == "float32":
         u = max(u, fp32_matmul_roundoff)
     acc = (math.sqrt(max(reduction_len, 1)) + math.sqrt(max(inner_dim, 1))) * ACCUMULATION_ROUNDOFF
@@ -204,7 +212,8 @@ def layer_bound(composition: Composition, spec: BatchSpec, layer: Layer, device:
     support = composition.support()
     reduction = max(spec.keys_seen, default=1)
     roundoff = support.matmul_roundoff(layer.kind, device)
-    bound = output_bound(input_dtype(spec, layer), reduction, roundoff, inner_dim=score_dot_len(layer))
+    bound = output_bound(input_dtype(spec, layer), reduction, roundoff, inner_dim=score_dot_len(layer),
+                         operand_roundoff=support.operand_roundoff(layer.kind))
     if layer.kind in ("mha", "mla"):
         bound = with_score_term(bound, score_dot_len(layer), roundoff)
     if isinstance(layer, Mamba2Layer):
@@ -272,7 +281,7 @@ def branch_bound(composition: Composition, spec: BatchSpec, layer: Layer, device
     runs of one backend on the same rotated inputs."""
     support = composition.support()
     dtype = input_dtype(spec, layer)
-    u = UNIT_ROUNDOFF[dtype]
+    u = max(UNIT_ROUNDOFF[dtype], support.operand_roundoff(layer.kind))
     if dtype == "float32":
         u = max(u, support.matmul_roundoff(layer.kind, device))
     runs = 2

@@ -16,7 +16,7 @@ import torch
 from batch.case import Case
 from batch.masks import tree_mask
 from batch.spec import BatchSpec
-from reference import gdn, lightning, mamba2, mha, mla, short_conv
+from reference import gdn, kda, lightning, mamba2, mha, mla, short_conv
 from reference.rope import apply_rope, mrope_cos_sin, rope_cos_sin
 
 
@@ -255,6 +255,9 @@ def reference_outputs(case: Case, dtype: torch.dtype = torch.float64) -> Referen
             out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _short_conv_layer(case, layer, t, wt,
                                                                                                 dtype)
             outputs.append(out)
+        elif layer.kind == "kda":
+            out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _kda_layer(case, layer, t, wt, dtype)
+            outputs.append(out)
         elif layer.kind == "mamba2":
             out, linear_states[layer.layer_id], magnitudes[layer.layer_id] = _mamba2_layer(case, layer, t, wt, dtype)
             outputs.append(out)
@@ -379,6 +382,23 @@ def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, t
     return _by_request(case, layer, dtype, step)
 
 
+def _kda_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+               dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One KDA layer, with its outputs' state-read magnitudes."""
+    states_at = _carried(case, layer, dtype)
+
+    def step(rows, slot, carried, keep_states):
+        conv, ssm = states_at(slot, carried)
+        res = kda.kda_layer(
+            t["mixed_qkv"][rows], t["a"][rows], t["b"][rows], conv_weight=wt["conv_weight"], A_log=wt["A_log"],
+            dt_bias=wt["dt_bias"], num_heads=layer.num_heads, head_k_dim=layer.head_k_dim,
+            head_v_dim=layer.head_v_dim, lower_bound=layer.lower_bound, conv_state=conv, ssm_state=ssm,
+            keep_states=keep_states)
+        return _RequestStep(res.o, res.read_magnitudes, res.conv_state, res.ssm_state, res.conv_states,
+                            res.ssm_states)
+    return _by_request(case, layer, dtype, step)
+
+
 def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch.dtype
                      ) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
     """One lightning-attention layer, with its outputs' term magnitudes; no conv state (``[0, 0]``)."""
@@ -441,4 +461,6 @@ def _empty(layer, dtype, device) -> torch.Tensor:
         return torch.zeros(0, 1, layer.hidden, dtype=dtype, device=device)
     if layer.kind == "mamba2":
         return torch.zeros(0, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+    if layer.kind == "kda":
+        return torch.zeros(0, layer.num_heads, layer.head_v_dim, dtype=dtype, device=device)
     return torch.zeros(0, layer.num_v_heads, layer.head_v_dim, dtype=dtype, device=device)

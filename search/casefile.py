@@ -201,6 +201,13 @@ def estimated_bytes(spec: BatchSpec) -> int:
             total += T * (layer.input_width + layer.intermediate) * draw * 2
             total += (T if D else 1) * state * 8  # the reference's float64 states
             heads = 0
+        elif layer.kind == "kda":
+            H, K, V, W = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel
+            state = layer.conv_dim * (W - 1) + H * K * V
+            total += reqs * state * (1 + D) * (4 + 4)
+            total += T * (layer.conv_dim + H * K + H + H * V) * draw * 2
+            total += T * H * K * V * 8  # the reference's float64 state after each token
+            heads = 0
         elif layer.kind == "short_conv":
             Dh, W = layer.hidden, layer.conv_kernel
             total += reqs * Dh * (W - 1) * (1 + D) * (4 + 4)  # conv states (and per-draft-step ones)

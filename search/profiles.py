@@ -77,6 +77,9 @@ class Profile:
     mamba2: tuple[int, int, int, int] = (4, 8, 16, 4)
     mamba2_groups: tuple[int, ...] = (1, 2)
     mamba2_chunks: tuple[int, ...] = (16, 32)
+    # KDA layers (num_heads, head_k_dim, head_v_dim, conv_kernel; Kimi Linear's per GPU of TP 8: 4, 128, 128, 4), the
+    # gate drawn (standard or safe, one per model)
+    kda: tuple[int, int, int, int] = (2, 16, 16, 4)
 
     @property
     def heads(self) -> tuple[HeadConfig, ...]:
@@ -111,7 +114,7 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
             rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
                                    (8, 8, 64, 64), (8, 2, 256, 256), (8, 1, 256, 256)),
             long_context=(16384, 32768), wide_batch=(64, 160), lightning=(8, 128), short_conv_hidden=1024,
-            mamba2=(16, 64, 128, 4), mamba2_groups=(1, 8), mamba2_chunks=(64, 256),
+            mamba2=(16, 64, 128, 4), mamba2_groups=(1, 8), mamba2_chunks=(64, 256), kda=(4, 128, 128, 4),
             description="GPU runners: bf16, serving head dims (64/128/256, MHA to MQA), 16k-32k contexts"),
 ]}
 

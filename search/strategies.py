@@ -13,7 +13,7 @@ import functools
 from hypothesis import strategies as st
 
 from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode,
-                        ImageSpan, LightningLayer, LinearLayer, Mamba2Layer, MHALayer, MLALayer, MropeLayout,
+                        ImageSpan, KDA_LOWER_BOUND, KdaLayer, LightningLayer, LinearLayer, Mamba2Layer, MHALayer, MLALayer, MropeLayout,
                         ShortConvLayer, SpecInput, draft_forest, is_recurrent)
 from search.profiles import Profile
 
@@ -183,7 +183,10 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
             mixer = dict(num_heads=heads, head_dim=head_dim, state_size=state, conv_kernel=kernel,
                          n_groups=draw(st.sampled_from(profile.mamba2_groups)),
                          chunk_size=draw(st.sampled_from(profile.mamba2_chunks)), conv_bias=draw(st.booleans()))
+        # KDA: the standard gate (Kimi Linear) or the safe one (Ling V3, Kimi K3), one per model
+        gate = draw(st.sampled_from((None, KDA_LOWER_BOUND))) if recurrent_kind == "kda" else None
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
+                       else KdaLayer(i, *profile.kda, lower_bound=gate) if k == "kda"
                        else LightningLayer(i, *profile.lightning) if k == "lightning"
                        else ShortConvLayer(i, *conv) if k == "short_conv"
                        else Mamba2Layer(i, **mixer) if k == "mamba2"
