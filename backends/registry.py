@@ -32,6 +32,7 @@ LEAVES: dict[str, str] = {
     "sglang.lightning": "backends.sglang.adapter:SglangLightning",
     "sglang.short_conv": "backends.sglang.adapter:SglangShortConv",
     "sglang.mamba2": "backends.sglang.adapter:SglangMamba2",
+    "sglang.kda": "backends.sglang.adapter:SglangKda",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
     # SGLang's backends whose planning runs here but not their kernels (backends/sglang/plans.py)

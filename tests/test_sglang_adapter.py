@@ -13,8 +13,8 @@ from backends.registry import CompositionError, all_compositions, parse
 from batch.forward_batch import ModelRunner
 from backends.sglang import runtime
 from backends.sglang.adapter import retrieve_links
-from batch.spec import (BatchSpec, ForwardMode, LightningLayer, LinearLayer, Mamba2Layer, MHALayer, ShortConvLayer,
-                        SpecInput)
+from batch.spec import (BatchSpec, ForwardMode, KdaLayer, LightningLayer, LinearLayer, Mamba2Layer, MHALayer,
+                        ShortConvLayer, SpecInput)
 from engine.materialize import materialize
 from properties import PROPERTIES
 from properties.run import run_case
@@ -530,6 +530,28 @@ def test_sglang_builds_its_short_conv_hybrid_for_an_lfm2_model(device):
         0: "Lfm2ShortConv", 1: "RadixAttention", 2: "Lfm2ShortConv"}
     if hasattr(hybrid, "conv_state_metadata"):
         assert type(hybrid.linear_attn_backend).__name__ == "ShortConvAttnBackend"
+    for name in ("outputs", "cache", "dispatch"):
+        assert PROPERTIES[name].run(composition, extend, device).ok, name
+
+
+@needs_sglang
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_sglang_builds_its_kda_hybrid_for_a_kimi_linear_model(device, lower_bound):
+    # A Kimi-Linear-shaped model: SGLang's attn_backend_wrapper picks KDAAttnBackend for its KimiLinearConfig, the
+    # full layers by linear_attn_config; each KDA layer is SGLang's own KimiDeltaAttention over its
+    # RadixLinearAttention. Two requests continue cached prefixes over more than one 16-token block of the chunked
+    # kernels, one starts fresh; the safe gate or the standard one. Float16: the interpreted fla kernels' dtype.
+    layers = (KdaLayer(0, 2, 16, 16, lower_bound=lower_bound), MHALayer(1, 4, 2, 16, 16),
+              KdaLayer(2, 2, 16, 16, lower_bound=lower_bound))
+    extend = BatchSpec(ForwardMode.EXTEND, (20, 0, 3), (13, 18, 1), layers, dtype="float16", seed=9)
+    composition = parse("hybrid(sglang.torch_native,sglang.kda)")
+    run = run_case(composition, extend, device)
+    hybrid = run.execution.backend.inner
+    assert type(hybrid).__name__ == "HybridLinearAttnBackend" and hybrid.full_attn_layers == [1]
+    assert type(hybrid.linear_attn_backend).__name__ == "KDAAttnBackend"
+    assert {i: type(r).__name__ for i, r in run.execution.backend.radix.items()} == {
+        0: "KimiDeltaAttention", 1: "RadixAttention", 2: "KimiDeltaAttention"}
+    assert run.execution.backend.radix[0].attn.lower_bound == lower_bound
     for name in ("outputs", "cache", "dispatch"):
         assert PROPERTIES[name].run(composition, extend, device).ok, name
 

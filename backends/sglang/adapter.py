@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from typing import ClassVar
 
 import torch
@@ -66,6 +67,13 @@ class _Identity(torch.nn.Module):
 
     def forward(self, x):
         return x, None
+
+
+class _Ungated(torch.nn.Module):
+    """An output norm that hands its input through, ignoring its gate (``o_norm(x, gate)``)."""
+
+    def forward(self, x, gate):
+        return x
 
 
 class _Embed(torch.nn.Module):
@@ -310,6 +318,40 @@ class SglangBackend(_SglangObject):
             self.radix[layer.layer_id] = conv
         return conv
 
+    def _kda_layer(self, layer):
+        """SGLang's own Kimi Linear KDA layer (``KimiDeltaAttention``) for a harness KDA layer (cached per layer id):
+        its RadixLinearAttention built as the model's ``__init__`` builds it, with the drawn parameters (conv weights,
+        A_log and dt_bias in float32, as the model keeps them); its projections a stand-in that hands over the
+        harness's inputs in the order they return theirs (q|k|v, beta, the forget gate, the norm's gate), its output
+        norm and projection the identity. Its ``forward`` is then the model's, whatever the release: 0.5.10 applies
+        the gate and the step size's sigmoid in the model before the backend's extend (models/kimi_linear.py), later
+        releases hand the backend both raw."""
+        block = self.radix.get(layer.layer_id)
+        if block is None:
+            sgl, s, w = self.sgl, layer.spec, layer.weights
+            H, K = s.num_heads, s.head_k_dim
+            with _building("KimiDeltaAttention"), torch.no_grad():
+                block = sgl.KimiDeltaAttention.__new__(sgl.KimiDeltaAttention)
+                torch.nn.Module.__init__(block)  # no __init__: it would build TP-sharded projections and load nothing
+                block.layer_idx, block.num_heads, block.head_dim = s.layer_id, H, K
+                block.num_k_heads = block.num_v_heads = H
+                block.head_k_dim, block.head_v_dim = K, s.head_v_dim
+                block.do_fuse_qkvbfg = False
+                block.forward_qkvbfg = lambda projected: projected
+                block.o_norm, block.o_proj = _Ungated(), _Identity()
+                block.A_log = torch.nn.Parameter(w["A_log"].float().reshape(1, 1, H, 1), requires_grad=False)
+                block.dt_bias = torch.nn.Parameter(w["dt_bias"].float(), requires_grad=False)
+                gate = {} if s.lower_bound is None else {"lower_bound": s.lower_bound}
+                parameters = inspect.signature(sgl.RadixLinearAttention.__init__).parameters
+                if gate and "lower_bound" not in parameters:
+                    raise TypeError("this release's RadixLinearAttention takes no lower_bound (the safe gate)")
+                block.attn = sgl.RadixLinearAttention(
+                    layer_id=s.layer_id, num_q_heads=H, num_k_heads=H, num_v_heads=H, head_q_dim=K, head_k_dim=K,
+                    head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"].float(), bias=None, activation="silu",
+                    A_log=block.A_log, dt_bias=block.dt_bias, **gate)
+            self.radix[layer.layer_id] = block
+        return block
+
     def _mamba2_layer(self, layer):
         """A Nemotron-H mamba decoder layer of SGLang's own, for a harness Mamba-2 layer (cached per layer id): its
         ``MambaMixer2`` built by SGLang for the model's config, with the drawn parameters, its input projection the
@@ -519,6 +561,15 @@ class SglangBackend(_SglangObject):
                                 lambda sfb: self._linear_layer(layer)(sfb, mixed_qkv=mixed_qkv, a=a, b=b))
         return o.reshape(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
 
+    def _run_kda(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
+        """mixed_qkv ``[T, conv_dim]``, a ``[T, H * K]``, b ``[T, H]`` -> o ``[T, H, V]`` through SGLang's Kimi Linear
+        KDA layer (its forward: the gates as the installed release hands them to the backend)."""
+        s, T = layer.spec, mixed_qkv.shape[0]
+        norm_gate = mixed_qkv.new_zeros(T, s.num_heads * s.head_v_dim)  # the output norm's gate, unread (_Ungated)
+        o = self._run_recurrent(layer, forward_batch, via, lambda sfb: self._kda_layer(layer)(
+            hidden_states=(mixed_qkv, b, a, norm_gate), positions=None, forward_batch=sfb, zero_allocator=None))
+        return o.reshape(T, s.num_heads, s.head_v_dim)
+
     def _run_short_conv(self, layer, forward_batch, bcx, via=None) -> torch.Tensor:
         """bcx ``[T, 3 * hidden]`` -> o ``[T, 1, hidden]`` through SGLang's LFM2 conv layer, which asks the forward
         context's backend for its state (``conv_state_metadata``, 0.5.22 on) and runs its own conv kernels."""
@@ -540,6 +591,8 @@ class SglangBackend(_SglangObject):
                 mixed_qkv=None, a=None, b=None, bcx=None, zxbcdt=None, via=None, **kwargs):
         if layer.kind == "linear":  # the model calls its RadixLinearAttention, which SGLang's hybrid dispatches
             return self._run_linear(layer, forward_batch, mixed_qkv, a, b, via)
+        if layer.kind == "kda":  # Kimi Linear's layer, which calls its RadixLinearAttention
+            return self._run_kda(layer, forward_batch, mixed_qkv, a, b, via)
         if layer.kind == "short_conv":  # the model calls its conv layer, which never goes through forward
             return self._run_short_conv(layer, forward_batch, bcx, via)
         if layer.kind == "mamba2":  # the model hands its mixer to the hybrid's Mamba-2 backend itself
@@ -818,6 +871,35 @@ class SglangShortConv(_LinearChild):
         # LFM2's conv layer marks no break for SGLang's breakable prefill graph (models/lfm2.py has none, unlike
         # GDN's RadixLinearAttention): whether a server captures it there is not adapted.
         prefill_graph=False,
+    )
+
+
+class SglangKda(_LinearChild):
+    """SGLang's KDA backend (``KDAAttnBackend``, Kimi Delta Attention) under its hybrid wrapper, for a Kimi Linear
+    model: the backend plans as GDN's does (state slots, ``query_start_loc``) and runs its Triton kernels (fla's
+    chunked KDA for extends, the packed recurrent step for decode, the fused verify step) for the model's KDA layer
+    (``KimiDeltaAttention``), which the adapter calls as the model does (``_kda_layer``). The full-attention layers
+    are MHA here; a Kimi Linear checkpoint's are MLA (not adapted under this hybrid)."""
+
+    sglang_name = "kda"
+    capabilities = _linear_child_capabilities(
+        attention_kinds=frozenset({"kda"}),
+        engine_features=("hybrid_linear", "kda_model"),
+        cpu_engine_features=("fla_kernels_path",),  # the interpreter shims patch the vendored fla kernels there
+        # The vendored fla chunk kernels take half-precision inputs, as GDN's
+        dtypes=frozenset({"bfloat16", "float16"}),
+        cpu_dtypes=frozenset({"float16"}),  # the interpreter's bfloat16 elementwise arithmetic is wrong
+        # Its chunk kernels cast their blocks to bfloat16 before the dots whatever the model's dtype
+        # (fla/chunk_intra.py, chunk_kda_fwd_kernel_inter_solve_fused: .to(tl.bfloat16)): a float16 model's KDA
+        # layers carry bfloat16's operand roundings (properties/tolerances.py)
+        operand_roundoff=2.0**-8,
+        # The verify conv kernel advances the request's conv state through the draft tokens in place, as GDN's; the
+        # commit rewrites it.
+        verify_advances_conv_state=True,
+        # KDAAttnBackend runs a breakable prefill graph's extends through its own graph path (kda_prefill_graph.py,
+        # prefill_graph_metadata); not adapted here yet.
+        prefill_graph=False,
+        slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
     )
 
 

@@ -173,6 +173,11 @@ FEATURES: dict[str, Feature] = {
     # mixer called its kernel directly)
     "mamba_ssu_backend": Feature("the Mamba selective-state-update backend the scheduler installs at start-up", (
         _p("kernels.ops.mamba.triton_ops.ssu_dispatch:initialize_mamba_selective_state_update_backend"),)),
+    # A Kimi Linear model's KDA layer: SGLang's KimiDeltaAttention (the model's gate and step-size handling: applied in
+    # the model before 0.5.22's backend took them raw) over its RadixLinearAttention, under KDAAttnBackend
+    "kda_model": Feature("a Kimi Linear config, its KDA layer and SGLang's KDA backend", (
+        _p("srt.configs.kimi_linear:KimiLinearConfig"), _p("srt.models.kimi_linear:KimiDeltaAttention"),
+        _p("srt.layers.attention.linear.kda_backend:KDAAttnBackend"))),
     "short_conv_model": Feature("an LFM2 config and its short-convolution layer for short-conv hybrids", (
         _p("srt.configs.lfm2:Lfm2Config"), _p("srt.models.lfm2:Lfm2ShortConv"))),
     "deepseek_mla": Feature("DeepSeek's choice of MLA forward method (FlashInfer MLA rows)", (

@@ -251,6 +251,10 @@ def _import_names() -> dict[str, object]:
         from sglang.srt.configs.nemotron_h import NemotronHConfig
         from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
         from sglang.srt.models.nemotron_h import NemotronHMambaDecoderLayer
+    KimiLinearConfig = KimiDeltaAttention = None
+    if features.has("kda_model"):
+        from sglang.srt.configs.kimi_linear import KimiLinearConfig
+        from sglang.srt.models.kimi_linear import KimiDeltaAttention
     Lfm2Config = Lfm2ShortConv = register_shortconv_verify_buffers = None
     if features.has("short_conv_model"):
         from sglang.srt.configs.lfm2 import Lfm2Config
@@ -432,6 +436,7 @@ _IDLE_LINEAR_SHAPES = {
     "lightning": (2, 128),  # heads, head dim (seg_la's decode splits the key dim in blocks of 128)
     "short_conv": (16, 3, False),  # hidden size, kernel width, bias
     "mamba2": (2, 16, 1, 16, 4, 16, True),  # heads, head dim, groups, state size, conv kernel, chunk size, conv bias
+    "kda": (2, 16, 16, 4, None),  # heads, key dim, value dim, conv kernel, the safe gate's bound
 }
 
 
@@ -505,6 +510,21 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
             mamba_d_conv=kernel, mamba_chunk_size=chunk, mamba_conv_bias=bias, n_routed_experts=0,
             n_groups=groups)  # as a checkpoint's config.json names it too: mamba2_cache_params reads n_groups
         cfg.architectures = ["NemotronHForCausalLM"]
+        return cfg
+    if hybrid.linear_kind == "kda":
+        # SGLang's own Kimi Linear config: its linear_attn_config names the KDA layers (1-based) and sizes the state
+        # pool, a conv state of [kernel - 1, conv_dim] and an SSM state of [heads, head dim, head dim]
+        # (configs/mamba_utils.py, KimiLinearStateShape: one head dim, so the value dim is the key dim)
+        heads, k, v, kernel, bound = hybrid.shape
+        if v != k:
+            raise ValueError(f"a Kimi Linear model's KDA layers have one head dim, not key {k} and value {v}")
+        ids = [i + 1 for i, t in enumerate(hybrid.layer_types) if t == "linear_attention"]
+        cfg = load().KimiLinearConfig(
+            num_hidden_layers=n, hidden_size=hq * d, num_attention_heads=hq, num_key_value_heads=hk, head_dim=d,
+            linear_attn_config=dict(kda_layers=ids, full_attn_layers=[i + 1 for i in range(n) if i + 1 not in ids],
+                                    num_heads=heads, head_dim=k, short_conv_kernel_size=kernel,
+                                    **({} if bound is None else {"gate_lower_bound": bound})))
+        cfg.architectures = ["KimiLinearForCausalLM"]
         return cfg
     if hybrid.linear_kind == "short_conv":
         # SGLang's own LFM2 config: its layer_types name the conv layers, full_attention_layer_ids the others, and
@@ -748,7 +768,9 @@ class StateSync:
     ``temporal[L, slots, Hv, V, K]`` (GDN: value before key), the harness ``conv_states[id][slots, conv_dim, W-1]``
     and ``ssm_states[id][slots, Hv, K, V]``. Speculative steps: SGLang's ``intermediate_ssm[L, slots, D, Hv, V, K]``
     and ``intermediate_conv_window[0][L, slots, D, conv_dim, W-1]``. Lightning layers keep ``temporal[..., H, K,
-    V]`` as the harness does (seg_la's state is key-major), and an empty conv state. States go in before a batch
+    V]`` as the harness does (seg_la's state is key-major), and an empty conv state. KDA layers keep ``temporal[...,
+    H, V, K]`` as GDN's and their conv states token-major, ``conv[L, slots, W-1, conv_dim]`` (and the per-step
+    windows so), configs/mamba_utils.py KimiLinearStateShape. States go in before a batch
     is planned and come back after each linear layer runs, every slot both ways, so a write to a wrong slot is
     seen."""
 
@@ -756,11 +778,16 @@ class StateSync:
         self.pool = sgl_runner.req_to_token_pool
         self.harness = runner.mamba_pool
         self.runner = runner
-        self.value_major = {layer.layer_id for layer in runner.layers if layer.kind == "linear"}
+        self.value_major = {layer.layer_id for layer in runner.layers if layer.kind in ("linear", "kda")}
+        self.token_major_conv = {layer.layer_id for layer in runner.layers if layer.kind == "kda"}
 
     def _layout(self, layer_id: int, state: torch.Tensor) -> torch.Tensor:
-        """A state between SGLang's layout and the harness's (the same swap both ways)."""
+        """An SSM state between SGLang's layout and the harness's (the same swap both ways)."""
         return state.transpose(-1, -2) if layer_id in self.value_major else state
+
+    def _conv_layout(self, layer_id: int, state: torch.Tensor) -> torch.Tensor:
+        """A conv state between SGLang's layout and the harness's (the same swap both ways)."""
+        return state.transpose(-1, -2) if layer_id in self.token_major_conv else state
 
     def push(self, fb) -> None:
         """The harness's states and request->slot map into SGLang's pools, then what SGLang's scheduler does
@@ -784,7 +811,7 @@ class StateSync:
         before a verify commit, which a property may repeat from the same verified states."""
         for layer_id, conv in self.harness.conv_states.items():
             cache = self.pool.mamba2_layer_cache(layer_id)
-            cache.conv[0].copy_(conv)
+            cache.conv[0].copy_(self._conv_layout(layer_id, conv))
             cache.temporal.copy_(self._layout(layer_id, self.harness.ssm_states[layer_id]))
 
     def pull(self, layer_id: int, state_slots: torch.Tensor | None = None, verify: bool = False) -> None:
@@ -795,11 +822,12 @@ class StateSync:
         if self.harness is None or layer_id not in self.harness.conv_states:
             return
         cache = self.pool.mamba2_layer_cache(layer_id)
-        self.harness.conv_states[layer_id].copy_(cache.conv[0])
+        self.harness.conv_states[layer_id].copy_(self._conv_layout(layer_id, cache.conv[0]))
         self.harness.ssm_states[layer_id].copy_(self._layout(layer_id, cache.temporal))
         if verify and layer_id in self.harness.intermediate_ssm_states:
             ours_ssm = self.harness.intermediate_ssm_states[layer_id]
             ours_conv = self.harness.intermediate_conv_states[layer_id]
             rows, d = state_slots.shape[0], ours_ssm.shape[1]
             ours_ssm.index_copy_(0, state_slots, self._layout(layer_id, cache.intermediate_ssm[:rows, :d]))
-            ours_conv.index_copy_(0, state_slots, cache.intermediate_conv_window[0][:rows, :d])
+            ours_conv.index_copy_(0, state_slots,
+                                  self._conv_layout(layer_id, cache.intermediate_conv_window[0][:rows, :d]))

@@ -809,6 +809,38 @@ def sglang_mamba2_prefix_states_dropped():
     return _mamba2_plan_zeroed("has_initial_states")  # a cached prefix's SSM and conv states never read
 
 
+def _kda_backend():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.linear import kda_backend
+    return kda_backend
+
+
+def sglang_kda_safe_gate_dropped():
+    dispatcher = _kda_backend().KDAKernelDispatcher
+    extend = dispatcher.extend
+
+    def extend_without_bound(self, *args, lower_bound=None, **kwargs):
+        return extend(self, *args, lower_bound=None, **kwargs)  # the safe gate's bound never reaches the kernel
+    return _replace(dispatcher, "extend", extend_without_bound)
+
+
+def sglang_kda_prefix_conv_window_dropped():
+    backend = _kda_backend().KDAAttnBackend
+    if not hasattr(backend, "_convolve_prefill"):
+        raise MutantUnavailable("this SGLang's KDAAttnBackend convolves inside forward_extend (no _convolve_prefill)")
+    convolve = backend._convolve_prefill
+
+    def convolve_fresh(self, layer, forward_batch, *args, **kwargs):
+        prefix = forward_batch.extend_prefix_lens
+        forward_batch.extend_prefix_lens = torch.zeros_like(prefix)  # every request's conv starts from zeros
+        try:
+            return convolve(self, layer, forward_batch, *args, **kwargs)
+        finally:
+            forward_batch.extend_prefix_lens = prefix
+    return _replace(backend, "_convolve_prefill", convolve_fresh)
+
+
 def sglang_fa3_verify_replay_keys_without_drafts():
     from backends.sglang.runtime import load
     load()
@@ -954,6 +986,14 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "request's req_to_token row as its state slot instead of its mamba index (as LFM2's layer itself did up to "
            "0.5.21); requests read and overwrite each other's conv states",
            ("hybrid(sglang.torch_native,sglang.short_conv)",), ("outputs",), modes=("decode",), engine="sglang"),
+    Mutant("sglang_kda_safe_gate_dropped", "SGLang's KDAKernelDispatcher hands its extend kernel no lower_bound; a "
+           "safe-gate model's (Ling V3, Kimi K3) prefill decays its state by the standard gate -exp(A) softplus(a + "
+           "dt_bias) instead of lower_bound * sigmoid(exp(A) (a + dt_bias))",
+           ("hybrid(sglang.torch_native,sglang.kda)",), ("outputs",), modes=("extend",), engine="sglang"),
+    Mutant("sglang_kda_prefix_conv_window_dropped", "SGLang's KDAAttnBackend convolves every extend as a fresh "
+           "request (has_initial_state all false); a request that continues a cached prefix convolves zeros where "
+           "its last W-1 tokens were (Kimi Linear after a prefix-cache hit or a prefill chunk)",
+           ("hybrid(sglang.torch_native,sglang.kda)",), ("outputs",), modes=("extend",), engine="sglang"),
     Mutant("sglang_fa3_verify_replay_keys_without_drafts", "SGLang's FlashAttentionBackend replay of a target_verify "
            "graph (draft chains) counts each request's keys without its own draft tokens; every replayed verify's "
            "drafts read none of the drafts before them. Caught at plan level, where FA3's kernels cannot run",
