@@ -154,6 +154,14 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     weights: list[LayerWeights] = []
     T = spec.num_tokens
     D = spec.spec.draft_token_num if spec.spec is not None else 0
+    def recurrent_states(layer_id: int, conv: tuple[int, ...], ssm: tuple[int, ...]) -> None:
+        """A recurrent layer's conv and SSM states per slot (and per draft step in TARGET_VERIFY)."""
+        conv_states[layer_id] = draw.normal(num_state_slots, *conv, device=device)
+        ssm_states[layer_id] = draw.normal(num_state_slots, *ssm, scale=0.5, device=device)
+        if spec.mode.is_target_verify():
+            inter_conv[layer_id] = draw.normal(num_state_slots, D, *conv, device=device)
+            inter_ssm[layer_id] = draw.normal(num_state_slots, D, *ssm, device=device)
+
     for layer in spec.layers:
         if layer.kind == "mha":
             if layer.layer_id not in k_buffers:
@@ -183,20 +191,12 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
         elif layer.kind == "lightning":
             H, Dh = layer.num_heads, layer.head_dim
             # No conv state (SGLang's pool for Bailing keeps an empty one, conv_kernel 1, "to keep the interface")
-            conv_states[layer.layer_id] = draw.normal(num_state_slots, 0, 0, device=device)
-            ssm_states[layer.layer_id] = draw.normal(num_state_slots, H, Dh, Dh, scale=0.5, device=device)
-            if spec.mode.is_target_verify():
-                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, 0, 0, device=device)
-                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, Dh, Dh, device=device)
+            recurrent_states(layer.layer_id, (0, 0), (H, Dh, Dh))
             inputs.append(LayerInputs({n: draw.normal(T, H, Dh, device=device) for n in ("q", "k", "v")}))
             weights.append(LayerWeights({}))  # the decay rates are the model's (reference/lightning.py)
         elif layer.kind == "kda":
             H, K, V, W, Cd = layer.num_heads, layer.head_k_dim, layer.head_v_dim, layer.conv_kernel, layer.conv_dim
-            conv_states[layer.layer_id] = draw.normal(num_state_slots, Cd, W - 1, device=device)
-            ssm_states[layer.layer_id] = draw.normal(num_state_slots, H, K, V, scale=0.5, device=device)
-            if spec.mode.is_target_verify():
-                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, Cd, W - 1, device=device)
-                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, K, V, device=device)
+            recurrent_states(layer.layer_id, (Cd, W - 1), (H, K, V))
             inputs.append(LayerInputs({"mixed_qkv": draw.normal(T, Cd, device=device),
                                        "a": draw.normal(T, H * K, device=device),
                                        "b": draw.normal(T, H, device=device)}))
@@ -208,11 +208,7 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
             }))
         elif layer.kind == "mamba2":
             H, P, N, W, Cd = layer.num_heads, layer.head_dim, layer.state_size, layer.conv_kernel, layer.conv_dim
-            conv_states[layer.layer_id] = draw.normal(num_state_slots, Cd, W - 1, device=device)
-            ssm_states[layer.layer_id] = draw.normal(num_state_slots, H, P, N, scale=0.5, device=device)
-            if spec.mode.is_target_verify():
-                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, Cd, W - 1, device=device)
-                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, H, P, N, device=device)
+            recurrent_states(layer.layer_id, (Cd, W - 1), (H, P, N))
             # z, xBC, dt as the input projection emits them; dt in a fixed range (batch/spec.py, MAMBA2_DT_RAW)
             lo, hi = MAMBA2_DT_RAW
             inputs.append(LayerInputs({"zxbcdt": torch.cat([
@@ -230,12 +226,8 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
             weights.append(LayerWeights(mixer))
         elif layer.kind == "short_conv":
             Dh, W = layer.hidden, layer.conv_kernel
-            conv_states[layer.layer_id] = draw.normal(num_state_slots, Dh, W - 1, device=device)
             # No SSM state: SGLang's pool for LFM2 keeps an empty one ([1, hidden, 0]: state_size 0, configs/lfm2.py)
-            ssm_states[layer.layer_id] = draw.normal(num_state_slots, 1, Dh, 0, device=device)
-            if spec.mode.is_target_verify():
-                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, Dh, W - 1, device=device)
-                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, 1, Dh, 0, device=device)
+            recurrent_states(layer.layer_id, (Dh, W - 1), (1, Dh, 0))
             # B, C and x as LFM2's in_proj emits them (one [T, 3 * hidden] output, chunked in that order)
             inputs.append(LayerInputs({"bcx": draw.normal(T, 3 * Dh, device=device)}))
             # A model's conv parameters are in its dtype (SGLang's CUDA causal_conv1d takes them in x's dtype only):
@@ -246,11 +238,7 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
             weights.append(LayerWeights(conv))
         else:
             W, Hv, K, V = layer.conv_kernel, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
-            conv_states[layer.layer_id] = draw.normal(num_state_slots, layer.conv_dim, W - 1, device=device)
-            ssm_states[layer.layer_id] = draw.normal(num_state_slots, Hv, K, V, scale=0.5, device=device)
-            if spec.mode.is_target_verify():
-                inter_conv[layer.layer_id] = draw.normal(num_state_slots, D, layer.conv_dim, W - 1, device=device)
-                inter_ssm[layer.layer_id] = draw.normal(num_state_slots, D, Hv, K, V, device=device)
+            recurrent_states(layer.layer_id, (layer.conv_dim, W - 1), (Hv, K, V))
             inputs.append(LayerInputs({
                 "mixed_qkv": draw.normal(T, layer.conv_dim, device=device),
                 "a": draw.normal(T, Hv, device=device),
