@@ -162,6 +162,11 @@ class Capabilities:
     # Unit roundoff of operands the kernels round to a type coarser than the layer's, whatever that is (SGLang's KDA
     # chunk kernels: blocks cast to bfloat16 before their dots, 2**-8, also in a float16 model); 0: none.
     operand_roundoff: float = 0.0
+    # Takes KDA layers with the safe gate (KdaLayer.lower_bound); False: the standard gate only
+    kda_safe_gate: bool = True
+    # (engine feature, capability field, its value where the installed engine lacks the feature): declarations that
+    # hold from some release of the engine on (an engine's leaf; backends/registry.py applies them)
+    engine_limits: tuple[tuple[str, str, object], ...] = ()
     # Key or query counts at which the kernels change shape (a new key block, a KV split that becomes
     # non-empty, a prefix chunk): the strategies draw lengths at and across each (L - 1, L, L + 1), within
     # the profile's Profile.max_boundary. Compiled and interpreted configurations both listed.
@@ -274,6 +279,7 @@ class Support:
     linear_head_dims: Optional[frozenset[int]] = None  # the linear leaves' (lightning layers)
     one_shape_per_kind: bool = False  # any leaf's (see Capabilities)
     linear_operand_roundoff: float = 0.0  # the linear leaves' coarsest (Capabilities.operand_roundoff)
+    kda_safe_gate: bool = True  # every linear leaf's (Capabilities.kda_safe_gate)
 
     def matmul_roundoff(self, layer_kind: str, device: str) -> float:
         """Unit roundoff of float32 matrix products in the kernels that run a layer of ``layer_kind`` on
@@ -312,6 +318,7 @@ class Support:
                    fp32_matmul_roundoff=_roundoffs(full or caps),
                    linear_fp32_matmul_roundoff=_roundoffs(linear),
                    linear_operand_roundoff=max((c.operand_roundoff for c in linear), default=0.0),
+                   kda_safe_gate=all(c.kda_safe_gate for c in linear),
                    cpu_dtypes=frozenset.intersection(*((c.cpu_dtypes or c.dtypes) for c in caps)),
                    gaps={prop: why for c in caps for prop, why in c.gaps},
                    cpu_gaps={prop: why for c in caps for prop, why in c.cpu_gaps},
@@ -362,6 +369,8 @@ class Support:
                     return f"{kind} layers of shapes {shapes}: one shape per layer kind (the engine sizes one " \
                            f"pool and one config per model)"
         for layer in spec.layers:
+            if layer.kind == "kda" and layer.lower_bound is not None and not self.kda_safe_gate:
+                return "KDA's safe gate (lower_bound) not supported: the standard gate only"
             if layer.kind == "lightning" and self.linear_head_dims is not None \
                     and layer.head_dim not in self.linear_head_dims:
                 return f"lightning head_dim {layer.head_dim} not supported"

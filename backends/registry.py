@@ -116,7 +116,7 @@ class Composition:
     def support(self) -> Support:
         """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures (EXTEND where
         every leaf runs a prefill graph; not yet under tbo(): the harness drives no engine's TBO through one)."""
-        caps = {n: leaf_capabilities(n) for n in self.leaves()}
+        caps = {n: _engine_limited(leaf_capabilities(n)) for n in self.leaves()}
         for split in self.splits():
             # A split's decode backend never sees a verify batch (the prefill one takes it): its tree mask is not needed
             decode = split.children[1].name
@@ -288,6 +288,16 @@ def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
         return child.is_leaf or child.name in ("hybrid", "pd")
     return wrapper == "graph" and (child.is_leaf or child.name in ("hybrid", "pd")
                                    or (child.name == "tbo" and child.children[0].is_leaf))
+
+
+def _engine_limited(caps: Capabilities) -> Capabilities:
+    """``caps`` with each of its ``engine_limits`` applied whose feature the installed engine lacks."""
+    if not caps.engine_limits or caps.engine != "sglang":
+        return caps
+    from backends.sglang import features
+
+    limited = {field: value for feature, field, value in caps.engine_limits if not features.has(feature)}
+    return dataclasses.replace(caps, **limited) if limited else caps
 
 
 def _serves_one_linear_kind(kinds: frozenset[str]) -> bool:

@@ -60,6 +60,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "verify_window": support.verify_window,
         "draft_window": support.draft_window,
         "chain": not support.draft_trees,
+        "kda_safe_gate": support.kda_safe_gate,
         "graph_padding": "graph" in c.wrappers(),
     }
 

@@ -119,7 +119,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False, draft_window: bool = True, graph_padding: bool = False,
-                overreach: tuple[str, ...] = ()) -> BatchSpec:
+                overreach: tuple[str, ...] = (), kda_safe_gate: bool = True) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
     ``hybrid`` also draws draft-worker batches (a hybrid wrapper built for an MTP draft worker: its one full layer,
@@ -184,7 +184,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                          n_groups=draw(st.sampled_from(profile.mamba2_groups)),
                          chunk_size=draw(st.sampled_from(profile.mamba2_chunks)), conv_bias=draw(st.booleans()))
         # KDA: the standard gate (Kimi Linear) or the safe one (Ling V3, Kimi K3), one per model
-        gate = draw(st.sampled_from((None, KDA_LOWER_BOUND))) if recurrent_kind == "kda" else None
+        gates = (None, KDA_LOWER_BOUND) if kda_safe_gate else (None,)
+        gate = draw(st.sampled_from(gates)) if recurrent_kind == "kda" else None
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
                        else KdaLayer(i, *profile.kda, lower_bound=gate) if k == "kda"
                        else LightningLayer(i, *profile.lightning) if k == "lightning"

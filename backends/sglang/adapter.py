@@ -885,6 +885,8 @@ class SglangKda(_LinearChild):
     capabilities = _linear_child_capabilities(
         attention_kinds=frozenset({"kda"}),
         engine_features=("hybrid_linear", "kda_model"),
+        # The safe gate from 0.5.22 (RadixLinearAttention's lower_bound); before it, standard-gate models only
+        engine_limits=(("kda_safe_gate", "kda_safe_gate", False),),
         cpu_engine_features=("fla_kernels_path",),  # the interpreter shims patch the vendored fla kernels there
         # The vendored fla chunk kernels take half-precision inputs, as GDN's
         dtypes=frozenset({"bfloat16", "float16"}),

@@ -45,7 +45,8 @@ class Feature:
 
 
 def _p(spec: str) -> Probe:
-    """``module:Name`` or ``module:Class.member`` (module under ``sglang.``), or ``module`` alone."""
+    """``module:Name`` or ``module:Class.member`` (module under ``sglang.``), or ``module`` alone; a member
+    ``method(param)`` holds where the class's method takes that parameter."""
     module, _, name = spec.partition(":")
     cls, _, member = name.partition(".")
     return Probe(f"sglang.{module}", cls or None, member or None)
@@ -178,6 +179,10 @@ FEATURES: dict[str, Feature] = {
     "kda_model": Feature("a Kimi Linear config, its KDA layer and SGLang's KDA backend", (
         _p("srt.configs.kimi_linear:KimiLinearConfig"), _p("srt.models.kimi_linear:KimiDeltaAttention"),
         _p("srt.layers.attention.linear.kda_backend:KDAAttnBackend"))),
+    # KDA's safe gate (Ling V3's, Kimi K3's: each token's log-decay held in [lower_bound, 0]), 0.5.22 on; before it
+    # a KDA layer has the standard gate only
+    "kda_safe_gate": Feature("KDA's safe gate (a lower_bound on RadixLinearAttention)", (
+        _p("srt.layers.radix_linear_attention:RadixLinearAttention.__init__(lower_bound)"),)),
     "short_conv_model": Feature("an LFM2 config and its short-convolution layer for short-conv hybrids", (
         _p("srt.configs.lfm2:Lfm2Config"), _p("srt.models.lfm2:Lfm2ShortConv"))),
     "deepseek_mla": Feature("DeepSeek's choice of MLA forward method (FlashInfer MLA rows)", (
@@ -230,6 +235,11 @@ def _body_names(body) -> set[str]:
     for node in body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
+            # A function's parameters are also "NAME(PARAM)" (a probe can ask whether a method takes an argument)
+            arguments = getattr(node, "args", None)
+            if arguments is not None:
+                names.update(f"{node.name}({a.arg})" for a in (*arguments.posonlyargs, *arguments.args,
+                                                               *arguments.kwonlyargs))
             # A static method is also "NAME@staticmethod" (a probe can ask how a member is defined)
             if any(getattr(d, "id", None) == "staticmethod" for d in getattr(node, "decorator_list", ())):
                 names.add(f"{node.name}@staticmethod")
