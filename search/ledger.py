@@ -389,9 +389,12 @@ def _draft_worker_misrouted(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft worker's batch (its one full-attention layer has id 0) whose layer reached the hybrid's linear
     backend: the GDN backend's assertion on the missing mixed_qkv, the lightning backend's seg_la unpacking the full
     layer's flat q as [T, H, D] (seen on an H200, 0.5.10), an LFM2 hybrid's Mamba2AttnBackend refusing a forward it
-    never serves (0.5.10, CPU), or dispatch seeing the misroute."""
+    never serves (0.5.10, CPU), the KDA backend reading the full layer's conv weights or q width, which a
+    RadixAttention has not (0.5.10, CPU), or dispatch seeing the misroute."""
     reason = verdict.reason
     return spec.draft_worker and ("assert isinstance(mixed_qkv, torch.Tensor)" in reason
+                                  or ("'RadixAttention' object has no attribute" in reason
+                                      and ("'conv_weights'" in reason or "'q_dim'" in reason))
                                   or ("seg_la" in reason and "not enough values to unpack" in reason)
                                   or "Mamba2AttnBackend's forward is called directly" in reason
                                   or ("reached the wrong backend" in reason and "linear got [0]" in reason))
@@ -407,6 +410,14 @@ def _conv_state_by_request_row(spec: BatchSpec, verdict: Verdict) -> bool:
         return layer.kind == "short_conv"
     m = re.search(r"layer (\d+) conv_states", verdict.reason)
     return m is not None and any(l.layer_id == int(m.group(1)) and l.kind == "short_conv" for l in spec.layers)
+
+
+def _kda_chunk_decay(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The disagreement is in a KDA layer of a batch with a request of two or more new tokens (a chunked prefill
+    decays them against each other): up to 0.5.21 SGLang's Triton chunk kernels take the chunk's cumulative gate in
+    natural-log units in some stages and as base 2 in others (docs/findings/sglang-kda-chunk-mixed-exp-bases.md)."""
+    layer = _failing_layer(spec, verdict)
+    return layer is not None and layer.kind == "kda" and max(spec.extend_lens, default=0) >= 2
 
 
 def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -427,6 +438,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_mrope_unsliced": _tbo_mrope_unsliced,
     "tbo_mixed_not_implemented": _tbo_mixed_not_implemented,
     "draft_worker_misrouted": _draft_worker_misrouted,
+    "kda_chunk_decay": _kda_chunk_decay,
     "spec_states_on_cuda": _spec_states_on_cuda,
     "mixed_two_chunk": _mixed_two_chunk,
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,

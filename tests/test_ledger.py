@@ -238,6 +238,35 @@ def test_a_draft_worker_misroute_is_known_by_the_lightning_childs_symptom_too():
     assert not condition(dataclasses.replace(spec, draft_worker=False), crash)
 
 
+def test_a_draft_worker_misroute_is_known_by_the_kda_childs_symptom_too():
+    """0.5.10, CPU: the draft worker's full layer reached KDAAttnBackend, which reads a linear layer's conv weights."""
+    for missing in ("conv_weights", "q_dim"):
+        crash = Verdict("outputs", False, f"crashed: AttributeError: 'RadixAttention' object has no attribute "
+                                          f"'{missing}' (module.py:1967 in __getattr__: `raise AttributeError(`)")
+        spec = BatchSpec(ForwardMode.DECODE, (1,), (1,), (MHALayer(0, 4, 2, 32, 32),), draft_worker=True)
+        condition = ledger.CONDITIONS["draft_worker_misrouted"]
+        assert condition(spec, crash)
+        assert not condition(dataclasses.replace(spec, draft_worker=False), crash)
+    other = Verdict("outputs", False, "crashed: AttributeError: 'RadixAttention' object has no attribute 'k_scale'")
+    assert not condition(spec, other)
+
+
+def test_kdas_mixed_exponent_bases_are_known_in_a_kda_layer_of_a_multi_token_request_on_old_releases():
+    """0.5.10, CPU: a KDA layer's prefill output off where a request's tokens decay against each other."""
+    from batch.spec import KdaLayer
+    off = Verdict("outputs", False, "outputs and states vs float64 reference: relative L2 error out of bounds",
+                  where="layer 1: request 1, token 5, head 1, dim 3")
+    layers = (MHALayer(0, 4, 1, 32, 32), KdaLayer(1, 2, 16, 16))
+    spec = BatchSpec(ForwardMode.EXTEND, (0, 1), (1, 9), layers)
+    condition = ledger.CONDITIONS["kda_chunk_decay"]
+    assert condition(spec, off)
+    assert not condition(BatchSpec(ForwardMode.EXTEND, (0, 1), (1, 1), layers), off)  # no decay inside a chunk
+    in_mha = Verdict("outputs", False, "relative L2 error out of bounds", where="layer 0: request 1, token 5")
+    assert not condition(spec, in_mha)
+    entry = next(e for e in ledger.known_failures() if e.id == "sglang-kda-chunk-mixed-exp-bases")
+    assert entry.applies_to("0.5.10") and not entry.applies_to("0.5.22")
+
+
 def test_a_draft_extend_graph_window_is_known_by_its_compile_error_on_a_gpu():
     """On an H200 (0.5.14) the window KV list handed as None stops the extend kernel's compilation."""
     crash = Verdict("graph_replay", False, "crashed: CompilationError: at 142:16: ... SLIDING_WINDOW_SIZE ... "
