@@ -314,7 +314,9 @@ class KdaLayer(_Shaped):
     """Kimi Delta Attention (Kimi Linear's linear layers, reference/kda.py): the gated delta rule with a forget gate
     per key channel. q, k and v have ``num_heads`` heads each (of ``head_k_dim``, ``head_k_dim``, ``head_v_dim``), a
     causal conv of ``conv_kernel`` over them; ``lower_bound`` is the safe gate's bound (each token's log-decay in
-    [lower_bound, 0], Ling V3's and Kimi K3's), None for Kimi Linear's standard gate. Its inputs are what the model's
+    [lower_bound, 0], Ling V3's and Kimi K3's), None for Kimi Linear's standard gate; ``sharp_decay``: the model's
+    decay rates ``A = exp(A_log)`` are drawn from Kimi Linear's initialisation range (``KDA_SHARP_NEG_A``), where a
+    channel can forget most of its history in a token, instead of the mild range. Its inputs are what the model's
     projections emit: ``mixed_qkv`` (q|k|v), the raw forget gate ``a`` (``[T, H * K]``) and the raw step size ``b``
     (``[T, H]``). One setting of all of these per model."""
 
@@ -324,8 +326,9 @@ class KdaLayer(_Shaped):
     head_v_dim: int
     conv_kernel: int = 4
     lower_bound: float | None = None
+    sharp_decay: bool = False
     kind: str = field(default="kda", init=False)
-    SHAPE = ("num_heads", "head_k_dim", "head_v_dim", "conv_kernel", "lower_bound")
+    SHAPE = ("num_heads", "head_k_dim", "head_v_dim", "conv_kernel", "lower_bound", "sharp_decay")
 
     @property
     def conv_dim(self) -> int:
@@ -342,12 +345,16 @@ class KdaLayer(_Shaped):
         _require(self.conv_kernel >= 2, f"{where}.conv_kernel must be >= 2, got {self.conv_kernel}")
         _require(self.lower_bound is None or (isinstance(self.lower_bound, (int, float)) and self.lower_bound < 0),
                  f"{where}.lower_bound must be a negative number or null, got {self.lower_bound!r}")
+        _require(isinstance(self.sharp_decay, bool),
+                 f"{where}.sharp_decay must be true or false, got {self.sharp_decay!r}")
 
 
 # The draws of a KDA layer's gates (engine/materialize.py): A = exp(A_log) in [0.02, 0.5] per head, dt_bias ~ N(0, 0.5)
 # and the raw gate ~ N(0, 1) per channel (as the gated delta rule's draws: decays near one, so a carried state
-# matters), and the safe gate's bound the one Ling V3 and Kimi K3 ship.
+# matters), and the safe gate's bound the one Ling V3 and Kimi K3 ship. Sharp decays: A in Kimi Linear's initialisation
+# range, [1, 16] (its A_log is log(uniform(1, 16))), where one token's log-decay reaches -16 * softplus(a + dt_bias).
 KDA_NEG_A = (0.02, 0.5)
+KDA_SHARP_NEG_A = (1.0, 16.0)
 KDA_LOWER_BOUND = -5.0
 
 

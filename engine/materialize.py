@@ -18,7 +18,7 @@ from batch.case import TORCH_DTYPES, Case
 from batch.forward_batch import (FP8_KV_DTYPE, ForwardBatch, KVPool, LayerInputs, LayerWeights, MambaPool, SpecInfo,
                                  quantize_kv)
 from batch.masks import tree_depths, verify_custom_mask
-from batch.spec import (KDA_NEG_A, MAMBA2_DT_BIAS, MAMBA2_DT_RAW, MAMBA2_NEG_A, MAX_GRAPH_PADDING, BatchSpec)
+from batch.spec import (KDA_NEG_A, KDA_SHARP_NEG_A, MAMBA2_DT_BIAS, MAMBA2_DT_RAW, MAMBA2_NEG_A, MAX_GRAPH_PADDING, BatchSpec)
 
 # Rows of req_to_token / state slots that belong to no request of the batch; a graph replay's padded rows fit
 # beside the batch's requests (the request pool is what graph buffers are sized by).
@@ -201,9 +201,10 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
                                        "a": draw.normal(T, H * K, device=device),
                                        "b": draw.normal(T, H, device=device)}))
             # As Kimi Linear keeps them: the conv weights, A_log and dt_bias in float32 (models/kimi_linear.py)
+            neg_a = KDA_SHARP_NEG_A if layer.sharp_decay else KDA_NEG_A
             weights.append(LayerWeights({
                 "conv_weight": draw.normal(Cd, W, scale=W**-0.5, device=device),
-                "A_log": torch.log(draw.uniform(H, lo=KDA_NEG_A[0], hi=KDA_NEG_A[1])),
+                "A_log": torch.log(draw.uniform(H, lo=neg_a[0], hi=neg_a[1])),
                 "dt_bias": draw.normal(H * K, scale=0.5, device=device),
             }))
         elif layer.kind == "mamba2":

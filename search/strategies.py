@@ -186,8 +186,9 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         # KDA: the standard gate (Kimi Linear) or the safe one (Ling V3, Kimi K3), one per model
         gates = (None, KDA_LOWER_BOUND) if kda_safe_gate else (None,)
         gate = draw(st.sampled_from(gates)) if recurrent_kind == "kda" else None
+        sharp = draw(st.booleans()) if recurrent_kind == "kda" else False  # the model's decay rates, mild or sharp
         layers = tuple(LinearLayer(i, *profile.linear) if k == "linear"
-                       else KdaLayer(i, *profile.kda, lower_bound=gate) if k == "kda"
+                       else KdaLayer(i, *profile.kda, lower_bound=gate, sharp_decay=sharp) if k == "kda"
                        else LightningLayer(i, *profile.lightning) if k == "lightning"
                        else ShortConvLayer(i, *conv) if k == "short_conv"
                        else Mamba2Layer(i, **mixer) if k == "mamba2"

@@ -436,7 +436,7 @@ _IDLE_LINEAR_SHAPES = {
     "lightning": (2, 128),  # heads, head dim (seg_la's decode splits the key dim in blocks of 128)
     "short_conv": (16, 3, False),  # hidden size, kernel width, bias
     "mamba2": (2, 16, 1, 16, 4, 16, True),  # heads, head dim, groups, state size, conv kernel, chunk size, conv bias
-    "kda": (2, 16, 16, 4, None),  # heads, key dim, value dim, conv kernel, the safe gate's bound
+    "kda": (2, 16, 16, 4, None, False),  # heads, key dim, value dim, conv kernel, the safe gate's bound, sharp decays
 }
 
 
@@ -515,7 +515,7 @@ def _hybrid_config(hybrid: HybridModel, hq: int, hk: int, d: int):
         # SGLang's own Kimi Linear config: its linear_attn_config names the KDA layers (1-based) and sizes the state
         # pool, a conv state of [kernel - 1, conv_dim] and an SSM state of [heads, head dim, head dim]
         # (configs/mamba_utils.py, KimiLinearStateShape: one head dim, so the value dim is the key dim)
-        heads, k, v, kernel, bound = hybrid.shape
+        heads, k, v, kernel, bound, _ = hybrid.shape
         if v != k:
             raise ValueError(f"a Kimi Linear model's KDA layers have one head dim, not key {k} and value {v}")
         ids = [i + 1 for i, t in enumerate(hybrid.layer_types) if t == "linear_attention"]
