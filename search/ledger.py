@@ -420,6 +420,16 @@ def _kda_chunk_decay(spec: BatchSpec, verdict: Verdict) -> bool:
     return layer is not None and layer.kind == "kda" and max(spec.extend_lens, default=0) >= 2
 
 
+def _kda_sharp_decay_in_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The disagreement is in a KDA layer with sharp decays and the standard gate, in a batch with a request of two or
+    more new tokens: SGLang's fused intra-chunk kernel clamps its base-2 decay factors at +-126, so a channel that
+    decays by more than 2^126 inside a 16-token sub-block reads forgotten keys at full weight (the safe gate keeps
+    each token's decay above 2^-7.2; docs/findings/sglang-kda-fused-intra-clamp.md)."""
+    layer = _failing_layer(spec, verdict)
+    return (layer is not None and layer.kind == "kda" and layer.sharp_decay and layer.lower_bound is None
+            and max(spec.extend_lens, default=0) >= 2)
+
+
 def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft-token batch of a model with GDN or lightning layers crashed building its state pool on a CPU: the
     pool allocates its per-draft-token states on "cuda" (MambaPool.__init__)."""
@@ -439,6 +449,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_mixed_not_implemented": _tbo_mixed_not_implemented,
     "draft_worker_misrouted": _draft_worker_misrouted,
     "kda_chunk_decay": _kda_chunk_decay,
+    "kda_sharp_decay_in_chunk": _kda_sharp_decay_in_chunk,
     "spec_states_on_cuda": _spec_states_on_cuda,
     "mixed_two_chunk": _mixed_two_chunk,
     "tbo_hides_known_overrides": _tbo_hides_known_overrides,

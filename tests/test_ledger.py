@@ -267,6 +267,18 @@ def test_kdas_mixed_exponent_bases_are_known_in_a_kda_layer_of_a_multi_token_req
     assert entry.applies_to("0.5.10") and not entry.applies_to("0.5.22")
 
 
+def test_kdas_fused_intra_clamp_is_known_in_a_sharp_decay_layer_with_the_standard_gate():
+    """0.5.23, CPU: one fresh request of 18 tokens, sharp decays, the standard gate: the output off at token 14."""
+    from batch.spec import KdaLayer
+    off = Verdict("outputs", False, "relative L2 error out of bounds", where="layer 0: request 0, token 14, head 0")
+    condition = ledger.CONDITIONS["kda_sharp_decay_in_chunk"]
+    sharp = BatchSpec(ForwardMode.EXTEND, (0,), (18,), (KdaLayer(0, 2, 16, 16, sharp_decay=True),))
+    assert condition(sharp, off)
+    for other in (KdaLayer(0, 2, 16, 16), KdaLayer(0, 2, 16, 16, lower_bound=-5.0, sharp_decay=True)):
+        assert not condition(BatchSpec(ForwardMode.EXTEND, (0,), (18,), (other,)), off)  # mild, or the safe gate
+    assert not condition(BatchSpec(ForwardMode.EXTEND, (3,), (1,), sharp.layers), off)  # one token: no sub-block
+
+
 def test_a_draft_extend_graph_window_is_known_by_its_compile_error_on_a_gpu():
     """On an H200 (0.5.14) the window KV list handed as None stops the extend kernel's compilation."""
     crash = Verdict("graph_replay", False, "crashed: CompilationError: at 142:16: ... SLIDING_WINDOW_SIZE ... "
