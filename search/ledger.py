@@ -422,12 +422,15 @@ def _kda_chunk_decay(spec: BatchSpec, verdict: Verdict) -> bool:
 
 def _kda_sharp_decay_in_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
     """The disagreement is in a KDA layer with sharp decays and the standard gate, in a batch with a request of two or
-    more new tokens: SGLang's fused intra-chunk kernel clamps its base-2 decay factors at +-126, so a channel that
+    more new tokens, on SGLang's fused intra-chunk path (chosen where the chunks times heads, B * NT * H, are at most
+    256; chunks of 64 tokens, per request): that kernel clamps its base-2 decay factors at +-126, so a channel that
     decays by more than 2^126 inside a 16-token sub-block reads forgotten keys at full weight (the safe gate keeps
     each token's decay above 2^-7.2; docs/findings/sglang-kda-fused-intra-clamp.md)."""
     layer = _failing_layer(spec, verdict)
-    return (layer is not None and layer.kind == "kda" and layer.sharp_decay and layer.lower_bound is None
-            and max(spec.extend_lens, default=0) >= 2)
+    if layer is None or layer.kind != "kda" or not layer.sharp_decay or layer.lower_bound is not None:
+        return False
+    chunks = sum(-(-n // 64) for n in spec.extend_lens)
+    return max(spec.extend_lens, default=0) >= 2 and chunks * layer.num_heads <= 256
 
 
 def _spec_states_on_cuda(spec: BatchSpec, verdict: Verdict) -> bool:

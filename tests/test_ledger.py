@@ -277,6 +277,8 @@ def test_kdas_fused_intra_clamp_is_known_in_a_sharp_decay_layer_with_the_standar
     for other in (KdaLayer(0, 2, 16, 16), KdaLayer(0, 2, 16, 16, lower_bound=-5.0, sharp_decay=True)):
         assert not condition(BatchSpec(ForwardMode.EXTEND, (0,), (18,), (other,)), off)  # mild, or the safe gate
     assert not condition(BatchSpec(ForwardMode.EXTEND, (3,), (1,), sharp.layers), off)  # one token: no sub-block
+    wide = (KdaLayer(0, 64, 16, 16, sharp_decay=True),)  # 5 chunks x 64 heads > 256: the token-parallel path
+    assert not condition(BatchSpec(ForwardMode.EXTEND, (0,), (300,), wide), off)
 
 
 def test_a_draft_extend_graph_window_is_known_by_its_compile_error_on_a_gpu():
