@@ -364,39 +364,36 @@ def _carried(case: Case, layer, dtype: torch.dtype):
     return at
 
 
-def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
-                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
-    """One gated-delta-rule layer, with its outputs' state-read magnitudes (``gdn.read_magnitudes``)."""
+def _delta_rule_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+                      dtype: torch.dtype, layer_fn, **shape) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One delta-rule layer (GDN's ``gdn.linear_attention_layer``, KDA's ``kda.kda_layer``: ``layer_fn``, with the
+    layer's ``shape`` arguments), request by request, with its outputs' state-read magnitudes."""
     states_at = _carried(case, layer, dtype)
 
     def step(rows, slot, carried, keep_states):
         conv, ssm = states_at(slot, carried)
-        res = gdn.linear_attention_layer(
-            t["mixed_qkv"][rows], t["a"][rows], t["b"][rows],
-            conv_weight=wt["conv_weight"], A_log=wt["A_log"], dt_bias=wt["dt_bias"],
-            num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads,
-            head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim, scale=layer.scale,
-            conv_state=conv, ssm_state=ssm, keep_states=keep_states)
+        res = layer_fn(t["mixed_qkv"][rows], t["a"][rows], t["b"][rows], conv_weight=wt["conv_weight"],
+                       A_log=wt["A_log"], dt_bias=wt["dt_bias"], conv_state=conv, ssm_state=ssm,
+                       keep_states=keep_states, **shape)
         return _RequestStep(res.o, res.read_magnitudes, res.conv_state, res.ssm_state, res.conv_states,
                             res.ssm_states)
     return _by_request(case, layer, dtype, step)
+
+
+def _linear_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
+                  dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
+    """One gated-delta-rule layer."""
+    return _delta_rule_layer(case, layer, t, wt, dtype, gdn.linear_attention_layer, num_k_heads=layer.num_k_heads,
+                             num_v_heads=layer.num_v_heads, head_k_dim=layer.head_k_dim,
+                             head_v_dim=layer.head_v_dim, scale=layer.scale)
 
 
 def _kda_layer(case: Case, layer, t: dict[str, torch.Tensor], wt: dict[str, torch.Tensor],
                dtype: torch.dtype) -> tuple[torch.Tensor, LinearStates, torch.Tensor]:
-    """One KDA layer, with its outputs' state-read magnitudes."""
-    states_at = _carried(case, layer, dtype)
-
-    def step(rows, slot, carried, keep_states):
-        conv, ssm = states_at(slot, carried)
-        res = kda.kda_layer(
-            t["mixed_qkv"][rows], t["a"][rows], t["b"][rows], conv_weight=wt["conv_weight"], A_log=wt["A_log"],
-            dt_bias=wt["dt_bias"], num_heads=layer.num_heads, head_k_dim=layer.head_k_dim,
-            head_v_dim=layer.head_v_dim, lower_bound=layer.lower_bound, conv_state=conv, ssm_state=ssm,
-            keep_states=keep_states)
-        return _RequestStep(res.o, res.read_magnitudes, res.conv_state, res.ssm_state, res.conv_states,
-                            res.ssm_states)
-    return _by_request(case, layer, dtype, step)
+    """One KDA layer."""
+    return _delta_rule_layer(case, layer, t, wt, dtype, kda.kda_layer, num_heads=layer.num_heads,
+                             head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim,
+                             lower_bound=layer.lower_bound)
 
 
 def _lightning_layer(case: Case, layer, t: dict[str, torch.Tensor], dtype: torch.dtype

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from reference.gdn import causal_conv1d, causal_conv1d_states, l2norm
+from reference.gdn import causal_conv1d, causal_conv1d_states, l2norm, read_magnitudes
 
 
 def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
@@ -157,7 +157,7 @@ class KdaLayerOutput:
     """One request's pass through a KDA layer (all in the activations' dtype): ``o (T, H, V)``, the final
     ``conv_state (conv_dim, W - 1)`` and ``ssm_state (H, K, V)``; with ``keep_states`` the states after each token
     (``conv_states (T, conv_dim, W - 1)``, ``ssm_states (T, H, K, V)``), else None; ``read_magnitudes (T, H, V)``:
-    per output element, the RSS of its state read's terms (:func:`reference.gdn.read_magnitudes`' definition)."""
+    per output element, the RSS of its state read's terms (:func:`reference.gdn.read_magnitudes`)."""
 
     o: torch.Tensor
     conv_state: torch.Tensor
@@ -212,5 +212,5 @@ def kda_layer(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, conv
     scale = K**-0.5
     o, states = _recurrence(q, k, v, g, beta, scale=scale, initial_state=ssm_state)
     final_ssm = _final(states, ssm_state, v)
-    magnitudes = scale * torch.einsum("thk,thkv->thv", q * q, states * states).sqrt() if T else v.new_zeros(0, H, V)
-    return KdaLayerOutput(o, final_conv, final_ssm, conv_states, states if keep_states else None, magnitudes)
+    return KdaLayerOutput(o, final_conv, final_ssm, conv_states, states if keep_states else None,
+                          read_magnitudes(q, states, scale=scale))

@@ -233,16 +233,21 @@ def test_tree_branches_start_from_the_states_before_the_verify(device):
     assert verdict.ok, str(verdict)
 
 
-@needs_sglang
-def test_interpreted_kernels_are_bounds_checked():
-    # An out-of-bounds access under Triton's CPU interpreter corrupts the heap and aborts the process far from
-    # the cause; the adapter's shim turns it into an error naming the kernel (it found
-    # docs/findings/sglang-tbo-gdn-child-start-loc.md), and leaves in-bounds kernels alone.
+
+def _with_interpreter_shims() -> None:
+    """Skip unless Triton's CPU interpreter is on (the shims apply to it only); load SGLang, which installs them."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the shims apply to Triton's CPU interpreter only")
     runtime.load()
+
+@needs_sglang
+def test_interpreted_kernels_are_bounds_checked():
+    # An out-of-bounds access under Triton's CPU interpreter corrupts the heap and aborts the process far from
+    # the cause; the adapter's shim turns it into an error naming the kernel (it found
+    # docs/findings/sglang-tbo-gdn-child-start-loc.md), and leaves in-bounds kernels alone.
+    _with_interpreter_shims()
     import triton
     import triton.language as tl
     from triton.runtime.errors import InterpreterError
@@ -266,11 +271,7 @@ def test_the_bounds_shim_takes_a_block_pointers_bare_mask():
     # with "'memoryview' object has no attribute 'dtype'": 45 false findings on SGLang's GDN rows in a CPU
     # campaign (triton 3.6.0, docs/false-findings-campaign.md). Both forms must pass, be bounds-checked, and keep
     # their form.
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the shims apply to Triton's CPU interpreter only")
-    runtime.load()
+    _with_interpreter_shims()
     import numpy as np
     import triton
     import triton.language as tl
@@ -310,11 +311,7 @@ def test_interpreted_fp8_casts_round_as_a_gpu_does():
     # a mantissa rounded up into an odd exponent field (1.97 -> 1.0), which tripled the CPU rows' fp8 errors
     # (docs/findings/sglang-triton-draft-extend-v2.md); the adapter's shim rounds to nearest even and saturates,
     # as the GPU's cvt.rn.satfinite does.
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the shims apply to Triton's CPU interpreter only")
-    runtime.load()
+    _with_interpreter_shims()
     import triton
     import triton.language as tl
 
@@ -340,11 +337,7 @@ def test_interpreted_bfloat16_dots_and_casts_take_the_values_not_the_bits():
     # from float16 converted them (1.0 -> 16256.0). SGLang's KDA chunk kernels cast blocks to bfloat16 before their
     # dots whatever the model's dtype, so every CPU KDA prefill of more than 16 tokens came out NaN. And libdevice's
     # functions are declarations there (None): KDA's gate kernel takes its sigmoid through libdevice.exp.
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the shims apply to Triton's CPU interpreter only")
-    runtime.load()
+    _with_interpreter_shims()
     import triton
     import triton.language as tl
 

@@ -215,7 +215,7 @@ def test_a_probe_can_ask_whether_a_member_is_a_static_method(tmp_path):
     assert "TorchFlexAttnBackend has no _causal_mask@staticmethod" in why
 
 
-def test_a_release_without_kdas_safe_gate_draws_and_takes_standard_gates_only(fake_sglang):
+def test_a_release_without_kdas_safe_gate_draws_and_takes_standard_gates_only(tmp_path, monkeypatch):
     # 0.5.10's RadixLinearAttention takes no lower_bound: its KDA rows draw the standard gate, and a safe-gate case
     # is refused as outside the composition's support (before: every such case an adapter error at layer build)
     from batch.spec import KdaLayer, MHALayer
@@ -225,17 +225,21 @@ def test_a_release_without_kdas_safe_gate_draws_and_takes_standard_gates_only(fa
         class RadixLinearAttention:
             def __init__(self, layer_id, num_q_heads, conv_weights=None, A_log=None, dt_bias=None{}): ...
         """
-    old = _tree(fake_sglang({}).parent / "old", {"srt.layers.radix_linear_attention": layer.format("")})
-    new = _tree(fake_sglang({}).parent / "new", {"srt.layers.radix_linear_attention": layer.format(", lower_bound=None")})
+    old = _tree(tmp_path / "old", {"srt.layers.radix_linear_attention": layer.format("")})
+    new = _tree(tmp_path / "new", {"srt.layers.radix_linear_attention": layer.format(", lower_bound=None")})
     assert features.missing_in(new, ["kda_safe_gate"]) == []
     (why,) = features.missing_in(old, ["kda_safe_gate"])
     assert "RadixLinearAttention has no __init__(lower_bound)" in why
     composition = parse("hybrid(sglang.triton,sglang.kda)")
     safe = BatchSpec(ForwardMode.EXTEND, (0,), (3,), (KdaLayer(0, 2, 16, 16, lower_bound=-5.0),
                                                        MHALayer(1, 4, 2, 16, 16)), dtype="float16")
-    for root, takes in ((new, True), (old, False)):
-        features.package_root = lambda package="sglang", root=root: root  # restored by the fixture's monkeypatch
+    try:
+        for root, takes in ((new, True), (old, False)):
+            monkeypatch.setattr(features, "package_root", lambda package="sglang", root=root: root)
+            features.forget()
+            support = composition.support()
+            assert support.kda_safe_gate is takes
+            assert strategy_options(composition, PROFILES["ci"])["kda_safe_gate"] is takes
+            assert (support.unsupported_reason(safe) is None) is takes
+    finally:
         features.forget()
-        support = composition.support()
-        assert support.kda_safe_gate is takes and strategy_options(composition, PROFILES["ci"])["kda_safe_gate"] is takes
-        assert (support.unsupported_reason(safe) is None) is takes

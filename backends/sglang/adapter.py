@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 from typing import ClassVar
 
 import torch
@@ -341,10 +340,8 @@ class SglangBackend(_SglangObject):
                 block.o_norm, block.o_proj = _Ungated(), _Identity()
                 block.A_log = torch.nn.Parameter(w["A_log"].float().reshape(1, 1, H, 1), requires_grad=False)
                 block.dt_bias = torch.nn.Parameter(w["dt_bias"].float(), requires_grad=False)
+                # (a safe-gate case never reaches a release without it: kda_safe_gate, Capabilities.engine_limits)
                 gate = {} if s.lower_bound is None else {"lower_bound": s.lower_bound}
-                parameters = inspect.signature(sgl.RadixLinearAttention.__init__).parameters
-                if gate and "lower_bound" not in parameters:
-                    raise TypeError("this release's RadixLinearAttention takes no lower_bound (the safe gate)")
                 block.attn = sgl.RadixLinearAttention(
                     layer_id=s.layer_id, num_q_heads=H, num_k_heads=H, num_v_heads=H, head_q_dim=K, head_k_dim=K,
                     head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"].float(), bias=None, activation="silu",
