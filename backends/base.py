@@ -186,6 +186,11 @@ class Capabilities:
     # Its multi-step draft container (DRAFT_DECODE) is built for a model with a sliding window; False: the engine
     # refuses to build it for one, so a server with such a draft model cannot run the loop on this backend.
     draft_window: bool = True
+    # Its multi-step draft container honours the server's draft window (--speculative-draft-window-size and
+    # --speculative-draft-sink-size: each step reads the prefix's sinks and recent tokens only,
+    # SpecInput.draft_prefix_columns); ours (backends/draft.py) does. Not to be confused with draft_window above
+    # (a draft model whose layers have sliding windows of their own).
+    draft_prefix_window: bool = True
     # KV cache storage it reads and writes (batch.spec.KV_CACHE_DTYPES): "auto" (the batch's dtype), "fp8_e4m3";
     # and whether it honours per-layer KV scales other than 1 (stores k / k_scale, reads back times k_scale).
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -262,6 +267,7 @@ class Support:
     draft_trees: bool = True
     hybrid_draft_worker: bool = True  # every linear leaf's (see Capabilities)
     draft_window: bool = True  # the full-attention leaves' (see Capabilities)
+    draft_prefix_window: bool = True  # the full-attention leaves' (see Capabilities)
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     # Some leaf's CPU path runs kernels under Triton's interpreter (the only flag a CPU path needs): cases take
@@ -341,7 +347,8 @@ class Support:
                    draft_trees=all(c.draft_trees for c in caps),
                    hybrid_draft_worker=all(c.hybrid_draft_worker for c in linear),
                    verify_window=all(c.verify_window for c in full),
-                   draft_window=all(c.draft_window for c in full))
+                   draft_window=all(c.draft_window for c in full),
+                   draft_prefix_window=all(c.draft_prefix_window for c in full))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""
@@ -356,6 +363,9 @@ class Support:
             return "mrope not supported"
         if spec.spec is not None and spec.spec.topk > 1 and not self.draft_trees:
             return "draft trees (topk > 1) not supported: verify chains only"
+        if spec.spec is not None and spec.spec.draft_window_size > 0 and not self.draft_prefix_window:
+            return "the draft window (--speculative-draft-window-size) not supported: its draft loop reads the whole " \
+                   "prefix"
         if 0 in spec.extend_lens and not self.empty_extend:
             return "empty extends (a request with no new tokens) not supported"
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:
@@ -434,13 +444,14 @@ class AttentionBackend:
         return NotImplementedError(f"{type(self).__name__} does not implement {method}()")
 
     @classmethod
-    def multi_step_draft(cls, model_runner, topk: int, speculative_num_steps: int):
+    def multi_step_draft(cls, model_runner, topk: int, speculative_num_steps: int, draft_window_size: int = 0,
+                         draft_sink_size: int = 0):
         """The draft worker's container of one backend of this class per draft step, for DRAFT_DECODE batches (a
-        backend that declares that mode): ours is :class:`backends.draft.MultiStepDraft`; an engine's adapter
-        builds the engine's own."""
+        backend that declares that mode), for a server with the given draft window (batch.spec.SpecInput): ours is
+        :class:`backends.draft.MultiStepDraft`; an engine's adapter builds the engine's own."""
         from backends.draft import MultiStepDraft
 
-        return MultiStepDraft(cls, model_runner, topk, speculative_num_steps)
+        return MultiStepDraft(cls, model_runner, topk, speculative_num_steps, draft_window_size, draft_sink_size)
 
     # ---- per batch ----
     def init_forward_metadata(self, forward_batch) -> None:

@@ -8,7 +8,8 @@ the loop (``init_forward_metadata``), each step then run by its own backend (``a
 :class:`MultiStepDraft` is that container for our backends, written from the loop's definition rather than from
 SGLang's index kernel: step i of branch j of request r is a decode whose keys are r's cached prefix, then the branch's
 own draft slots for steps 0..i (``BatchSpec.new_token_columns``: branch j's step s sits at column
-``seq_len + j * spec_steps + s`` of r's cache row). Each step's backend plans that decode as an ordinary DECODE batch
+``seq_len + j * spec_steps + s`` of r's cache row); under the server's draft window, only the prefix's sinks and its
+recent window (``SpecInput.draft_prefix_columns``). Each step's backend plans that decode as an ordinary DECODE batch
 of ``B * topk`` requests over a scratch request table holding one row per branch, so the planners under test are our
 backends' own decode planners.
 """
@@ -20,22 +21,27 @@ import dataclasses
 import torch
 
 from batch.forward_batch import ForwardBatch, ModelRunner
-from batch.spec import ForwardMode, draft_step_rows
+from batch.spec import ForwardMode, draft_prefix_columns, draft_step_rows
 
 
-def branch_table(fb: ForwardBatch, topk: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def branch_table(fb: ForwardBatch, topk: int, steps: int, window: int = 0, sink: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A request table with one row per branch (row 0 the padding row, branch ``r * topk + j`` at row
-    ``1 + r * topk + j``): request r's cached prefix, then branch j's ``steps - 1`` draft slots; and the branches'
-    prefix lengths ``[B * topk]``."""
+    ``1 + r * topk + j``): what the draft reads of request r's cached prefix (all of it, or under a draft window of
+    ``window`` tokens and ``sink`` sinks, ``batch.spec.draft_prefix_columns``), then branch j's ``steps - 1`` draft
+    slots; and the branches' read prefix lengths ``[B * topk]``."""
     seq = fb.seq_lens_cpu.tolist()
     rows = fb.req_to_token[fb.req_pool_indices]
     table = torch.zeros(1 + len(seq) * topk, fb.req_to_token.shape[1], dtype=fb.req_to_token.dtype, device=fb.device)
+    read = []
     for r, n in enumerate(seq):
+        cols = torch.tensor(draft_prefix_columns(n, window, sink), dtype=torch.int64, device=fb.device)
+        read.append(cols.numel())
         for j in range(topk):
             row = table[1 + r * topk + j]
-            row[:n] = rows[r, :n]
-            row[n:n + steps - 1] = rows[r, n + j * steps:n + j * steps + steps - 1]
-    prefix = torch.tensor(seq, dtype=torch.int64).repeat_interleave(topk)
+            row[:cols.numel()] = rows[r, cols]
+            row[cols.numel():cols.numel() + steps - 1] = rows[r, n + j * steps:n + j * steps + steps - 1]
+    prefix = torch.tensor(read, dtype=torch.int64).repeat_interleave(topk)
     return table, prefix
 
 
@@ -86,11 +92,13 @@ class _Step:
 class MultiStepDraft:
     """One of our backends per draft step, planned together (see the module docstring)."""
 
-    def __init__(self, backend_cls, model_runner: ModelRunner, topk: int, speculative_num_steps: int) -> None:
+    def __init__(self, backend_cls, model_runner: ModelRunner, topk: int, speculative_num_steps: int,
+                 draft_window_size: int = 0, draft_sink_size: int = 0) -> None:
         self.backend_cls = backend_cls
         self.model_runner = model_runner
         self.topk = topk
         self.speculative_num_steps = speculative_num_steps
+        self.window = (draft_window_size, draft_sink_size)  # the server's draft window (batch.spec.SpecInput)
         self.attn_backends: list[_Step] = []
 
     # ---- CUDA graphs: the draft graph runner's calls (engine/draft_loop.py, DraftGraphRunner) ----
@@ -116,7 +124,7 @@ class MultiStepDraft:
         (its padded requests' branches counted as padding). A step keeps the batch it was captured with: a replay
         refills that batch's tensors in place, since the captured kernels read them."""
         fb, K = forward_batch, self.topk
-        table, prefix = branch_table(fb, K, self.speculative_num_steps)
+        table, prefix = branch_table(fb, K, self.speculative_num_steps, *self.window)
         self.graph_table[:table.shape[0]].copy_(table)
         padding = (getattr(fb, "num_padding", 0) or 0) * K
         for i, step in enumerate(self.attn_backends):
@@ -140,7 +148,7 @@ class MultiStepDraft:
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Plan every step before the loop: a branch table, then each step's decode on its own backend (built over a
         runner whose request table is the branch table, as a graph-state hook would read it)."""
-        table, prefix = branch_table(forward_batch, self.topk, self.speculative_num_steps)
+        table, prefix = branch_table(forward_batch, self.topk, self.speculative_num_steps, *self.window)
         runner = dataclasses.replace(self.model_runner, req_to_token=table,
                                      req_to_state_slot=torch.zeros(table.shape[0], dtype=torch.int64,
                                                                    device=forward_batch.device))

@@ -183,7 +183,9 @@ class Composition:
         """Instantiate the backends for batches of ``spec`` over ``model_runner``'s pools (the hybrid layout
         comes from the spec)."""
         if self.is_leaf and spec.mode.is_draft_decode():  # the draft worker's container of one backend per step
-            return leaf_class(self.name).multi_step_draft(model_runner, spec.spec.topk, spec.spec.spec_steps)
+            s = spec.spec
+            return leaf_class(self.name).multi_step_draft(model_runner, s.topk, s.spec_steps, s.draft_window_size,
+                                                          s.draft_sink_size)
         if self.is_leaf:
             return leaf_class(self.name)(model_runner)
         if self.name == "hybrid" and self.engine != "harness":

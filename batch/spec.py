@@ -382,6 +382,15 @@ def is_recurrent(layer: Layer) -> bool:
     return layer.kind in RECURRENT_KINDS
 
 
+def draft_prefix_columns(prefix_len: int, window: int, sink: int) -> list[int]:
+    """The columns of a committed prefix of ``prefix_len`` tokens a draft step reads under a draft window of
+    ``window`` tokens and ``sink`` attention sinks: every one without a window (0); with one, the first ``sink`` and
+    the last ``window``, or every one where the prefix holds no more than both together."""
+    if window <= 0 or prefix_len <= window + sink:
+        return list(range(prefix_len))
+    return list(range(sink)) + list(range(prefix_len - window, prefix_len))
+
+
 @dataclass(frozen=True)
 class SpecInput:
     """Speculative-decoding inputs.
@@ -391,6 +400,11 @@ class SpecInput:
     :func:`draft_forest`). ``accept_lens[i]`` is how many draft tokens
     verification accepted (a chain from the root): TARGET_VERIFY commits the linear-attention state at that
     position; DRAFT_EXTEND extends by exactly that many tokens.
+
+    ``draft_window_size`` and ``draft_sink_size`` (DRAFT_DECODE only; SGLang's ``--speculative-draft-window-size``
+    and ``--speculative-draft-sink-size``): with a window, each draft step reads of the committed prefix only its
+    first ``draft_sink_size`` tokens and its last ``draft_window_size``, then its own branch's draft tokens, all of
+    them (:meth:`draft_prefix_columns`); 0 reads the whole prefix. The target's verify is unaffected.
     """
 
     draft_token_num: int
@@ -398,6 +412,12 @@ class SpecInput:
     spec_steps: int
     parents: tuple[tuple[int, ...], ...]
     accept_lens: tuple[int, ...]
+    draft_window_size: int = 0
+    draft_sink_size: int = 0
+
+    def draft_prefix_columns(self, prefix_len: int) -> list[int]:
+        """The columns of a committed prefix of ``prefix_len`` tokens a draft step reads (:func:`draft_prefix_columns`)."""
+        return draft_prefix_columns(prefix_len, self.draft_window_size, self.draft_sink_size)
 
     def depths(self, request: int) -> tuple[int, ...]:
         out: list[int] = []
@@ -637,6 +657,9 @@ class BatchSpec:
         if m.is_draft_decode():
             self._validate_draft_decode()
             return
+        _require(s.draft_window_size == 0 and s.draft_sink_size == 0,
+                 f"spec.draft_window_size and spec.draft_sink_size are the draft loop's (draft_decode batches); mode is "
+                 f"{m.value}")
         for i, tree in enumerate(s.parents):
             _require(len(tree) == s.draft_token_num,
                      f"spec.parents[{i}] has {len(tree)} nodes, expected draft_token_num={s.draft_token_num}")
@@ -671,6 +694,15 @@ class BatchSpec:
             _require(tuple(tree) == forest, f"spec.parents[{i}] must be draft_forest(topk, spec_steps): "
                                             f"{s.topk} branches of {s.spec_steps - 1} tokens each")
         _require(all(a == 1 for a in s.accept_lens), "draft_decode batches accept nothing: spec.accept_lens all 1")
+        _require(s.draft_window_size >= 0 and s.draft_sink_size >= 0,
+                 "spec.draft_window_size and spec.draft_sink_size must be >= 0")
+        _require(s.draft_sink_size == 0 or s.draft_window_size > 0,
+                 "spec.draft_sink_size needs spec.draft_window_size > 0 (SGLang's sink flag requires the window flag)")
+        # SGLang turns the draft window off for a draft model with a sliding window of its own, whose window its
+        # backends apply per layer (speculative/spec_utils.py resolve_draft_decode_window)
+        _require(s.draft_window_size == 0 or all(getattr(l, "sliding_window", None) is None for l in self.layers),
+                 "spec.draft_window_size applies to draft models without a sliding window of their own (SGLang "
+                 "ignores the flag for one)")
         _require(not (self.attention_kinds & RECURRENT_KINDS),
                  "draft_decode batches have full-attention layers only (a draft model's)")
         _require(self.mrope is None, "mrope layouts are not modelled for draft_decode batches")

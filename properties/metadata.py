@@ -154,15 +154,16 @@ def planned(composition: Composition, spec: BatchSpec, device: str):
 
 def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_requests: int = 0) -> SimpleNamespace:
     """What draft step ``step``'s plan must describe, read from the specification and the batch's cache rows alone:
-    one decode request per branch (request by request, branch by branch), its keys the request's cached prefix then
-    the branch's draft tokens of steps 0..step (their columns: ``BatchSpec.new_token_columns``), the last of them the
-    step's own new token. A graph replay's ``padded_requests`` add their branches last, held only to valid indptrs."""
+    one decode request per branch (request by request, branch by branch), its keys what the draft reads of the
+    request's cached prefix (all of it, or under a draft window its sinks and recent tokens:
+    ``SpecInput.draft_prefix_columns``) then the branch's draft tokens of steps 0..step (their columns:
+    ``BatchSpec.new_token_columns``), the last of them the step's own new token. A graph replay's ``padded_requests`` add their branches last, held only to valid indptrs."""
     K, n = spec.spec.topk, spec.spec.spec_steps - 1
     keys = []
     for r, row in enumerate(fb.req_pool_indices.tolist()):
         cols = spec.new_token_columns(r)
         for j in range(K):
-            mine = list(range(spec.prefix_lens[r])) + cols[j * n:j * n + step + 1]
+            mine = spec.spec.draft_prefix_columns(spec.prefix_lens[r]) + cols[j * n:j * n + step + 1]
             keys.append(fb.req_to_token[row, mine].to("cpu", torch.int64))
     table = torch.zeros(len(keys), max((k.numel() for k in keys), default=0), dtype=torch.int64)
     for i, k in enumerate(keys):

@@ -129,7 +129,13 @@ class PaddedBatch:
             trees = torch.stack([tree_mask(spec.spec.parents[i]) for i in requests]).to(dev)  # (B, D, D)
             D = trees.shape[-1]
             draft = (j - prefix).clamp(0, D - 1)[:, None, :].expand(-1, D, -1)  # (B, D, Lk)
-            attend = (j < prefix)[:, None, :] | trees.gather(2, draft)
+            read = j < prefix  # the cached keys each draft token reads
+            if spec.spec.draft_window_size > 0:
+                # A draft window: the prefix's first sink tokens and its last window tokens (all of a prefix no
+                # longer than both together)
+                sink, window = spec.spec.draft_sink_size, spec.spec.draft_window_size
+                read &= (prefix <= sink + window) | (j < sink) | (j >= prefix - window)
+            attend = read[:, None, :] | ((j >= prefix)[:, None, :] & trees.gather(2, draft))
             # A draft token sits at prefix_len + its depth in the tree, whatever its row.
             depth = torch.tensor([spec.spec.depths(i) for i in requests], dtype=torch.int64, device=dev)  # (B, D)
             query_pos = prefix + depth

@@ -59,6 +59,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "empty_extend": support.empty_extend,
         "verify_window": support.verify_window,
         "draft_window": support.draft_window,
+        "draft_prefix_window": support.draft_prefix_window and ForwardMode.DRAFT_DECODE in support.modes,
         "chain": not support.draft_trees,
         "kda_safe_gate": support.kda_safe_gate,
         "graph_padding": "graph" in c.wrappers(),
@@ -71,7 +72,8 @@ def composition_axes(c: Composition, profile: Profile) -> str:
     bounds = sorted(b for b in o["boundaries"] if b <= max(profile.max_boundary, profile.max_prefix))
     return (f"draws page sizes {','.join(map(str, o['page_sizes']))}; kernel boundaries "
             f"{','.join(map(str, bounds)) or '-'}; empty extends {'yes' if o['empty_extend'] else 'no'}; windows in "
-            f"verify {'yes' if o['verify_window'] and o['sliding_window'] else 'no'}")
+            f"verify {'yes' if o['verify_window'] and o['sliding_window'] else 'no'}; draft windows over the prefix "
+            f"{'yes' if o['draft_prefix_window'] else 'no'}")
 
 
 def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> str | None:

@@ -118,7 +118,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 kv_scales: bool = True, require_recurrent: bool = False,
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
-                verify_window: bool = False, draft_window: bool = True, graph_padding: bool = False,
+                verify_window: bool = False, draft_window: bool = True, draft_prefix_window: bool = False,
+                graph_padding: bool = False,
                 overreach: tuple[str, ...] = (), kda_safe_gate: bool = True) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
 
@@ -131,7 +132,9 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     the kind the composition serves) in every batch (for properties about states); ``state_slot_layout`` is
     drawn for batches with linear layers. ``head_configs`` (default the profile's) are the MHA shapes the composition compiles;
     ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
-    tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches, ``draft_window`` in DRAFT_DECODE ones.
+    tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches, ``draft_window`` in DRAFT_DECODE ones;
+    ``draft_prefix_window`` draws the server's draft window over the prefix in DRAFT_DECODE batches of models without
+    sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them).
     ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
     in the simplest batch, at least one in about two cases of three, so a replay's padded rows are reached on first
@@ -258,7 +261,14 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         prefix = [prefix_len(1) for _ in range(B)]
         forest = draft_forest(topk, steps)
         extend = [len(forest)] * B
-        spec_input = SpecInput(len(forest), topk, steps, tuple(forest for _ in range(B)), (1,) * B)
+        window = sink = 0
+        if draft_prefix_window and not any(getattr(l, "sliding_window", None) for l in layers) and draw(st.booleans()):
+            # SGLang's --speculative-draft-window-size (and -sink-size): no wider than the longest prefix, so most
+            # draws cut some request's prefix into its sinks and its recent tokens
+            window = draw(st.integers(1, max(prefix)))
+            sink = draw(st.integers(0, min(4, max(prefix))))
+        spec_input = SpecInput(len(forest), topk, steps, tuple(forest for _ in range(B)), (1,) * B,
+                               draft_window_size=window, draft_sink_size=sink)
     elif mode is ForwardMode.DRAFT_EXTEND:
         # Ragged accepted lengths: each request extends by what verification accepted of its branch.
         steps = 1 if shape == SINGLE_TOKEN else draw(st.integers(1, 4))

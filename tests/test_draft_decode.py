@@ -16,10 +16,11 @@ from properties import PROPERTIES
 MHA = MHALayer(0, 4, 2, 32, 32)
 
 
-def draft(prefix, topk, steps, page_size=1, layers=(MHA,), seed=7):
+def draft(prefix, topk, steps, page_size=1, layers=(MHA,), seed=7, window=0, sink=0):
     forest = draft_forest(topk, steps)
     return BatchSpec(ForwardMode.DRAFT_DECODE, prefix, (len(forest),) * len(prefix), layers, page_size=page_size,
-                     spec=SpecInput(len(forest), topk, steps, (forest,) * len(prefix), (1,) * len(prefix)), seed=seed)
+                     spec=SpecInput(len(forest), topk, steps, (forest,) * len(prefix), (1,) * len(prefix),
+                                    draft_window_size=window, draft_sink_size=sink), seed=seed)
 
 
 def test_a_draft_batch_holds_every_branch_of_every_step():
@@ -55,16 +56,62 @@ def test_materialized_draft_slots_follow_sglangs_cache_rows():
     (dict(parents=((-1, 0, 1, -1), (-1, 0, 1, -1))), "draft_forest"),
     (dict(accept_lens=(2, 1)), "accept nothing"),
     (dict(page_size=4), "paged tree layout"),
+    (dict(draft_sink_size=2), "sink_size needs spec.draft_window_size > 0"),
+    (dict(draft_window_size=-1), "must be >= 0"),
+    (dict(draft_window_size=3, layers=(dataclasses.replace(MHA, sliding_window=4),)), "without a sliding window"),
 ])
 def test_an_impossible_draft_batch_is_one_line(change, message):
     forest = draft_forest(2, 3)
     s = dict(draft_token_num=len(forest), topk=2, spec_steps=3, parents=(forest, forest), accept_lens=(1, 1))
     page_size = change.pop("page_size", 1)
+    layers = change.pop("layers", (MHA,))
     s.update(change)
     with pytest.raises(SpecError, match=message) as e:
-        BatchSpec(ForwardMode.DRAFT_DECODE, (4, 5), (len(forest),) * 2, (MHA,), page_size=page_size,
+        BatchSpec(ForwardMode.DRAFT_DECODE, (4, 5), (len(forest),) * 2, layers, page_size=page_size,
                   spec=SpecInput(**s))
     assert "\n" not in str(e.value)
+
+
+def test_the_draft_window_is_the_loops_alone():
+    with pytest.raises(SpecError, match="draft_decode batches"):
+        BatchSpec(ForwardMode.TARGET_VERIFY, (4,), (2,), (MHA,), spec=SpecInput(2, 1, 1, ((-1, 0),), (1,),
+                                                                                   draft_window_size=2))
+
+
+def test_a_draft_window_reads_the_prefixs_sinks_and_recent_tokens():
+    spec = draft((3, 10), topk=1, steps=2, window=4, sink=2).spec
+    assert spec.draft_prefix_columns(3) == [0, 1, 2]  # no longer than window + sinks: all of it
+    assert spec.draft_prefix_columns(6) == [0, 1, 2, 3, 4, 5]
+    assert spec.draft_prefix_columns(10) == [0, 1, 6, 7, 8, 9]
+    assert draft((10,), 1, 2, window=4).spec.draft_prefix_columns(10) == [6, 7, 8, 9]
+    assert draft((10,), 1, 2).spec.draft_prefix_columns(10) == list(range(10))
+
+
+def test_the_reference_draft_step_sees_the_window_its_sinks_and_its_branch(device):
+    """By hand: a draft step whose query matches no key weighs every key it sees alike, so each value dimension,
+    one-hot per key, reads 1/(keys seen) where the key is seen and 0 where it is not."""
+    import torch
+
+    from engine.materialize import materialize as mat
+    from reference.batch import reference_outputs
+
+    layer = MHALayer(0, 1, 1, 16, 16)
+    spec = draft((10,), topk=2, steps=3, layers=(layer,), window=3, sink=2)  # 10 cached, 2 branches of 2 steps
+    case = mat(spec, device)
+    cached = case.forward_batch.req_to_token[case.forward_batch.req_pool_indices[0], :10]
+    pool = case.kv_pool_before  # the cache the reference reads
+    pool.k_buffers[0].zero_()
+    pool.v_buffers[0].zero_()
+    pool.v_buffers[0][cached.to(pool.v_buffers[0].device), 0] = torch.eye(10, 16, dtype=pool.v_buffers[0].dtype,
+                                                                               device=pool.v_buffers[0].device)
+    for t in case.inputs[0].tensors.values():
+        t.zero_()
+    out = reference_outputs(case).outputs[0].reshape(4, 16)[:, :10].cpu()  # rows: branch 0 step 0, 1; branch 1 ...
+    seen = [0, 1, 7, 8, 9]  # the two sinks, the last three
+    for row, own_keys in zip(range(4), (1, 2, 1, 2)):
+        want = torch.zeros(10, dtype=torch.float64)
+        want[seen] = 1 / (len(seen) + own_keys)  # plus the branch's own draft keys (value 0)
+        assert torch.allclose(out[row].to(torch.float64), want), (row, out[row])
 
 
 def test_draft_decode_rows_are_leaves_and_graphs_of_leaves_only():
@@ -136,3 +183,31 @@ def test_our_draft_loop_replays_in_a_graph_and_a_stale_branch_table_is_caught(pr
     with MUTANTS["draft_graph_table_kept_from_capture"].patch():
         broken = PROPERTIES[prop].run(comp, spec, device)
     assert not broken.ok, str(broken)
+
+
+@pytest.mark.parametrize("term", ["torch_native", "triton", "sglang.triton", "graph(triton)", "graph(sglang.triton)"])
+def test_a_draft_loop_under_a_draft_window_reads_what_the_server_asked_for(term, device):
+    comp = parse(term)
+    if comp.unavailable_reason(device):
+        pytest.skip(comp.unavailable_reason(device))
+    if not comp.support().draft_prefix_window:
+        pytest.skip(f"{term}: the installed engine has no draft window over the prefix")
+    # one prefix the window cuts into its sinks and recent tokens, one it leaves whole, one padded graph row
+    spec = dataclasses.replace(draft((12, 4, 9), topk=2, steps=3, window=5, sink=2), graph_padding=1)
+    props = ("graph_replay", "graph_metadata") if term.startswith("graph(") else ("outputs", "cache", "metadata")
+    for prop in props:
+        verdict = PROPERTIES[prop].run(comp, spec, device)
+        assert verdict.ok, f"{prop}: {verdict}"
+
+
+def test_a_draft_loop_that_forgets_its_sinks_is_caught(device):
+    comp = _sglang_triton(device)
+    if not comp.support().draft_prefix_window:
+        pytest.skip("the installed SGLang has no draft window over the prefix")
+    spec = draft((12, 4), topk=2, steps=3, window=5, sink=2)
+    with next(m for m in SGLANG_CATALOGUE if m.name == "sglang_draft_window_sinks_dropped").patch():
+        outputs = PROPERTIES["outputs"].run(comp, spec, device)
+        metadata = PROPERTIES["metadata"].run(comp, spec, device)
+    assert not outputs.ok and "out of bounds" in outputs.reason, str(outputs)
+    # request 0's branches read 5 recent tokens and no sinks: its plan is two keys short per branch
+    assert not metadata.ok and "draft step 0" in metadata.reason, str(metadata)

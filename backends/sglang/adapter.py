@@ -228,12 +228,14 @@ class SglangBackend(_SglangObject):
 
     # ---- building ----
     @classmethod
-    def multi_step_draft(cls, model_runner, topk: int, speculative_num_steps: int):
-        """SGLang's own multi-step draft backend for this leaf, as its draft worker builds it
-        (backends/sglang/draft.py)."""
+    def multi_step_draft(cls, model_runner, topk: int, speculative_num_steps: int, draft_window_size: int = 0,
+                         draft_sink_size: int = 0):
+        """SGLang's own multi-step draft backend for this leaf, as its draft worker builds it for a server with
+        that draft window (backends/sglang/draft.py)."""
         from backends.sglang.draft import SglangMultiStepDraft
 
-        return SglangMultiStepDraft(cls, model_runner, topk, speculative_num_steps)
+        return SglangMultiStepDraft(cls, model_runner, topk, speculative_num_steps, draft_window_size,
+                                    draft_sink_size)
 
     @classmethod
     def engine_backend(cls, sgl, sgl_runner):
@@ -760,6 +762,9 @@ class SglangTriton(SglangBackend):
         length_boundaries=SGLANG_TRITON_BOUNDARIES,
         verify_window=True,  # declared, so a disagreement is a finding (see docs/findings/)
         empty_extend=True,  # its extend grid counts max(0, extend_len) tiles (extend_attention.py:191)
+        # TritonMultiStepDraftBackend hands the server's draft window to generate_draft_decode_kv_indices
+        # (triton_backend.py, common_template), from 0.5.22 on
+        engine_limits=(("draft_prefix_window", "draft_prefix_window", False),),
     )
 
 

@@ -55,11 +55,13 @@ class SglangMultiStepDraft:
     re-planned over the same static SGLang batch (``in_capture=False``, with the padded rows counted), and the
     in-graph step recorded before the steps."""
 
-    def __init__(self, leaf_cls, model_runner, topk: int, speculative_num_steps: int) -> None:
+    def __init__(self, leaf_cls, model_runner, topk: int, speculative_num_steps: int, draft_window_size: int = 0,
+                 draft_sink_size: int = 0) -> None:
         self.leaf = leaf_cls(model_runner)  # builds SGLang's layers (RadixAttention) and runs them
         self.model_runner = model_runner
         self.topk = topk
         self.speculative_num_steps = speculative_num_steps
+        self.draft_window = (draft_window_size, draft_sink_size)  # the server's flags, read when SGLang builds it
         self.inner = None  # SGLang's container
         self.sfb = None
         self.per_step_loc: torch.Tensor | None = None
@@ -72,7 +74,8 @@ class SglangMultiStepDraft:
         K, S = self.topk, self.speculative_num_steps
         # The server's draft token count for a tree is its own flag; any count >= num_steps + 1 sizes the same
         # container (the draft decode reads topk and num_steps)
-        runner = runtime.make_runner(self.model_runner, self.leaf.sglang_name, K * (S - 1) + 1, K, num_steps=S)
+        runner = runtime.make_runner(self.model_runner, self.leaf.sglang_name, K * (S - 1) + 1, K, num_steps=S,
+                                     draft_window=self.draft_window)
         self.leaf.sgl_runner = runner
         # Up to 0.5.1x the factory also takes the server args first (it reads the draft backend flag there)
         factory = sgl.DraftBackendFactory(**compat.accepted(sgl.DraftBackendFactory, dict(
@@ -186,6 +189,11 @@ class SglangMultiStepDraft:
                     # A captured step keeps the capture's slice of the container's static index row: its kernels read
                     # that row through the slice's pointer as far as the replayed kv_indptr says, so the plan is the row
                     plan = dataclasses.replace(plan, kv_indices=to_end_of_storage(plan.kv_indices)).cut_to_indptrs()
+                elif plan.kv_indices is not None and self.draft_window[0] > 0:
+                    # An eager step's slice is as long as the unwindowed prefixes would need (draft_kv_indices_used_len
+                    # from seq_lens_sum, "over-estimate is safe"); under a draft window its kernels read less of it,
+                    # as far as kv_indptr says
+                    plan = plan.cut_to_indptrs()
                 plans.append(plan)
         finally:
             leaf.inner, leaf.batches, leaf.planned_graph = saved

@@ -116,6 +116,11 @@ FEATURES: dict[str, Feature] = {
                             "EagleDraftInput)", (
         _p("srt.speculative.draft_utils:DraftBackendFactory.create_decode_backend"),
         _p("srt.speculative.eagle_info:EagleDraftInput"))),
+    # The server's draft window over the committed prefix (--speculative-draft-window-size, -sink-size), which the
+    # draft containers of Triton and FlashInfer (MHA) pass to their index kernel, 0.5.22 on
+    "draft_prefix_window": Feature("the draft loop's window and sinks over the committed prefix "
+                                   "(resolve_draft_decode_window)", (
+        _p("srt.speculative.spec_utils:resolve_draft_decode_window"),)),
     "draft_step_slices": Feature("the draft window's per-step write slots as SGLang slices them "
                                  "(per_step_draft_out_cache_loc; before, draft_forward slices inline)", (
         _p("srt.speculative.eagle_utils:per_step_draft_out_cache_loc"),)),

@@ -130,6 +130,9 @@ class SglangFlashInfer(SglangBackend):
         # model has two (window and full): the container refuses it with a bare AssertionError when it is built
         # (seen on the H200, harness-out/gpu21.sh)
         draft_window=False,
+        # FlashInferMultiStepDraftBackend hands the server's draft window to generate_draft_decode_kv_indices
+        # (flashinfer_backend.py, common_template), from 0.5.22 on
+        engine_limits=(("draft_prefix_window", "draft_prefix_window", False),),
         dtypes=FLASHINFER_DTYPES,
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's attention kernels are built for
         devices=frozenset({"cuda"}),

@@ -633,7 +633,7 @@ def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
 
 def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
                 hybrid: HybridModel | None = None, decode_backend_name: str | None = None,
-                num_steps: int | None = None):
+                num_steps: int | None = None, draft_window: tuple[int, int] = (0, 0)):
     """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
     states are copied, see :class:`StateSync`).
 
@@ -646,7 +646,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     ``backend_name`` for prefill and this one for decode (``--prefill-attention-backend`` /
     ``--decode-attention-backend``; speculative verify on the prefill backend, SGLang's default
     ``--speculative-attention-mode prefill``). ``num_steps``: the server's ``--speculative-num-steps`` (default: one
-    less than the draft tokens, a chain's).
+    less than the draft tokens, a chain's). ``draft_window``: its ``--speculative-draft-window-size`` and
+    ``--speculative-draft-sink-size`` (0: unset).
     """
     sgl = load()
     kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
@@ -692,10 +693,13 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     split = {} if decode_backend_name is None else dict(  # published only where the server splits them
         prefill_attention_backend=backend_name, decode_attention_backend=decode_name,
         speculative_attention_mode="prefill")
+    window_size, sink_size = draft_window  # published where set only: a release before 0.5.22 has no such flags
+    windowed = {} if window_size <= 0 else dict(speculative_draft_window_size=window_size,
+                                                speculative_draft_sink_size=sink_size)
     graphs = {} if sgl.CudaGraphConfig is None else {"cuda_graph_config": sgl.CudaGraphConfig(
         decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED), prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED))}
     r.server_args = compat.publish_server_args(
-        sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs, **split,
+        sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs, **split, **windowed,
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
         enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, page_size=page_size, pp_size=1, revision=None,

@@ -167,8 +167,8 @@ def draft_branches_read_first_branch():
     import backends.draft as draft
     table_of = draft.branch_table
 
-    def branch_table(fb, topk, steps):
-        table, prefix = table_of(fb, topk, steps)
+    def branch_table(fb, topk, steps, *window):
+        table, prefix = table_of(fb, topk, steps, *window)
         for r in range(fb.batch_size):  # every branch of a request keyed by its first branch's draft slots
             table[1 + r * topk + 1:1 + (r + 1) * topk] = table[1 + r * topk]
         return table, prefix
@@ -731,6 +731,21 @@ def sglang_tbo_replay_right_half_reads_left_lengths():
     return _replace(tbo_backend, "_build_tbo_child_replay_fb_view", build)
 
 
+def sglang_draft_window_sinks_dropped():
+    from backends.sglang.runtime import load
+    load()
+    import sglang.srt.layers.attention.triton_backend as triton_backend
+    resolve = getattr(triton_backend, "resolve_draft_decode_window", None)
+    if resolve is None:
+        raise MutantUnavailable("sglang_draft_window_sinks_dropped: this SGLang has no draft window over the prefix "
+                                "(resolve_draft_decode_window, 0.5.22 on)")
+
+    def without_sinks(model_runner):
+        window, _ = resolve(model_runner)
+        return window, 0  # --speculative-draft-sink-size read as unset
+    return _replace(triton_backend, "resolve_draft_decode_window", without_sinks)
+
+
 def sglang_linear_replay_pads_into_last_state():
     from backends.sglang.runtime import load
     load()
@@ -986,6 +1001,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "request's req_to_token row as its state slot instead of its mamba index (as LFM2's layer itself did up to "
            "0.5.21); requests read and overwrite each other's conv states",
            ("hybrid(sglang.torch_native,sglang.short_conv)",), ("outputs",), modes=("decode",), engine="sglang"),
+    Mutant("sglang_draft_window_sinks_dropped", "SGLang's TritonMultiStepDraftBackend resolves the server's draft "
+           "window without its sinks (--speculative-draft-sink-size read as 0); a draft model served with "
+           "StreamingLLM-style sinks loses its first tokens from every draft step once a prefix outgrows the window, "
+           "and its drafts are accepted less often",
+           ("sglang.triton",), ("outputs",), modes=("draft_decode",), engine="sglang"),
     Mutant("sglang_kda_safe_gate_dropped", "SGLang's KDAKernelDispatcher hands its extend kernel no lower_bound; a "
            "safe-gate model's (Ling V3, Kimi K3) prefill decays its state by the standard gate -exp(A) softplus(a + "
            "dt_bias) instead of lower_bound * sigmoid(exp(A) (a + dt_bias))",
