@@ -38,7 +38,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from batch.spec import RECURRENT_KINDS, BatchSpec, ForwardMode
+from batch.spec import RECURRENT_KINDS, VERIFY_ALGORITHMS, BatchSpec, ForwardMode
 
 # The modes a backend of SGLang 0.5.23 serves, named one by one: a mode added to ForwardMode later joins no
 # backend's declaration until someone declares it.
@@ -191,6 +191,9 @@ class Capabilities:
     # SpecInput.draft_prefix_columns); ours (backends/draft.py) does. Not to be confused with draft_window above
     # (a draft model whose layers have sliding windows of their own).
     draft_prefix_window: bool = True
+    # The speculative algorithms whose target verify it serves (batch.spec.VERIFY_ALGORITHMS): ours read the tree
+    # whatever its algorithm; an engine's backends branch on the verify input's class
+    verify_algorithms: frozenset[str] = frozenset(VERIFY_ALGORITHMS)
     # KV cache storage it reads and writes (batch.spec.KV_CACHE_DTYPES): "auto" (the batch's dtype), "fp8_e4m3";
     # and whether it honours per-layer KV scales other than 1 (stores k / k_scale, reads back times k_scale).
     kv_cache_dtypes: frozenset[str] = frozenset({"auto"})
@@ -268,6 +271,7 @@ class Support:
     hybrid_draft_worker: bool = True  # every linear leaf's (see Capabilities)
     draft_window: bool = True  # the full-attention leaves' (see Capabilities)
     draft_prefix_window: bool = True  # the full-attention leaves' (see Capabilities)
+    verify_algorithms: frozenset[str] = frozenset(VERIFY_ALGORITHMS)  # every leaf's (see Capabilities)
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
     # Some leaf's CPU path runs kernels under Triton's interpreter (the only flag a CPU path needs): cases take
@@ -348,7 +352,8 @@ class Support:
                    hybrid_draft_worker=all(c.hybrid_draft_worker for c in linear),
                    verify_window=all(c.verify_window for c in full),
                    draft_window=all(c.draft_window for c in full),
-                   draft_prefix_window=all(c.draft_prefix_window for c in full))
+                   draft_prefix_window=all(c.draft_prefix_window for c in full),
+                   verify_algorithms=frozenset.intersection(*(c.verify_algorithms for c in caps)))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
         """Why a batch of ``spec`` is outside this support, or None."""
@@ -363,6 +368,8 @@ class Support:
             return "mrope not supported"
         if spec.spec is not None and spec.spec.topk > 1 and not self.draft_trees:
             return "draft trees (topk > 1) not supported: verify chains only"
+        if spec.spec is not None and spec.spec.algorithm not in self.verify_algorithms:
+            return f"{spec.spec.algorithm}'s verify not supported (verifies {', '.join(sorted(self.verify_algorithms))})"
         if spec.spec is not None and spec.spec.draft_window_size > 0 and not self.draft_prefix_window:
             return "the draft window (--speculative-draft-window-size) not supported: its draft loop reads the whole " \
                    "prefix"

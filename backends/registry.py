@@ -130,6 +130,12 @@ class Composition:
             # (SGLang: DraftBackendFactory.create_decode_backend), never under a wrapper; its own graph runner
             # captures that container (graph() over a leaf that declares the mode among its cuda_graph_modes)
             support = dataclasses.replace(support, modes=support.modes - {ForwardMode.DRAFT_DECODE})
+        if "tbo" in self.wrappers() and self.engine == "sglang":
+            # SGLang's TBO splitter cuts the verify input as an EagleVerifyInput (two_batch_overlap.py split_spec_info:
+            # dataclasses.replace over its retrieve_* fields), which an NgramVerifyInput (no dataclass) and a
+            # DFlashVerifyInput (no such fields) are not
+            support = dataclasses.replace(support,
+                                          verify_algorithms=support.verify_algorithms & {"eagle", "frozen_kv_mtp"})
         gapped = {mode for _, mode, _ in self.wrapped_gaps()} | {mode for mode, _ in self.engine_mode_gaps()}
         return dataclasses.replace(support, modes=support.modes - gapped) if gapped else support
 
@@ -294,11 +300,15 @@ def _engine_term_adapted(wrapper: str, child: Composition) -> bool:
 
 def _engine_limited(caps: Capabilities) -> Capabilities:
     """``caps`` with each of its ``engine_limits`` applied whose feature the installed engine lacks."""
-    if not caps.engine_limits or caps.engine != "sglang":
+    if caps.engine != "sglang":
         return caps
     from backends.sglang import features
 
     limited = {field: value for feature, field, value in caps.engine_limits if not features.has(feature)}
+    # The verify inputs are the engine's, whichever backend reads them: only the algorithms the installed release has
+    algorithms = caps.verify_algorithms & features.verify_algorithms()
+    if algorithms != caps.verify_algorithms:
+        limited["verify_algorithms"] = algorithms
     return dataclasses.replace(caps, **limited) if limited else caps
 
 

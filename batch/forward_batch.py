@@ -117,6 +117,7 @@ class SpecInfo:
     parents: torch.Tensor  # [B, draft_token_num] int64, -1 for the root
     accept_length: torch.Tensor
     accept_length_cpu: list[int]
+    algorithm: str = "eagle"  # whose verify input (batch.spec.VERIFY_ALGORITHMS)
 
 
 @dataclass

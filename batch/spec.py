@@ -391,6 +391,12 @@ def draft_prefix_columns(prefix_len: int, window: int, sink: int) -> list[int]:
     return list(range(sink)) + list(range(prefix_len - window, prefix_len))
 
 
+# The speculative algorithms whose target verify a batch can carry (SGLang's SpeculativeAlgorithm): each hands the
+# attention backend its own verify input (EagleVerifyInput, FrozenKVMTPVerifyInput, NgramVerifyInput,
+# DFlashVerifyInput), which backends branch on; the attention they ask for is the same, a tree's (DFlash: a chain's).
+VERIFY_ALGORITHMS = ("eagle", "frozen_kv_mtp", "ngram", "dflash")
+
+
 @dataclass(frozen=True)
 class SpecInput:
     """Speculative-decoding inputs.
@@ -405,6 +411,11 @@ class SpecInput:
     and ``--speculative-draft-sink-size``): with a window, each draft step reads of the committed prefix only its
     first ``draft_sink_size`` tokens and its last ``draft_window_size``, then its own branch's draft tokens, all of
     them (:meth:`draft_prefix_columns`); 0 reads the whole prefix. The target's verify is unaffected.
+
+    ``algorithm`` (TARGET_VERIFY only; one of :data:`VERIFY_ALGORITHMS`): whose verify input the batch is. EAGLE and
+    frozen-KV MTP verify topk-shaped trees; n-gram verifies the trees its corpus matches give (up to ``topk``
+    children a node, as deep as the draft tokens allow: ``spec_steps`` is then ``draft_token_num - 1``); DFlash
+    verifies one block, a chain, under the plain causal mask (no custom mask).
     """
 
     draft_token_num: int
@@ -414,6 +425,7 @@ class SpecInput:
     accept_lens: tuple[int, ...]
     draft_window_size: int = 0
     draft_sink_size: int = 0
+    algorithm: str = "eagle"
 
     def draft_prefix_columns(self, prefix_len: int) -> list[int]:
         """The columns of a committed prefix of ``prefix_len`` tokens a draft step reads (:func:`draft_prefix_columns`)."""
@@ -654,9 +666,16 @@ class BatchSpec:
                  "spec.draft_token_num, spec.topk and spec.spec_steps must be >= 1")
         _require(len(s.parents) == B, f"spec.parents has {len(s.parents)} trees for {B} requests")
         _require(len(s.accept_lens) == B, f"spec.accept_lens has {len(s.accept_lens)} entries for {B} requests")
+        _require(s.algorithm in VERIFY_ALGORITHMS,
+                 f"spec.algorithm must be one of {', '.join(VERIFY_ALGORITHMS)}, got {_show(s.algorithm)}")
+        _require(s.algorithm == "eagle" or m.is_target_verify(),
+                 f"spec.algorithm {s.algorithm} is a target_verify batch's; the draft modes are EAGLE's (mode is "
+                 f"{m.value})")
         if m.is_draft_decode():
             self._validate_draft_decode()
             return
+        _require(s.algorithm != "dflash" or s.is_chain(),
+                 "spec.algorithm dflash verifies one block, a chain: spec.parents must be chains (topk 1)")
         _require(s.draft_window_size == 0 and s.draft_sink_size == 0,
                  f"spec.draft_window_size and spec.draft_sink_size are the draft loop's (draft_decode batches); mode is "
                  f"{m.value}")

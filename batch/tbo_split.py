@@ -86,7 +86,7 @@ def slice_spec_info(spec_info: SpecInfo | None, seq_lens: list[int], req: slice)
     if positions is not None:
         positions = positions[req.start * D: req.stop * D]
     return SpecInfo(D, spec_info.topk, spec_info.spec_steps, mask, positions, spec_info.parents[req],
-                    spec_info.accept_length[req], spec_info.accept_length_cpu[req])
+                    spec_info.accept_length[req], spec_info.accept_length_cpu[req], spec_info.algorithm)
 
 
 def sub_batch(fb: ForwardBatch, req: slice | torch.Tensor, tok: slice | torch.Tensor, prefix: list[int], extend: list[int],

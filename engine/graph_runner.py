@@ -207,7 +207,7 @@ class GraphRunner:
             pad_mask = torch.ones(pad * W * (self.fill + W), dtype=torch.bool, device=dev)
             mask = pad_mask if real is None else torch.cat([real.custom_mask.to(dev), pad_mask])
         positions = self.positions if self.mode.is_target_verify() else None
-        return SpecInfo(W, t.topk, t.spec_steps, mask, positions, parents, accept, accept_cpu)
+        return SpecInfo(W, t.topk, t.spec_steps, mask, positions, parents, accept, accept_cpu, t.algorithm)
 
     def _refresh_host_fields(self) -> None:
         """Host-side copies of the lengths, as a replayed batch carries them."""

@@ -397,4 +397,5 @@ def _spec_info(spec: BatchSpec, positions: torch.Tensor, device: torch.device) -
         parents=torch.tensor(s.parents, dtype=torch.int64).to(device),
         accept_length=torch.tensor(s.accept_lens, dtype=torch.int32).to(device),
         accept_length_cpu=list(s.accept_lens),
+        algorithm=s.algorithm,
     )

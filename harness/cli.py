@@ -285,7 +285,8 @@ def cmd_export(args) -> int:
     check_fits(case.spec, where=args.file)
     from harness.export import exportable_reason
 
-    reason = exportable_reason(case.composition, case.property, case.spec.mode.value, case.spec.kv_cache_dtype)
+    reason = exportable_reason(case.composition, case.property, case.spec.mode.value, case.spec.kv_cache_dtype,
+                               case.spec.spec.algorithm if case.spec.spec is not None else "eagle")
     if reason:
         raise UsageError(f"cannot export {args.file}: {reason}")
     out = Path(args.out) if args.out else Path("harness-out/export") / f"test_{Path(args.file).stem.replace('-', '_')}.py"

@@ -78,7 +78,8 @@ SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--
                "flashinfer": "--attention-backend flashinfer", "flex_attention": "--attention-backend flex_attention"}
 
 
-def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
+def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str,
+                      algorithm: str = "eagle") -> str | None:
     """Why a case of this kind cannot be exported (yet), or None."""
     if prop == "conformance":
         if "sglang." not in composition or composition.startswith("graph("):
@@ -93,6 +94,8 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
         return f"export covers {', '.join(MODES)} batches, not {mode} (draft-loop batches are not exported yet)"
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return f"export covers a KV cache of {' or '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype}"
+    if algorithm != "eagle":
+        return f"export builds EAGLE's verify input, not {algorithm}'s (not exported yet)"
     return None
 
 
@@ -244,7 +247,8 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
     from backends.registry import parse
 
     spec = case.spec
-    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype)
+    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype,
+                               spec.spec.algorithm if spec.spec is not None else "eagle")
     if reason:
         raise UsageError(f"cannot export {case.composition} {case.property}: {reason}")
     composition = parse(case.composition)

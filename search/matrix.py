@@ -10,7 +10,7 @@ import hashlib
 from dataclasses import dataclass
 
 from backends.registry import Composition, all_compositions, leaf_capabilities, parse
-from batch.spec import ForwardMode
+from batch.spec import VERIFY_ALGORITHMS, ForwardMode
 from properties import PROPERTIES, Property
 from search.profiles import Profile
 
@@ -60,6 +60,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "verify_window": support.verify_window,
         "draft_window": support.draft_window,
         "draft_prefix_window": support.draft_prefix_window and ForwardMode.DRAFT_DECODE in support.modes,
+        "verify_algorithms": tuple(a for a in VERIFY_ALGORITHMS if a in support.verify_algorithms) or ("eagle",),
         "chain": not support.draft_trees,
         "kda_safe_gate": support.kda_safe_gate,
         "graph_padding": "graph" in c.wrappers(),
@@ -73,7 +74,7 @@ def composition_axes(c: Composition, profile: Profile) -> str:
     return (f"draws page sizes {','.join(map(str, o['page_sizes']))}; kernel boundaries "
             f"{','.join(map(str, bounds)) or '-'}; empty extends {'yes' if o['empty_extend'] else 'no'}; windows in "
             f"verify {'yes' if o['verify_window'] and o['sliding_window'] else 'no'}; draft windows over the prefix "
-            f"{'yes' if o['draft_prefix_window'] else 'no'}")
+            f"{'yes' if o['draft_prefix_window'] else 'no'}; verifies {','.join(o['verify_algorithms'])}")
 
 
 def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> str | None:

@@ -119,6 +119,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False, draft_window: bool = True, draft_prefix_window: bool = False,
+                verify_algorithms: tuple[str, ...] = ("eagle",),
                 graph_padding: bool = False,
                 overreach: tuple[str, ...] = (), kda_safe_gate: bool = True) -> BatchSpec:
     """A batch in ``mode`` whose layers use only ``kinds`` (those the composition runs).
@@ -134,7 +135,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
     tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches, ``draft_window`` in DRAFT_DECODE ones;
     ``draft_prefix_window`` draws the server's draft window over the prefix in DRAFT_DECODE batches of models without
-    sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them).
+    sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them);
+    ``verify_algorithms`` are the speculative algorithms a TARGET_VERIFY batch's verify input is drawn from.
     ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
     in the simplest batch, at least one in about two cases of three, so a replay's padded rows are reached on first
@@ -238,10 +240,15 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         extend = [1] * B
     elif mode is ForwardMode.TARGET_VERIFY:
         single = shape == SINGLE_TOKEN
+        # Whose verify (EAGLE's first: the simplest draw): DFlash verifies a chain; n-gram trees are as deep as their
+        # node budget allows (its server's topk is the search's breadth, its steps D // topk mean nothing here)
+        algorithm = draw(st.sampled_from(verify_algorithms))
         steps = 1 if single else draw(st.integers(1, 4))
-        topk = 1 if (has_linear or chain or single) else draw(st.integers(2 if tree else 1, 4))
+        topk = 1 if (has_linear or chain or single or algorithm == "dflash") else draw(st.integers(2 if tree else 1, 4))
         D = 1 if single else draw(st.integers(min(3, steps * topk + 1) if tree else 1, steps * topk + 1)) \
             if topk > 1 else steps + 1
+        if algorithm == "ngram":
+            steps = max(1, D - 1)
         prefix = [prefix_len(1) for _ in range(B)]
         extend = [D] * B
         trees = tuple(draw(draft_tree(D, steps, topk, chain=topk == 1)) for _ in range(B))
@@ -251,7 +258,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
             for j in range(1, D):
                 depth[j] = depth[tree_[j]] + 1
             accept.append(_accept(draw, max(depth) + 1))
-        spec_input = SpecInput(D, topk, steps, trees, tuple(accept))
+        spec_input = SpecInput(D, topk, steps, trees, tuple(accept), algorithm=algorithm)
     elif mode is ForwardMode.DRAFT_DECODE:
         # The draft loop: 1..3 forward steps (spec_steps 2..4), each decoding every branch of every request. The
         # simplest loop has two branches and two steps (DRAFT_TOPK_ORDER, DRAFT_STEPS_ORDER): a row searched with few examples still
@@ -262,7 +269,10 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         forest = draft_forest(topk, steps)
         extend = [len(forest)] * B
         window = sink = 0
-        if draft_prefix_window and not any(getattr(l, "sliding_window", None) for l in layers) and draw(st.booleans()):
+        # (not where the draw crosses a window limit: that gives a layer its sliding window further down)
+        window_crossing = crossing in ("sliding_window", "verify_window", "draft_window")
+        if draft_prefix_window and not window_crossing and not any(getattr(l, "sliding_window", None) for l in layers) \
+                and draw(st.booleans()):
             # SGLang's --speculative-draft-window-size (and -sink-size): no wider than the longest prefix, so most
             # draws cut some request's prefix into its sinks and its recent tokens
             window = draw(st.integers(1, max(prefix)))

@@ -220,6 +220,7 @@ class SglangBackend(_SglangObject):
         self.sgl_runner = None
         self.states: runtime.StateSync | None = None
         self.draft_tokens = 0
+        self.algorithm = "eagle"  # the server's --speculative-algorithm it was built for (batch.spec.SpecInput)
         self.batches: dict[int, object] = {}  # id(harness batch) -> its SGLang ForwardBatch
         self.radix: dict[int, object] = {}
 
@@ -249,11 +250,14 @@ class SglangBackend(_SglangObject):
 
     def _ensure_built(self, fb) -> None:
         draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
-        if self.inner is not None and draft <= self.draft_tokens:
+        # A batch without speculative inputs runs on whatever server the backend was built for
+        algorithm = fb.spec_info.algorithm if fb.spec_info is not None else self.algorithm
+        if self.inner is not None and draft <= self.draft_tokens and algorithm == self.algorithm:
             return
         topk = fb.spec_info.topk if fb.spec_info is not None else 0
         self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid,
-                                              decode_backend_name=self.decode_name)
+                                              decode_backend_name=self.decode_name, algorithm=algorithm)
+        self.algorithm = algorithm
         if self.hybrid is not None:
             self.states = runtime.StateSync(self.sgl_runner, self.model_runner)
         self.inner = self.make_inner(self.sgl_runner)
@@ -416,23 +420,39 @@ class SglangBackend(_SglangObject):
             out.extend_start_loc = fb.extend_start_loc
             out.extend_num_tokens = T
         if fb.forward_mode.is_target_verify():
-            info = fb.spec_info
-            D = info.draft_token_num
-            links = [retrieve_links(p) for p in info.parents.tolist()]
-            out.spec_info = sgl.EagleVerifyInput(**compat.accepted(sgl.EagleVerifyInput, dict(
-                draft_token=out.input_ids, custom_mask=info.custom_mask, positions=fb.positions,
-                retrieve_index=torch.arange(fb.batch_size * D, device=dev).reshape(fb.batch_size, D),
-                retrieve_next_token=torch.tensor([l[0] for l in links], dtype=torch.int64, device=dev),
-                retrieve_next_sibling=torch.tensor([l[1] for l in links], dtype=torch.int64, device=dev),
-                retrieve_cum_len=torch.arange(fb.batch_size + 1, dtype=torch.int32, device=dev) * D,
-                spec_steps=info.spec_steps, topk=info.topk, draft_token_num=D,
-                capture_hidden_mode=sgl.CaptureHiddenMode.FULL, seq_lens_sum=out.seq_lens_sum,
-                seq_lens_cpu=out.seq_lens_cpu), compat.VERIFY_RENAMES))
-            out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
+            out.spec_info = self._verify_input(fb, out)
+            out.spec_algorithm = getattr(sgl.SpeculativeAlgorithm, runtime.SERVER_ALGORITHMS[fb.spec_info.algorithm])
         if fb.forward_mode.is_draft_extend():
             out.spec_info = self._draft_extend_input(fb, out)
             out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
         return out
+
+    def _verify_input(self, fb, out):
+        """The verify input the batch's speculative algorithm hands the target model, built as its worker builds it:
+        EAGLE's and frozen-KV MTP's (eagle_worker_common.py; a subclass of EAGLE's) and n-gram's (ngram_worker.py)
+        carry the tree mask and its links; DFlash's (dflash_worker_v2.py, verify) a block under the causal mask, no
+        custom mask, and the batch's host lengths widened by the block (``seq_lens_cpu`` the committed prefix plus
+        the block, ``seq_lens_sum`` likewise; the device ``seq_lens`` stay the committed lengths)."""
+        sgl, info, dev = self.sgl, fb.spec_info, fb.device
+        D = info.draft_token_num
+        if info.algorithm == "dflash":
+            out.seq_lens_cpu = out.seq_lens_cpu + D
+            out.seq_lens_sum = int(out.seq_lens_cpu.sum())
+            return sgl.DFlashVerifyInput(draft_token=out.input_ids, positions=fb.positions, draft_token_num=D,
+                                         custom_mask=None, capture_hidden_mode=sgl.CaptureHiddenMode.FULL)
+        links = [retrieve_links(p) for p in info.parents.tolist()]
+        tree = dict(draft_token=out.input_ids, custom_mask=info.custom_mask, positions=fb.positions,
+                    retrieve_index=torch.arange(fb.batch_size * D, device=dev).reshape(fb.batch_size, D),
+                    retrieve_next_token=torch.tensor([l[0] for l in links], dtype=torch.int64, device=dev),
+                    retrieve_next_sibling=torch.tensor([l[1] for l in links], dtype=torch.int64, device=dev),
+                    draft_token_num=D)
+        if info.algorithm == "ngram":
+            return sgl.NgramVerifyInput(**compat.accepted(sgl.NgramVerifyInput, tree, compat.NGRAM_RENAMES))
+        cls = sgl.FrozenKVMTPVerifyInput if info.algorithm == "frozen_kv_mtp" else sgl.EagleVerifyInput
+        return cls(**compat.accepted(cls, tree | dict(
+            retrieve_cum_len=torch.arange(fb.batch_size + 1, dtype=torch.int32, device=dev) * D,
+            spec_steps=info.spec_steps, topk=info.topk, capture_hidden_mode=sgl.CaptureHiddenMode.FULL,
+            seq_lens_sum=out.seq_lens_sum, seq_lens_cpu=out.seq_lens_cpu), compat.VERIFY_RENAMES))
 
     def _draft_extend_input(self, fb, out):
         """SGLang's ``EagleDraftExtendInput`` for a draft extend of ``extend_seq_lens`` accepted tokens per
@@ -626,7 +646,12 @@ class SglangBackend(_SglangObject):
                                    kv_indices=meta.kv_indices, kv_includes_new_tokens=mode.is_decode_or_idle(),
                                    custom_mask=getattr(meta, "custom_mask", None),
                                    mask_indptr=getattr(meta, "mask_indptr", None))
-            return plan.cut_to_indptrs() if self.planned_graph else plan
+            # A graph's buffers are sized for its largest capture; a DFlash verify's kv_indices from the host lengths
+            # its worker widened by the block (seq_lens_sum, triton_backend.py: "over-allocate is safe"). Either is
+            # read as far as its kv_indptr says.
+            dflash = self.sgl.DFlashVerifyInput
+            widened = dflash is not None and isinstance(next(iter(self.batches.values())).spec_info, dflash)
+            return plan.cut_to_indptrs() if self.planned_graph or widened else plan
         if meta is not None and getattr(meta, "cache_seqlens_int32", None) is not None:
             # A verify of draft trees (topk > 1) plans the cached prefix here and the tree's own keys apart
             # (forward_metadata_spec_decode_expand, flashattention_backend.py:1083-1150), merged after both run

@@ -205,6 +205,8 @@ def accepted(cls, kwargs: dict, renames: dict[str, str] | None = None) -> dict:
 COMMIT_RENAMES = {"last_correct_step_indices": "accepted_steps"}
 # EagleVerifyInput's tree links were spelled retrive_* up to 0.5.13
 VERIFY_RENAMES = {f"retrieve_{x}": f"retrive_{x}" for x in ("index", "next_token", "next_sibling", "cum_len")}
+# NgramVerifyInput's too, and its mask was tree_mask (0.5.10)
+NGRAM_RENAMES = VERIFY_RENAMES | {"custom_mask": "tree_mask"}
 
 
 # ---- the graph metadata contract ----

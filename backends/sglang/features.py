@@ -116,6 +116,16 @@ FEATURES: dict[str, Feature] = {
                             "EagleDraftInput)", (
         _p("srt.speculative.draft_utils:DraftBackendFactory.create_decode_backend"),
         _p("srt.speculative.eagle_info:EagleDraftInput"))),
+    # The other speculative algorithms' verify inputs, which backends branch on (flashinfer_backend.py: DFlash's
+    # verify plans a trimmed window and a sync-free graph replay; EAGLE's a host plan); EAGLE's is the core's
+    "ngram_verify": Feature("n-gram speculative decoding's verify input (NgramVerifyInput)", (
+        _p("srt.speculative.ngram_info:NgramVerifyInput"), _p("srt.speculative.spec_info:SpeculativeAlgorithm.NGRAM"))),
+    "frozen_kv_mtp_verify": Feature("frozen-KV MTP's verify input (FrozenKVMTPVerifyInput)", (
+        _p("srt.speculative.frozen_kv_mtp_info:FrozenKVMTPVerifyInput"),
+        _p("srt.speculative.spec_info:SpeculativeAlgorithm.FROZEN_KV_MTP"))),
+    "dflash_verify": Feature("DFlash's block verify input (DFlashVerifyInput)", (
+        _p("srt.speculative.dflash_info:DFlashVerifyInput"),
+        _p("srt.speculative.spec_info:SpeculativeAlgorithm.DFLASH"))),
     # The server's draft window over the committed prefix (--speculative-draft-window-size, -sink-size), which the
     # draft containers of Triton and FlashInfer (MHA) pass to their index kernel, 0.5.22 on
     "draft_prefix_window": Feature("the draft loop's window and sinks over the committed prefix "
@@ -321,6 +331,15 @@ def missing(names: tuple[str, ...]) -> tuple[str, ...]:
 
 def has(name: str) -> bool:
     return not missing((name,))
+
+
+# The feature each speculative algorithm's verify needs (batch.spec.VERIFY_ALGORITHMS; EAGLE's is the core's)
+VERIFY_FEATURES = {"frozen_kv_mtp": "frozen_kv_mtp_verify", "ngram": "ngram_verify", "dflash": "dflash_verify"}
+
+
+def verify_algorithms() -> frozenset[str]:
+    """The speculative algorithms whose verify input the installed SGLang has."""
+    return frozenset({"eagle"} | {alg for alg, feature in VERIFY_FEATURES.items() if has(feature)})
 
 
 def forget() -> None:

@@ -99,13 +99,22 @@ def graph_plan(backend, sfb) -> PlannedMetadata | None:
     wrapper's, over every key (graphs plan paged wrappers only). An MLA decode replay plans from host indptrs
     (``fast_mla_decode_plan``, handed ``fast_decode_kwargs`` by ``_apply_cuda_graph_metadata``) and refills only the
     index buffer: the wrapper's device kv_indptr keeps the capture's values and no kernel reads it (FlashInfer's MLA
-    run takes the plan and ``_kv_indices_buf`` alone), so that plan is the host indptrs over that buffer. (The MHA
-    backend keeps no ``fast_decode_kwargs``.)"""
+    run takes the plan and ``_kv_indices_buf`` alone), so that plan is the host indptrs over that buffer; a DFlash
+    verify replay likewise. (The MHA backend keeps no ``fast_decode_kwargs``.)"""
     wrappers = graph_wrappers(backend, sfb)
     if wrappers is None:
         return None
     host = getattr(backend, "fast_decode_kwargs", None) or {}
-    if sfb.forward_mode.is_decode_or_idle() and "kv_indptr_cpu" in host:
+    if not sfb.forward_mode.is_decode_or_idle():
+        # A DFlash verify replays through the same sync-free MLA plan, from host indptrs SGLang builds from the
+        # batch's widened host lengths and keeps nowhere (_build_fast_verify_plan_kwargs, handed to
+        # fast_mla_decode_plan by the prefill updater): rebuilt here by SGLang's own function, over the same buffer
+        fast_verify = getattr(backend, "_build_fast_verify_plan_kwargs", None)
+        host = {}
+        if fast_verify is not None and sfb.spec_info is not None:
+            host = fast_verify(bs=sfb.batch_size, spec_info=sfb.spec_info, seq_lens_cpu=sfb.seq_lens_cpu,
+                               in_capture=False) or {}
+    if "kv_indptr_cpu" in host:
         kv_indptr = host["kv_indptr_cpu"]
         return PlannedMetadata(qo_indptr=host["qo_indptr_cpu"], kv_indptr=kv_indptr,
                                kv_indices=wrappers[-1]._kv_indices_buf[:int(kv_indptr[-1])],

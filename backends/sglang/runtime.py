@@ -218,6 +218,14 @@ def _import_names() -> dict[str, object]:
     EagleDraftExtendInput = None
     if features.has("draft_extend_v2"):
         from sglang.srt.speculative.eagle_info import EagleDraftExtendInput
+    # The other speculative algorithms' verify inputs (features.VERIFY_FEATURES)
+    NgramVerifyInput = FrozenKVMTPVerifyInput = DFlashVerifyInput = None
+    if features.has("ngram_verify"):
+        from sglang.srt.speculative.ngram_info import NgramVerifyInput
+    if features.has("frozen_kv_mtp_verify"):
+        from sglang.srt.speculative.frozen_kv_mtp_info import FrozenKVMTPVerifyInput
+    if features.has("dflash_verify"):
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
     EagleDraftInput = DraftBackendFactory = per_step_draft_out_cache_loc = None
     if features.has("draft_decode"):
         from sglang.srt.speculative.draft_utils import DraftBackendFactory
@@ -631,9 +639,13 @@ def _mla_pool(sgl, runner: ModelRunner, layers, dtype, device: str):
     return kv, _MLAModelConfig(sgl, layers[0], runner.context_len)
 
 
+# --speculative-algorithm for each of batch.spec.VERIFY_ALGORITHMS (SGLang's SpeculativeAlgorithm members)
+SERVER_ALGORITHMS = {"eagle": "EAGLE", "frozen_kv_mtp": "FROZEN_KV_MTP", "ngram": "NGRAM", "dflash": "DFLASH"}
+
+
 def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
                 hybrid: HybridModel | None = None, decode_backend_name: str | None = None,
-                num_steps: int | None = None, draft_window: tuple[int, int] = (0, 0)):
+                num_steps: int | None = None, draft_window: tuple[int, int] = (0, 0), algorithm: str = "eagle"):
     """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
     states are copied, see :class:`StateSync`).
 
@@ -647,7 +659,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     ``--decode-attention-backend``; speculative verify on the prefill backend, SGLang's default
     ``--speculative-attention-mode prefill``). ``num_steps``: the server's ``--speculative-num-steps`` (default: one
     less than the draft tokens, a chain's). ``draft_window``: its ``--speculative-draft-window-size`` and
-    ``--speculative-draft-sink-size`` (0: unset).
+    ``--speculative-draft-sink-size`` (0: unset). ``algorithm``: its ``--speculative-algorithm`` where it drafts
+    (batch.spec.VERIFY_ALGORITHMS).
     """
     sgl = load()
     kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
@@ -685,7 +698,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     r.is_draft_worker = hybrid is not None and hybrid.draft_worker
     r.max_running_requests = runner.req_to_token.shape[0] - 1  # row 0 is padding
     r.model = torch.nn.Module()
-    r.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE if max_draft_tokens else sgl.SpeculativeAlgorithm.NONE
+    server_algorithm = SERVER_ALGORITHMS[algorithm] if max_draft_tokens else None
+    r.spec_algorithm = getattr(sgl.SpeculativeAlgorithm, server_algorithm or "NONE")
     r._kernel_warmed_up = True
     # Backends read the published server args at construction (draft token counts, KV splits). The MLA
     # prefill settings are the server's defaults: ragged (MHA) prefill on, chunked prefix cache on.
@@ -703,7 +717,7 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
         enable_deterministic_inference=False, enable_mis=False, is_embedding=False, kv_cache_dtype=kv_cache_dtype_str,
         max_running_requests=None, page_size=page_size, pp_size=1, revision=None,
-        speculative_algorithm="EAGLE" if max_draft_tokens else None,
+        speculative_algorithm=server_algorithm,
         speculative_eagle_topk=topk, speculative_num_draft_tokens=max_draft_tokens,
         speculative_num_steps=max(0, max_draft_tokens - 1) if num_steps is None else num_steps, tp_size=1,
         triton_attention_num_kv_splits=8, triton_attention_split_tile_size=None,

@@ -746,6 +746,25 @@ def sglang_draft_window_sinks_dropped():
     return _replace(triton_backend, "resolve_draft_decode_window", without_sinks)
 
 
+def sglang_triton_verify_plans_from_host_lengths():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    planned = TritonAttnBackend.init_forward_metadata
+
+    def plan_from_host(self, forward_batch):
+        if not forward_batch.forward_mode.is_target_verify() or forward_batch.seq_lens_cpu is None:
+            return planned(self, forward_batch)
+        device_lens = forward_batch.seq_lens
+        # the verify planned from the host copy of the lengths, as if it always equalled the device's
+        forward_batch.seq_lens = forward_batch.seq_lens_cpu.to(device_lens.device, device_lens.dtype)
+        try:
+            return planned(self, forward_batch)
+        finally:
+            forward_batch.seq_lens = device_lens
+    return _replace(TritonAttnBackend, "init_forward_metadata", plan_from_host)
+
+
 def sglang_linear_replay_pads_into_last_state():
     from backends.sglang.runtime import load
     load()
@@ -1006,6 +1025,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "StreamingLLM-style sinks loses its first tokens from every draft step once a prefix outgrows the window, "
            "and its drafts are accepted less often",
            ("sglang.triton",), ("outputs",), modes=("draft_decode",), engine="sglang"),
+    Mutant("sglang_triton_verify_plans_from_host_lengths", "SGLang's TritonAttnBackend plans a target verify from the "
+           "batch's host lengths (seq_lens_cpu) instead of its device ones; equal under EAGLE, but a DFlash worker "
+           "widens the host lengths by the verify block, so each request reads its block's slots twice, as cached "
+           "keys and as new ones",
+           ("sglang.triton",), ("outputs",), modes=("target_verify",), engine="sglang"),
     Mutant("sglang_kda_safe_gate_dropped", "SGLang's KDAKernelDispatcher hands its extend kernel no lower_bound; a "
            "safe-gate model's (Ling V3, Kimi K3) prefill decays its state by the standard gate -exp(A) softplus(a + "
            "dt_bias) instead of lower_bound * sigmoid(exp(A) (a + dt_bias))",

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, MHALayer
+from batch.spec import VERIFY_ALGORITHMS, BatchSpec, ForwardMode, MHALayer
 from engine.materialize import query_positions
 from harness.mutants.catalogue import MUTANTS
 from properties import PROPERTIES
@@ -37,8 +37,10 @@ CROSSINGS = [(name, mode) for name, o in sorted(OVERREACHES.items()) for mode in
 
 @pytest.mark.parametrize("name, mode", CROSSINGS, ids=[f"{n}-{m.value}" for n, m in CROSSINGS])
 def test_each_overreach_draws_batches_that_cross_it(name, mode):
-    # trees and empty extends drawn too: a crossing must land where a query sees it
-    inside = INSIDE | {"tree": mode is ForwardMode.TARGET_VERIFY, "empty_extend": True}
+    # trees and empty extends drawn too: a crossing must land where a query sees it; and the draws a crossing must
+    # not contradict (a draft window over the prefix needs a model without a sliding window; every verify algorithm)
+    inside = INSIDE | {"tree": mode is ForwardMode.TARGET_VERIFY, "empty_extend": True, "draft_prefix_window": True,
+                       "verify_algorithms": VERIFY_ALGORITHMS}
     inside |= {"sliding_window": True} if name in ("verify_window", "draft_window") else {}
 
     @settings(max_examples=40, database=None, deadline=None, suppress_health_check=list(HealthCheck))
