@@ -59,28 +59,43 @@ def _tree_window_by_row(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.spec.depths(request)[node] < node
 
 
-def _spec_window_trimmed_by_request(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A verify or draft extend whose worst element is a token that sees keys past its sliding window when the
-    window's keys are cut per request, not per token (docs/findings/sglang-flashinfer-spec-window-unplanned.md): a
-    verify keeps the last ``min(prefix, window)`` cached keys for every draft token and its tree ancestors, so a
-    token at depth d >= 1 sees too much once prefix + d > window; a draft extend of e tokens keeps the last
-    ``min(seq_len, window + e)`` keys for all of them, so token j sees ``e - 1 - j`` fewer than that, and too many
-    when that exceeds its own ``min(prefix + j + 1, window + 1)``."""
-    layer = _failing_layer(spec, verdict)
-    window = getattr(layer, "sliding_window", None)
+def _failing_window_token(spec: BatchSpec, verdict: Verdict) -> tuple[int, int, int] | None:
+    """(request, offset, window) of a verify or draft extend whose worst element is in a sliding-window layer: the
+    failing token's offset past its request's prefix (a draft token's depth in its tree, an extend token's index),
+    or None."""
+    window = getattr(_failing_layer(spec, verdict), "sliding_window", None)
     m = re.search(r"request (\d+), (?:token|draft node) (\d+)", verdict.where or "")
-    if window is None or m is None:
-        return False
+    if window is None or m is None or spec.spec is None:
+        return None
     request, token = int(m.group(1)), int(m.group(2))
-    prefix = spec.prefix_lens[request]
     if spec.mode.is_target_verify():
-        depth = spec.spec.depths(request)[token]
-        return depth >= 1 and prefix + depth > window
+        return request, spec.spec.depths(request)[token], window
     if spec.mode is ForwardMode.DRAFT_EXTEND:
-        e = spec.extend_lens[request]
-        seen = min(prefix + e, window + e) - (e - 1 - token)
-        return seen > min(prefix + token + 1, window + 1)
-    return False
+        return request, token, window
+    return None
+
+
+def _spec_window_unplanned(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A speculative batch on FlashInfer whose window was planned out (docs/findings/sglang-flashinfer-spec-window-
+    unplanned.md), failing at a token its window does not hold all of: a tree-mask verify (EAGLE's, frozen-KV MTP's,
+    n-gram's verify input) or a graphed draft extend is handed no start index for its request's trimmed keys, so any
+    token, the first too, is wrong once its request's prefix and its offset pass the window."""
+    found = _failing_window_token(spec, verdict)
+    if found is None or spec.spec.algorithm == "dflash":
+        return False
+    request, offset, window = found
+    return spec.prefix_lens[request] + offset > window
+
+
+def _dflash_verify_window_by_request(spec: BatchSpec, verdict: Verdict) -> bool:
+    """DFlash's verify of a block under a window on FlashInfer: exactly the request-granular trim (the last
+    ``min(prefix, window)`` cached keys, then the block causally): the block's root sees its own window; a token at
+    depth d >= 1 sees up to d keys before it, once prefix + d > window."""
+    found = _failing_window_token(spec, verdict)
+    if found is None or spec.spec.algorithm != "dflash" or not spec.mode.is_target_verify():
+        return False
+    request, depth, window = found
+    return depth >= 1 and spec.prefix_lens[request] + depth > window
 
 
 def _mixed_two_chunk(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -462,7 +477,8 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "trtllm_one_arg_mha_chunk": _trtllm_one_arg_mha_chunk,
     "layer_has_logit_cap": _layer_has_logit_cap,
     "window_inside_extend": _window_inside_extend,
-    "spec_window_trimmed_by_request": _spec_window_trimmed_by_request,
+    "spec_window_unplanned": _spec_window_unplanned,
+    "dflash_verify_window_by_request": _dflash_verify_window_by_request,
     "tree_not_chain": _tree_not_chain,
     "leaf_lacks_verify_refresh": _leaf_lacks_verify_refresh,
     "wrappers_hide_flash_attention_members": _wrappers_hide_flash_attention_members,
@@ -487,19 +503,15 @@ def _window_layers(spec: BatchSpec) -> list[int]:
     return [w for w in (getattr(layer, "sliding_window", None) for layer in spec.layers) if w is not None]
 
 
-def _spec_window_may_trim(spec: BatchSpec) -> bool:
-    """Some token of a verify or draft extend sees keys past a window under FlashInfer's per-request trim
-    (``_spec_window_trimmed_by_request``, for every token of every request)."""
+def _window_offsets_pass(spec: BatchSpec, least_offset: int = 0) -> bool:
+    """Some request's prefix and furthest token offset (a verify's deepest draft token, an extend's last token), at
+    least ``least_offset``, pass a window layer's window."""
     windows = _window_layers(spec)
-    if not windows or spec.mode not in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+    if not windows or spec.spec is None:
         return False
-    w = min(windows)
     for r, prefix in enumerate(spec.prefix_lens):
-        if spec.mode.is_target_verify():
-            depth = max(spec.spec.depths(r), default=0)
-            if depth >= 1 and prefix + depth > w:
-                return True
-        elif spec.extend_lens[r] >= 2 and prefix + spec.extend_lens[r] > w + 1:
+        furthest = max(spec.spec.depths(r), default=0) if spec.mode.is_target_verify() else spec.extend_lens[r] - 1
+        if furthest >= least_offset and prefix + furthest > min(windows):
             return True
     return False
 
@@ -512,7 +524,10 @@ def _spec_window_may_trim(spec: BatchSpec) -> bool:
 COULD_SHOW = {
     "layer_has_logit_cap": lambda spec: any(getattr(layer, "logit_cap", None) is not None for layer in spec.layers),
     "window_inside_extend": lambda spec: any(max(spec.extend_lens, default=0) - 1 > w for w in _window_layers(spec)),
-    "spec_window_trimmed_by_request": lambda spec: _spec_window_may_trim(spec),
+    "spec_window_unplanned": lambda spec: spec.mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+    and spec.spec.algorithm != "dflash" and _window_offsets_pass(spec),
+    "dflash_verify_window_by_request": lambda spec: spec.mode.is_target_verify() and spec.spec.algorithm == "dflash"
+    and _window_offsets_pass(spec, least_offset=1),
     "draft_extend_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_EXTEND and bool(_window_layers(spec)),
     "draft_decode_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE and bool(_window_layers(spec)),
     "tree_not_chain": lambda spec: spec.spec is not None and not spec.spec.is_chain(),
