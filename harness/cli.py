@@ -285,8 +285,7 @@ def cmd_export(args) -> int:
     check_fits(case.spec, where=args.file)
     from harness.export import exportable_reason
 
-    reason = exportable_reason(case.composition, case.property, case.spec.mode.value, case.spec.kv_cache_dtype,
-                               case.spec.spec.algorithm if case.spec.spec is not None else "eagle")
+    reason = exportable_reason(case.composition, case.property, case.spec.mode.value, case.spec.kv_cache_dtype)
     if reason:
         raise UsageError(f"cannot export {args.file}: {reason}")
     out = Path(args.out) if args.out else Path("harness-out/export") / f"test_{Path(args.file).stem.replace('-', '_')}.py"

@@ -35,7 +35,9 @@ What it covers today (anything else is refused with one line, exit 2):
     times the scales (the new tokens as the cache stores them), as the harness's reference does; on a CPU a Triton
     case also gets the harness's correction of Triton's interpreted fp8 cast (interpreter_shims.py, shim 6);
   - a verify or draft-extend batch keeps SGLang's seq_lens and positions and rebuilds its spec info with SGLang's
-    ``EagleVerifyInput`` (the draft tree's custom mask and retrieve links, as the harness handed them) or
+    verify input of its speculative algorithm (``EagleVerifyInput``, ``FrozenKVMTPVerifyInput``, ``NgramVerifyInput``:
+    the draft tree's custom mask and retrieve links, as the harness handed them; ``DFlashVerifyInput``: the block,
+    the batch's host lengths widened by it) or
     ``EagleDraftExtendInput``; the reference places each draft token at the cached length plus its depth;
 * the ``conformance`` property of any SGLang composition, class-level ones included.
 
@@ -78,8 +80,7 @@ SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--
                "flashinfer": "--attention-backend flashinfer", "flex_attention": "--attention-backend flex_attention"}
 
 
-def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str,
-                      algorithm: str = "eagle") -> str | None:
+def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
     """Why a case of this kind cannot be exported (yet), or None."""
     if prop == "conformance":
         if "sglang." not in composition or composition.startswith("graph("):
@@ -94,8 +95,6 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
         return f"export covers {', '.join(MODES)} batches, not {mode} (draft-loop batches are not exported yet)"
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         return f"export covers a KV cache of {' or '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype}"
-    if algorithm != "eagle":
-        return f"export builds EAGLE's verify input, not {algorithm}'s (not exported yet)"
     return None
 
 
@@ -125,13 +124,20 @@ def speculative_inputs(sfb) -> tuple[dict | None, dict[str, torch.Tensor]]:
     info, bs = sfb.spec_info, sfb.batch_size
     if info is None:
         return None, {}
-    spec = {"seq_lens": [int(n) for n in sfb.seq_lens_cpu[:bs].tolist()]}
+    # The committed lengths (a DFlash verify's host copy is widened by its block: the device's are these)
+    spec = {"seq_lens": [int(n) for n in sfb.seq_lens[:bs].tolist()]}
     tensors = {"positions": sfb.positions.detach().cpu().clone()}
     if sfb.forward_mode.is_target_verify():
-        spec.update(spec_steps=int(info.spec_steps), topk=int(info.topk), draft_token_num=int(info.draft_token_num))
-        tensors["custom_mask"] = info.custom_mask.detach().cpu().clone()
+        spec.update(verify_input=type(info).__name__, draft_token_num=int(info.draft_token_num))
+        if spec["verify_input"] in ("EagleVerifyInput", "FrozenKVMTPVerifyInput"):
+            spec.update(spec_steps=int(info.spec_steps), topk=int(info.topk))
+        if info.custom_mask is not None:
+            tensors["custom_mask"] = info.custom_mask.detach().cpu().clone()
         for name in ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "retrieve_cum_len"):
-            tensors[name] = getattr(info, name).detach().cpu().clone()
+            # (spelled retrive_* up to 0.5.13; a DFlash block has no tree links, an n-gram tree no cum_len)
+            found = getattr(info, name, getattr(info, name.replace("retrieve", "retrive"), None))
+            if found is not None:
+                tensors[name] = found.detach().cpu().clone()
     else:  # a draft extend (DRAFT_EXTEND_V2)
         spec["num_accept_tokens"] = [int(a) for a in info.num_accept_tokens_cpu]
     return spec, tensors
@@ -223,13 +229,21 @@ def _server_configuration(name: str, spec, radix: dict, kv_scales: tuple[float, 
         model.append(f"sliding window {radix['sliding_window_size']} (a Gemma-2/Mistral-style SWA layer)")
     if radix["logit_cap"]:
         model.append(f"attention logit soft-cap {radix['logit_cap']:g} (Gemma-2/Grok-style)")
-    if spec.spec is not None:
-        parts.append(f"--speculative-algorithm EAGLE --speculative-num-steps {spec.spec.spec_steps} "
-                     f"--speculative-eagle-topk {spec.spec.topk} --speculative-num-draft-tokens "
-                     f"{spec.spec.draft_token_num}")
+    if spec.spec is not None and spec.spec.algorithm == "dflash":
+        parts.append(f"--speculative-algorithm DFLASH --speculative-num-draft-tokens {spec.spec.draft_token_num} "
+                     f"(the block size)")
+    elif spec.spec is not None and spec.spec.algorithm == "ngram":
+        parts.append(f"--speculative-algorithm NGRAM --speculative-ngram-max-bfs-breadth {spec.spec.topk} "
+                     f"--speculative-num-draft-tokens {spec.spec.draft_token_num}")
+    elif spec.spec is not None:
+        parts.append(f"--speculative-algorithm {SERVER_ALGORITHMS[spec.spec.algorithm]} --speculative-num-steps "
+                     f"{spec.spec.spec_steps} --speculative-eagle-topk {spec.spec.topk} "
+                     f"--speculative-num-draft-tokens {spec.spec.draft_token_num}")
     step = {"decode": "a decode step", "extend": "a prefill (extend) step", "mixed": "a mixed prefill+decode step "
             "(--enable-mixed-chunk)", "target_verify": "the target model's verify of a draft tree",
             "draft_extend": "the draft model's extend over the accepted tokens"}[spec.mode.value]
+    if spec.spec is not None and spec.spec.algorithm == "dflash":
+        step = "the target model's verify of a DFlash block (a chain under the causal mask)"
     return f"{' '.join(parts)}, a model with {', '.join(model)}; {step}"
 
 
@@ -247,8 +261,7 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
     from backends.registry import parse
 
     spec = case.spec
-    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype,
-                               spec.spec.algorithm if spec.spec is not None else "eagle")
+    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype)
     if reason:
         raise UsageError(f"cannot export {case.composition} {case.property}: {reason}")
     composition = parse(case.composition)
@@ -358,12 +371,14 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
         window_note=("and within its sliding window W: a key at position j only from a query at a position p with "
                      "j >= p - W" if window >= 0 else "no sliding window"),
         parents=json.dumps([list(p) for p in spec.spec.parents]) if spec.mode.drafts_tree() else "None",
-        speculative=(string.Template(SPECULATIVE_MODES[spec.mode.value]).substitute(spec=json.dumps(call.spec))
-                     if call.spec else ""),
-        speculative_runner=SPECULATIVE_RUNNER if call.spec else "",
+        speculative=(string.Template(speculative_template(spec)).substitute(
+            spec=json.dumps(call.spec), algorithm=SERVER_ALGORITHMS[spec.spec.algorithm])
+            if call.spec else ""),
+        speculative_runner=(string.Template(SPECULATIVE_RUNNER).substitute(
+            algorithm=SERVER_ALGORITHMS[spec.spec.algorithm]) if call.spec else ""),
         use_speculative=USE_SPECULATIVE if call.spec else "",
         forward_batch_names="CaptureHiddenMode, ForwardMode" if call.spec else "ForwardMode",
-        speculative_imports=(f"from sglang.srt.speculative.eagle_info import {SPECULATIVE_IMPORTS[spec.mode.value]}\n"
+        speculative_imports=(f"from sglang.srt.speculative.{speculative_import(spec)}\n"
                              "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
                              if call.spec else ""),
         data=("TENSORS = {\n" + data_source + "\n}" if inline else
@@ -813,24 +828,24 @@ REFUSED_OR_RUN = """    try:
 
 # A speculative batch: the kit's ForwardBatch made into the one SGLang's EAGLE worker hands over, its spec info
 # rebuilt with SGLang's own classes from what the harness handed them (SPEC, and TENSORS' positions and tree).
-SPECULATIVE_RUNNER = """    runner.spec_algorithm = SpeculativeAlgorithm.EAGLE  # as --speculative-algorithm EAGLE sets it
+SPECULATIVE_RUNNER = """    runner.spec_algorithm = SpeculativeAlgorithm.$algorithm  # as --speculative-algorithm $algorithm sets it
 """
 USE_SPECULATIVE = """    as_speculative(forward_batch)
 """
 TARGET_VERIFY = '''
-SPEC = $spec  # SGLang's seq_lens (a verify's: the cached tokens) and its EagleVerifyInput's draft tree
+SPEC = $spec  # SGLang's seq_lens (a verify's: the cached tokens) and its $verify_input's draft tree
 
 
 def as_speculative(batch):
     """The batch as SGLang's EAGLE worker hands it to the target model for verification (as SGLang's kit builds it,
     speculative_target_verify_runner.py): seq_lens count the cached tokens only, each draft token sits at its
-    request's seq_len plus its depth, and spec_info is an EagleVerifyInput whose custom mask holds, for each
+    request's seq_len plus its depth, and spec_info is an $verify_input whose custom mask holds, for each
     request, each draft token's row over its seq_len + draft_token_num keys, flattened."""
     batch.seq_lens = torch.tensor(SPEC["seq_lens"], dtype=torch.int32, device=DEVICE)
     batch.seq_lens_cpu = torch.tensor(SPEC["seq_lens"], dtype=torch.int32)
     batch.seq_lens_sum = sum(SPEC["seq_lens"])
     batch.positions = TENSORS["positions"].to(DEVICE)
-    batch.spec_info = EagleVerifyInput(
+    batch.spec_info = $verify_input(
         draft_token=batch.input_ids, custom_mask=TENSORS["custom_mask"].to(DEVICE), positions=batch.positions,
         retrieve_index=TENSORS["retrieve_index"].to(DEVICE),
         retrieve_next_token=TENSORS["retrieve_next_token"].to(DEVICE),
@@ -838,7 +853,46 @@ def as_speculative(batch):
         retrieve_cum_len=TENSORS["retrieve_cum_len"].to(DEVICE), spec_steps=SPEC["spec_steps"], topk=SPEC["topk"],
         draft_token_num=SPEC["draft_token_num"], capture_hidden_mode=CaptureHiddenMode.FULL,
         seq_lens_sum=batch.seq_lens_sum, seq_lens_cpu=batch.seq_lens_cpu)
-    batch.spec_algorithm = SpeculativeAlgorithm.EAGLE
+    batch.spec_algorithm = SpeculativeAlgorithm.$algorithm
+
+'''
+NGRAM_VERIFY = '''
+SPEC = $spec  # SGLang's seq_lens (a verify's: the cached tokens) and its NgramVerifyInput's draft tree
+
+
+def as_speculative(batch):
+    """The batch as SGLang's n-gram worker hands it to the target model for verification (ngram_worker.py): seq_lens
+    count the cached tokens only, each draft token sits at its request's seq_len plus its depth, and spec_info is an
+    NgramVerifyInput whose custom mask holds, for each request, each draft token's row over its seq_len +
+    draft_token_num keys, flattened."""
+    batch.seq_lens = torch.tensor(SPEC["seq_lens"], dtype=torch.int32, device=DEVICE)
+    batch.seq_lens_cpu = torch.tensor(SPEC["seq_lens"], dtype=torch.int32)
+    batch.seq_lens_sum = sum(SPEC["seq_lens"])
+    batch.positions = TENSORS["positions"].to(DEVICE)
+    batch.spec_info = NgramVerifyInput(
+        draft_token=batch.input_ids, custom_mask=TENSORS["custom_mask"].to(DEVICE), positions=batch.positions,
+        retrieve_index=TENSORS["retrieve_index"].to(DEVICE),
+        retrieve_next_token=TENSORS["retrieve_next_token"].to(DEVICE),
+        retrieve_next_sibling=TENSORS["retrieve_next_sibling"].to(DEVICE), draft_token_num=SPEC["draft_token_num"])
+    batch.spec_algorithm = SpeculativeAlgorithm.NGRAM
+
+'''
+DFLASH_VERIFY = '''
+SPEC = $spec  # SGLang's seq_lens (the committed tokens) and DFlash's block size
+
+
+def as_speculative(batch):
+    """The batch as SGLang's DFlash worker hands the target model a block to verify (dflash_worker_v2.py): on the
+    device seq_lens count the committed tokens; the worker widens their host copy (seq_lens_cpu, seq_lens_sum) by
+    the block before it plans; spec_info is a DFlashVerifyInput with no custom mask (the block's causal one)."""
+    block = SPEC["draft_token_num"]
+    batch.seq_lens = torch.tensor(SPEC["seq_lens"], dtype=torch.int32, device=DEVICE)
+    batch.seq_lens_cpu = torch.tensor(SPEC["seq_lens"], dtype=torch.int32) + block
+    batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+    batch.positions = TENSORS["positions"].to(DEVICE)
+    batch.spec_info = DFlashVerifyInput(draft_token=batch.input_ids, positions=batch.positions, draft_token_num=block,
+                                        custom_mask=None, capture_hidden_mode=CaptureHiddenMode.FULL)
+    batch.spec_algorithm = SpeculativeAlgorithm.DFLASH
 
 '''
 DRAFT_EXTEND = '''
@@ -869,8 +923,31 @@ def as_speculative(batch):
 # SGLang's name of each exported mode (the harness's DRAFT_EXTEND is SGLang's DRAFT_EXTEND_V2, see the adapter)
 SGLANG_MODE = {"extend": "EXTEND", "decode": "DECODE", "mixed": "MIXED", "target_verify": "TARGET_VERIFY",
                "draft_extend": "DRAFT_EXTEND_V2"}
-SPECULATIVE_MODES = {"target_verify": TARGET_VERIFY, "draft_extend": DRAFT_EXTEND}
-SPECULATIVE_IMPORTS = {"target_verify": "EagleVerifyInput", "draft_extend": "EagleDraftExtendInput"}
+# Each speculative algorithm's verify input: where SGLang keeps it, and the file's template that builds it
+VERIFY_INPUTS = {"eagle": ("eagle_info", "EagleVerifyInput"), "frozen_kv_mtp": ("frozen_kv_mtp_info",
+                                                                              "FrozenKVMTPVerifyInput"),
+                 "ngram": ("ngram_info", "NgramVerifyInput"), "dflash": ("dflash_info", "DFlashVerifyInput")}
+SERVER_ALGORITHMS = {"eagle": "EAGLE", "frozen_kv_mtp": "FROZEN_KV_MTP", "ngram": "NGRAM", "dflash": "DFLASH"}
+
+
+def speculative_template(spec) -> str:
+    """The file's ``as_speculative`` for ``spec``'s mode and, in a verify, its algorithm's input."""
+    if spec.mode.is_draft_extend():
+        return DRAFT_EXTEND
+    algorithm = spec.spec.algorithm
+    if algorithm == "ngram":
+        return NGRAM_VERIFY
+    if algorithm == "dflash":
+        return DFLASH_VERIFY
+    return string.Template(TARGET_VERIFY).safe_substitute(verify_input=VERIFY_INPUTS[algorithm][1])
+
+
+def speculative_import(spec) -> str:
+    """``module import Name`` of the speculative input the file builds."""
+    if spec.mode.is_draft_extend():
+        return "eagle_info import EagleDraftExtendInput"
+    module, name = VERIFY_INPUTS[spec.spec.algorithm]
+    return f"{module} import {name}"
 
 
 # An fp8 e4m3 KV cache: the kit's runner keeps the cache in the model's dtype, so the file swaps SGLang's fp8 pool in.

@@ -279,6 +279,8 @@ KEY = pytest.StashKey()
 # asserts when the fault is patched back in.
 EXPORTED_MUTANTS = {
     "sglang_mha_decode_drops_logit_cap": ("outputs", r"AssertionError: (relative L2|element) error"),
+    # a DFlash verify (the fault shows only there): the file builds DFlashVerifyInput and widens the host lengths
+    "sglang_triton_verify_plans_from_host_lengths": ("outputs", r"AssertionError: (relative L2|element) error"),
     "sglang_triton_lacks_update_verify": (
         "conformance", r"AssertionError: TritonAttnBackend serves target_verify but leaves "
                        r"update_verify_buffers_to_fill_after_draft to AttentionBackend"),
@@ -292,7 +294,8 @@ EXPORTED_MUTANTS = {
 @needs_kit
 def test_mutant_cases_fail_under_their_fault_and_pass_without_it(tmp_path):
     """`harness mutants --engine sglang` finds faults patched into SGLang's real classes (the dropped soft-cap of
-    its MHA decode branch; a Triton backend without its verify-buffer refresh; TRT-LLM MLA's one-argument
+    its MHA decode branch; a Triton verify planned from DFlash's widened host lengths; a Triton backend without its
+    verify-buffer refresh; TRT-LLM MLA's one-argument
     init_mha_chunk_metadata, read at class level); each exported case passes on its own (the real SGLang has no such
     fault) and fails with its fault patched in. The files run together, one fresh interpreter without the faults and
     one with each file's own, so SGLang is imported twice, not twice per file."""
