@@ -191,6 +191,9 @@ class Capabilities:
     # SpecInput.draft_prefix_columns); ours (backends/draft.py) does. Not to be confused with draft_window above
     # (a draft model whose layers have sliding windows of their own).
     draft_prefix_window: bool = True
+    # ... also over pages of more than one token. False for a backend whose draft steps read whole pages of our
+    # branch table (backends/draft.py), which the window's sinks and recent tokens leave unaligned.
+    paged_draft_prefix_window: bool = True
     # The speculative algorithms whose target verify it serves (batch.spec.VERIFY_ALGORITHMS): ours read the tree
     # whatever its algorithm; an engine's backends branch on the verify input's class
     verify_algorithms: frozenset[str] = frozenset(VERIFY_ALGORITHMS)
@@ -271,6 +274,7 @@ class Support:
     hybrid_draft_worker: bool = True  # every linear leaf's (see Capabilities)
     draft_window: bool = True  # the full-attention leaves' (see Capabilities)
     draft_prefix_window: bool = True  # the full-attention leaves' (see Capabilities)
+    paged_draft_prefix_window: bool = True  # the full-attention leaves' (see Capabilities)
     verify_algorithms: frozenset[str] = frozenset(VERIFY_ALGORITHMS)  # every leaf's (see Capabilities)
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
@@ -353,6 +357,7 @@ class Support:
                    verify_window=all(c.verify_window for c in full),
                    draft_window=all(c.draft_window for c in full),
                    draft_prefix_window=all(c.draft_prefix_window for c in full),
+                   paged_draft_prefix_window=all(c.paged_draft_prefix_window for c in full),
                    verify_algorithms=frozenset.intersection(*(c.verify_algorithms for c in caps)))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
@@ -373,6 +378,10 @@ class Support:
         if spec.spec is not None and spec.spec.draft_window_size > 0 and not self.draft_prefix_window:
             return "the draft window (--speculative-draft-window-size) not supported: its draft loop reads the whole " \
                    "prefix"
+        if spec.spec is not None and spec.spec.draft_window_size > 0 and spec.page_size > 1 \
+                and not self.paged_draft_prefix_window:
+            return "the draft window over pages of more than one token not supported: its draft steps read whole " \
+                   "pages, which a window's sinks and recent tokens do not fill"
         if 0 in spec.extend_lens and not self.empty_extend:
             return "empty extends (a request with no new tokens) not supported"
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:

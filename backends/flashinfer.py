@@ -235,6 +235,9 @@ class FlashInferBackend(AttentionBackend):
         dtypes=frozenset({"bfloat16", "float16"}),  # FlashInfer's prefill/decode kernels have no fp32 path
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's FA2/FA3 kernels are instantiated for
         page_sizes=None,  # page_size is a plan() argument of the paged kernels, not a compiled one
+        # Its decode reads whole pages of the branch table our draft container builds (backends/draft.py): under a
+        # draft window over the prefix that table keeps the sinks and the recent tokens, not whole pages
+        paged_draft_prefix_window=False,
         custom_mask=True,
         sliding_window=True,
         logit_cap=True,

@@ -119,6 +119,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False, draft_window: bool = True, draft_prefix_window: bool = False,
+                paged_draft_prefix_window: bool = True,
                 verify_algorithms: tuple[str, ...] = ("eagle",),
                 graph_padding: bool = False,
                 overreach: tuple[str, ...] = (), kda_safe_gate: bool = True) -> BatchSpec:
@@ -135,7 +136,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     ``boundaries`` its kernels' length boundaries; ``empty_extend`` lets EXTEND/MIXED requests have no new
     tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches, ``draft_window`` in DRAFT_DECODE ones;
     ``draft_prefix_window`` draws the server's draft window over the prefix in DRAFT_DECODE batches of models without
-    sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them);
+    sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them; over pages of
+    more than one token only where ``paged_draft_prefix_window``);
     ``verify_algorithms`` are the speculative algorithms a TARGET_VERIFY batch's verify input is drawn from.
     ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
@@ -271,8 +273,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         window = sink = 0
         # (not where the draw crosses a window limit: that gives a layer its sliding window further down)
         window_crossing = crossing in ("sliding_window", "verify_window", "draft_window")
-        if draft_prefix_window and not window_crossing and not any(getattr(l, "sliding_window", None) for l in layers) \
-                and draw(st.booleans()):
+        if draft_prefix_window and (page_size == 1 or paged_draft_prefix_window) and not window_crossing \
+                and not any(getattr(l, "sliding_window", None) for l in layers) and draw(st.booleans()):
             # SGLang's --speculative-draft-window-size (and -sink-size): no wider than the longest prefix, so most
             # draws cut some request's prefix into its sinks and its recent tokens
             window = draw(st.integers(1, max(prefix)))

@@ -211,3 +211,12 @@ def test_a_draft_loop_that_forgets_its_sinks_is_caught(device):
     assert not outputs.ok and "out of bounds" in outputs.reason, str(outputs)
     # request 0's branches read 5 recent tokens and no sinks: its plan is two keys short per branch
     assert not metadata.ok and "draft step 0" in metadata.reason, str(metadata)
+
+
+def test_a_draft_window_over_pages_is_refused_where_the_steps_read_whole_pages():
+    layers = (MHALayer(0, 8, 2, 128, 128),)  # a head dim FlashInfer compiles
+    paged = dataclasses.replace(draft((12, 4), 1, 3, page_size=4, layers=layers, window=5, sink=2), dtype="bfloat16")
+    flat = dataclasses.replace(draft((12, 4), 1, 3, layers=layers, window=5, sink=2), dtype="bfloat16")
+    assert "over pages of more than one token not supported" in parse("flashinfer").support().unsupported_reason(paged)
+    assert parse("flashinfer").support().unsupported_reason(flat) is None
+    assert parse("triton").support().unsupported_reason(paged) is None  # token-level reads: any page size
