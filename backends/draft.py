@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from batch.forward_batch import ForwardBatch, ModelRunner
-from batch.spec import ForwardMode, draft_prefix_columns, draft_step_rows
+from batch.spec import ForwardMode, draft_prefix_columns, draft_region, draft_step_rows
 
 
 def branch_table(fb: ForwardBatch, topk: int, steps: int, window: int = 0, sink: int = 0
@@ -40,7 +40,8 @@ def branch_table(fb: ForwardBatch, topk: int, steps: int, window: int = 0, sink:
         for j in range(topk):
             row = table[1 + r * topk + j]
             row[:cols.numel()] = rows[r, cols]
-            row[cols.numel():cols.numel() + steps - 1] = rows[r, n + j * steps:n + j * steps + steps - 1]
+            start, tail = draft_region(n, fb.page_size, topk, steps, j)  # the branch's slots follow its region's tail
+            row[cols.numel():cols.numel() + steps - 1] = rows[r, start + tail:start + tail + steps - 1]
     prefix = torch.tensor(read, dtype=torch.int64).repeat_interleave(topk)
     return table, prefix
 

@@ -238,6 +238,9 @@ class FlashInferBackend(AttentionBackend):
         # Its decode reads whole pages of the branch table our draft container builds (backends/draft.py): under a
         # draft window over the prefix that table keeps the sinks and the recent tokens, not whole pages
         paged_draft_prefix_window=False,
+        # ... and a branch table of a paged draft tree: its pages would be the prefix's, while SGLang's layout reads
+        # each branch's own first page (the prefix's last partial page repeated, batch.spec.draft_region)
+        paged_draft_trees=False,
         custom_mask=True,
         sliding_window=True,
         logit_cap=True,

@@ -95,6 +95,20 @@ def draft_forest(topk: int, steps: int) -> tuple[int, ...]:
     return tuple(-1 if s == 0 else j * n + s - 1 for j in range(topk) for s in range(n))
 
 
+def draft_region(prefix_len: int, page_size: int, topk: int, steps: int, branch: int) -> tuple[int, int]:
+    """(first column, tail length) of draft branch ``branch``'s region in a request's cache row, SGLang's layout
+    (``prepare_for_draft``, eagle_worker_common.py; ``generate_draft_decode_kv_indices``' paged read): with pages of
+    one token, or one branch, the branches' ``steps`` slots follow the prefix one after the other (no tail). With
+    larger pages and several branches each branch gets page-aligned pages of its own, from ``prefix - prefix %
+    page_size`` on, whose first ``prefix % page_size`` slots (the tail) repeat the prefix's last partial page
+    (``duplicate_prefix_tail_to_draft_branches``; branch 0's tail is that page itself), then its ``steps`` slots."""
+    if page_size == 1 or topk == 1:
+        return prefix_len + branch * steps, 0
+    tail = prefix_len % page_size
+    pages = -(-(tail + steps) // page_size)
+    return prefix_len - tail + branch * pages * page_size, tail
+
+
 def draft_step_rows(batch_size: int, topk: int, steps: int, step: int) -> list[int]:
     """The rows of draft step ``step`` in a DRAFT_DECODE batch of ``batch_size`` requests (each ``topk`` branches of
     ``steps - 1`` tokens, :func:`draft_forest`): for each request, each branch's token of that step."""
@@ -540,17 +554,33 @@ class BatchSpec:
         """Tokens each request's cache row (``req_to_token``) holds once the batch's slots are allocated: its keys,
         or in DRAFT_DECODE the prefix and every branch's ``spec_steps`` draft slots."""
         if self.mode.is_draft_decode():
-            return tuple(p + self.spec.topk * self.spec.spec_steps for p in self.prefix_lens)
+            s = self.spec
+            return tuple(draft_region(p, self.page_size, s.topk, s.spec_steps, s.topk)[0] for p in self.prefix_lens)
         return self.kv_lens
 
     def new_token_columns(self, request: int) -> list[int]:
         """The cache-row column of each of ``request``'s new tokens, in row order: after its prefix in turn, or in
-        DRAFT_DECODE branch j's step s at ``prefix + j * spec_steps + s``."""
+        DRAFT_DECODE branch j's step s after its region's tail (:func:`draft_region`: ``prefix + j * spec_steps + s``
+        with pages of one token or one branch)."""
         p, e = self.prefix_lens[request], self.extend_lens[request]
         if not self.mode.is_draft_decode():
             return list(range(p, p + e))
-        n, steps = self.spec.spec_steps - 1, self.spec.spec_steps
-        return [p + (r // n) * steps + r % n for r in range(e)]
+        n, steps, topk = self.spec.spec_steps - 1, self.spec.spec_steps, self.spec.topk
+        regions = [draft_region(p, self.page_size, topk, steps, j) for j in range(topk)]
+        return [regions[r // n][0] + regions[r // n][1] + r % n for r in range(e)]
+
+    def draft_tail_columns(self, request: int) -> list[tuple[list[int], list[int]]]:
+        """(the prefix's last partial page's columns, a branch's tail columns that repeat it) for each draft branch
+        past the first under SGLang's paged tree layout (:func:`draft_region`); empty elsewhere."""
+        if not self.mode.is_draft_decode():
+            return []
+        p, s = self.prefix_lens[request], self.spec
+        out = []
+        for j in range(1, s.topk):
+            start, tail = draft_region(p, self.page_size, s.topk, s.spec_steps, j)
+            if tail:
+                out.append((list(range(p - tail, p)), list(range(start, start + tail))))
+        return out
 
     @property
     def full_attn_layers(self) -> tuple[int, ...]:
@@ -725,11 +755,6 @@ class BatchSpec:
         _require(not (self.attention_kinds & RECURRENT_KINDS),
                  "draft_decode batches have full-attention layers only (a draft model's)")
         _require(self.mrope is None, "mrope layouts are not modelled for draft_decode batches")
-        # SGLang gives each branch of a paged tree its own pages, the prefix's last partial page copied into each
-        # (eagle_worker_common.py, prepare_for_draft): a layout the harness does not build yet
-        _require(self.page_size == 1 or s.topk == 1,
-                 "draft_decode batches with page_size > 1 draft chains only (topk 1): the paged tree layout is not "
-                 "modelled")
         for i, n in enumerate(self.cache_lens):
             _require(n <= self.context_len, f"request {i}: prefix_lens + topk * spec_steps draft slots = {n} exceeds "
                                             f"context_len={self.context_len}")

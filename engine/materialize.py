@@ -252,6 +252,14 @@ def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
                 "dt_bias": draw.normal(Hv, scale=0.5, device=device),
             }))
 
+    # A paged draft tree: each branch's tail slots repeat the prefix's last partial page, as SGLang's
+    # prepare_for_draft duplicates it before the draft loop (batch.spec.draft_region)
+    for i in range(B):
+        for src, dst in spec.draft_tail_columns(i):
+            for buf in (*k_buffers.values(), *v_buffers.values()):
+                if buf is not None:
+                    buf[token_slots[i][dst].to(buf.device)] = buf[token_slots[i][src].to(buf.device)]
+
     def dev(t: torch.Tensor, dt: torch.dtype | None = None) -> torch.Tensor:
         return t.to(dtype=dt or t.dtype).to(device)
 

@@ -119,7 +119,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 head_configs: tuple[tuple[int, int, int, int], ...] | None = None,
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False, draft_window: bool = True, draft_prefix_window: bool = False,
-                paged_draft_prefix_window: bool = True,
+                paged_draft_prefix_window: bool = True, paged_draft_trees: bool = True,
                 verify_algorithms: tuple[str, ...] = ("eagle",),
                 graph_padding: bool = False,
                 overreach: tuple[str, ...] = (), kda_safe_gate: bool = True) -> BatchSpec:
@@ -137,7 +137,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     tokens; ``verify_window`` keeps sliding windows in TARGET_VERIFY batches, ``draft_window`` in DRAFT_DECODE ones;
     ``draft_prefix_window`` draws the server's draft window over the prefix in DRAFT_DECODE batches of models without
     sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them; over pages of
-    more than one token only where ``paged_draft_prefix_window``);
+    more than one token only where ``paged_draft_prefix_window``); ``paged_draft_trees`` draws draft trees (topk > 1)
+    over pages of more than one token, in SGLang's paged tree layout (batch.spec.draft_region);
     ``verify_algorithms`` are the speculative algorithms a TARGET_VERIFY batch's verify input is drawn from.
     ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
@@ -266,7 +267,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         # simplest loop has two branches and two steps (DRAFT_TOPK_ORDER, DRAFT_STEPS_ORDER): a row searched with few examples still
         # sees a step read its own branch's earlier token, beside another branch's.
         steps = 2 if shape == SINGLE_TOKEN else draw(st.sampled_from(DRAFT_STEPS_ORDER))
-        topk = 1 if (chain or shape == SINGLE_TOKEN or page_size > 1) else draw(st.sampled_from(DRAFT_TOPK_ORDER))
+        topk = 1 if (chain or shape == SINGLE_TOKEN or (page_size > 1 and not paged_draft_trees)) \
+            else draw(st.sampled_from(DRAFT_TOPK_ORDER))
         prefix = [prefix_len(1) for _ in range(B)]
         forest = draft_forest(topk, steps)
         extend = [len(forest)] * B

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from backends.registry import parse
 from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecError, SpecInput, draft_forest, draft_step_rows
@@ -55,7 +56,6 @@ def test_materialized_draft_slots_follow_sglangs_cache_rows():
     (dict(spec_steps=1), "spec_steps >= 2"),
     (dict(parents=((-1, 0, 1, -1), (-1, 0, 1, -1))), "draft_forest"),
     (dict(accept_lens=(2, 1)), "accept nothing"),
-    (dict(page_size=4), "paged tree layout"),
     (dict(draft_sink_size=2), "sink_size needs spec.draft_window_size > 0"),
     (dict(draft_window_size=-1), "must be >= 0"),
     (dict(draft_window_size=3, layers=(dataclasses.replace(MHA, sliding_window=4),)), "without a sliding window"),
@@ -139,7 +139,8 @@ def _sglang_triton(device):
     return comp
 
 
-@pytest.mark.parametrize("topk, steps, page_size", [(3, 3, 1), (1, 4, 4)], ids=["tree", "paged-chain"])
+@pytest.mark.parametrize("topk, steps, page_size", [(3, 3, 1), (1, 4, 4), (3, 3, 4)],
+                         ids=["tree", "paged-chain", "paged-tree"])
 def test_sglangs_multi_step_draft_backend_answers_every_step(topk, steps, page_size, device):
     comp = _sglang_triton(device)
     spec = draft((6, 11), topk=topk, steps=steps, page_size=page_size)
@@ -220,3 +221,35 @@ def test_a_draft_window_over_pages_is_refused_where_the_steps_read_whole_pages()
     assert "over pages of more than one token not supported" in parse("flashinfer").support().unsupported_reason(paged)
     assert parse("flashinfer").support().unsupported_reason(flat) is None
     assert parse("triton").support().unsupported_reason(paged) is None  # token-level reads: any page size
+
+
+def test_a_paged_draft_tree_gives_each_branch_its_own_pages_after_a_copy_of_the_prefix_tail():
+    from batch.spec import draft_region
+
+    # prefix 6 in pages of 4: a tail of 2; each of 3 branches gets ceil((2 + 3) / 4) = 2 pages from column 4 on
+    assert [draft_region(6, 4, 3, 3, j) for j in range(4)] == [(4, 2), (12, 2), (20, 2), (28, 2)]
+    spec = draft((6, 8), topk=3, steps=3, page_size=4)
+    assert spec.new_token_columns(0) == [6, 7, 14, 15, 22, 23]  # each branch's 2 written steps after its tail
+    assert spec.new_token_columns(1) == [8, 9, 12, 13, 16, 17]  # prefix 8: no tail, one page of 3 slots each
+    assert spec.cache_lens == (28, 20)
+    case = materialize(spec)
+    row = case.forward_batch.req_to_token[case.forward_batch.req_pool_indices[0]].tolist()
+    for buf in (case.kv_pool_before.k_buffers[0], case.kv_pool_before.v_buffers[0]):
+        for start in (12, 20):  # branches 1 and 2 repeat the prefix's last partial page (columns 4 and 5)
+            assert torch.equal(buf[row[start:start + 2]], buf[row[4:6]])
+    assert spec.draft_tail_columns(1) == []  # a prefix of whole pages leaves no tail to repeat
+
+
+def test_sglangs_draft_loop_reads_the_paged_tree_layout_and_no_other(device, monkeypatch):
+    """SGLang's draft index kernel reads each branch's slots from its paged region: the same batch laid out flat
+    (branch j's slots right after the previous branch's, as with pages of one token) is read wrong."""
+    import batch.spec as batch_spec
+
+    comp = _sglang_triton(device)
+    spec = draft((6, 11), topk=3, steps=3, page_size=4)
+    assert PROPERTIES["outputs"].run(comp, spec, device).ok
+    flat = lambda p, page, topk, steps, j: (p + j * steps, 0)  # noqa: E731
+    monkeypatch.setattr(batch_spec, "draft_region", flat)
+    monkeypatch.setattr("backends.draft.draft_region", flat)
+    assert PROPERTIES["outputs"].run(parse("torch_native"), spec, device).ok  # ours reads whatever layout it is given
+    assert not PROPERTIES["outputs"].run(comp, spec, device).ok
