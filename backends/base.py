@@ -379,7 +379,8 @@ class Support:
         if spec.spec is not None and spec.spec.topk > 1 and not self.draft_trees:
             return "draft trees (topk > 1) not supported: verify chains only"
         if spec.spec is not None and spec.spec.algorithm not in self.verify_algorithms:
-            return f"{spec.spec.algorithm}'s verify not supported (verifies {', '.join(sorted(self.verify_algorithms))})"
+            served = ", ".join(sorted(self.verify_algorithms))
+            return f"{spec.spec.algorithm}'s verify not supported (verifies {served})"
         if spec.spec is not None and spec.spec.draft_window_size > 0 and not self.draft_prefix_window:
             return "the draft window (--speculative-draft-window-size) not supported: its draft loop reads the whole " \
                    "prefix"

@@ -442,7 +442,8 @@ class SpecInput:
     algorithm: str = "eagle"
 
     def draft_prefix_columns(self, prefix_len: int) -> list[int]:
-        """The columns of a committed prefix of ``prefix_len`` tokens a draft step reads (:func:`draft_prefix_columns`)."""
+        """The columns of a committed prefix of ``prefix_len`` tokens a draft step reads
+        (:func:`draft_prefix_columns`)."""
         return draft_prefix_columns(prefix_len, self.draft_window_size, self.draft_sink_size)
 
     def depths(self, request: int) -> tuple[int, ...]:
@@ -707,8 +708,8 @@ class BatchSpec:
         _require(s.algorithm != "dflash" or s.is_chain(),
                  "spec.algorithm dflash verifies one block, a chain: spec.parents must be chains (topk 1)")
         _require(s.draft_window_size == 0 and s.draft_sink_size == 0,
-                 f"spec.draft_window_size and spec.draft_sink_size are the draft loop's (draft_decode batches); mode is "
-                 f"{m.value}")
+                 f"spec.draft_window_size and spec.draft_sink_size are the draft loop's (draft_decode batches); "
+                 f"mode is {m.value}")
         for i, tree in enumerate(s.parents):
             _require(len(tree) == s.draft_token_num,
                      f"spec.parents[{i}] has {len(tree)} nodes, expected draft_token_num={s.draft_token_num}")

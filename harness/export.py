@@ -828,7 +828,8 @@ REFUSED_OR_RUN = """    try:
 
 # A speculative batch: the kit's ForwardBatch made into the one SGLang's EAGLE worker hands over, its spec info
 # rebuilt with SGLang's own classes from what the harness handed them (SPEC, and TENSORS' positions and tree).
-SPECULATIVE_RUNNER = """    runner.spec_algorithm = SpeculativeAlgorithm.$algorithm  # as --speculative-algorithm $algorithm sets it
+# (as --speculative-algorithm sets it)
+SPECULATIVE_RUNNER = """    runner.spec_algorithm = SpeculativeAlgorithm.$algorithm
 """
 USE_SPECULATIVE = """    as_speculative(forward_batch)
 """

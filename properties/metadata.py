@@ -157,7 +157,8 @@ def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_reques
     one decode request per branch (request by request, branch by branch), its keys what the draft reads of the
     request's cached prefix (all of it, or under a draft window its sinks and recent tokens:
     ``SpecInput.draft_prefix_columns``) then the branch's draft tokens of steps 0..step (their columns:
-    ``BatchSpec.new_token_columns``), the last of them the step's own new token. A graph replay's ``padded_requests`` add their branches last, held only to valid indptrs."""
+    ``BatchSpec.new_token_columns``), the last of them the step's own new token. A graph replay's
+    ``padded_requests`` add their branches last, held only to valid indptrs."""
     K, n = spec.spec.topk, spec.spec.spec_steps - 1
     keys = []
     for r, row in enumerate(fb.req_pool_indices.tolist()):

@@ -788,7 +788,7 @@ class SglangTriton(SglangBackend):
         verify_window=True,  # declared, so a disagreement is a finding (see docs/findings/)
         empty_extend=True,  # its extend grid counts max(0, extend_len) tiles (extend_attention.py:191)
         # TritonMultiStepDraftBackend hands the server's draft window to generate_draft_decode_kv_indices
-        # (triton_backend.py, common_template), from 0.5.22 on
+        # (triton_backend.py, common_template), where the release has it (features.py, draft_prefix_window)
         engine_limits=(("draft_prefix_window", "draft_prefix_window", False),),
     )
 

@@ -127,7 +127,8 @@ FEATURES: dict[str, Feature] = {
         _p("srt.speculative.dflash_info:DFlashVerifyInput"),
         _p("srt.speculative.spec_info:SpeculativeAlgorithm.DFLASH"))),
     # The server's draft window over the committed prefix (--speculative-draft-window-size, -sink-size), which the
-    # draft containers of Triton and FlashInfer (MHA) pass to their index kernel, 0.5.22 on
+    # draft containers of Triton and FlashInfer (MHA) pass to their index kernel (in 0.5.22 and 0.5.23; not in
+    # 0.5.10 or 0.5.16)
     "draft_prefix_window": Feature("the draft loop's window and sinks over the committed prefix "
                                    "(resolve_draft_decode_window)", (
         _p("srt.speculative.spec_utils:resolve_draft_decode_window"),)),

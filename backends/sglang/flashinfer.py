@@ -140,7 +140,7 @@ class SglangFlashInfer(SglangBackend):
         # (seen on the H200, harness-out/gpu21.sh)
         draft_window=False,
         # FlashInferMultiStepDraftBackend hands the server's draft window to generate_draft_decode_kv_indices
-        # (flashinfer_backend.py, common_template), from 0.5.22 on
+        # (flashinfer_backend.py, common_template), where the release has it (features.py, draft_prefix_window)
         engine_limits=(("draft_prefix_window", "draft_prefix_window", False),),
         dtypes=FLASHINFER_DTYPES,
         head_dims=frozenset({64, 128, 256}),  # the head dims FlashInfer's attention kernels are built for
