@@ -59,6 +59,7 @@ from pathlib import Path
 
 import torch
 
+from backends.sglang.runtime import SERVER_ALGORITHMS
 from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
@@ -928,7 +929,6 @@ SGLANG_MODE = {"extend": "EXTEND", "decode": "DECODE", "mixed": "MIXED", "target
 VERIFY_INPUTS = {"eagle": ("eagle_info", "EagleVerifyInput"), "frozen_kv_mtp": ("frozen_kv_mtp_info",
                                                                               "FrozenKVMTPVerifyInput"),
                  "ngram": ("ngram_info", "NgramVerifyInput"), "dflash": ("dflash_info", "DFlashVerifyInput")}
-SERVER_ALGORITHMS = {"eagle": "EAGLE", "frozen_kv_mtp": "FROZEN_KV_MTP", "ngram": "NGRAM", "dflash": "DFLASH"}
 
 
 def speculative_template(spec) -> str:

@@ -48,14 +48,20 @@ def _window_cuts_keys(spec: BatchSpec, verdict: Verdict) -> bool:
             and max(spec.keys_seen, default=0) > layer.sliding_window)
 
 
+def _failing_token(verdict: Verdict) -> tuple[int, int] | None:
+    """(request, token row within it) of the worst element, or None where the verdict names none."""
+    m = re.search(r"request (\d+), (?:token|draft node) (\d+)", verdict.where or "")
+    return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+
 def _tree_window_by_row(spec: BatchSpec, verdict: Verdict) -> bool:
     """TARGET_VERIFY: the worst element is a draft token whose row in its tree is past its depth (a node off
     the tree's first chain), in a layer with a sliding window."""
     layer = _failing_layer(spec, verdict)
-    m = re.search(r"request (\d+), (?:token|draft node) (\d+)", verdict.where or "")
-    if not spec.mode.is_target_verify() or m is None or getattr(layer, "sliding_window", None) is None:
+    found = _failing_token(verdict)
+    if not spec.mode.is_target_verify() or found is None or getattr(layer, "sliding_window", None) is None:
         return False
-    request, node = int(m.group(1)), int(m.group(2))
+    request, node = found
     return spec.spec.depths(request)[node] < node
 
 
@@ -64,10 +70,10 @@ def _failing_window_token(spec: BatchSpec, verdict: Verdict) -> tuple[int, int, 
     failing token's offset past its request's prefix (a draft token's depth in its tree, an extend token's index),
     or None."""
     window = getattr(_failing_layer(spec, verdict), "sliding_window", None)
-    m = re.search(r"request (\d+), (?:token|draft node) (\d+)", verdict.where or "")
-    if window is None or m is None or spec.spec is None:
+    found = _failing_token(verdict)
+    if window is None or found is None or spec.spec is None:
         return None
-    request, token = int(m.group(1)), int(m.group(2))
+    request, token = found
     if spec.mode.is_target_verify():
         return request, spec.spec.depths(request)[token], window
     if spec.mode is ForwardMode.DRAFT_EXTEND:

@@ -62,6 +62,10 @@ def _lengths(lo: int, hi: int, page_size: int, boundaries: tuple[int, ...] = (),
     return st.one_of(*options, *([st.sampled_from(kernel)] if kernel else []))
 
 
+# The declared limits a batch crosses with a sliding window (properties/refusal.py's OVERREACHES)
+WINDOW_CROSSINGS = ("sliding_window", "verify_window", "draft_window")
+
+
 @st.composite
 def draft_tree(draw, draft_token_num: int, steps: int, topk: int, chain: bool) -> tuple[int, ...]:
     """Parent indices of an EAGLE-style draft tree: node 0 is the root; no node deeper than ``steps``;
@@ -152,7 +156,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
             raise ValueError(f"draft_decode batches need a full-attention layer kind; {sorted(kinds)} has none")
         kinds = kinds - RECURRENT_KINDS
     crossing = draw(st.sampled_from(overreach)) if overreach else None
-    if crossing in ("logit_cap", "sliding_window", "verify_window", "draft_window"):
+    if crossing == "logit_cap" or crossing in WINDOW_CROSSINGS:
         logit_cap = logit_cap or crossing == "logit_cap"
         sliding_window = sliding_window or crossing in ("sliding_window", "draft_window")
         verify_window = verify_window or crossing in ("sliding_window", "verify_window")
@@ -274,8 +278,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         extend = [len(forest)] * B
         window = sink = 0
         # (not where the draw crosses a window limit: that gives a layer its sliding window further down)
-        window_crossing = crossing in ("sliding_window", "verify_window", "draft_window")
-        if draft_prefix_window and (page_size == 1 or paged_draft_prefix_window) and not window_crossing \
+        if draft_prefix_window and (page_size == 1 or paged_draft_prefix_window) and crossing not in WINDOW_CROSSINGS \
                 and not any(getattr(l, "sliding_window", None) for l in layers) and draw(st.booleans()):
             # SGLang's --speculative-draft-window-size (and -sink-size): no wider than the longest prefix, so most
             # draws cut some request's prefix into its sinks and its recent tokens
@@ -311,7 +314,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         # a request with queries gets the cached keys for its crossing to show (its first query at position 2 or
         # more under a window, whatever its draft tree; two keys or more under a soft-cap)
         asking = max((i for i in range(B) if extend[i]), key=lambda i: prefix[i] + extend[i])
-        least = 2 if crossing in ("sliding_window", "verify_window", "draft_window") else 2 - extend[asking]
+        least = 2 if crossing in WINDOW_CROSSINGS else 2 - extend[asking]
         prefix[asking] = max(prefix[asking], least)
     mrope_layout = None
     if mrope and not mode.drafts_tree() and not has_linear and draw(st.booleans()):
@@ -378,7 +381,7 @@ def _crossing_layers(draw, crossing: str, layers, highest: int):
     first = layers[mha[0]]
     if crossing == "logit_cap" and not any(layers[i].logit_cap and layers[i].logit_cap <= 5.0 for i in mha):
         first = dataclasses.replace(first, logit_cap=draw(st.sampled_from([5.0, 1.0])))
-    elif crossing in ("sliding_window", "verify_window", "draft_window"):
+    elif crossing in WINDOW_CROSSINGS:
         window = next((layers[i].sliding_window for i in mha if layers[i].sliding_window), None)
         if window is None or window > highest - 1:  # one model window, short of the furthest query's position
             window = draw(st.integers(1, max(1, highest - 1)))

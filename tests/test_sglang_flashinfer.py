@@ -216,3 +216,29 @@ def test_an_mla_decode_replay_is_read_from_the_host_indptrs_it_was_planned_with(
     assert plan.kv_indptr.tolist() == [0, 2, 3] and plan.kv_indices.tolist() == [1, 2, 0]
     leaf.planned_graph = False  # an eager plan is forward_metadata's (none here)
     assert leaf.planned_metadata().kv_indptr is None
+
+
+def test_an_mla_dflash_verify_replay_is_read_from_the_host_indptrs_sglang_rebuilds_for_it():
+    # A DFlash verify replays through fast_mla_decode_plan from host indptrs SGLang builds from the batch's widened
+    # host lengths and keeps nowhere (_build_fast_verify_plan_kwargs): the adapter asks that function for them; the
+    # wrapper's device kv_indptr keeps the capture's fill values (seen on an H200 as a 16k-token replay read as 3 keys)
+
+    from backends.sglang.flashinfer import SglangFlashInferMLA
+    asked = []
+
+    def fast_verify(*, bs, spec_info, seq_lens_cpu, in_capture):
+        asked.append((bs, seq_lens_cpu.tolist(), in_capture))
+        return {"qo_indptr_cpu": torch.tensor([0, 2, 4]), "kv_indptr_cpu": torch.tensor([0, 3, 5])}
+    wrapper = SimpleNamespace(_kv_indptr_buf=torch.tensor([0, 3, 6]), _kv_indices_buf=torch.tensor([4, 5, 6, 8, 9, 0]),
+                              _qo_indptr_buf=torch.tensor([0, 2, 4]))
+    leaf = object.__new__(SglangFlashInferMLA)
+    leaf.inner = SimpleNamespace(prefill_cuda_graph_metadata={2: wrapper}, forward_metadata=None,
+                                 _build_fast_verify_plan_kwargs=fast_verify)
+    verify = SimpleNamespace(forward_mode=_Mode("TARGET_VERIFY"), batch_size=2, spec_info=object(),
+                             seq_lens_cpu=torch.tensor([3, 5]))
+    leaf.batches, leaf.planned_graph = {0: verify}, True
+    plan = leaf.planned_metadata()
+    assert asked == [(2, [3, 5], False)]
+    assert plan.kv_indptr.tolist() == [0, 3, 5] and plan.kv_indices.tolist() == [4, 5, 6, 8, 9]
+    leaf.inner._build_fast_verify_plan_kwargs = lambda **kwargs: None  # an EAGLE verify: the wrapper's own plan
+    assert leaf.planned_metadata().kv_indptr.tolist() == [0, 3, 6]

@@ -640,7 +640,8 @@ class SglangBackend(_SglangObject):
         table."""
         planner = self._planner()
         meta = getattr(planner, "forward_metadata", None)
-        mode = next(iter(self.batches.values())).forward_mode
+        sfb = next(iter(self.batches.values()))
+        mode = sfb.forward_mode
         if meta is not None and hasattr(meta, "kv_indptr"):
             plan = PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
                                    kv_indices=meta.kv_indices, kv_includes_new_tokens=mode.is_decode_or_idle(),
@@ -650,7 +651,7 @@ class SglangBackend(_SglangObject):
             # its worker widened by the block (seq_lens_sum, triton_backend.py: "over-allocate is safe"). Either is
             # read as far as its kv_indptr says.
             dflash = self.sgl.DFlashVerifyInput
-            widened = dflash is not None and isinstance(next(iter(self.batches.values())).spec_info, dflash)
+            widened = dflash is not None and isinstance(sfb.spec_info, dflash)
             return plan.cut_to_indptrs() if self.planned_graph or widened else plan
         if meta is not None and getattr(meta, "cache_seqlens_int32", None) is not None:
             # A verify of draft trees (topk > 1) plans the cached prefix here and the tree's own keys apart
