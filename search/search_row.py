@@ -15,7 +15,7 @@ from hypothesis import given, reject
 from hypothesis.errors import Flaky, HypothesisException, Unsatisfiable
 from hypothesis.reporting import with_reporter
 
-from batch.spec import BatchSpec
+from batch.spec import BatchSpec, SpecError
 from properties.verdict import Verdict
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import Row, strategy_options
@@ -201,6 +201,13 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
                                                                  f"again in the same process]")
         else:
             result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
+    except SpecError as e:
+        # The strategy drew a batch its own specification refuses (before any engine code ran): the harness's error,
+        # never the engine's (seen on an H200, 2026-11-27: a draft window drawn before a window crossing)
+        result.ok = False
+        result.failure = Verdict(row.property.name, False, f"harness error: the strategy drew a batch the "
+                                                           f"specification refuses: {e}")
+        result.finding_kind = ADAPTER_ERROR
     except HypothesisException as e:
         # Hypothesis ends a search quietly when most draws are rejected (it stops at its limit of invalid draws); should
         # a release call that unsatisfiable instead, a row steered off everything it drew is done, not broken

@@ -148,3 +148,24 @@ def test_a_crash_in_the_class_level_check_is_an_adapter_error_not_a_finding(monk
     spec = BatchSpec(ForwardMode.EXTEND, (0,), (2,), (MHALayer(0, 2, 1, 16, 16),), seed=1)
     verdict = PROPERTIES["conformance"].run(composition, spec, "cpu")
     assert not verdict.ok and "adapter_error" in verdict.details, verdict.reason
+
+
+def test_a_batch_the_strategy_draws_and_the_specification_refuses_is_the_harnesss_error(monkeypatch, tmp_path):
+    """A strategy bug (a batch whose own validation refuses it, raised while Hypothesis draws) ends the row as an
+    adapter error in one line, never as the engine's finding nor a dead process."""
+    from hypothesis import strategies as st
+
+    import search.search_row as search_row_module
+    from search.matrix import matrix_rows
+    from search.outcome import ADAPTER_ERROR
+    from search.profiles import profile as profile_of
+
+    def refused(_):
+        return BatchSpec(ForwardMode.DECODE, (0,), (1,), (MHALayer(0, 4, 2, 32, 32),))  # decode needs a prefix
+
+    monkeypatch.setattr(search_row_module, "row_strategy", lambda row, profile: st.just(None).map(refused))
+    ci = profile_of("ci")
+    row = next(r for r in matrix_rows("cpu", ci, ["torch_native"])[0] if r.property.name == "outputs")
+    result = search_row_module.search_row(row, ci, "cpu", max_examples=3, out_dir=tmp_path, seed=1)
+    assert not result.ok and result.finding_kind == ADAPTER_ERROR, result
+    assert result.failure.reason.startswith("harness error: the strategy drew a batch the specification refuses")
