@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py [--profile ci] [--device auto] [--backends ...] [--properties ...]
                                     [--modes extend decode] [--cases 20] [--max-requests 16] [--workers N]
-                                    [--json PATH]
+                                    [--shared] [--json PATH]
 
 For each matrix row, ``--cases`` batch specifications are drawn up front from the row's own strategy (a
 seeded Hypothesis run that only generates: no database, no shrinking), then each runs through the row's
@@ -18,6 +18,12 @@ property while a clock splits the time into
 A failing case is counted as known when the ledger explains it (``docs/findings/known-failures.toml``: a bug already
 triaged), apart from new failures; each row's figures are printed as soon as the row is done, so a run killed
 before the end still says what it measured.
+
+``--shared`` times what sweeps run: one batch, every composition (``search.group``). The rows are grouped as a
+sweep groups them; each group's batches are drawn from its merged strategy, and each batch is checked by every row
+of the group that could have drawn it, its reference computed once, until every row has ``--cases`` cases (a row
+the merged draws rarely fit gets fewer: at most ``DRAWS_PER_EXAMPLE`` draws a case are made). A line per group;
+generation is the time Hypothesis spent outside the checks.
 
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
 boundary synchronizes the device so kernels are charged to the phase that launched them. Each row first
@@ -205,6 +211,73 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
                      seconds, started, finished, known=known)
 
 
+def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
+    """As ``bench_row``, for a group of rows sharing their batches: each batch drawn from the group's strategy is
+    checked by every row that could have drawn it (its reference computed once), until each row has ``n`` cases or
+    DRAWS_PER_EXAMPLE * ``n`` batches are drawn. Generation is the time outside the checks."""
+    import torch
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis import seed as with_seed
+
+    from properties.run import sharing
+    from search import ledger
+    from search.group import DRAWS_PER_EXAMPLE, GroupDone
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    counts = {r.id: 0 for r in group.rows}
+    totals = {"failures": 0, "known": 0}
+    clock = PhaseClock(sync)
+
+    def check(spec, limit: int, timed: bool) -> None:
+        for row in group.rows:
+            if counts[row.id] >= limit or group.admits(row, spec) is not None:
+                continue
+            view = group.view(row, spec)
+            clock.enter("checking")
+            try:
+                verdict = row.property.run(row.composition, view, device)
+            finally:
+                clock.leave()
+            counts[row.id] += 1
+            if timed and not verdict.ok:
+                if ledger.match(str(row.composition), row.mode.value, row.property.name, view, verdict, device):
+                    totals["known"] += 1
+                else:
+                    totals["failures"] += 1
+        if all(c >= limit for c in counts.values()):
+            raise GroupDone
+
+    def run(limit: int, draw_seed: int, timed: bool) -> None:
+        @with_seed(draw_seed)
+        @settings(max_examples=DRAWS_PER_EXAMPLE * limit, database=None, phases=[Phase.generate], deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(group.strategy())
+        def collect(spec) -> None:
+            check(spec, limit, timed)
+
+        try:
+            collect()
+        except GroupDone:
+            pass
+
+    with sharing():
+        if warmup:
+            run(warmup, seed + 1_000_003, timed=False)
+            counts.update({k: 0 for k in counts})
+            clock.totals.clear()
+        if barrier is not None:
+            barrier.wait()
+        sync()
+        started = time.perf_counter()
+        with instrumented(clock):
+            run(n, seed, timed=True)
+        finished = time.perf_counter()
+    seconds = {p: clock.totals.get(p, 0.0) for p in PHASES}
+    seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
+    return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
+                     totals["failures"], seconds, started, finished, known=totals["known"])
+
+
 def combine(parts: list[RowTiming]) -> RowTiming:
     """One row timed by several workers at once: cases and phase seconds add up, wall time spans them all."""
     first = parts[0]
@@ -216,13 +289,22 @@ def combine(parts: list[RowTiming]) -> RowTiming:
 
 
 def select_rows(args, device: str):
-    """The profile (batches up to ``--max-requests``) and the selected matrix rows."""
+    """The profile (batches up to ``--max-requests``) and the units timed: the selected matrix rows, or with
+    ``--shared`` their groups."""
     from harness.options import profile_named
+    from search.group import group_rows
     from search.matrix import matrix_rows
 
     profile = dataclasses.replace(profile_named(args.profile), max_requests=args.max_requests)
     rows, _ = matrix_rows(device, profile, args.backends, args.properties, args.modes)
-    return profile, rows
+    return profile, group_rows(rows, profile, device) if args.shared else rows
+
+
+def bench(unit, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
+    from search.group import Group
+
+    timed = bench_group if isinstance(unit, Group) else bench_row
+    return timed(unit, profile, device, n, seed, warmup, barrier)
 
 
 def worker(index: int, args, device: str, barrier, results) -> None:
@@ -233,7 +315,7 @@ def worker(index: int, args, device: str, barrier, results) -> None:
     profile, rows = select_rows(args, device)
     try:
         for n, row in enumerate(rows):
-            timing = bench_row(row, profile, device, args.cases, args.seed + 7919 * index, args.warmup, barrier)
+            timing = bench(row, profile, device, args.cases, args.seed + 7919 * index, args.warmup, barrier)
             results.put((n, timing))
     except threading.BrokenBarrierError:
         return  # another worker failed; the parent says so
@@ -263,7 +345,7 @@ def run_workers(args, device: str, rows) -> list[RowTiming] | None:
         parts[n].append(timing)
         done += 1
         if len(parts[n]) == len(procs):  # the row's figures now: a run killed later still tells what it measured
-            print(f"[{n + 1}/{len(rows)}] {table_row(combine(parts[n]), len(str(rows[n].composition)))}",
+            print(f"[{n + 1}/{len(rows)}] {table_row(combine(parts[n]), len(combine(parts[n]).composition))}",
                   file=sys.stderr, flush=True)
     for proc in procs:
         proc.join()
@@ -304,6 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn specifications")
     p.add_argument("--workers", type=int, default=1,
                    help="processes timing each row at once on the one device (cases/s is theirs together)")
+    p.add_argument("--shared", action="store_true",
+                   help="one batch, every composition: time the rows' groups as sweeps search them")
     p.add_argument("--json", help="also write the timings here")
     args = p.parse_args(argv)
 
@@ -326,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no matrix row matches the selection (see `python -m harness list`)", file=sys.stderr)
         return 2
     print(f"device {device}, profile {profile.name}, batches up to {profile.max_requests} requests, "
-          f"{args.cases} cases per row after {args.warmup} warm-up, {args.workers} worker(s)", file=sys.stderr)
+          f"{args.cases} cases per row after {args.warmup} warm-up, {args.workers} worker(s)"
+          + (f", {len(rows)} group(s) sharing their batches" if args.shared else ""), file=sys.stderr)
     if args.workers > 1:
         results = run_workers(args, device, rows)
         if results is None:
@@ -334,8 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         results = []
         for n, row in enumerate(rows, 1):
-            results.append(bench_row(row, profile, device, args.cases, args.seed, args.warmup))
-            print(f"[{n}/{len(rows)}] {table_row(results[-1], len(str(row.composition)))}", file=sys.stderr,
+            results.append(bench(row, profile, device, args.cases, args.seed, args.warmup))
+            print(f"[{n}/{len(rows)}] {table_row(results[-1], len(results[-1].composition))}", file=sys.stderr,
                   flush=True)
     print_table(results)
     if args.json:

@@ -1,13 +1,15 @@
-"""``python -m harness sweep``: spend a time budget searching the whole matrix, one process per composition.
+"""``python -m harness sweep``: spend a time budget searching the whole matrix, one process per group of rows.
 
-Rows are searched round-robin until the budget is spent: each round runs a row's search with a fresh seed,
-the first with a few examples (so a short sweep reaches the whole matrix), later ones with the profile's
-``max_examples``, and the composition whose rows are fewest rounds along goes next. Each
-composition's rows run in a process of their own (``harness.sweep_worker``; it goes on to further rounds
-while no other composition waits for a worker), so a segfault, an illegal memory access or a hang (a case
-running longer than ``--case-timeout``, not counting time while a worker's JIT compiler runs, up to
-``--compile-timeout``) becomes a finding with its reproducer, and the sweep goes on with the other rows. A
-row with a finding is not searched again in that sweep.
+Rows are searched in groups that share their batches (``search.group``: one batch drawn, built and referenced
+once, checked by every row of the group that could have drawn it; a failure shrunk for its row alone). Groups are
+searched round-robin until the budget is spent: each round runs a group's search with a fresh seed, the first
+with a few examples a row (so a short sweep reaches the whole matrix), later ones with the profile's
+``max_examples``, and the group whose rows are fewest rounds along goes next. Each group runs in a process of its
+own (``harness.sweep_worker``; it goes on to further rounds while no other group waits for a worker), so a
+segfault, an illegal memory access or a hang (a case running longer than ``--case-timeout``, not counting time
+while a worker's JIT compiler runs, up to ``--compile-timeout``) becomes a finding of the row whose case was
+running, with that case as its reproducer, and the sweep goes on with the other rows. A row with a finding is not
+searched again in that sweep.
 
 Everything lands in the output folder as it happens: ``findings.jsonl`` (one line per finding; its case file
 under ``cases/``), ``results.jsonl`` (one line per row and round; ``--resume`` rebuilds the sweep's state
@@ -44,7 +46,7 @@ from harness.options import UsageError, duration, parse_budget, parse_shard, pro
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
                            default_case_timeout)
-from harness.sweep_worker import EXIT_CONTEXT_POISONED, round_seed
+from harness.sweep_worker import EXIT_CONTEXT_POISONED
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
 from search.outcome import (ADAPTER_ERROR, RowOutcome, exit_status, finding_kind, is_worse, merge_headroom,
@@ -143,16 +145,16 @@ class RowState:
 
 @dataclass
 class Task:
-    """A worker process searching one composition's rows."""
+    """A worker process searching one group's rows."""
 
-    composition: str
+    unit: str  # the group's id
     slot: int
     proc: subprocess.Popen
     events: Path
     log: Path
     last_activity: float
     offset: int = 0
-    current: str | None = None  # the row started and not yet done
+    current: str | None = None  # the group whose round started and is not yet done
     current_round: int = 0
     started_any: bool = False
     stopping: bool = False
@@ -170,7 +172,7 @@ class Sweep:
     out_dir: Path
     deadline: float
     workers: int
-    case_timeout_s: float | None  # None: each composition's default (``default_case_timeout``)
+    case_timeout_s: float | None  # None: each group's default (``default_case_timeout``)
     seed: int
     db: str | None
     redis: str | None
@@ -186,48 +188,55 @@ class Sweep:
     stop_sent: float | None = None  # when the first worker was told to stop (SIGINT); None: none yet
 
     def __post_init__(self) -> None:
+        from search.group import group_rows
+        from search.profiles import profile
+
         self.by_id = {s.row.id: s for s in self.rows}
-        self.composition_of = {str(s.row.composition): s.row.composition for s in self.rows}
-        self.compositions = list(self.composition_of)
-        self.retired_compositions: set[str] = set()
+        # The units of work: groups of rows that share their batches, in matrix order of their first rows
+        self.groups = {g.id: g for g in group_rows([s.row for s in self.rows], profile(self.profile), self.device)}
+        self.members = {unit: [self.by_id[r.id] for r in g.rows] for unit, g in self.groups.items()}
+        self.unit_of = {r.id: unit for unit, g in self.groups.items() for r in g.rows}
+        self.retired: set[str] = set()
         # Names this invocation's task files and logs (the pid: two sessions may start within one second).
         self.session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
     # ---- scheduling ------------------------------------------------------------------------------------
-    def active(self, composition: str) -> list[RowState]:
-        if composition in self.retired_compositions:
+    def active(self, unit: str) -> list[RowState]:
+        if unit in self.retired:
             return []
-        return [s for s in self.rows if str(s.row.composition) == composition and s.finding is None
+        return [s for s in self.members[unit] if s.finding is None
                 and (self.max_rounds is None or s.rounds < self.max_rounds)]
 
     def waiting(self) -> list[str]:
-        """Compositions with rows to search and no worker, fewest rounds along first; at equal rounds those that
-        run an engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU
-        sweep in matrix order never reached an SGLang row), then matrix order."""
-        busy = {t.composition for t in self.running.values()}
-        ready = [(min(s.rounds for s in self.active(c)), not self.engine_rows(c), order, c)
-                 for order, c in enumerate(self.compositions) if c not in busy and self.active(c)]
-        return [c for *_, c in sorted(ready)]
+        """Groups with rows to search and no worker, fewest rounds along first; at equal rounds those that run an
+        engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU sweep in
+        matrix order never reached an SGLang row), then matrix order."""
+        busy = {t.unit for t in self.running.values()}
+        ready = [(min(s.rounds for s in self.active(u)), not self.engine_rows(u), order, u)
+                 for order, u in enumerate(self.groups) if u not in busy and self.active(u)]
+        return [u for *_, u in sorted(ready)]
 
-    def engine_rows(self, composition: str) -> bool:
-        """Whether ``composition`` runs an engine's classes (not only the harness's own backends)."""
-        return self.composition_of[composition].engine != "harness"
+    def engine_rows(self, unit: str) -> bool:
+        """Whether the group ``unit`` runs an engine's classes (not only the harness's own backends)."""
+        return any(s.row.composition.engine != "harness" for s in self.members[unit])
 
-    def launch(self, slot: int, composition: str) -> None:
-        rows = self.active(composition)
+    def launch(self, slot: int, unit: str) -> None:
+        rows = self.active(unit)
         round_ = min(s.rounds for s in rows)
+        group = self.groups[unit]
         self.launches += 1
-        stem = f"{self.session}-{self.launches:03d}--{safe_name(composition)}--r{round_}"
+        stem = f"{self.session}-{self.launches:03d}--{safe_name(unit)}--r{round_}"
         task_file, events = self.out_dir / "workers" / f"{stem}.json", self.out_dir / "workers" / f"{stem}.events.jsonl"
         log = self.out_dir / "logs" / f"{stem}.log"
         task_file.parent.mkdir(parents=True, exist_ok=True)
         log.parent.mkdir(parents=True, exist_ok=True)
         task_file.write_text(json.dumps({
-            "composition": composition, "device": self.device, "profile": self.profile, "seed": self.seed,
+            "unit": unit, "compositions": sorted({str(r.composition) for r in group.rows}),
+            "members": [r.id for r in group.rows], "device": self.device, "profile": self.profile, "seed": self.seed,
             "rows": [{"row": s.row.id, "rounds": s.rounds} for s in rows], "max_rounds": self.max_rounds,
             "out_dir": str(self.out_dir), "db": self.db, "redis": self.redis, "mutant": self.mutant,
             "deadline": self.deadline, "events": str(events), "parent": os.getpid(),
-            # Further rounds in the same process only while no other composition waits for a worker.
+            # Further rounds in the same process only while no other group waits for a worker.
             "continue_until": self.deadline if len(self.waiting()) <= self.workers - len(self.running) else 0.0},
             indent=1))
         events.write_text("")
@@ -235,11 +244,11 @@ class Sweep:
             proc = subprocess.Popen([sys.executable, "-m", "harness.sweep_worker", str(task_file)],
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=self.worker_env(slot), start_new_session=True)
-        self.running[slot] = Task(composition, slot, proc, events, log, time.time())
-        append_jsonl(self.out_dir / "workers" / "pids.jsonl", {"pid": proc.pid, "composition": composition,
+        self.running[slot] = Task(unit, slot, proc, events, log, time.time())
+        append_jsonl(self.out_dir / "workers" / "pids.jsonl", {"pid": proc.pid, "unit": unit,
                                                                "task": str(task_file), "time": time.time()})
         gpu = f" on GPU {self.gpus[slot % len(self.gpus)]}" if self.gpus else ""
-        self.progress.event(f"start {composition} at round {round_ + 1}: {len(rows)} row(s){gpu}")
+        self.progress.event(f"start {group.label} at round {round_ + 1}: {len(rows)} row(s){gpu}")
 
     def worker_env(self, slot: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -298,22 +307,24 @@ class Sweep:
             task.grace += now - (task.last_watch or now)
         task.last_watch = now
         stalled = now - active
-        limit = self.case_timeout(task.composition)
+        limit = self.case_timeout(task.unit)
         if not task.current:  # still starting: imports, not a case (harness/procs.py, STARTUP_ALLOWANCE_S)
             limit = max(limit, STARTUP_ALLOWANCE_S)
         if stalled - task.grace > limit or stalled > self.compile_timeout_s:
             self.dump_stacks(task)
             self.kill(task)
             del self.running[task.slot]
-            what = f"case of {task.current}" if task.current else "worker (before its first row)"
+            what = "case" if task.current else "worker (before its first row)"
             waited = f", {task.grace:.0f}s of it while a JIT compiler ran" if task.grace >= 1 else ""
             self.crashed(task, "hang", f"hang: a {what} made no progress for {stalled:.0f}s{waited}")
 
-    def case_timeout(self, composition: str) -> float:
-        """How long one case of ``composition`` may make no progress: ``--case-timeout``, or its default."""
+    def case_timeout(self, unit: str) -> float:
+        """How long one case of the group ``unit`` may make no progress: ``--case-timeout``, or the longest default
+        of its rows' compositions."""
         if self.case_timeout_s:
             return self.case_timeout_s
-        return default_case_timeout(self.device, bool(self.composition_of[composition].support().interpreted_on_cpu))
+        return max(default_case_timeout(self.device, bool(s.row.composition.support().interpreted_on_cpu))
+                   for s in self.members[unit])
 
     def read_events(self, task: Task) -> None:
         with open(task.events, "rb") as f:
@@ -328,10 +339,10 @@ class Sweep:
                 task.current, task.current_round, task.started_any = event["row"], event["round"], True
             elif event["event"] == "done":
                 task.current = None
-                self.row_done(self.by_id[event["row"]], event["round"], event["result"])
+                self.row_done(self.by_id[event["row"]], event["round"], event["result"], event.get("seed"))
 
-    def row_done(self, state: RowState, round_: int, result: dict) -> None:
-        self.record_result(state, round_, result)
+    def row_done(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
+        self.record_result(state, round_, result, seed)
         r = state.row
         if result["ok"]:
             ratio = "" if result["worst_error"] is None else \
@@ -345,12 +356,13 @@ class Sweep:
         self.finding(state, kind, result["failure"], result["case_file"], str(r.composition), round_,
                      batch_size=result.get("batch_size"), num_tokens=result.get("num_tokens"))
 
-    def record_result(self, state: RowState, round_: int, result: dict) -> None:
+    def record_result(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
+        """``seed``: the group search's seed in that round (the worker's ``done`` event says it)."""
         state.absorb(result)
         r = state.row
         append_jsonl(self.out_dir / "results.jsonl", {
             "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
-            "round": round_, "seed": round_seed(self.seed, r.id, round_), **result})
+            "round": round_, "group": self.unit_of.get(r.id), "seed": seed, **result})
 
     def adopt_orphans(self, since: float) -> int:
         """Record what workers finished but the sweep never read (it was killed first): ``done`` events missing
@@ -368,7 +380,7 @@ class Sweep:
                     continue
                 have.add((state.row.id, event["round"]))
                 result = event["result"]
-                self.record_result(state, event["round"], result)
+                self.record_result(state, event["round"], result, event.get("seed"))
                 adopted += 1
                 if not result["ok"] and state.finding is None:
                     self.finding(state, result.get("finding_kind") or "failure", result["failure"],
@@ -407,7 +419,7 @@ class Sweep:
         if task.stopping or code == 0:
             return
         if code == EXIT_CONTEXT_POISONED:
-            self.progress.event(f"{task.composition}: the process is unusable after a failure (a lost CUDA "
+            self.progress.event(f"{self.groups[task.unit].label}: the process is unusable after a failure (a lost CUDA "
                                 f"context, or a known bug's stray writes); its remaining rows go to a fresh process")
             return
         from harness.mutants.run import exit_description
@@ -415,27 +427,27 @@ class Sweep:
         self.crashed(task, "crash", f"crash: the worker died ({exit_description(code)})")
 
     def crashed(self, task: Task, kind: str, reason: str) -> None:
-        """A worker died or hung: a finding for the row it was running, with its pending case as reproducer."""
-        if task.current is None:
-            # Nothing was running: the worker itself is broken (an import error, a bad environment). Its rows
-            # would fail the same way in every process, so this sweep leaves the composition alone.
-            self.retired_compositions.add(task.composition)
+        """A worker died or hung: a finding for the row whose case was running (the group's pending case names it),
+        with that case as reproducer."""
+        label = self.groups[task.unit].label
+        pending = self.pending_file(task.current) if task.current else None
+        case = CaseFile.read(pending) if pending is not None and pending.exists() else None
+        state = None if case is None else self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
+        if state is None:
+            # No case was running: the worker itself is broken (an import error, a bad environment). Its rows
+            # would fail the same way in every process, so this sweep leaves the group alone.
+            self.retired.add(task.unit)
             where = "before its first row" if not task.started_any else "between rows"
-            self.finding(None, "error", f"{reason} {where}: {self.log_tail(task, 1)}", None, task.composition, None)
+            self.finding(None, "error", f"{reason} {where}: {self.log_tail(task, 1)}", None, label, None)
             return
-        state = self.by_id[task.current]
         tail = self.log_tail(task, 15)
         reason += self.innermost_frame(tail)
-        case_file = None
-        pending = self.pending_file(task.current)
-        if pending.exists():
-            case = CaseFile.read(pending)
-            case.verdict = {"reason": f"{reason} (not shrunk: the process died with it)", "worst_error": None,
-                            "bound": None, "where": None}
-            case_file = str(case.write(self.out_dir / "cases" / case_name(
-                case.composition, case.property, state.row.mode.value, case.spec)))
-            pending.unlink()
-        self.finding(state, kind, reason, case_file, task.composition, task.current_round, log=str(task.log),
+        case.verdict = {"reason": f"{reason} (not shrunk: the process died with it)", "worst_error": None,
+                        "bound": None, "where": None}
+        case_file = str(case.write(self.out_dir / "cases" / case_name(
+            case.composition, case.property, state.row.mode.value, case.spec)))
+        pending.unlink()
+        self.finding(state, kind, reason, case_file, case.composition, task.current_round, log=str(task.log),
                      log_tail=tail)
 
     def finding(self, state: RowState | None, kind: str, reason: str, case_file: str | None, composition: str,
@@ -451,8 +463,8 @@ class Sweep:
         if case_file:
             self.progress.event(f"  reproduce: python -m harness repro {case_file}")
 
-    def pending_file(self, row_id: str) -> Path:
-        return self.out_dir / "pending" / f"{safe_name(row_id)}.json"  # where search_row writes it
+    def pending_file(self, unit: str) -> Path:
+        return self.out_dir / "pending" / f"{safe_name(unit)}.json"  # where search_group writes it
 
     @staticmethod
     def log_tail(task: Task, lines: int) -> str:
@@ -511,7 +523,7 @@ class Sweep:
                 f"{duration(max(0.0, self.deadline - time.time()))} left")
 
     def describe(self, task: Task) -> str:
-        return f"worker {task.slot}: {task.current or task.composition} round {task.current_round + 1}"
+        return f"worker {task.slot}: {self.groups[task.unit].label} round {task.current_round + 1}"
 
 
 def selection_flags(selection: dict) -> str:
@@ -663,7 +675,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     notes = [f"shard {shard[0]}/{shard[1]}"] if shard else []
     notes += [f"{resumed} row(s) resumed"] if resumed else []
     notes += [f"mutant {args.mutant}"] if args.mutant else []
-    progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.compositions)} composition(s) on {device}, profile "
+    progress.event(f"sweep of {len(rows)} row(s) in {len(sweep.groups)} group(s) on {device}, profile "
                    f"{profile.name}, budget {duration(budget)}, {workers} worker(s)" + "".join(f", {n}" for n in notes))
     with Terminated(repeat=False) as terminated:
         try:
@@ -707,7 +719,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
 
 def add_parser(sub) -> None:
     """Register ``sweep`` with the command line's subparsers."""
-    sp = sub.add_parser("sweep", help="spend a time budget searching the whole matrix, a process per composition",
+    sp = sub.add_parser("sweep", help="spend a time budget searching the whole matrix, a process per group of rows",
                         description=__doc__.splitlines()[0].split(": ", 1)[1])
     sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
     sp.add_argument("--profile", default="nightly", help="ci, dev, nightly (default) or gpu")

@@ -1,12 +1,14 @@
-"""A sweep worker: one composition's rows, round after round, in a process of their own.
+"""A sweep worker: one group's rows (``search.group``: rows that share their batches), round after round, in a
+process of their own.
 
-Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep``. The task file names the rows and
-the rounds each has done, the sweep's seed, the profile, the device, the example database, the mutant to
-inject, the deadline, and until when it may go on to further rounds (while no other composition waits for
-its slot, it keeps its process rather than paying for a fresh one each round). Each
-event is one JSON line appended to the task's events file: ``start`` before a row's search, ``done`` with
-its result after it, so the sweep knows which row was running when this process died or stalled (the
-row's pending case file, written by ``search_row`` before every example, is the reproducer).
+Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep``. The task file names the group (its id,
+its compositions and every row in it), the rows to search and the rounds each has done, the sweep's seed, the
+profile, the device, the example database, the mutant to inject, the deadline, and until when it may go on to
+further rounds (while no other group waits for its slot, it keeps its process rather than paying for a fresh one
+each round). Each event is one JSON line appended to the task's events file: ``start`` before a round of the
+group's search, ``done`` with each row's result after it. The group's pending case file, written by
+``search_group`` before every case, names the row that ran it and is the reproducer when this process dies or
+stalls.
 
 A worker never outlives the sweep that started it (``parent`` in the task file): the kernel kills it when
 its parent dies (``PR_SET_PDEATHSIG``, Linux), and a watchdog thread checks ``os.getppid()`` every second
@@ -40,9 +42,9 @@ def round_examples(profile, round_: int) -> int:
     return min(FIRST_ROUND_EXAMPLES, profile.max_examples) if round_ == 0 else profile.max_examples
 
 
-def round_seed(sweep_seed: int, row_id: str, round_: int) -> int:
-    """Each row's search in each round of a sweep draws from its own, reproducible seed."""
-    return int.from_bytes(hashlib.sha256(f"{sweep_seed}/{row_id}/{round_}".encode()).digest()[:8], "big")
+def round_seed(sweep_seed: int, unit: str, round_: int) -> int:
+    """Each group's search in each round of a sweep draws from its own, reproducible seed."""
+    return int.from_bytes(hashlib.sha256(f"{sweep_seed}/{unit}/{round_}".encode()).digest()[:8], "big")
 
 
 def example_database(db: str | None, redis_url: str | None):
@@ -102,12 +104,14 @@ def run_task(task: dict) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the sweep asks for the stack of a hung case
 
     from harness.mutants.catalogue import MUTANTS
+    from search.group import group_rows, search_group
     from search.matrix import matrix_rows
     from search.profiles import profile as profile_of
-    from search.search_row import search_row
 
     profile = profile_of(task["profile"])
-    rows = {r.id: r for r in matrix_rows(device, profile, [task["composition"]])[0]}
+    members = set(task["members"])
+    rows = [r for r in matrix_rows(device, profile, task["compositions"])[0] if r.id in members]
+    group = next(g for g in group_rows(rows, profile, device) if g.id == task["unit"])  # the sweep's own grouping
     database = example_database(task.get("db"), task.get("redis"))
     out_dir = Path(task["out_dir"])
     rounds = {item["row"]: item["rounds"] for item in task["rows"]}  # rounds done so far, per row
@@ -124,22 +128,23 @@ def run_task(task: dict) -> int:
                 if task["max_rounds"] is not None and round_ >= task["max_rounds"]:
                     break
                 if round_ > first_round and time.time() >= task["continue_until"]:
-                    break  # another composition waits for this worker's slot
-                for row_id in [r for r, n in rounds.items() if n == round_]:
-                    if time.time() >= task["deadline"]:
-                        emit(event="stopped", reason="budget spent")
-                        return 0
-                    row = rows[row_id]
-                    emit(event="start", row=row_id, round=round_)
-                    result = search_row(row, profile, device, database=database, out_dir=out_dir,
-                                        max_examples=round_examples(profile, round_),
-                                        seed=round_seed(task["seed"], row_id, round_))
-                    emit(event="done", row=row_id, round=round_, result=result.record())
-                    rounds[row_id] += 1
+                    break  # another group waits for this worker's slot
+                if time.time() >= task["deadline"]:
+                    emit(event="stopped", reason="budget spent")
+                    return 0
+                now = {r for r, n in rounds.items() if n == round_}
+                seed = round_seed(task["seed"], group.id, round_)
+                emit(event="start", row=group.id, round=round_, rows=sorted(now))
+                results = search_group(group, profile, device, database=database, out_dir=out_dir,
+                                       max_examples=round_examples(profile, round_), seed=seed,
+                                       skip=frozenset(r.id for r in group.rows if r.id not in now))
+                for result in results:
+                    emit(event="done", row=result.row_id, round=round_, seed=seed, result=result.record())
+                    rounds[result.row_id] += 1
                     if not result.ok:
-                        del rounds[row_id]  # a row with a finding is done for this sweep
-                    if device == "cuda" and result.cuda_context_lost:
-                        return EXIT_CONTEXT_POISONED
+                        del rounds[result.row_id]  # a row with a finding is done for this sweep
+                if device == "cuda" and any(result.cuda_context_lost for result in results):
+                    return EXIT_CONTEXT_POISONED
     return 0
 
 

@@ -109,6 +109,26 @@ class RowOutcome:
             else:
                 self.near_misses_known[explained_by] = self.near_misses_known.get(explained_by, 0) + 1
 
+    def absorb(self, later: "RowOutcome") -> None:
+        """Add a later search of the same row, which went on from this one (this one passed): its cases, time, known
+        failures and worst error join these; its failure, if any, becomes the row's."""
+        assert self.ok, "a row with a finding is not searched again"
+        self.cases += later.cases
+        self.seconds += later.seconds
+        for mine, theirs in ((self.known, later.known), (self.steered, later.steered),
+                             (self.near_misses_known, later.near_misses_known)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        if is_worse(later.worst_error, later.bound, self.worst_error, self.bound):
+            self.worst_error, self.bound = later.worst_error, later.bound
+        self.headroom = merge_headroom(self.headroom, later.headroom)
+        self.unexplained = merge_headroom(self.unexplained, later.unexplained)
+        self.context_poisoned = self.context_poisoned or later.context_poisoned
+        if not later.ok:
+            self.ok, self.failure, self.finding_kind, self.spec = False, later.failure, later.finding_kind, later.spec
+            self.case_file, self.shrink_seconds = later.case_file, later.shrink_seconds
+            self.first_failure_seconds = later.first_failure_seconds
+
     @property
     def at_risk(self) -> list[str]:
         return checks_at_risk(self.unexplained)

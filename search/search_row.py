@@ -49,9 +49,13 @@ class PropertyFailed(AssertionError):
         self.verdict = verdict
 
 
+def row_options(row: Row, profile: Profile) -> dict:
+    """The ``batch_specs`` options of ``row``: what its composition declares, and what its property asks for."""
+    return strategy_options(row.composition, profile) | row.property.options(row.composition, row.mode)
+
+
 def row_strategy(row: Row, profile: Profile):
-    options = strategy_options(row.composition, profile) | row.property.options(row.composition, row.mode)
-    return batch_specs(profile, row.mode, row.composition.attention_kinds(), **options)
+    return batch_specs(profile, row.mode, row.composition.attention_kinds(), **row_options(row, profile))
 
 
 def failing_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdict: Verdict) -> CaseFile:
@@ -77,24 +81,157 @@ def row_profile(support, profile: Profile, device: str) -> Profile:
     return profile
 
 
-def search_row(row: Row, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
-               out_dir: Path = DEFAULT_OUT, seed: int | None = None,
-               shrink_seconds: float | None = None) -> RowOutcome:
-    """Search one row; ``seed`` fixes Hypothesis's random choices (a sweep gives each round its own).
-
-    ``shrink_seconds`` bounds the time spent shrinking a failure (None: no limit; 0: no shrinking). The first
-    failing example's case file is written at once, and replaced by the shrunk one when shrinking ends, so a
-    run stopped while it shrinks still leaves its reproducer."""
-    result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
+def row_budget(row: Row, profile: Profile, device: str, max_examples: int | None,
+               shrink_seconds: float | None) -> tuple[int | None, float | None]:
+    """A row's examples (None: the profile's) and shrinking time: fewer for a slow row, one and no shrinking for a
+    row whose check reads classes, not the batch (more examples, or shrinking one, repeat it)."""
     support = row.composition.support()
     slow = (device == "cpu" and support.slow_on_cpu) or row.property.runs_twice
     if slow and max_examples is None and profile.slow_row_examples:
         max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
-    if support.class_only:  # its check reads classes, not the batch: more examples, or shrinking one, repeat it
-        max_examples = 1 if max_examples is None else max_examples
-        shrink_seconds = 0
-    profile = row_profile(support, profile, device)
-    pending = out_dir / "pending" / f"{safe_name(row.id)}.json"
+    if support.class_only:
+        return (1 if max_examples is None else max_examples), 0
+    return max_examples, shrink_seconds
+
+
+# What one case's verdict means for the search (``record_case``)
+PASSED, KNOWN, ADAPTER, FAILED, POISONED = "passed", "known", "adapter", "failed", "poisoned"
+
+
+def steered_off(spec: BatchSpec, steer_off: list, failures: list, result: RowOutcome) -> bool:
+    """Whether ``spec`` has what a known bug this row met needs (counted in ``result.steered``): not run. Never once a
+    new failure is found: its shrinking and final replay must see every batch they try (a rejected replay reads as
+    flaky)."""
+    met = None if failures else next((entry for entry in steer_off if entry.could_show(spec)), None)
+    if met is not None:
+        result.steered[met.id] = result.steered.get(met.id, 0) + 1
+    return met is not None
+
+
+def record_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdict: Verdict, result: RowOutcome,
+                failures: list, steer_off: list, out_dir: Path, start: float) -> str:
+    """Count one case of ``row`` into ``result``: its verdict against the ledger, its headroom, its case file when
+    it is the row's first failure. Returns what the search does next: PASSED or KNOWN (go on), ADAPTER (the
+    harness's own code failed: stop, no shrinking), FAILED (shrink it), POISONED (nothing more can run here)."""
+    result.cases += 1
+    poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
+    if not verdict.ok and "adapter_error" in verdict.details:
+        result.first_failure_seconds = time.perf_counter() - start
+        result.case_file = failing_case(row, profile, device, spec, verdict).write(
+            out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
+        failures.append((spec, verdict))
+        result.context_poisoned = poisoned
+        return ADAPTER
+    known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
+                                                  spec, verdict, device)
+    if known is not None:  # triaged and reported: counted, and the search goes on for anything else
+        result.known[known.id] = result.known.get(known.id, 0) + 1
+        if poisoned or known.corrupts_process:  # ... unless it left the context (or memory) unusable
+            result.context_poisoned = True
+            return POISONED
+        if known.steerable and known not in steer_off and not failures:
+            steer_off.append(known)
+        return KNOWN
+    # A passing case near its bound that a ledger entry would explain had it failed is a known bug's mild
+    # instance (SGLang Triton's e4m3 arithmetic passes at up to 0.99 of the bf16 bound), not a risk of the bound's
+    explained = None
+    if verdict.ok and near_miss(verdict.details.get("headroom")):
+        entry = ledger.match(str(row.composition), row.mode.value, row.property.name, spec,
+                             dataclasses.replace(verdict, ok=False), device)
+        explained = None if entry is None else entry.id
+    result.keep_worst(verdict, explained)
+    if verdict.ok:
+        return PASSED
+    if result.first_failure_seconds is None:
+        result.first_failure_seconds = time.perf_counter() - start
+        result.case_file = failing_case(row, profile, device, spec, verdict).write(
+            out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
+    failures.append((spec, verdict))
+    if poisoned:  # no shrinking: every later case in this process would fail with the same error
+        result.context_poisoned = True
+        return POISONED
+    return FAILED
+
+
+def raise_for(outcome: str, verdict: Verdict) -> None:
+    """End the Hypothesis test the way ``outcome`` (``record_case``'s) asks."""
+    if outcome == ADAPTER:
+        raise AdapterFailed
+    if outcome == POISONED:
+        raise ContextPoisoned
+    if outcome == FAILED:
+        raise PropertyFailed(verdict)
+
+
+def settle(e: BaseException, row: Row, profile: Profile, device: str, result: RowOutcome, failures: list,
+           out_dir: Path, start: float) -> bool:
+    """Put the search's ending ``e`` (raised by Hypothesis's run of the row's test) into ``result``; re-raise what is
+    not an ending of the search (Ctrl-C, a bug). Returns whether the search was stopped (Hypothesis's notes, written
+    for a search that ran to its end, then mislead)."""
+    if isinstance(e, AdapterFailed):
+        spec, verdict = failures[-1]
+        result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
+        result.finding_kind = ADAPTER_ERROR
+        return True
+    if isinstance(e, ContextPoisoned):
+        if failures:  # the case that poisoned it, unshrunk (written when it failed)
+            spec, verdict = failures[0]
+            result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
+        return True
+    if isinstance(e, (PropertyFailed, ShrinkBudgetSpent)):
+        spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
+        result.ok, result.failure, result.spec = False, verdict, spec
+        result.shrink_seconds = time.perf_counter() - start - result.first_failure_seconds
+        first = result.case_file  # the first failing example's, written when it failed
+        result.case_file = failing_case(row, profile, device, spec, verdict).write(
+            out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
+        if first is not None and Path(first) != Path(result.case_file):
+            Path(first).unlink(missing_ok=True)  # the shrunk case replaces it
+        return isinstance(e, ShrinkBudgetSpent)
+    if isinstance(e, Flaky):
+        # The failing case passed when Hypothesis ran it again. A finding all the same: the engine may change state
+        # after a failure (torch.compile falls back to eager for a frame whose compile failed: SGLang's
+        # flex_attention on CUDA, 2026-11-26), so the first failure is the one reported, with its case file.
+        result.ok = False
+        if failures:
+            spec, verdict = failures[0]
+            result.spec, result.shrink_seconds = spec, 0.0
+            result.failure = dataclasses.replace(verdict, reason=f"{verdict.reason} [failed once; passed when run "
+                                                                 f"again in the same process]")
+        else:
+            result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
+        return False
+    if isinstance(e, SpecError):
+        # The strategy drew a batch its own specification refuses (before any engine code ran): the harness's error,
+        # never the engine's (seen on an H200, 2026-11-27: a draft window drawn before a window crossing)
+        result.ok = False
+        result.failure = Verdict(row.property.name, False, f"harness error: the strategy drew a batch the "
+                                                           f"specification refuses: {e}")
+        result.finding_kind = ADAPTER_ERROR
+        return False
+    if isinstance(e, HypothesisException):
+        # Hypothesis ends a search quietly when most draws are rejected (it stops at its limit of invalid draws); should
+        # a release call that unsatisfiable instead, a row steered off everything it drew is done, not broken
+        if not (isinstance(e, Unsatisfiable) and result.steered):
+            result.ok = False
+            result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")
+        return False
+    raise e
+
+
+def search_row(row: Row, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
+               out_dir: Path = DEFAULT_OUT, seed: int | None = None, shrink_seconds: float | None = None,
+               pending: Path | None = None) -> RowOutcome:
+    """Search one row; ``seed`` fixes Hypothesis's random choices (a sweep gives each round its own).
+
+    ``shrink_seconds`` bounds the time spent shrinking a failure (None: no limit; 0: no shrinking). The first
+    failing example's case file is written at once, and replaced by the shrunk one when shrinking ends, so a
+    run stopped while it shrinks still leaves its reproducer. Before each example its case is written to ``pending``
+    (default ``OUT/pending/ROW.json``)."""
+    result = RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)
+    max_examples, shrink_seconds = row_budget(row, profile, device, max_examples, shrink_seconds)
+    profile = row_profile(row.composition.support(), profile, device)
+    pending = pending or out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
     steer_off: list = []  # ledger entries this row has met: later draws with what their bugs need are rejected
     start = time.perf_counter()
@@ -108,51 +245,12 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     def probe(spec: BatchSpec) -> None:
         if shrink_time_spent():
             raise ShrinkBudgetSpent
-        # A known bug's batch again: not run, and Hypothesis draws another. Never once a new failure is found: its
-        # shrinking and final replay must see every batch they try (a rejected replay reads as flaky)
-        met = None if failures else next((entry for entry in steer_off if entry.could_show(spec)), None)
-        if met is not None:
-            result.steered[met.id] = result.steered.get(met.id, 0) + 1
-            reject()
+        if steered_off(spec, steer_off, failures, result):
+            reject()  # Hypothesis draws another
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
-        result.cases += 1
-        poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
-        if not verdict.ok and "adapter_error" in verdict.details:
-            result.first_failure_seconds = time.perf_counter() - start
-            result.case_file = failing_case(row, profile, device, spec, verdict).write(
-                out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
-            failures.append((spec, verdict))
-            result.context_poisoned = poisoned
-            raise AdapterFailed
-        known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
-                                                      spec, verdict, device)
-        if known is not None:  # triaged and reported: counted, and the search goes on for anything else
-            result.known[known.id] = result.known.get(known.id, 0) + 1
-            if poisoned or known.corrupts_process:  # ... unless it left the context (or memory) unusable
-                result.context_poisoned = True
-                raise ContextPoisoned
-            if known.steerable and known not in steer_off and not failures:
-                steer_off.append(known)
-            return
-        # A passing case near its bound that a ledger entry would explain had it failed is a known bug's mild
-        # instance (SGLang Triton's e4m3 arithmetic passes at up to 0.99 of the bf16 bound), not a risk of the bound's
-        explained = None
-        if verdict.ok and near_miss(verdict.details.get("headroom")):
-            entry = ledger.match(str(row.composition), row.mode.value, row.property.name, spec,
-                                 dataclasses.replace(verdict, ok=False), device)
-            explained = None if entry is None else entry.id
-        result.keep_worst(verdict, explained)
-        if not verdict.ok:
-            if result.first_failure_seconds is None:
-                result.first_failure_seconds = time.perf_counter() - start
-                result.case_file = failing_case(row, profile, device, spec, verdict).write(
-                    out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
-            failures.append((spec, verdict))
-            if poisoned:  # no shrinking: every later case in this process would fail with the same error
-                result.context_poisoned = True
-                raise ContextPoisoned
-            raise PropertyFailed(verdict)
+        raise_for(record_case(row, profile, device, spec, verdict, result, failures, steer_off, out_dir, start),
+                  verdict)
 
     # One database key per row, so replays of saved failures stay with their row.
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = row.id.encode()
@@ -169,54 +267,9 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     try:
         with with_reporter(reported.append):
             probe()
-    except AdapterFailed:
-        stopped = True
-        spec, verdict = failures[-1]
-        result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
-        result.finding_kind = ADAPTER_ERROR
-    except ContextPoisoned:
-        stopped = True
-        if failures:  # the case that poisoned it, unshrunk (written when it failed)
-            spec, verdict = failures[0]
-            result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
-    except (PropertyFailed, ShrinkBudgetSpent) as e:
-        stopped = isinstance(e, ShrinkBudgetSpent)
-        spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
-        result.ok, result.failure, result.spec = False, verdict, spec
-        result.shrink_seconds = time.perf_counter() - start - result.first_failure_seconds
-        first = result.case_file  # the first failing example's, written when it failed
-        result.case_file = failing_case(row, profile, device, spec, verdict).write(
-            out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
-        if first is not None and Path(first) != Path(result.case_file):
-            Path(first).unlink(missing_ok=True)  # the shrunk case replaces it
-    except Flaky:
-        # The failing case passed when Hypothesis ran it again. A finding all the same: the engine may change state
-        # after a failure (torch.compile falls back to eager for a frame whose compile failed: SGLang's
-        # flex_attention on CUDA, 2026-11-26), so the first failure is the one reported, with its case file.
-        result.ok = False
-        if failures:
-            spec, verdict = failures[0]
-            result.spec, result.shrink_seconds = spec, 0.0
-            result.failure = dataclasses.replace(verdict, reason=f"{verdict.reason} [failed once; passed when run "
-                                                                 f"again in the same process]")
-        else:
-            result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
-    except SpecError as e:
-        # The strategy drew a batch its own specification refuses (before any engine code ran): the harness's error,
-        # never the engine's (seen on an H200, 2026-11-27: a draft window drawn before a window crossing)
-        result.ok = False
-        result.failure = Verdict(row.property.name, False, f"harness error: the strategy drew a batch the "
-                                                           f"specification refuses: {e}")
-        result.finding_kind = ADAPTER_ERROR
-    except HypothesisException as e:
-        # Hypothesis ends a search quietly when most draws are rejected (it stops at its limit of invalid draws); should
-        # a release call that unsatisfiable instead, a row steered off everything it drew is done, not broken
-        if not (isinstance(e, Unsatisfiable) and result.steered):
-            result.ok = False
-            result.failure = Verdict(row.property.name, False, f"search could not run: {type(e).__name__}: {e}")
-    except KeyboardInterrupt:
-        stopped = True
-        raise
+    except BaseException as e:  # noqa: BLE001 - settle() re-raises what is not the search's own ending
+        stopped = True  # (Ctrl-C: the notes are not printed)
+        stopped = settle(e, row, profile, device, result, failures, out_dir, start)
     finally:
         if not stopped:
             for line in reported:

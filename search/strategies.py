@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 from hypothesis import strategies as st
 
 from batch.spec import (KV_LAYOUTS, MAX_GRAPH_PADDING, RECURRENT_KINDS, STATE_SLOT_LAYOUTS, BatchSpec, ForwardMode,
                         ImageSpan, KDA_LOWER_BOUND, KdaLayer, LightningLayer, LinearLayer, Mamba2Layer, MHALayer, MLALayer, MropeLayout,
-                        ShortConvLayer, SpecInput, draft_forest, is_recurrent)
+                        ShortConvLayer, SpecInput, VERIFY_ALGORITHMS, draft_forest, is_recurrent)
 from search.profiles import Profile
 
 
@@ -332,6 +333,85 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                      seed=seed, spec=spec_input, mrope=mrope_layout,
                      draft_worker=draft_worker, kv_layout=kv_layout, context_len=context_len_for(kv_max),
                      kv_cache_dtype=kv_cache_dtype, state_slot_layout=state_slot_layout, graph_padding=padding)
+
+
+# ``batch_specs`` options that several rows' strategies merge into one (search/group.py: one batch drawn for many
+# rows, each row running those it could have drawn itself, ``drawable``): sets are joined, permissions granted where
+# any row grants them, a restriction kept where every row keeps it. Any other option must be equal to be merged.
+UNION_OPTIONS = ("page_sizes", "kv_cache_dtypes", "head_configs", "boundaries", "verify_algorithms")
+ANY_OPTIONS = ("sliding_window", "logit_cap", "mrope", "kv_scales", "empty_extend", "verify_window", "draft_window",
+               "draft_prefix_window", "paged_draft_prefix_window", "paged_draft_trees", "kda_safe_gate", "hybrid",
+               "graph_padding")
+ALL_OPTIONS = ("chain",)
+MERGED_OPTIONS = UNION_OPTIONS + ANY_OPTIONS + ALL_OPTIONS
+
+
+def merge_options(options: list[dict]) -> dict:
+    """One set of ``batch_specs`` options whose draws include every one of ``options``' (their keys outside
+    MERGED_OPTIONS equal)."""
+    merged = dict(options[0])
+    for o in options[1:]:
+        for key in set(merged) | set(o):
+            a, b = merged.get(key), o.get(key)
+            if key in UNION_OPTIONS and (a is None or b is None) and key in ("page_sizes", "head_configs"):
+                merged[key] = None  # the profile's, all of them
+            elif key in UNION_OPTIONS:
+                joined = set(a or ()) | set(b or ())
+                merged[key] = frozenset(joined) if key == "boundaries" else tuple(
+                    sorted(joined, key=lambda x: (VERIFY_ALGORITHMS.index(x) if key == "verify_algorithms" else 0, x)))
+            elif key in ANY_OPTIONS:
+                merged[key] = bool(merged.get(key, _DEFAULTS[key])) or bool(o.get(key, _DEFAULTS[key]))
+            elif key in ALL_OPTIONS:
+                merged[key] = bool(merged.get(key, _DEFAULTS[key])) and bool(o.get(key, _DEFAULTS[key]))
+            elif a != b:
+                raise ValueError(f"option {key} differs ({a!r}, {b!r}): not mergeable")
+    return merged
+
+
+# batch_specs' own defaults of the options merged (page sizes and head configurations: None, the profile's)
+_DEFAULTS = {k: p.default for k, p in inspect.signature(batch_specs).parameters.items() if k in MERGED_OPTIONS}
+
+
+def drawable(spec: BatchSpec, options: dict) -> str | None:
+    """Why ``batch_specs(..., **options)`` could not have drawn ``spec`` (for the options in MERGED_OPTIONS; the
+    others are a merged group's common ones), or None. Lengths at kernel boundaries only weigh draws, and a graph
+    replay's padded rows are read by graph() compositions alone (a row that draws none runs the batch without them):
+    neither is checked."""
+    o = _DEFAULTS | options
+    s, mha = spec.spec, [l for l in spec.layers if l.kind == "mha"]
+    if o["page_sizes"] and spec.page_size not in o["page_sizes"]:
+        return f"page size {spec.page_size}"
+    if spec.kv_cache_dtype not in o["kv_cache_dtypes"]:
+        return f"KV cache {spec.kv_cache_dtype}"
+    if o["head_configs"] and any(l.shape not in o["head_configs"] for l in mha):
+        return "an MHA head configuration"
+    if not o["kv_scales"] and any(l.k_scale != 1.0 or l.v_scale != 1.0 for l in mha):
+        return "KV scales"
+    windows = o["sliding_window"] and (o["verify_window"] or not spec.mode.is_target_verify()) \
+        and (o["draft_window"] or not spec.mode.is_draft_decode())
+    if not windows and any(l.sliding_window is not None for l in mha):
+        return "a sliding window"
+    if not o["logit_cap"] and any(l.logit_cap is not None for l in mha):
+        return "a logit cap"
+    if not o["mrope"] and spec.mrope is not None:
+        return "M-RoPE"
+    if not o["empty_extend"] and 0 in spec.extend_lens and spec.mode is not ForwardMode.IDLE:
+        return "an empty extend"
+    if not o["hybrid"] and spec.draft_worker:
+        return "a draft worker's batch"
+    if not o["kda_safe_gate"] and any(l.kind == "kda" and l.lower_bound is not None for l in spec.layers):
+        return "KDA's safe gate"
+    if s is not None:
+        if o["chain"] and s.topk > 1:
+            return "a draft tree"
+        if spec.mode.is_target_verify() and s.algorithm not in o["verify_algorithms"]:
+            return f"{s.algorithm}'s verify"
+        if s.draft_window_size and not (o["draft_prefix_window"] and (spec.page_size == 1
+                                                                       or o["paged_draft_prefix_window"])):
+            return "a draft window over the prefix"
+        if spec.mode.is_draft_decode() and spec.page_size > 1 and s.topk > 1 and not o["paged_draft_trees"]:
+            return "a paged draft tree"
+    return None
 
 
 KV_SCALES = (1.0, 0.5, 2.0, 2.0**-6, 2.0**4)  # powers of two: batch.spec.KV_SCALE_RANGE, shrinking toward 1

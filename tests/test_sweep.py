@@ -108,7 +108,8 @@ def test_resume_skips_finished_rows_and_keeps_findings(tmp_path, capsys):
     again = sweep(tmp_path, "--budget", "120s", "--rounds", "1", "--workers", "2", "--resume", *DECODE_OUTPUTS)
     assert again.returncode == 1, again.stdout + again.stderr  # the kept finding
     assert "1 row(s) resumed" in again.stderr
-    assert "start tbo(torch_native)" in again.stderr and "start torch_native " not in again.stderr
+    # The group of both rows starts again for the one row left in its first round
+    assert "start decode: torch_native, tbo(torch_native) (2 rows) at round 1: 1 row(s)" in again.stderr
     results = jsonl(tmp_path / "results.jsonl")
     assert [r["row"] for r in results] == ["torch_native-decode-outputs", "tbo(torch_native)-decode-outputs"]
     assert jsonl(tmp_path / "findings.jsonl") == [finding]
@@ -156,8 +157,9 @@ def stalled_sweep(tmp_path):
     sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0,
                db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60),
                compile_timeout_s=100.0)
-    sw.running[0] = Task("torch_native", 0, proc, events, tmp_path / "log", last_activity=time.time())
-    sw.running[0].current = "torch_native-extend-outputs"  # in a case (before its first, it has STARTUP_ALLOWANCE_S)
+    unit = sw.unit_of["torch_native-extend-outputs"]
+    sw.running[0] = Task(unit, 0, proc, events, tmp_path / "log", last_activity=time.time())
+    sw.running[0].current = unit  # in a round (before its first, it has STARTUP_ALLOWANCE_S)
     yield sw, sw.running[0]
     proc.kill()
     proc.wait()
@@ -217,20 +219,26 @@ def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path, monkey
         monkeypatch.setattr(Composition, "support", lambda self: dataclasses.replace(real(self), slow_on_cpu=None))
         assert not parse("tbo(triton)").support().slow_on_cpu
 
-    def sweep(device, case_timeout):
-        return Sweep(states, device, "ci", tmp_path, time.time() + 60, 1, case_timeout_s=case_timeout, seed=0,
-                     db=None, redis=None, mutant=None, max_rounds=None, progress=None)
+    class Timeouts:
+        """A sweep's case timeout for the group searching a composition's decode outputs row."""
 
-    assert sweep("cpu", None).case_timeout("triton") == SLOW_CPU_CASE_TIMEOUT_S > 120
-    assert sweep("cpu", None).case_timeout("tbo(triton)") == SLOW_CPU_CASE_TIMEOUT_S  # wrappers inherit it
-    assert sweep("cpu", None).case_timeout("torch_native") == 120 == default_case_timeout("cpu")
-    assert sweep("cuda", None).case_timeout("triton") == 600
-    assert sweep("cpu", 30.0).case_timeout("triton") == 30.0
+        def __init__(self, device, case_timeout):
+            self.sweep = Sweep(states, device, "ci", tmp_path, time.time() + 60, 1, case_timeout_s=case_timeout,
+                               seed=0, db=None, redis=None, mutant=None, max_rounds=None, progress=None)
+
+        def __getitem__(self, composition):
+            return self.sweep.case_timeout(self.sweep.unit_of[f"{composition}-decode-outputs"])
+
+    assert Timeouts("cpu", None)["triton"] == SLOW_CPU_CASE_TIMEOUT_S > 120
+    assert Timeouts("cpu", None)["tbo(triton)"] == SLOW_CPU_CASE_TIMEOUT_S  # wrappers inherit it
+    assert Timeouts("cpu", None)["torch_native"] == 120 == default_case_timeout("cpu")
+    assert Timeouts("cuda", None)["triton"] == 600
+    assert Timeouts("cpu", 30.0)["triton"] == 30.0
 
 
 def test_at_equal_rounds_the_engines_compositions_start_first(tmp_path):
-    """A 46-minute CPU sweep in matrix order never reached an SGLang row: at equal rounds the compositions that run
-    an engine's classes are launched before the harness's own; fewer rounds still come first."""
+    """A 46-minute CPU sweep in matrix order never reached an SGLang row: at equal rounds the groups that run an
+    engine's classes are launched before the harness's own; fewer rounds still come first."""
     from harness.sweep import RowState, Sweep
     from search.matrix import matrix_rows
     from search.profiles import profile
@@ -243,11 +251,11 @@ def test_at_equal_rounds_the_engines_compositions_start_first(tmp_path):
     sw = Sweep(states, "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=None, seed=0, db=None,
                redis=None, mutant=None, max_rounds=None, progress=None)
     order = sw.waiting()
-    engine = [c for c in order if "sglang." in c]
+    engine = [u for u in order if any("sglang." in str(s.row.composition) for s in sw.members[u])]
     assert order[:len(engine)] == engine and len(engine) < len(order)
     for s in states:  # the engine's rows one round ahead: the harness's own come first
         s.rounds = 1 if "sglang." in str(s.row.composition) else 0
-    assert "sglang." not in sw.waiting()[0]
+    assert not sw.engine_rows(sw.waiting()[0])
 
 
 def test_a_worker_still_starting_gets_the_startup_allowance_not_the_case_timeout(stalled_sweep):

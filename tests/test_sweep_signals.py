@@ -22,7 +22,7 @@ from search.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
 SELECTION = ["--backends", "torch_native", "--modes", "extend", "decode", "--properties", "outputs"]
-MUTANT = ["--mutant", "sm_scale_wrong"]  # fails torch_native-extend-outputs within its first cases (seed 1)
+MUTANT = ["--mutant", "sm_scale_wrong"]  # fails torch_native-extend-outputs within its first cases (seed 2)
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -70,12 +70,13 @@ def one_line_error(capsys) -> str:
 def test_a_stopped_sweep_loses_nothing(sig, tmp_path, capsys):
     out = tmp_path / "sweep"
     log = open(tmp_path / "sweep.out", "w")
-    proc = subprocess.Popen(sweep_cmd(out, "--budget", "300s", "--seed", "1"), cwd=ROOT, stdout=log,
+    proc = subprocess.Popen(sweep_cmd(out, "--budget", "300s", "--seed", "2"), cwd=ROOT, stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         # Freeze the sweep once its worker searches the failing row: the worker goes on and finds the failure,
         # which the sweep has not read when the signal comes.
-        wait_for(lambda: events(out, "start", row="torch_native-extend-outputs"), 180, proc, "the worker's start")
+        wait_for(lambda: [e for e in events(out, "start") if "torch_native-extend-outputs" in e["rows"]], 180, proc,
+                 "the worker's start")
         os.kill(proc.pid, signal.SIGSTOP)
         done = wait_for(lambda: events(out, "done", row="torch_native-extend-outputs"), 180, None, "the row's end")
         assert not done[0]["result"]["ok"], done

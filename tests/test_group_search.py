@@ -1,0 +1,182 @@
+"""One batch, every composition (search/group.py): rows drawn for together, each running only what its own strategy
+could have drawn; a failure shrunk for its row alone; every row's examples kept; the reference computed once a batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as with_seed
+
+from harness.mutants.catalogue import MUTANTS
+from properties import run as run_module
+from properties.verdict import Verdict
+from search.casefile import CaseFile
+from search.group import Group, group_rows, search_group
+from search.matrix import matrix_rows
+from search.profiles import PROFILES
+from search.search_row import row_options, row_strategy
+from search.strategies import drawable, merge_options
+from tests.stand_ins import StandInProperty
+
+PROFILE = PROFILES["ci"]
+
+
+def draws(strategy, n: int, seed: int = 0) -> list:
+    out = []
+
+    @with_seed(seed)
+    @settings(max_examples=n, database=None, phases=[Phase.generate], deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(spec) -> None:
+        out.append(spec)
+
+    collect()
+    return out
+
+
+def cpu_rows(backends, modes, properties=None):
+    return matrix_rows("cpu", PROFILE, backends, properties, modes)[0]
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode", "target_verify", "draft_decode", "draft_extend"])
+def test_a_row_could_draw_every_batch_its_own_strategy_draws(mode):
+    """``drawable`` is the strategy's own options read back: it must never refuse what batch_specs drew with them."""
+    for row in cpu_rows(["sglang.torch_native", "torch_native", "graph(triton)", "linear_torch"], [mode], ["outputs"]):
+        for spec in draws(row_strategy(row, PROFILE), 25):
+            assert drawable(spec, row_options(row, PROFILE)) is None, (row.id, spec)
+
+
+def test_options_that_shape_batches_alike_must_be_equal_to_merge():
+    assert merge_options([{"sliding_window": False, "page_sizes": (1,)}, {"sliding_window": True,
+                                                                          "page_sizes": (16,)}]) == \
+        {"sliding_window": True, "page_sizes": (1, 16)}
+    assert merge_options([{"chain": True}, {"chain": False}]) == {"chain": False}
+    with pytest.raises(ValueError, match="dtype"):
+        merge_options([{"dtype": "float32"}, {"dtype": "bfloat16"}])
+
+
+def test_a_row_runs_only_merged_draws_it_could_have_drawn():
+    """sglang.torch_native declares no logit cap and no KV scales (known bugs); SGLang's Triton takes both: in one
+    group, the narrow row never runs a batch with either, and every batch it runs is one it could have drawn."""
+    groups = group_rows(cpu_rows(["sglang.triton", "sglang.torch_native"], ["decode"], ["outputs"]), PROFILE, "cpu")
+    (group,) = groups
+    narrow = next(r for r in group.rows if str(r.composition) == "sglang.torch_native")
+    broad = next(r for r in group.rows if str(r.composition) == "sglang.triton")
+    specs = draws(group.strategy(), 60)
+    taken = [s for s in specs if group.admits(narrow, s) is None]
+    assert 0 < len(taken) < len(specs)
+    assert all(group.admits(broad, s) is None for s in specs)
+    for s in taken:
+        assert all(l.logit_cap is None and l.k_scale == l.v_scale == 1.0 for l in s.layers if l.kind == "mha")
+        assert narrow.composition.unsupported_reason(s) is None
+
+
+def test_groups_keep_apart_what_cannot_share_a_batch():
+    rows = cpu_rows(["torch_native", "sglang.torch_native", "linear_torch", "hybrid(torch_native,linear_torch)"],
+                    ["extend", "decode"])
+    groups = group_rows(rows, PROFILE, "cpu")
+    assert sorted(r.id for g in groups for r in g.rows) == sorted(r.id for r in rows)  # every row once
+    for g in groups:
+        assert len({r.mode for r in g.rows}) == 1
+        assert len({r.composition.attention_kinds() for r in g.rows}) == 1
+        if len(g.rows) > 1:  # class-only checks and deliberate crossings are searched alone
+            assert not any(r.composition.support().class_only for r in g.rows)
+            assert not any(row_options(r, PROFILE).get("overreach") for r in g.rows)
+    assert any(len(g.rows) > 5 for g in groups)
+
+
+@dataclasses.dataclass(frozen=True)
+class Counting(StandInProperty):
+    """Passes; records every batch it is given."""
+
+    def run(self, composition, spec, device) -> Verdict:
+        self.seen.append((str(composition), spec))
+        return Verdict(self.name, True, "ok", 0.0, 1e-3)
+
+
+def stand_in_group(props: dict) -> Group:
+    """The decode group of SGLang's Triton and torch_native, each row's property replaced by ``props[comp]``."""
+    rows = [dataclasses.replace(r, property=props[str(r.composition)])
+            for r in cpu_rows(["sglang.triton", "sglang.torch_native"], ["decode"], ["outputs"])
+            if str(r.composition) in props]
+    (group,) = group_rows(rows, PROFILE, "cpu")
+    return group
+
+
+def test_every_row_gets_its_examples_even_where_the_merged_draws_rarely_fit(tmp_path):
+    broad, narrow = Counting(), Counting()
+    group = stand_in_group({"sglang.triton": broad, "sglang.torch_native": narrow})
+    outcomes = search_group(group, PROFILE, "cpu", max_examples=12, out_dir=tmp_path, seed=5)
+    assert [o.cases for o in outcomes] == [12, 12] and all(o.ok for o in outcomes)
+    shared = {spec for _, spec in broad.seen} & {spec for _, spec in narrow.seen}
+    assert shared, "no batch was checked by both rows"
+    row = next(r for r in group.rows if str(r.composition) == "sglang.torch_native")
+    assert all(row.composition.unsupported_reason(spec) is None for _, spec in narrow.seen)
+
+
+@dataclasses.dataclass(frozen=True)
+class WrongFromTwoRequests(StandInProperty):
+    def run(self, composition, spec, device) -> Verdict:
+        self.seen.append(spec)
+        ok = spec.batch_size < 2
+        return Verdict(self.name, ok, "ok" if ok else "out of bounds", 1.0, 1e-3, "layer 0: request 1, token 0")
+
+
+def test_a_failure_is_shrunk_for_its_row_alone_and_the_others_go_on(tmp_path):
+    wrong, fine = WrongFromTwoRequests(), Counting()
+    group = stand_in_group({"sglang.triton": wrong, "sglang.torch_native": fine})
+    outcomes = {o.composition: o for o in search_group(group, PROFILE, "cpu", max_examples=15, out_dir=tmp_path,
+                                                         seed=2)}
+    failed = outcomes["sglang.triton"]
+    assert not failed.ok and failed.spec.batch_size == 2  # shrunk to the smallest failing batch
+    case = CaseFile.read(failed.case_file)
+    assert case.composition == "sglang.triton" and case.spec == failed.spec
+    assert outcomes["sglang.torch_native"].ok and outcomes["sglang.torch_native"].cases == 15
+    assert list((tmp_path / "cases").iterdir()) == [failed.case_file]  # the first failing case replaced by the shrunk
+    assert not list((tmp_path / "pending").glob("*.json"))
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadingPending(StandInProperty):
+    """Passes; records the composition the group's pending case file names while it runs."""
+
+    folder: object = None
+
+    def run(self, composition, spec, device) -> Verdict:
+        (pending,) = (self.folder / "pending").glob("*.json")
+        self.seen.append((str(composition), json.loads(pending.read_text())["composition"]))
+        return Verdict(self.name, True, "ok", 0.0, 1e-3)
+
+
+def test_the_pending_case_names_the_row_running_it(tmp_path):
+    """A crash leaves the pending case behind: it must name the row that was running, whichever of the group's."""
+    group = stand_in_group({"sglang.triton": ReadingPending(folder=tmp_path),
+                            "sglang.torch_native": ReadingPending(folder=tmp_path)})
+    search_group(group, PROFILE, "cpu", max_examples=12, out_dir=tmp_path, seed=1)
+    seen = [x for r in group.rows for x in r.property.seen]
+    assert {running for running, _ in seen} == {"sglang.triton", "sglang.torch_native"}
+    assert all(running == named for running, named in seen), seen
+    assert not list((tmp_path / "pending").glob("*.json"))
+
+
+def test_a_batch_reference_is_computed_once_and_the_verdicts_are_the_rows_own(tmp_path, monkeypatch):
+    """The real properties on one group: the reference once per batch, and each row's outcome its own (a fault in
+    torch_native's GQA mapping: the outputs rows fail, the metadata rows, which do not see it, pass)."""
+    rows = cpu_rows(["torch_native", "tbo(torch_native)"], ["decode"], ["outputs", "metadata"])
+    (group,) = group_rows(rows, PROFILE, "cpu")
+    computed = []
+    original = run_module.reference_outputs
+    monkeypatch.setattr(run_module, "reference_outputs", lambda case: computed.append(case.spec) or original(case))
+    with MUTANTS["gqa_modulo_mapping"].patch():
+        outcomes = search_group(group, PROFILE, "cpu", max_examples=4, out_dir=tmp_path, seed=11, shrink_seconds=0)
+    by_row = {o.row_id: o for o in outcomes}
+    for row_id, o in by_row.items():
+        assert o.ok == row_id.endswith("-metadata"), (row_id, o.summary())
+        if not o.ok:
+            case = CaseFile.read(o.case_file)
+            assert row_id.startswith(case.composition + "-") and case.property == o.property
+    assert len(computed) == len(set(computed)), "a batch's reference computed twice"
