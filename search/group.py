@@ -38,6 +38,11 @@ from search.search_row import (ADAPTER, DEFAULT_OUT, FAILED, POISONED, AdapterFa
                                steered_off)
 from search.strategies import MERGED_OPTIONS, batch_specs, drawable, merge_options
 
+# Rows a group holds at most: a key's rows are cut into groups of this many, in matrix order. A group is searched in
+# one process, round by round: the whole matrix's extend rows in one group (156 on an H100) held one worker for a
+# whole 200 s sweep while it compiled every composition's kernels, and a round cut off by the budget counts nothing.
+# A dozen rows share most of what sharing saves (generation and the reference cost 1/12 of a case each).
+MAX_GROUP_ROWS = 12
 # A group draws at most this many batches per example its hungriest row may run: a row that can take only a few
 # of the merged draws (a narrow composition beside broad ones) gets fewer cases rather than holding the others up.
 DRAWS_PER_EXAMPLE = 3
@@ -109,12 +114,13 @@ def _key(row: Row, profile: Profile, device: str) -> tuple:
 
 
 def group_rows(rows: list[Row], profile: Profile, device: str) -> list[Group]:
-    """``rows`` in groups, in the order of each group's first row."""
+    """``rows`` in groups of at most MAX_GROUP_ROWS, in the order of each group's first row."""
     keyed: dict[tuple, list[Row]] = {}
     for row in rows:
         keyed.setdefault(_key(row, profile, device), []).append(row)
     groups = []
-    for members in keyed.values():
+    chunks = [rows[i:i + MAX_GROUP_ROWS] for rows in keyed.values() for i in range(0, len(rows), MAX_GROUP_ROWS)]
+    for members in chunks:
         own = {r.id: _options(r, profile) for r in members}
         first = members[0]
         groups.append(Group(tuple(members), first.mode, first.composition.attention_kinds(),

@@ -180,3 +180,31 @@ def test_a_batch_reference_is_computed_once_and_the_verdicts_are_the_rows_own(tm
             case = CaseFile.read(o.case_file)
             assert row_id.startswith(case.composition + "-") and case.property == o.property
     assert len(computed) == len(set(computed)), "a batch's reference computed twice"
+
+
+def test_a_shared_batch_is_handed_out_as_copies_equal_to_a_build(monkeypatch):
+    """On a GPU a group's batch is built once and copied for each run (a copy cost a third of a build on an H100):
+    each copy must equal a fresh build, tensor for tensor, and own its tensors (a run writes into its pools)."""
+    import torch
+
+    from engine import materialize as materializing
+
+    monkeypatch.setattr(materializing, "COPIED_ON", ("cpu",))
+    row = cpu_rows(["torch_native"], ["decode"], ["outputs"])[0]
+    spec = draws(row_strategy(row, PROFILE), 3, seed=4)[-1]
+    fresh = materializing.materialize(spec, "cpu")
+    built = []
+    real_build = materializing._build
+    monkeypatch.setattr(materializing, "_build", lambda *a: built.append(a) or real_build(*a))
+    with run_module.sharing():
+        first, second = materializing.materialize(spec, "cpu"), materializing.materialize(spec, "cpu")
+    assert len(built) == 1
+    for copy_ in (first, second):
+        for name in ("k_buffers", "v_buffers"):
+            for layer, buf in getattr(fresh.forward_batch.token_to_kv_pool, name).items():
+                if buf is not None:
+                    assert torch.equal(getattr(copy_.forward_batch.token_to_kv_pool, name)[layer], buf)
+        assert torch.equal(copy_.forward_batch.out_cache_loc, fresh.forward_batch.out_cache_loc)
+    layer = next(iter(first.forward_batch.token_to_kv_pool.k_buffers))
+    first.forward_batch.token_to_kv_pool.k_buffers[layer].view(torch.uint8).bitwise_not_()  # any dtype, fp8 too
+    assert torch.equal(second.forward_batch.token_to_kv_pool.k_buffers[layer], fresh.forward_batch.token_to_kv_pool.k_buffers[layer])
