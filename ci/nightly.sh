@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The nightly sweep (plain shell: works outside CI too). Spends HARNESS_BUDGET (default 30m) searching the
-# whole matrix under the nightly profile, one process per composition; a crash or hang is a finding and the
-# sweep goes on. HARNESS_SHARD=I/N searches one shard of the rows. The Hypothesis example database is the
-# folder HARNESS_DB (default .hypothesis/nightly): CI restores it before and saves it after, so a failure
-# found one night is replayed first the next. --resume continues a sweep stopped in the same output folder.
-# Installs the harness with its gpu extra first unless HARNESS_NO_INSTALL=1. Extra arguments go to the
-# sweep. Exit status 1 if anything was found.
+# whole matrix under the nightly profile, one process per group of rows that share their batches; a crash or
+# hang is a finding of the row whose case was running, and the sweep goes on. HARNESS_SHARD=I/N searches one
+# shard of the rows. The Hypothesis example database is the folder HARNESS_DB (default .hypothesis/nightly):
+# CI restores it before and saves it after, so a failure found one night is replayed first the next. --resume
+# continues a sweep stopped in the same output folder. Installs the harness with its gpu extra first unless
+# HARNESS_NO_INSTALL=1. Extra arguments go to the sweep. Exit status 1 if anything was found.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}

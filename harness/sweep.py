@@ -54,7 +54,8 @@ from search.outcome import (ADAPTER_ERROR, RowOutcome, exit_status, finding_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
-STOP_GRACE_S = 5.0  # after SIGINT at the end of the budget, before SIGKILL
+STOP_GRACE_S = 5.0
+MAX_BUNDLE = 8  # groups a worker takes at most  # after SIGINT at the end of the budget, before SIGKILL
 
 
 def visible_gpus() -> list[str]:
@@ -145,9 +146,9 @@ class RowState:
 
 @dataclass
 class Task:
-    """A worker process searching one group's rows."""
+    """A worker process searching a bundle of groups, one after the other."""
 
-    unit: str  # the group's id
+    units: list[str]  # the groups' ids
     slot: int
     proc: subprocess.Popen
     events: Path
@@ -156,6 +157,7 @@ class Task:
     offset: int = 0
     current: str | None = None  # the group whose round started and is not yet done
     current_round: int = 0
+    round_rows: set = field(default_factory=set)  # the rows of that round not yet done
     started_any: bool = False
     stopping: bool = False
     # Seconds of the current stall during which some worker had a JIT compiler running (not held against it).
@@ -211,7 +213,7 @@ class Sweep:
         """Groups with rows to search and no worker, fewest rounds along first; at equal rounds those that run an
         engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU sweep in
         matrix order never reached an SGLang row), then matrix order."""
-        busy = {t.unit for t in self.running.values()}
+        busy = {u for t in self.running.values() for u in t.units}
         ready = [(min(s.rounds for s in self.active(u)), not self.engine_rows(u), order, u)
                  for order, u in enumerate(self.groups) if u not in busy and self.active(u)]
         return [u for *_, u in sorted(ready)]
@@ -220,35 +222,51 @@ class Sweep:
         """Whether the group ``unit`` runs an engine's classes (not only the harness's own backends)."""
         return any(s.row.composition.engine != "harness" for s in self.members[unit])
 
-    def launch(self, slot: int, unit: str) -> None:
-        rows = self.active(unit)
+    def bundle(self, waiting: list[str]) -> list[str]:
+        """The groups the next worker takes: the first waiting one, and more of those waiting at its round, a fair
+        share of them for the workers free now, up to MAX_BUNDLE. A worker process costs its imports (torch, the
+        engine: seconds on a CPU), which a small group's round does not repay: a 150 s CPU sweep of 312 rows
+        launched 50 workers for single groups and checked 860 cases, where 19 workers, one per composition, had
+        checked 1304 (2026-11-27)."""
+        free = max(1, self.workers - len(self.running))
+        first = min(s.rounds for s in self.active(waiting[0]))
+        same = [u for u in waiting if min(s.rounds for s in self.active(u)) == first]
+        return same[:max(1, min(MAX_BUNDLE, len(same) // free))]
+
+    def launch(self, slot: int, units: list[str]) -> None:
+        rows = [s for u in units for s in self.active(u)]
         round_ = min(s.rounds for s in rows)
-        group = self.groups[unit]
         self.launches += 1
-        stem = f"{self.session}-{self.launches:03d}--{safe_name(unit)}--r{round_}"
+        more = f"+{len(units) - 1}" if len(units) > 1 else ""
+        stem = f"{self.session}-{self.launches:03d}--{safe_name(units[0])}{more}--r{round_}"
         task_file, events = self.out_dir / "workers" / f"{stem}.json", self.out_dir / "workers" / f"{stem}.events.jsonl"
         log = self.out_dir / "logs" / f"{stem}.log"
         task_file.parent.mkdir(parents=True, exist_ok=True)
         log.parent.mkdir(parents=True, exist_ok=True)
         task_file.write_text(json.dumps({
-            "unit": unit, "compositions": sorted({str(r.composition) for r in group.rows}),
-            "members": [r.id for r in group.rows], "device": self.device, "profile": self.profile, "seed": self.seed,
-            "rows": [{"row": s.row.id, "rounds": s.rounds} for s in rows], "max_rounds": self.max_rounds,
+            "units": [{"unit": u, "compositions": sorted({str(r.composition) for r in self.groups[u].rows}),
+                       "members": [r.id for r in self.groups[u].rows],
+                       "rows": [{"row": s.row.id, "rounds": s.rounds} for s in self.active(u)]} for u in units],
+            "device": self.device, "profile": self.profile, "seed": self.seed, "max_rounds": self.max_rounds,
             "out_dir": str(self.out_dir), "db": self.db, "redis": self.redis, "mutant": self.mutant,
             "deadline": self.deadline, "events": str(events), "parent": os.getpid(),
             # Further rounds in the same process only while no other group waits for a worker.
-            "continue_until": self.deadline if len(self.waiting()) <= self.workers - len(self.running) else 0.0},
+            "continue_until": self.deadline if len(self.waiting()) <= len(units) + self.workers - len(self.running) - 1
+            else 0.0},
             indent=1))
         events.write_text("")
         with open(log, "w") as log_file:
             proc = subprocess.Popen([sys.executable, "-m", "harness.sweep_worker", str(task_file)],
                                     stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=self.worker_env(slot), start_new_session=True)
-        self.running[slot] = Task(unit, slot, proc, events, log, time.time())
-        append_jsonl(self.out_dir / "workers" / "pids.jsonl", {"pid": proc.pid, "unit": unit,
+        self.running[slot] = Task(units, slot, proc, events, log, time.time())
+        append_jsonl(self.out_dir / "workers" / "pids.jsonl", {"pid": proc.pid, "units": units,
                                                                "task": str(task_file), "time": time.time()})
         gpu = f" on GPU {self.gpus[slot % len(self.gpus)]}" if self.gpus else ""
-        self.progress.event(f"start {group.label} at round {round_ + 1}: {len(rows)} row(s){gpu}")
+        for u in units:
+            rows = self.active(u)
+            self.progress.event(f"start {self.groups[u].label} at round {min(s.rounds for s in rows) + 1}: "
+                                f"{len(rows)} row(s){gpu}")
 
     def worker_env(self, slot: int) -> dict[str, str]:
         env = dict(os.environ)
@@ -280,7 +298,7 @@ class Sweep:
                 for slot in range(self.workers):
                     waiting = self.waiting()
                     if slot not in self.running and waiting:
-                        self.launch(slot, waiting[0])
+                        self.launch(slot, self.bundle(waiting))
                 if not self.running:
                     break
                 self.progress.update(self.status_line(), [self.describe(t) for t in self.running.values()])
@@ -307,7 +325,7 @@ class Sweep:
             task.grace += now - (task.last_watch or now)
         task.last_watch = now
         stalled = now - active
-        limit = self.case_timeout(task.unit)
+        limit = max(self.case_timeout(u) for u in ([task.current] if task.current else task.units))
         if not task.current:  # still starting: imports, not a case (harness/procs.py, STARTUP_ALLOWANCE_S)
             limit = max(limit, STARTUP_ALLOWANCE_S)
         if stalled - task.grace > limit or stalled > self.compile_timeout_s:
@@ -337,8 +355,11 @@ class Sweep:
             task.last_activity = time.time()
             if event["event"] == "start":
                 task.current, task.current_round, task.started_any = event["row"], event["round"], True
+                task.round_rows = set(event.get("rows") or ())
             elif event["event"] == "done":
-                task.current = None
+                task.round_rows.discard(event["row"])  # each row's as soon as its round is over
+                if not task.round_rows:
+                    task.current = None
                 self.row_done(self.by_id[event["row"]], event["round"], event["result"], event.get("seed"))
 
     def row_done(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
@@ -419,8 +440,9 @@ class Sweep:
         if task.stopping or code == 0:
             return
         if code == EXIT_CONTEXT_POISONED:
-            self.progress.event(f"{self.groups[task.unit].label}: the process is unusable after a failure (a lost CUDA "
-                                f"context, or a known bug's stray writes); its remaining rows go to a fresh process")
+            self.progress.event(f"{self.groups[task.current or task.units[0]].label}: the process is unusable after a "
+                                f"failure (a lost CUDA context, or a known bug's stray writes); its remaining rows go "
+                                f"to a fresh process")
             return
         from harness.mutants.run import exit_description
 
@@ -429,14 +451,14 @@ class Sweep:
     def crashed(self, task: Task, kind: str, reason: str) -> None:
         """A worker died or hung: a finding for the row whose case was running (the group's pending case names it),
         with that case as reproducer."""
-        label = self.groups[task.unit].label
+        label = ", ".join(self.groups[u].label for u in task.units)
         pending = self.pending_file(task.current) if task.current else None
         case = CaseFile.read(pending) if pending is not None and pending.exists() else None
         state = None if case is None else self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
         if state is None:
             # No case was running: the worker itself is broken (an import error, a bad environment). Its rows
-            # would fail the same way in every process, so this sweep leaves the group alone.
-            self.retired.add(task.unit)
+            # would fail the same way in every process, so this sweep leaves its groups alone.
+            self.retired.update(task.units)
             where = "before its first row" if not task.started_any else "between rows"
             self.finding(None, "error", f"{reason} {where}: {self.log_tail(task, 1)}", None, label, None)
             return
@@ -523,7 +545,7 @@ class Sweep:
                 f"{duration(max(0.0, self.deadline - time.time()))} left")
 
     def describe(self, task: Task) -> str:
-        return f"worker {task.slot}: {self.groups[task.unit].label} round {task.current_round + 1}"
+        return f"worker {task.slot}: {self.groups[task.current or task.units[0]].label} round {task.current_round + 1}"
 
 
 def selection_flags(selection: dict) -> str:

@@ -1,11 +1,11 @@
-"""A sweep worker: one group's rows (``search.group``: rows that share their batches), round after round, in a
-process of their own.
+"""A sweep worker: a bundle of groups of rows (``search.group``: rows that share their batches), round after round,
+in a process of their own.
 
-Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep``. The task file names the group (its id,
-its compositions and every row in it), the rows to search and the rounds each has done, the sweep's seed, the
-profile, the device, the example database, the mutant to inject, the deadline, and until when it may go on to
-further rounds (while no other group waits for its slot, it keeps its process rather than paying for a fresh one
-each round). Each event is one JSON line appended to the task's events file: ``start`` before a round of the
+Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep``. The task file names its groups (each one's
+id, compositions and rows, the rows to search and the rounds each has done; they are searched one after the other,
+a round of each at a time), the sweep's seed, the profile, the device, the example database, the mutant to inject,
+the deadline, and until when it may go on to further rounds (while no other group waits for its slot, it keeps its
+process rather than paying for a fresh one each round). Each event is one JSON line appended to the task's events file: ``start`` before a round of the
 group's search, ``done`` with each row's result after it. The group's pending case file, written by
 ``search_group`` before every case, names the row that ran it and is the reproducer when this process dies or
 stalls.
@@ -109,13 +109,16 @@ def run_task(task: dict) -> int:
     from search.profiles import profile as profile_of
 
     profile = profile_of(task["profile"])
-    members = set(task["members"])
-    rows = [r for r in matrix_rows(device, profile, task["compositions"])[0] if r.id in members]
-    group = next(g for g in group_rows(rows, profile, device) if g.id == task["unit"])  # the sweep's own grouping
+    # Its groups, each as the sweep grouped it, and the rounds each of their rows has done
+    groups, rounds = [], {}
+    for item in task["units"]:
+        members = set(item["members"])
+        rows = [r for r in matrix_rows(device, profile, item["compositions"])[0] if r.id in members]
+        groups.append(next(g for g in group_rows(rows, profile, device) if g.id == item["unit"]))
+        rounds[item["unit"]] = {row["row"]: row["rounds"] for row in item["rows"]}
     database = example_database(task.get("db"), task.get("redis"))
     out_dir = Path(task["out_dir"])
-    rounds = {item["row"]: item["rounds"] for item in task["rows"]}  # rounds done so far, per row
-    first_round = min(rounds.values())
+    first_round = min(n for rows in rounds.values() for n in rows.values())
     with open(task["events"], "a") as events:
         def emit(**fields) -> None:
             events.write(json.dumps(fields | {"time": time.time()}) + "\n")
@@ -123,28 +126,35 @@ def run_task(task: dict) -> int:
 
         emit(event="ready", pid=os.getpid())
         with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
-            while rounds:
-                round_ = min(rounds.values())
+            while any(rounds.values()):
+                round_ = min(n for rows in rounds.values() for n in rows.values())
                 if task["max_rounds"] is not None and round_ >= task["max_rounds"]:
                     break
                 if round_ > first_round and time.time() >= task["continue_until"]:
                     break  # another group waits for this worker's slot
-                if time.time() >= task["deadline"]:
-                    emit(event="stopped", reason="budget spent")
-                    return 0
-                now = {r for r, n in rounds.items() if n == round_}
-                seed = round_seed(task["seed"], group.id, round_)
-                emit(event="start", row=group.id, round=round_, rows=sorted(now))
-                results = search_group(group, profile, device, database=database, out_dir=out_dir,
-                                       max_examples=round_examples(profile, round_), seed=seed,
-                                       skip=frozenset(r.id for r in group.rows if r.id not in now))
-                for result in results:
-                    emit(event="done", row=result.row_id, round=round_, seed=seed, result=result.record())
-                    rounds[result.row_id] += 1
-                    if not result.ok:
-                        del rounds[result.row_id]  # a row with a finding is done for this sweep
-                if device == "cuda" and any(result.cuda_context_lost for result in results):
-                    return EXIT_CONTEXT_POISONED
+                for group in groups:
+                    left = rounds[group.id]
+                    now = {r for r, n in left.items() if n == round_}
+                    if not now:
+                        continue
+                    if time.time() >= task["deadline"]:
+                        emit(event="stopped", reason="budget spent")
+                        return 0
+                    seed = round_seed(task["seed"], group.id, round_)
+                    emit(event="start", row=group.id, round=round_, rows=sorted(now))
+
+                    def row_done(result, round_=round_, seed=seed, left=left) -> None:
+                        emit(event="done", row=result.row_id, round=round_, seed=seed, result=result.record())
+                        left[result.row_id] += 1
+                        if not result.ok:
+                            del left[result.row_id]  # a row with a finding is done for this sweep
+
+                    results = search_group(group, profile, device, database=database, out_dir=out_dir,
+                                           max_examples=round_examples(profile, round_), seed=seed,
+                                           skip=frozenset(r.id for r in group.rows if r.id not in now),
+                                           on_done=row_done)
+                    if device == "cuda" and any(result.cuda_context_lost for result in results):
+                        return EXIT_CONTEXT_POISONED
     return 0
 
 

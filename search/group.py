@@ -33,9 +33,9 @@ from search.casefile import CaseFile, safe_name
 from search.matrix import Row
 from search.outcome import RowOutcome
 from search.profiles import Profile, hypothesis_settings
-from search.search_row import (ADAPTER, DEFAULT_OUT, FAILED, POISONED, AdapterFailed, ContextPoisoned, PropertyFailed,
-                               ShrinkBudgetSpent, record_case, row_budget, row_options, row_profile, search_row, settle,
-                               steered_off)
+from search.search_row import (ADAPTER, DEFAULT_OUT, FAILED, KNOWN, PASSED, POISONED, AdapterFailed, ContextPoisoned,
+                               PropertyFailed, ShrinkBudgetSpent, record_case, row_budget, row_options, row_profile,
+                               search_row, settle, steered_off)
 from search.strategies import MERGED_OPTIONS, batch_specs, drawable, merge_options
 
 # Rows a group holds at most: a key's rows are cut into groups of this many, in matrix order. A group is searched in
@@ -153,17 +153,28 @@ class _Member:
 
 def search_group(group: Group, profile: Profile, device: str, *, database=None, max_examples: int | None = None,
                  out_dir: Path = DEFAULT_OUT, seed: int | None = None, shrink_seconds: float | None = None,
-                 skip: frozenset[str] = frozenset()) -> list[RowOutcome]:
+                 skip: frozenset[str] = frozenset(), on_done=None) -> list[RowOutcome]:
     """Search ``group``'s rows (but those in ``skip``) on shared batches; one outcome per row searched, in group order.
 
     ``max_examples`` (None: the profile's, fewer for a slow row: ``row_budget``) and ``shrink_seconds`` are each row's,
     as ``search_row`` takes them. Before each case, the case is written to ``pending/GROUP.json`` (a crash leaves it
-    behind, naming the row that ran it). A group of one row is ``search_row``'s."""
+    behind, naming the row that ran it). ``on_done(outcome)`` is called for each row as soon as its search is over (its
+    examples run, or its finding shrunk), so a round cut off by a budget loses only the rows still searched. A group
+    of one row is ``search_row``'s."""
+    reported: set[str] = set()
+
+    def done(result: RowOutcome) -> None:
+        if on_done is not None and result.row_id not in reported:
+            reported.add(result.row_id)
+            on_done(result)
+
     rows = [r for r in group.rows if r.id not in skip]
     pending = out_dir / "pending" / f"{safe_name(group.id)}.json"
     if len(rows) == 1:
-        return [search_row(rows[0], profile, device, database=database, max_examples=max_examples, out_dir=out_dir,
-                           seed=seed, shrink_seconds=shrink_seconds, pending=pending)]
+        result = search_row(rows[0], profile, device, database=database, max_examples=max_examples, out_dir=out_dir,
+                            seed=seed, shrink_seconds=shrink_seconds, pending=pending)
+        done(result)
+        return [result]
     members = []
     for row in rows:
         budget, shrink = row_budget(row, profile, device, max_examples, shrink_seconds)
@@ -176,7 +187,7 @@ def search_group(group: Group, profile: Profile, device: str, *, database=None, 
         with sharing():
             while draws < draw_cap and any(m.hungry for m in members):
                 ended, drawn = _attempt(group, members, profile, device, database, out_dir, pending, seed,
-                                        attempt, draw_cap - draws, skip)
+                                        attempt, draw_cap - draws, skip, done)
                 draws += drawn
                 attempt += 1
                 if ended:
@@ -192,12 +203,14 @@ def search_group(group: Group, profile: Profile, device: str, *, database=None, 
                                        max_examples=m.budget - m.result.cases, shrink_seconds=m.shrink_seconds,
                                        seed=None if seed is None else seed + len(group.rows) + attempt,
                                        pending=pending))
+    for m in members:
+        done(m.result)
     return [m.result for m in members]
 
 
 def _attempt(group: Group, members: list[_Member], profile: Profile, device: str, database, out_dir: Path,
              pending: Path, seed: int | None, attempt: int, draws_left: int,
-             skip: frozenset[str]) -> tuple[bool, int]:
+             skip: frozenset[str], done) -> tuple[bool, int]:
     """One Hypothesis run over the group's hungry rows, until a row's new failure is shrunk, every row has its
     examples, or ``draws_left`` batches are drawn. Returns (whether the whole search is over, batches drawn)."""
     target: list[_Member] = []  # the row whose failure is being shrunk
@@ -211,6 +224,8 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
         outcome = record_case(m.row, group.profile, device, spec, verdict, m.result, m.failures, m.steer_off,
                               out_dir, m.start)
         m.result.seconds += time.perf_counter() - started
+        if outcome in (PASSED, KNOWN) and not target and not m.hungry:
+            done(m.result)  # its examples run: this round is over for it
         return outcome, verdict
 
     @hypothesis_settings(profile, database=database, max_examples=draws_left,
@@ -240,6 +255,7 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
             if outcome == ADAPTER:  # the harness's own code: this row stops, unshrunk; the others go on
                 settle(AdapterFailed(), m.row, group.profile, device, m.result, m.failures, out_dir, m.start)
                 m.done = True
+                done(m.result)
             elif outcome == POISONED:
                 target.append(m)
                 raise ContextPoisoned
@@ -248,6 +264,7 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
                     settle(PropertyFailed(verdict), m.row, group.profile, device, m.result, m.failures, out_dir,
                            m.start)
                     m.done = True
+                    done(m.result)
                     continue
                 target.append(m)
                 raise PropertyFailed(verdict)
@@ -276,6 +293,7 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
             m = target[0]
             settle(e, m.row, group.profile, device, m.result, m.failures, out_dir, m.start)
             m.done = True
+            done(m.result)
             return False, drawn
         for m in members:  # the group's strategy or Hypothesis itself: every row searched here ends the same way
             if m.hungry:

@@ -129,8 +129,10 @@ class WrongFromTwoRequests(StandInProperty):
 def test_a_failure_is_shrunk_for_its_row_alone_and_the_others_go_on(tmp_path):
     wrong, fine = WrongFromTwoRequests(), Counting()
     group = stand_in_group({"sglang.triton": wrong, "sglang.torch_native": fine})
+    reported = []
     outcomes = {o.composition: o for o in search_group(group, PROFILE, "cpu", max_examples=15, out_dir=tmp_path,
-                                                         seed=2)}
+                                                         seed=2, on_done=reported.append)}
+    assert sorted(map(id, reported)) == sorted(map(id, outcomes.values()))  # each row once, as soon as it is over
     failed = outcomes["sglang.triton"]
     assert not failed.ok and failed.spec.batch_size == 2  # shrunk to the smallest failing batch
     case = CaseFile.read(failed.case_file)

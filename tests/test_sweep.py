@@ -158,7 +158,7 @@ def stalled_sweep(tmp_path):
                db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60),
                compile_timeout_s=100.0)
     unit = sw.unit_of["torch_native-extend-outputs"]
-    sw.running[0] = Task(unit, 0, proc, events, tmp_path / "log", last_activity=time.time())
+    sw.running[0] = Task([unit], 0, proc, events, tmp_path / "log", last_activity=time.time())
     sw.running[0].current = unit  # in a round (before its first, it has STARTUP_ALLOWANCE_S)
     yield sw, sw.running[0]
     proc.kill()
@@ -272,3 +272,24 @@ def test_a_worker_still_starting_gets_the_startup_allowance_not_the_case_timeout
     sw.compile_timeout_s = 10 * STARTUP_ALLOWANCE_S
     sw.watch(task)
     assert 0 not in sw.running
+
+
+def test_a_worker_takes_a_fair_share_of_the_groups_waiting_at_its_round(tmp_path):
+    """A worker process costs its imports, which one small group's round does not repay: a worker takes several
+    groups waiting at the same round (their share for the free workers, at most MAX_BUNDLE), never one a round ahead."""
+    from harness.sweep import MAX_BUNDLE, RowState, Sweep
+    from search.matrix import matrix_rows
+    from search.profiles import profile
+
+    rows, _ = matrix_rows("cpu", profile("ci"), ["torch_native", "linear_torch"])
+    states = [RowState(r) for r in rows]
+    sw = Sweep(states, "cpu", "ci", tmp_path, time.time() + 60, 2, case_timeout_s=None, seed=0, db=None,
+               redis=None, mutant=None, max_rounds=None, progress=None)
+    waiting = sw.waiting()
+    assert len(waiting) > 4
+    bundle = sw.bundle(waiting)
+    assert bundle == waiting[:min(MAX_BUNDLE, len(waiting) // 2)]
+    for s in sw.members[waiting[1]]:  # one group a round ahead: the others still go first, and it is not taken along
+        s.rounds = 1
+    bundle = sw.bundle(sw.waiting())
+    assert waiting[1] not in bundle and bundle[0] == waiting[0]
