@@ -455,8 +455,15 @@ class Sweep:
         pending = self.pending_file(task.current) if task.current else None
         case = CaseFile.read(pending) if pending is not None and pending.exists() else None
         state = None if case is None else self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
+        if state is None and task.current:
+            # A group's round was running, no case named: the harness's own code failed between cases. That group
+            # is left alone; the worker's other groups go on in a fresh process
+            self.retired.add(task.current)
+            self.finding(None, "error", f"{reason} in {self.groups[task.current].label}, between cases: "
+                                        f"{self.log_tail(task, 1)}", None, self.groups[task.current].label, None)
+            return
         if state is None:
-            # No case was running: the worker itself is broken (an import error, a bad environment). Its rows
+            # No group was running: the worker itself is broken (an import error, a bad environment). Its rows
             # would fail the same way in every process, so this sweep leaves its groups alone.
             self.retired.update(task.units)
             where = "before its first row" if not task.started_any else "between rows"

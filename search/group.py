@@ -34,8 +34,8 @@ from search.matrix import Row
 from search.outcome import RowOutcome
 from search.profiles import Profile, hypothesis_settings
 from search.search_row import (ADAPTER, DEFAULT_OUT, FAILED, KNOWN, PASSED, POISONED, AdapterFailed, ContextPoisoned,
-                               PropertyFailed, ShrinkBudgetSpent, record_case, row_budget, row_options, row_profile,
-                               search_row, settle, steered_off)
+                               PropertyFailed, ShrinkBudgetSpent, raise_for, record_case, row_budget, row_options,
+                               row_profile, search_row, settle, steered_off)
 from search.strategies import MERGED_OPTIONS, batch_specs, drawable, merge_options
 
 # Rows a group holds at most: a key's rows are cut into groups of this many, in matrix order. A group is searched in
@@ -88,7 +88,7 @@ class Group:
 
     def admits(self, row: Row, spec: BatchSpec) -> str | None:
         """Why ``row`` does not run ``spec`` (its composition cannot, or its own strategy could not have drawn it)."""
-        return row.composition.unsupported_reason(spec) or drawable(spec, self.own[row.id])
+        return row.composition.unsupported_reason(spec) or drawable(spec, self.own[row.id], self.profile)
 
 
 def _options(row: Row, profile: Profile) -> dict:
@@ -159,8 +159,9 @@ def search_group(group: Group, profile: Profile, device: str, *, database=None, 
     ``max_examples`` (None: the profile's, fewer for a slow row: ``row_budget``) and ``shrink_seconds`` are each row's,
     as ``search_row`` takes them. Before each case, the case is written to ``pending/GROUP.json`` (a crash leaves it
     behind, naming the row that ran it). ``on_done(outcome)`` is called for each row as soon as its search is over (its
-    examples run, or its finding shrunk), so a round cut off by a budget loses only the rows still searched. A group
-    of one row is ``search_row``'s."""
+    examples run, or its finding shrunk), so a round cut off by a budget loses only the rows still searched; after a
+    lost CUDA context, never for a row still short of its examples (a fresh process searches it). A group of one row
+    is ``search_row``'s."""
     reported: set[str] = set()
 
     def done(result: RowOutcome) -> None:
@@ -182,28 +183,29 @@ def search_group(group: Group, profile: Profile, device: str, *, database=None, 
                                RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name)))
     draw_cap = DRAWS_PER_EXAMPLE * max(m.budget for m in members)
     draws, attempt = 0, 0
-    lost = False  # a sticky CUDA error: nothing more runs in this process
-    try:
-        with sharing():
-            while draws < draw_cap and any(m.hungry for m in members):
-                ended, drawn = _attempt(group, members, profile, device, database, out_dir, pending, seed,
-                                        attempt, draw_cap - draws, skip, done)
-                draws += drawn
-                attempt += 1
-                if ended:
-                    break
-            lost = any(m.result.cuda_context_lost for m in members)
-    finally:
-        pending.unlink(missing_ok=True)
+    # An exception out of here (the harness's own bug) leaves the pending case behind: it names the row that was
+    # running, which a sweep's supervisor makes the finding's
+    with sharing():
+        while draws < draw_cap and any(m.hungry for m in members):
+            ended, drawn = _attempt(group, members, profile, device, database, out_dir, pending, seed,
+                                    attempt, draw_cap - draws, skip, done)
+            draws += drawn
+            attempt += 1
+            if ended:
+                break
+    pending.unlink(missing_ok=True)
+    if any(m.result.cuda_context_lost for m in members):
+        # Nothing more runs in this process: the rows still short of their examples are not over (on_done is not
+        # called for them), and a fresh process searches them again
+        return [m.result for m in members]
     for m in members:
-        if m.hungry and not lost:
+        if m.hungry:
             # The merged draws rarely fit this row (a narrow composition beside broad ones): the examples it still
             # lacks are searched on its own strategy
             m.result.absorb(search_row(m.row, profile, device, database=database, out_dir=out_dir,
                                        max_examples=m.budget - m.result.cases, shrink_seconds=m.shrink_seconds,
                                        seed=None if seed is None else seed + len(group.rows) + attempt,
                                        pending=pending))
-    for m in members:
         done(m.result)
     return [m.result for m in members]
 
@@ -233,14 +235,14 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
     @given(group.strategy())
     def probe(spec: BatchSpec) -> None:
         nonlocal drawn
+        # Every ending is raised from one place (raise_for): Hypothesis tells failures apart by where they were raised,
+        # and a replay raising elsewhere than the failure it replays reads as flaky
         if target:  # shrinking one row's failure: the other rows are not run
             m = target[0]
             if m.shrink_time_spent():
                 raise ShrinkBudgetSpent
             if group.admits(m.row, spec) is None:
-                outcome, verdict = run(m, spec)
-                if outcome == FAILED:
-                    raise PropertyFailed(verdict)
+                raise_for(*run(m, spec))
             return
         drawn += 1
         for m in members:
@@ -252,22 +254,18 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
             if steered_off(spec, m.steer_off, m.failures, m.result):
                 continue
             outcome, verdict = run(m, spec)
-            if outcome == ADAPTER:  # the harness's own code: this row stops, unshrunk; the others go on
+            if outcome == ADAPTER and not m.result.context_poisoned:
+                # The harness's own code: this row stops, unshrunk; the others go on (in a usable process)
                 settle(AdapterFailed(), m.row, group.profile, device, m.result, m.failures, out_dir, m.start)
                 m.done = True
                 done(m.result)
-            elif outcome == POISONED:
+            elif outcome == FAILED and m.shrink_seconds == 0:  # reported as found
+                settle(PropertyFailed(verdict), m.row, group.profile, device, m.result, m.failures, out_dir, m.start)
+                m.done = True
+                done(m.result)
+            elif outcome in (ADAPTER, POISONED, FAILED):
                 target.append(m)
-                raise ContextPoisoned
-            elif outcome == FAILED:
-                if m.shrink_seconds == 0:  # reported as found
-                    settle(PropertyFailed(verdict), m.row, group.profile, device, m.result, m.failures, out_dir,
-                           m.start)
-                    m.done = True
-                    done(m.result)
-                    continue
-                target.append(m)
-                raise PropertyFailed(verdict)
+                raise_for(outcome, verdict)
         if not any(m.hungry for m in members):
             raise GroupDone
 
@@ -278,6 +276,7 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = key.encode()
     if seed is not None:  # as search_row: generation seeded, the database left in place
         probe._hypothesis_internal_use_seed = seed + attempt
+    # Hypothesis's notes are held back: they name the merged draw, and the row's case file is the reproducer
     reported: list[str] = []
     try:
         with with_reporter(reported.append):
@@ -286,15 +285,17 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
         return True, drawn
     except BaseException as e:  # noqa: BLE001 - settle() re-raises what is not the search's own ending
         if isinstance(e, ContextPoisoned):  # nothing more runs in this process
-            settle(e, target[0].row, group.profile, device, target[0].result, target[0].failures, out_dir,
-                   target[0].start)
+            m = target[0]
+            settle(e, m.row, group.profile, device, m.result, m.failures, out_dir, m.start)
+            m.done = True
+            done(m.result)
             return True, drawn
         if target:
             m = target[0]
             settle(e, m.row, group.profile, device, m.result, m.failures, out_dir, m.start)
             m.done = True
             done(m.result)
-            return False, drawn
+            return m.result.cuda_context_lost, drawn  # (an adapter error's CUDA error: nothing more runs here)
         for m in members:  # the group's strategy or Hypothesis itself: every row searched here ends the same way
             if m.hungry:
                 settle(e, m.row, group.profile, device, m.result, m.failures, out_dir, m.start)

@@ -268,7 +268,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
         with with_reporter(reported.append):
             probe()
     except BaseException as e:  # noqa: BLE001 - settle() re-raises what is not the search's own ending
-        stopped = True  # (Ctrl-C: the notes are not printed)
+        stopped = isinstance(e, KeyboardInterrupt)  # (Ctrl-C: the notes are not printed; a bug's are)
         stopped = settle(e, row, profile, device, result, failures, out_dir, start)
     finally:
         if not stopped:

@@ -51,14 +51,23 @@ def lengths(draw, lo: int, hi: int, page_size: int, boundaries: frozenset[int] =
 
 
 @functools.lru_cache(maxsize=None)
-def _lengths(lo: int, hi: int, page_size: int, boundaries: tuple[int, ...] = (), cap: int = 0) -> st.SearchStrategy[int]:
-    # Built once per bounds: a fresh strategy per draw cost more than the draw (listing and validating up
-    # to 3 * hi / page_size boundary lengths every time).
+def _special_lengths(lo: int, hi: int, page_size: int, boundaries: tuple[int, ...] = (),
+                     cap: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The lengths ``lengths`` draws apart from [lo, hi]: at page boundaries, and at kernel boundaries (up to
+    ``cap``, past ``hi`` too)."""
     top = max(hi, cap)
     pages = [k * page_size + d for k in range(1, hi // max(page_size, 1) + 1) for d in (-1, 0, 1)]
     pages += [page_size + d for d in (-1, 0, 1)]
     special = sorted({x for x in [lo, 1, *pages] if lo <= x <= top})
     kernel = sorted({b + d for b in boundaries for d in (-1, 0, 1) if lo <= b + d <= top})
+    return tuple(special), tuple(kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _lengths(lo: int, hi: int, page_size: int, boundaries: tuple[int, ...] = (), cap: int = 0) -> st.SearchStrategy[int]:
+    # Built once per bounds: a fresh strategy per draw cost more than the draw (listing and validating up
+    # to 3 * hi / page_size boundary lengths every time).
+    special, kernel = _special_lengths(lo, hi, page_size, boundaries, cap)
     options = [st.integers(lo, hi), st.sampled_from(special)]
     return st.one_of(*options, *([st.sampled_from(kernel)] if kernel else []))
 
@@ -372,13 +381,20 @@ def merge_options(options: list[dict]) -> dict:
 _DEFAULTS = {k: p.default for k, p in inspect.signature(batch_specs).parameters.items() if k in MERGED_OPTIONS}
 
 
-def drawable(spec: BatchSpec, options: dict) -> str | None:
-    """Why ``batch_specs(..., **options)`` could not have drawn ``spec`` (for the options in MERGED_OPTIONS; the
-    others are a merged group's common ones), or None. Lengths at kernel boundaries only weigh draws, and a graph
-    replay's padded rows are read by graph() compositions alone (a row that draws none runs the batch without them):
-    neither is checked."""
+def drawable(spec: BatchSpec, options: dict, profile: Profile) -> str | None:
+    """Why ``batch_specs(profile, ..., **options)`` could not have drawn ``spec`` (for the options in MERGED_OPTIONS;
+    the others are a merged group's common ones), or None. A graph replay's padded rows are read by graph()
+    compositions alone (a row that draws none runs the batch without them): not checked. Lengths at kernel boundaries
+    within the profile's ranges only weigh draws; a cached prefix past them is drawn only at the row's own
+    boundaries (or its page's)."""
     o = _DEFAULTS | options
     s, mha = spec.spec, [l for l in spec.layers if l.kind == "mha"]
+    own = tuple(sorted(o["boundaries"]))
+    special, kernel = _special_lengths(0, profile.max_prefix, spec.page_size, own, profile.max_boundary)
+    long = profile.long_context or (0, -1)
+    for x in spec.prefix_lens:
+        if x > profile.max_prefix and x not in special and x not in kernel and not long[0] <= x <= long[1]:
+            return f"a cached prefix of {x}"
     if o["page_sizes"] and spec.page_size not in o["page_sizes"]:
         return f"page size {spec.page_size}"
     if spec.kv_cache_dtype not in o["kv_cache_dtypes"]:

@@ -293,3 +293,23 @@ def test_a_worker_takes_a_fair_share_of_the_groups_waiting_at_its_round(tmp_path
         s.rounds = 1
     bundle = sw.bundle(sw.waiting())
     assert waiting[1] not in bundle and bundle[0] == waiting[0]
+
+
+def test_a_worker_dying_between_a_groups_cases_retires_that_group_alone(tmp_path):
+    """A worker holding several groups dies while one group's round runs but no case is pending (the harness's own
+    error between cases): that group is left alone, not every group of the worker (found by review)."""
+    from harness.progress import make_progress
+    from harness.sweep import RowState, Sweep, Task
+    from search.matrix import matrix_rows
+    from search.profiles import PROFILES
+
+    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["extend", "decode"])[0]
+    sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0,
+               db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60))
+    running, other = list(sw.groups)[:2]
+    task = Task([running, other], 0, None, tmp_path / "events.jsonl", tmp_path / "log", last_activity=time.time())
+    task.current, task.started_any = running, True
+    sw.crashed(task, "crash", "crash: the worker died (exit status 1)")
+    assert sw.retired == {running}
+    (finding,) = jsonl(tmp_path / "findings.jsonl")
+    assert finding["kind"] == "error" and "between cases" in finding["reason"]
