@@ -16,7 +16,8 @@ property while a clock splits the time into
 - checking: everything else the property does (comparisons, invariants, bookkeeping).
 
 A failing case is counted as known when the ledger explains it (``docs/findings/known-failures.toml``: a bug already
-triaged), apart from new failures; each row's figures are printed as soon as the row is done, so a run killed
+triaged), apart from new failures; after a row's first case of a steerable entry, its later batches with what that
+bug needs are not run, as in a search (``search.search_row.steered_off``), and counted in the last column; each row's figures are printed as soon as the row is done, so a run killed
 before the end still says what it measured.
 
 ``--shared`` times what sweeps run: one batch, every composition (``search.group``). The rows are grouped as a
@@ -160,6 +161,7 @@ class RowTiming:
     finished: float = 0.0
     workers: int = 1
     known: int = 0  # failures the ledger explains (docs/findings/known-failures.toml): a bug already triaged
+    steered: int = 0  # batches not run: a known bug the row met needs what they have
 
     @property
     def total(self) -> float:
@@ -180,7 +182,7 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     ``barrier``, every worker starts its timed part together (so their wall times overlap)."""
     import torch
 
-    from search import ledger
+    from search.group import DRAWS_PER_EXAMPLE
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     for spec in draw_specs(row, profile, warmup, seed + 1_000_003) if warmup else []:
@@ -188,27 +190,63 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     if barrier is not None:
         barrier.wait()
     sync()
+    drawing = time.perf_counter()
+    specs = draw_specs(row, profile, DRAWS_PER_EXAMPLE * n, seed)  # more than n: steered batches are not run
+    drawn = time.perf_counter() - drawing
     started = time.perf_counter()
-    specs = draw_specs(row, profile, n, seed)
-    generation = time.perf_counter() - started
     clock = PhaseClock(sync)
-    failures = known = 0
+    failures = known = cases = 0
+    steer = Steering()
     with instrumented(clock):
         for spec in specs:
+            if cases == n:
+                break
+            if steer.off(row, spec):
+                continue
             clock.enter("checking")  # whatever the property does outside the timed calls
             try:
                 verdict = row.property.run(row.composition, spec, device)
             finally:
                 clock.leave()
+            cases += 1
             if not verdict.ok:  # counted apart from the timed part: the ledger is the report's, not the search's
-                if ledger.match(str(row.composition), row.mode.value, row.property.name, spec, verdict, device):
+                if steer.known(row, spec, verdict, device):
                     known += 1
                 else:
                     failures += 1
     finished = time.perf_counter()
+    # Generation: the share of the drawing the batches looked at took (drawn up front, more than were needed)
+    generation = drawn * (cases + steer.steered) / max(1, len(specs))
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
-    return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, len(specs), failures,
-                     seconds, started, finished, known=known)
+    return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, cases, failures,
+                     seconds, started - generation, finished, known=known, steered=steer.steered)
+
+
+class Steering:
+    """Known bugs stop costing cases, as in a search: after a row's first case of a steerable ledger entry, its
+    batches with what that bug needs are not run (``search.search_row.steered_off``)."""
+
+    def __init__(self) -> None:
+        self.met: dict[str, list] = defaultdict(list)  # row id -> steerable entries it met
+        self.steered = 0
+
+    def off(self, row, spec) -> bool:
+        from search.outcome import RowOutcome
+        from search.search_row import steered_off
+
+        if steered_off(spec, self.met[row.id], [], RowOutcome(row.id, "", "", "")):
+            self.steered += 1
+            return True
+        return False
+
+    def known(self, row, spec, verdict, device: str) -> bool:
+        """Whether the ledger explains ``verdict`` (a failure); a steerable entry is steered from from now on."""
+        from search import ledger
+
+        entry = ledger.match(str(row.composition), row.mode.value, row.property.name, spec, verdict, device)
+        if entry is not None and entry.steerable and entry not in self.met[row.id]:
+            self.met[row.id].append(entry)
+        return entry is not None
 
 
 def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
@@ -220,19 +258,21 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     from hypothesis import seed as with_seed
 
     from properties.run import sharing
-    from search import ledger
     from search.group import DRAWS_PER_EXAMPLE, GroupDone
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     counts = {r.id: 0 for r in group.rows}
     totals = {"failures": 0, "known": 0}
     clock = PhaseClock(sync)
+    steer = Steering()
 
     def check(spec, limit: int, timed: bool) -> None:
         for row in group.rows:
             if counts[row.id] >= limit or group.admits(row, spec) is not None:
                 continue
             view = group.view(row, spec)
+            if timed and steer.off(row, view):
+                continue
             clock.enter("checking")
             try:
                 verdict = row.property.run(row.composition, view, device)
@@ -240,7 +280,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
                 clock.leave()
             counts[row.id] += 1
             if timed and not verdict.ok:
-                if ledger.match(str(row.composition), row.mode.value, row.property.name, view, verdict, device):
+                if steer.known(row, view, verdict, device):
                     totals["known"] += 1
                 else:
                     totals["failures"] += 1
@@ -275,7 +315,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES}
     seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
     return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
-                     totals["failures"], seconds, started, finished, known=totals["known"])
+                     totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered)
 
 
 def combine(parts: list[RowTiming]) -> RowTiming:
@@ -283,7 +323,7 @@ def combine(parts: list[RowTiming]) -> RowTiming:
     first = parts[0]
     return dataclasses.replace(
         first, cases=sum(p.cases for p in parts), failures=sum(p.failures for p in parts),
-        known=sum(p.known for p in parts),
+        known=sum(p.known for p in parts), steered=sum(p.steered for p in parts),
         seconds={ph: sum(p.seconds[ph] for p in parts) for ph in PHASES},
         started=min(p.started for p in parts), finished=max(p.finished for p in parts), workers=len(parts))
 
@@ -357,14 +397,14 @@ def table_row(r: RowTiming, w: int) -> str:
     time, new failures and known ones (the ledger's)."""
     shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
     return (f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f}"
-            f"{shares} {r.failures:>5} {r.known:>5}")
+            f"{shares} {r.failures:>5} {r.known:>5} {r.steered:>5}")
 
 
 def print_table(results: list[RowTiming]) -> None:
     w = max([len(r.composition) for r in results] + [11])
     heads = "".join(f"{p[:5] + '%':>7}" for p in PHASES)
     print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8}{heads} {'fails':>5} "
-          f"{'known':>5}")
+          f"{'known':>5} {'steer':>5}")
     for r in results:
         print(table_row(r, w))
     total = {p: sum(r.seconds[p] for r in results) for p in PHASES}

@@ -87,7 +87,11 @@ class Group:
         return spec
 
     def admits(self, row: Row, spec: BatchSpec) -> str | None:
-        """Why ``row`` does not run ``spec`` (its composition cannot, or its own strategy could not have drawn it)."""
+        """Why ``row`` does not run ``spec`` (its composition cannot, or its own strategy could not have drawn it). A
+        group of one row draws from that row's own strategy: everything it draws is the row's (a refuse_or_correct
+        row's batches cross its composition's declared limits on purpose)."""
+        if len(self.rows) == 1:
+            return None
         return row.composition.unsupported_reason(spec) or drawable(spec, self.own[row.id], self.profile)
 
 
@@ -185,20 +189,24 @@ def search_group(group: Group, profile: Profile, device: str, *, database=None, 
     draws, attempt = 0, 0
     # An exception out of here (the harness's own bug) leaves the pending case behind: it names the row that was
     # running, which a sweep's supervisor makes the finding's
-    with sharing():
-        while draws < draw_cap and any(m.hungry for m in members):
-            ended, drawn = _attempt(group, members, profile, device, database, out_dir, pending, seed,
-                                    attempt, draw_cap - draws, skip, done)
-            draws += drawn
-            attempt += 1
-            if ended:
-                break
+    try:
+        with sharing():
+            while draws < draw_cap and any(m.hungry for m in members):
+                ended, drawn = _attempt(group, members, profile, device, database, out_dir, pending, seed,
+                                        attempt, draw_cap - draws, skip, done)
+                draws += drawn
+                attempt += 1
+                if ended:
+                    break
+    except KeyboardInterrupt:
+        pending.unlink(missing_ok=True)  # a stopped search's case, not a finding
+        raise
     pending.unlink(missing_ok=True)
-    if any(m.result.cuda_context_lost for m in members):
-        # Nothing more runs in this process: the rows still short of their examples are not over (on_done is not
-        # called for them), and a fresh process searches them again
-        return [m.result for m in members]
     for m in members:
+        if any(other.result.cuda_context_lost for other in members):
+            # Nothing more runs in this process: the rows still short of their examples are not over (on_done is not
+            # called for them), and a fresh process searches them again
+            break
         if m.hungry:
             # The merged draws rarely fit this row (a narrow composition beside broad ones): the examples it still
             # lacks are searched on its own strategy

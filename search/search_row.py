@@ -263,17 +263,20 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     # Hypothesis's notes, held back: after a stop (the shrink budget, Ctrl-C) they would offer a @seed to
     # "reproduce this failure", which misleads.
     reported: list[str] = []
-    stopped = False
+    stopped = ended = False
     try:
         with with_reporter(reported.append):
             probe()
+        ended = True
     except BaseException as e:  # noqa: BLE001 - settle() re-raises what is not the search's own ending
         stopped = isinstance(e, KeyboardInterrupt)  # (Ctrl-C: the notes are not printed; a bug's are)
         stopped = settle(e, row, profile, device, result, failures, out_dir, start)
+        ended = True
     finally:
         if not stopped:
             for line in reported:
                 print(line)
-        pending.unlink(missing_ok=True)
+        if ended or stopped:  # a bug's exception leaves the pending case behind: a supervisor names its row by it
+            pending.unlink(missing_ok=True)
         result.seconds = time.perf_counter() - start
     return result

@@ -36,3 +36,22 @@ def test_every_row_gets_its_cases_and_each_unit_is_printed_when_done(shared):
 def test_bad_input_is_one_line():
     out = benchmark("--cases", "0")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_known_bugs_stop_costing_cases(shared):
+    """SGLang's torch_native ignores a soft-cap and KV scales (two ledger entries, steerable): after a row's first case
+    of each, its batches with what that bug needs are not run, and the last column counts them."""
+    from backends.registry import parse
+
+    why = parse("sglang.torch_native").unavailable_reason("cpu")
+    if why:
+        pytest.skip(why)
+    out = subprocess.run([sys.executable, "benchmarks/throughput.py", "--device", "cpu", "--profile", "ci",
+                          "--backends", "sglang.torch_native", "--modes", "decode", "--properties",
+                          "refuse_or_correct", "--cases", "6", "--warmup", "0", *(["--shared"] if shared else [])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    (row,) = [line for line in out.stdout.splitlines()[1:] if not line.startswith("all ")]
+    cases, *_, fails, known, steered = row.split()[-10:]
+    assert int(fails) == 0 and int(known) >= 1 and int(steered) > 0 and int(cases) < 6, row

@@ -294,3 +294,50 @@ def test_a_shared_batch_is_handed_out_as_copies_equal_to_a_build(monkeypatch):
     layer = next(iter(first.forward_batch.token_to_kv_pool.k_buffers))
     first.forward_batch.token_to_kv_pool.k_buffers[layer].view(torch.uint8).bitwise_not_()  # any dtype, fp8 too
     assert torch.equal(second.forward_batch.token_to_kv_pool.k_buffers[layer], fresh.forward_batch.token_to_kv_pool.k_buffers[layer])
+
+
+def test_a_context_lost_while_a_row_is_searched_alone_ends_the_group(tmp_path, monkeypatch):
+    """A row the merged draws did not fill is searched alone at the end; if that loses the CUDA context, the rows
+    after it do not run in the dead process (found by review: the next row failed with the same error)."""
+    from search import group as group_module
+
+    monkeypatch.setattr(group_module, "DRAWS_PER_EXAMPLE", 0)  # no shared draws: every row is searched alone
+    other = FailsOnceTheContextIsLost()
+    sticky = LosesTheContext()
+    original = sticky.run
+
+    def run(composition, spec, device):
+        verdict = original(composition, spec, device)
+        if not verdict.ok:
+            other.lost.append(True)
+        return verdict
+
+    object.__setattr__(sticky, "run", run)
+    group = stand_in_group({"sglang.torch_native": sticky, "sglang.triton": other})
+    assert str(group.rows[0].composition) == "sglang.torch_native"  # searched first
+    reported = []
+    outcomes = {o.composition: o for o in search_group(group, PROFILE, "cuda", max_examples=12, out_dir=tmp_path,
+                                                         seed=3, on_done=reported.append)}
+    assert outcomes["sglang.torch_native"].cuda_context_lost
+    assert outcomes["sglang.triton"].ok and not other.seen
+    assert [o.composition for o in reported] == ["sglang.torch_native"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Broken(StandInProperty):
+    """The harness's own bug: raises."""
+
+    def run(self, composition, spec, device) -> Verdict:
+        raise TypeError("a bug in the harness")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_bug_that_escapes_leaves_the_pending_case_naming_its_row(tmp_path, rows):
+    """An exception out of a group's search (one row: search_row's) leaves the pending case behind, so a sweep's
+    supervisor blames the row that was running (found by review: a one-row round deleted it)."""
+    group = stand_in_group({"sglang.triton": Broken(), "sglang.torch_native": Counting()})
+    skip = frozenset() if rows == 2 else frozenset(r.id for r in group.rows if "torch_native" in r.id)
+    with pytest.raises(TypeError):
+        search_group(group, PROFILE, "cpu", max_examples=3, out_dir=tmp_path, seed=1, skip=skip)
+    (pending,) = (tmp_path / "pending").glob("*.json")
+    assert json.loads(pending.read_text())["composition"] == "sglang.triton"
