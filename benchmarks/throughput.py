@@ -17,14 +17,19 @@ property while a clock splits the time into
 
 A failing case is counted as known when the ledger explains it (``docs/findings/known-failures.toml``: a bug already
 triaged), apart from new failures; after a row's first case of a steerable entry, its later batches with what that
-bug needs are not run, as in a search (``search.search_row.steered_off``), and counted in the last column; each row's figures are printed as soon as the row is done, so a run killed
-before the end still says what it measured.
+bug needs are not run, as in a search (``search.search_row.steered_off``), and counted in the last column; each
+row's figures are printed as soon as the row is done, so a run killed before the end still says what it measured.
 
 ``--shared`` times what sweeps run: one batch, every composition (``search.group``). The rows are grouped as a
 sweep groups them; each group's batches are drawn from its merged strategy, and each batch is checked by every row
 of the group that could have drawn it, its reference computed once, until every row has ``--cases`` cases (a row
 the merged draws rarely fit gets fewer: at most ``DRAWS_PER_EXAMPLE`` draws a case are made). A line per group;
 generation is the time Hypothesis spent outside the checks.
+
+The ``limit`` column is the cases per second of an engine-only loop over the same batches: each batch built
+beforehand, then only the composition built, planned and run (``engine.execute.execute``), nothing drawn, referenced
+or checked: what the harness cannot go below. With several workers their loops' times add up, as if run one
+after the other on the device.
 
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
 boundary synchronizes the device so kernels are charged to the phase that launched them. Each row first
@@ -162,6 +167,7 @@ class RowTiming:
     workers: int = 1
     known: int = 0  # failures the ledger explains (docs/findings/known-failures.toml): a bug already triaged
     steered: int = 0  # batches not run: a known bug the row met needs what they have
+    engine_seconds: float = 0.0  # the engine-only loop over the same batches (engine_only)
 
     @property
     def total(self) -> float:
@@ -175,6 +181,31 @@ class RowTiming:
     def cases_per_second(self) -> float:
         """Cases over the timed part's wall time: with several workers, all of them together."""
         return self.cases / self.wall if self.wall > 0 else 0.0
+
+    @property
+    def limit(self) -> float:
+        """Cases per second of the engine-only loop over the same batches."""
+        return self.cases / self.engine_seconds if self.engine_seconds > 0 else 0.0
+
+
+def engine_only(ran: list, device: str, sync) -> float:
+    """Seconds the engine alone takes over ``ran`` ((composition, spec) pairs): each batch built beforehand (not
+    timed), then the composition built, planned and run. A batch the engine fails on counts the time it took."""
+    from engine.execute import execute
+    from engine.materialize import materialize
+
+    total = 0.0
+    for composition, spec in ran:
+        case = materialize(spec, device)
+        sync()
+        started = time.perf_counter()
+        try:
+            execute(composition, case)
+        except Exception:  # noqa: BLE001 - a known bug's crash: the property reported it; its time still counts
+            pass
+        sync()
+        total += time.perf_counter() - started
+    return total
 
 
 def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
@@ -197,6 +228,7 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     clock = PhaseClock(sync)
     failures = known = cases = 0
     steer = Steering()
+    ran: list = []
     with instrumented(clock):
         for spec in specs:
             if cases == n:
@@ -209,6 +241,7 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
             finally:
                 clock.leave()
             cases += 1
+            ran.append((row.composition, spec))
             if not verdict.ok:  # counted apart from the timed part: the ledger is the report's, not the search's
                 if steer.known(row, spec, verdict, device):
                     known += 1
@@ -219,7 +252,8 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     generation = drawn * (cases + steer.steered) / max(1, len(specs))
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
     return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, cases, failures,
-                     seconds, started - generation, finished, known=known, steered=steer.steered)
+                     seconds, started - generation, finished, known=known, steered=steer.steered,
+                     engine_seconds=engine_only(ran, device, sync))
 
 
 class Steering:
@@ -263,6 +297,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     counts = {r.id: 0 for r in group.rows}
     totals = {"failures": 0, "known": 0}
+    ran: list = []
     clock = PhaseClock(sync)
     steer = Steering()
 
@@ -279,6 +314,8 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
             finally:
                 clock.leave()
             counts[row.id] += 1
+            if timed:
+                ran.append((row.composition, view))
             if timed and not verdict.ok:
                 if steer.known(row, view, verdict, device):
                     totals["known"] += 1
@@ -315,7 +352,8 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES}
     seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
     return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
-                     totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered)
+                     totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered,
+                     engine_seconds=engine_only(ran, device, sync))
 
 
 def combine(parts: list[RowTiming]) -> RowTiming:
@@ -324,6 +362,7 @@ def combine(parts: list[RowTiming]) -> RowTiming:
     return dataclasses.replace(
         first, cases=sum(p.cases for p in parts), failures=sum(p.failures for p in parts),
         known=sum(p.known for p in parts), steered=sum(p.steered for p in parts),
+        engine_seconds=sum(p.engine_seconds for p in parts),
         seconds={ph: sum(p.seconds[ph] for p in parts) for ph in PHASES},
         started=min(p.started for p in parts), finished=max(p.finished for p in parts), workers=len(parts))
 
@@ -396,21 +435,25 @@ def table_row(r: RowTiming, w: int) -> str:
     """One row's figures: cases/s over wall time (all workers together), each phase's share of the summed per-phase
     time, new failures and known ones (the ledger's)."""
     shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
-    return (f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f}"
+    return (f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f} {r.limit:>8.2f}"
             f"{shares} {r.failures:>5} {r.known:>5} {r.steered:>5}")
 
 
 def print_table(results: list[RowTiming]) -> None:
     w = max([len(r.composition) for r in results] + [11])
     heads = "".join(f"{p[:5] + '%':>7}" for p in PHASES)
-    print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8}{heads} {'fails':>5} "
-          f"{'known':>5} {'steer':>5}")
+    print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8} {'limit':>8}{heads} "
+          f"{'fails':>5} {'known':>5} {'steer':>5}")
     for r in results:
         print(table_row(r, w))
     total = {p: sum(r.seconds[p] for r in results) for p in PHASES}
     all_s, cases, wall = sum(total.values()), sum(r.cases for r in results), sum(r.wall for r in results)
+    engine = sum(r.engine_seconds for r in results)
     shares = "".join(f"{100 * total[p] / all_s if all_s else 0:>7.1f}" for p in PHASES)
-    print(f"{'all':<{w}} {'':<7} {'':<20} {cases:>5} {cases / wall if wall else 0:>8.2f}{shares}")
+    rate, limit = cases / wall if wall else 0.0, cases / engine if engine else 0.0
+    print(f"{'all':<{w}} {'':<7} {'':<20} {cases:>5} {rate:>8.2f} {limit:>8.2f}{shares}")
+    if limit:
+        print(f"checked cases/s are {rate / limit:.2f} of the engine-only loop's over the same batches")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -464,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
     print_table(results)
     if args.json:
-        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"cases_per_second": r.cases_per_second}
+        Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"cases_per_second": r.cases_per_second,
+                                                                          "limit": r.limit}
                                                for r in results], indent=1))
     return 0
 

@@ -26,7 +26,9 @@ def test_every_row_gets_its_cases_and_each_unit_is_printed_when_done(shared):
     table = out.stdout.splitlines()
     total = next(line for line in table if line.startswith("all "))
     assert int(total.split()[1]) == 4 * 3  # torch_native and tbo(torch_native), outputs and cache: 3 cases each
-    units = [line for line in table[1:] if not line.startswith("all ")]
+    assert float(total.split()[3]) > 0  # the engine-only loop's cases/s over the same batches
+    assert "of the engine-only loop's over the same batches" in out.stdout
+    units = [line for line in table[1:] if not line.startswith(("all ", "checked cases/s"))]
     assert len(units) == (1 if shared else 4)
     assert all(f"[{n}/{len(units)}]" in out.stderr for n in range(1, len(units) + 1))  # as each one ends
     if shared:
@@ -52,6 +54,6 @@ def test_known_bugs_stop_costing_cases(shared):
                           "refuse_or_correct", "--cases", "6", "--warmup", "0", *(["--shared"] if shared else [])],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    (row,) = [line for line in out.stdout.splitlines()[1:] if not line.startswith("all ")]
-    cases, *_, fails, known, steered = row.split()[-10:]
+    (row,) = [line for line in out.stdout.splitlines()[1:] if not line.startswith(("all ", "checked cases/s"))]
+    cases, *_, fails, known, steered = row.split()[-11:]
     assert int(fails) == 0 and int(known) >= 1 and int(steered) > 0 and int(cases) < 6, row
