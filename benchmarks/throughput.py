@@ -291,7 +291,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     from hypothesis import HealthCheck, Phase, given, settings
     from hypothesis import seed as with_seed
 
-    from properties.run import sharing
+    from engine.sharing import sharing
     from search.group import DRAWS_PER_EXAMPLE, GroupDone
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)

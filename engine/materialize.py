@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-from contextlib import contextmanager
 
 import torch
 
@@ -21,6 +20,7 @@ from batch.forward_batch import (FP8_KV_DTYPE, ForwardBatch, KVPool, LayerInputs
                                  quantize_kv)
 from batch.masks import tree_depths, verify_custom_mask
 from batch.spec import (KDA_NEG_A, KDA_SHARP_NEG_A, MAMBA2_DT_BIAS, MAMBA2_DT_RAW, MAMBA2_NEG_A, MAX_GRAPH_PADDING, BatchSpec)
+from engine import sharing
 
 # Rows of req_to_token / state slots that belong to no request of the batch; a graph replay's padded rows fit
 # beside the batch's requests (the request pool is what graph buffers are sized by).
@@ -109,36 +109,19 @@ class _Draw:
         return (lo + words % (hi - lo)).reshape(shape)
 
 
-# While ``sharing()`` is on: the last batch built on a device of COPIED_ON, as [spec, device, its pristine Case]
-_shared: list = []
+# Where a batch checked by several rows (engine.sharing) is built once and copied: on an H100 a copy took a third of a
+# build (decode batches of the gpu profile: 2.6 ms against 7.9 ms; harness-out/matcopy.py, 2026-11-27); on a CPU the two
+# were close, one way or the other by the batch, and a CPU batch is built again. Each call gets tensors of its own (a
+# run writes into its pools).
 COPIED_ON = ("cuda",)
-_sharing = 0
-
-
-@contextmanager
-def sharing():
-    """Within it, ``materialize`` on a GPU builds a batch once and hands out copies: several compositions and
-    properties checked on one batch (search/group.py) pay for its tensors once. Each call still gets tensors of its
-    own (a run writes into its pools). On an H100 a copy took a third of a build (decode batches of the gpu profile:
-    2.6 ms against 7.9 ms; harness-out/matcopy.py, 2026-11-27); on a CPU the two were close, one way or the other
-    by the batch, and a CPU batch is built again."""
-    global _sharing
-    _sharing += 1
-    try:
-        yield
-    finally:
-        _sharing -= 1
-        if not _sharing:
-            _shared.clear()
+_BATCHES = sharing.LastMade()
 
 
 def materialize(spec: BatchSpec, device: str | torch.device = "cpu") -> Case:
     device = torch.device(device)
-    if not _sharing or device.type not in COPIED_ON:
+    if not sharing.active() or device.type not in COPIED_ON:
         return _build(spec, device)
-    if not _shared or _shared[0] != spec or _shared[1] != device:
-        _shared[:] = [spec, device, _build(spec, device)]
-    return copy.deepcopy(_shared[2])
+    return copy.deepcopy(_BATCHES.get((spec, device), lambda: _build(spec, device)))
 
 
 def _build(spec: BatchSpec, device: torch.device) -> Case:

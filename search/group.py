@@ -27,7 +27,7 @@ from hypothesis import given
 from hypothesis.reporting import with_reporter
 
 from batch.spec import BatchSpec, ForwardMode
-from properties.run import sharing
+from engine.sharing import sharing
 from properties.verdict import Verdict
 from search.casefile import CaseFile, safe_name
 from search.matrix import Row
@@ -143,7 +143,6 @@ class _Member:
     steer_off: list = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
     done: bool = False  # its search ended (a finding, an adapter error)
-    not_admitted: int = 0  # batches drawn that this row could not take
 
     @property
     def hungry(self) -> bool:
@@ -257,7 +256,6 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
             if not m.hungry:
                 continue
             if group.admits(m.row, spec) is not None:
-                m.not_admitted += 1
                 continue
             if steered_off(spec, m.steer_off, m.failures, m.result):
                 continue
@@ -284,10 +282,9 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
     probe.hypothesis.inner_test._hypothesis_internal_add_digest = key.encode()
     if seed is not None:  # as search_row: generation seeded, the database left in place
         probe._hypothesis_internal_use_seed = seed + attempt
-    # Hypothesis's notes are held back: they name the merged draw, and the row's case file is the reproducer
-    reported: list[str] = []
     try:
-        with with_reporter(reported.append):
+        # Hypothesis's notes are not printed: they name the merged draw, and the row's case file is the reproducer
+        with with_reporter(lambda _note: None):
             probe()
     except GroupDone:
         return True, drawn

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as with_seed
 
 from harness.mutants.catalogue import MUTANTS
+from engine.sharing import sharing
 from properties import run as run_module
 from properties.verdict import Verdict
 from search.casefile import CaseFile
@@ -201,7 +202,9 @@ def test_a_lost_cuda_context_ends_the_group_and_no_other_row_is_blamed(tmp_path,
     assert not lost.ok and lost.cuda_context_lost
     assert lost.finding_kind == ("adapter_error" if adapter else None)
     assert bystander.ok, bystander.failure  # never ran after the context was lost
-    assert [o.row_id for o in reported] == [lost.row_id] or bystander.cases >= 12
+    # the bystander's round is over only if it had all its examples before the context was lost
+    assert [o.row_id for o in reported if o is not lost] == ([bystander.row_id] if bystander.cases >= 12 else [])
+    assert lost in reported
 
 
 def test_a_failure_is_shrunk_for_its_row_alone_and_the_others_go_on(tmp_path):
@@ -276,7 +279,7 @@ def test_a_shared_batch_is_handed_out_as_copies_equal_to_a_build(monkeypatch):
     built = []
     real_build = materializing._build
     monkeypatch.setattr(materializing, "_build", lambda *a: built.append(a) or real_build(*a))
-    with run_module.sharing():
+    with sharing():
         first, second = materializing.materialize(spec, "cpu"), materializing.materialize(spec, "cpu")
     assert len(built) == 1
     for copy_ in (first, second):
