@@ -446,6 +446,12 @@ class Sweep:
             return
         from harness.mutants.run import exit_description
 
+        if code == 1 and not self.log_tail(task, 1).startswith("SystemExit"):
+            # An exception out of the worker's Python: Property.run turns every exception of a check (the engine's
+            # included) into a verdict, so what escapes is the harness's own code (the search, the worker), never
+            # the engine's bug
+            self.crashed(task, ADAPTER_ERROR, f"harness error: the worker raised ({self.log_tail(task, 1)})")
+            return
         self.crashed(task, "crash", f"crash: the worker died ({exit_description(code)})")
 
     def crashed(self, task: Task, kind: str, reason: str) -> None:

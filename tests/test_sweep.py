@@ -313,3 +313,33 @@ def test_a_worker_dying_between_a_groups_cases_retires_that_group_alone(tmp_path
     assert sw.retired == {running}
     (finding,) = jsonl(tmp_path / "findings.jsonl")
     assert finding["kind"] == "error" and "between cases" in finding["reason"]
+
+
+@pytest.mark.parametrize("last_line, kind", [("TypeError: a bug in the search", "adapter_error"),
+                                             ("SystemExit: 1", "crash")])
+def test_an_exception_out_of_a_worker_is_the_harness_error(tmp_path, last_line, kind):
+    """Property.run turns every exception of a check, the engine's included, into a verdict: a worker that exits with
+    a Python exception (status 1) failed in the harness's own code, which is an adapter error, never the engine's
+    crash. A SystemExit may be anyone's, and stays a crash."""
+    from harness.progress import make_progress
+    from harness.sweep import RowState, Sweep, Task
+    from search.matrix import matrix_rows
+    from search.profiles import PROFILES
+    from search.search_row import row_strategy
+    from tests.test_group_search import draws
+
+    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["decode"])[0]
+    sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0,
+               db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60))
+    unit = sw.unit_of[rows[0].id]
+    CaseFile(str(rows[0].composition), "outputs", draws(row_strategy(rows[0], PROFILES["ci"]), 1)[0], "cpu",
+             "ci").write(sw.pending_file(unit))
+    log = tmp_path / "worker.log"
+    log.write_text(f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{last_line}\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    task = Task([unit], 0, proc, tmp_path / "events.jsonl", log, last_activity=time.time())
+    task.current, task.started_any = unit, True
+    sw.exited(task, 1)
+    (finding,) = jsonl(tmp_path / "findings.jsonl")
+    assert finding["kind"] == kind and finding["row"] == rows[0].id and finding["case_file"]
