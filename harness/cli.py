@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from harness.options import (
@@ -26,7 +25,7 @@ from harness.options import (
     resolve_device,
 )
 from harness.outlock import OutFolderLock
-from harness.procs import CASE_TIMEOUT_DEFAULTS, Terminated
+from harness.procs import CASE_TIMEOUT_DEFAULTS
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
@@ -147,14 +146,14 @@ def cmd_run(args) -> int:
         raise UsageError(f"--max-examples must be >= 1, got {args.max_examples}")
     check_positive("--stall-seconds", args.stall_seconds)
     check_positive("--case-timeout", args.case_timeout)
+    check_positive("--workers", args.workers)
     if args.shrink_seconds is not None and args.shrink_seconds < 0:
         raise UsageError(f"--shrink-seconds must be >= 0, got {args.shrink_seconds}")
     shard = parse_shard(args.shard) if args.shard else None
     check_out_folder("--out", args.out)
 
-    from harness.isolate import search_rows_isolated
     from harness.mutants.catalogue import MUTANTS
-    from harness.report import print_summary, write_json_report, write_reports
+    from harness.run import run
     from search.matrix import matrix
 
     if args.mutant and args.mutant not in MUTANTS:
@@ -169,10 +168,6 @@ def cmd_run(args) -> int:
         from search.matrix import shard_rows
 
         rows = shard_rows(rows, shard)  # the sweep's split: a stable hash of the row id
-    out_dir = make_out_folder("--out", args.out)
-    _lock = OutFolderLock(out_dir).acquire()  # held until the run returns: one writer per output folder
-    for stale in (out_dir / "pending").glob("*.json"):  # a stopped run's cases, not this run's crashes
-        stale.unlink()
     mutant = MUTANTS[args.mutant] if args.mutant else None
     if mutant is not None:
         # Built, not applied: a mutant whose code this release lacks says so here, in one line (MutantUnavailable),
@@ -180,76 +175,14 @@ def cmd_run(args) -> int:
         mutant.patch()
     if mutant and mutant.needs_device and mutant.needs_device != device:
         print(f"note: mutant {mutant.name} only has an effect on {mutant.needs_device}", file=sys.stderr)
-    # A child process runs the rows where a crash or a hang is likely or costly: on a GPU (a device-side
-    # assert is sticky, an illegal address kills the process), with a mutant that kills the process, or asked.
-    isolate = args.isolate or device == "cuda" or bool(mutant and mutant.crashes)
-    shrink_seconds = profile.shrink_seconds if args.shrink_seconds is None else args.shrink_seconds
-    if isolate:
-        events = search_rows_isolated(rows, profile, device, db=args.db or ".hypothesis/examples",
-                                      max_examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
-                                      mutant=args.mutant, case_timeout_s=args.case_timeout,
-                                      stall_seconds=args.stall_seconds, seed=args.seed)
-    else:
-        events = _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant)
-    results = []
-    start = time.perf_counter()
-    n = 0
-    with Terminated() as terminated:  # SIGTERM (a CI timeout) stops the run as Ctrl-C does
-        try:
-            for kind, row, result in events:
-                if kind == "start":
-                    n += 1
-                    print(f"[{n:3d}/{len(rows)}] {row.id} ...", end=" ", flush=True)
-                    continue
-                results.append(result)
-                print(f"{result.summary()} {result.seconds:.1f}s", flush=True)
-                if not result.ok and result.case_file:
-                    print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
-                write_json_report(results, skipped, out_dir / "report.json", device, profile.name)
-                if not isolate and device == "cuda" and result.cuda_context_lost:
-                    # A device-side assert is sticky: every later row in this process would fail with it.
-                    print(f"stopping: {row.id} left the CUDA context unusable; the rows after it need a fresh "
-                          f"process (`python -m harness sweep` runs each composition in its own)", file=sys.stderr)
-                    break
-        except BaseException as e:
-            terminated.wrap_up()
-            if not terminated.is_stop(e):
-                raise
-        terminated.wrap_up()
-        interrupted = terminated.stopped is not None  # also a stop that surfaced too late to cut the run short
-        if interrupted:
-            print(f"\ninterrupted after {len(results)} of {len(rows)} rows: writing the report of the rows that "
-                  f"ended", file=sys.stderr)
-        print_summary(results, skipped, time.perf_counter() - start)
-        write_reports(results, skipped, out_dir, device, profile.name)  # report.json again, report.md, plots
-    if interrupted:
-        return 130
-    from search.outcome import exit_status
-
-    return exit_status(r.finding_kind or "failure" for r in results if not r.ok)
-
-
-def _in_process(rows, profile, device, args, out_dir, shrink_seconds, mutant):
-    """The rows searched in this process; a row that stalls says so every --stall-seconds: in one line while a JIT
-    compiler runs under this process, else with every thread's stack, so a hang is never silent."""
-    import contextlib
-
-    from harness.isolate import search_rows
-    from harness.procs import StallWatchdog
-
-    watchdog = StallWatchdog(args.stall_seconds)
+    out_dir = make_out_folder("--out", args.out)
+    lock = OutFolderLock(out_dir).acquire()  # one writer per output folder
     try:
-        with mutant.patch() if mutant else contextlib.nullcontext():
-            for kind, row, result in search_rows(rows, profile, device, database=_database(args.db),
-                                                 max_examples=args.max_examples, out_dir=out_dir,
-                                                 shrink_seconds=shrink_seconds, seed=args.seed):
-                if kind == "start":
-                    watchdog.start(row.id)
-                else:
-                    watchdog.stop()
-                yield kind, row, result
+        for stale in (out_dir / "pending").glob("*.json"):  # a stopped run's cases, not this run's crashes
+            stale.unlink()
+        return run(args, rows, skipped, profile, device, out_dir, mutant)
     finally:
-        watchdog.close()
+        lock.release()
 
 
 def cmd_repro(args) -> int:
@@ -389,11 +322,15 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--out", default="harness-out", help="folder for case files and the report")
     sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")
     sp.add_argument("--stall-seconds", type=float, default=180.0,
-                    help="print every thread's stack when one row runs this long (and again each period)")
+                    help="a group of rows that makes no progress this long says so (one line while a JIT compiler "
+                         "runs, else every thread's stack), and again each period")
     sp.add_argument("--mutant", help="inject this bug from the catalogue (`python -m harness mutants --list`)")
     sp.add_argument("--isolate", action="store_true",
-                    help="search the rows in a child process, so a crash or a hang is a finding with its case file "
+                    help="search the rows in worker processes, so a crash or a hang is a finding with its case file "
                          "and the other rows still run (always on a GPU, and with a mutant that crashes)")
+    sp.add_argument("--workers", type=int,
+                    help="worker processes at a time (implies --isolate; default with isolation: up to 4 per GPU, "
+                         "about 4 cores each; 1-2 on a CPU)")
     sp.add_argument("--case-timeout", type=float,
                     help=f"with isolation: seconds one case may run before it counts as a hang "
                          f"({CASE_TIMEOUT_DEFAULTS}); time while a JIT compiler runs is not counted")

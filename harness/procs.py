@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 
 COMPILE_TIMEOUT_S = 1800.0
 # Process names (/proc/PID/comm, at most 15 characters) of the tools a JIT build runs.
@@ -64,6 +65,13 @@ def compilers_under(root: int) -> list[str]:
     return sorted(found)
 
 
+def _mtime(path: Path | None) -> float | None:
+    try:
+        return None if path is None else path.stat().st_mtime
+    except OSError:
+        return None
+
+
 class StallWatchdog:
     """While a row runs: every ``seconds`` without the row ending, one line if a JIT compiler runs under this process
     (a compile is slow, not hung: FlashInfer's nvcc builds take minutes on a cold machine), else every thread's stack
@@ -71,7 +79,10 @@ class StallWatchdog:
 
     The check runs on a Python thread, which needs the interpreter lock: a hang that holds the lock (in a C
     extension) would silence it, so faulthandler's own timer (a C thread) stays armed as a backstop at twice the
-    period, pushed back each time the Python thread reports."""
+    period, pushed back each time the Python thread reports.
+
+    ``start(row, progress=PATH)``: a file rewritten at each step of the row (a group's pending case file, rewritten
+    before each case); its change counts as progress, so a long group whose cases go on is not reported."""
 
     def __init__(self, seconds: float, file=None) -> None:
         import threading
@@ -80,7 +91,7 @@ class StallWatchdog:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._generation, self._armed, self._closed = 0, False, False
-        self.row, self.since = None, 0.0
+        self.row, self.since, self.progress, self.progress_seen = None, 0.0, None, None
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
         self._thread.start()
 
@@ -94,18 +105,19 @@ class StallWatchdog:
             except (ValueError, OSError, AttributeError):  # a file without a descriptor (a test's capture)
                 pass
 
-    def start(self, row: str) -> None:
-        self._arm(row)
+    def start(self, row: str, progress: Path | None = None) -> None:
+        self._arm(row, progress)
 
     def stop(self) -> None:
         self._arm(None)
 
-    def _arm(self, row: str | None) -> None:
+    def _arm(self, row: str | None, progress: Path | None = None) -> None:
         """Watch ``row`` from now (None: watch nothing); a period in progress no longer counts."""
         import time
 
         with self._wake:
-            self.row, self.since = row, time.monotonic()
+            self.row, self.since, self.progress = row, time.monotonic(), progress
+            self.progress_seen = _mtime(progress)
             self._generation += 1
             self._armed = row is not None
             self._backstop(self._armed)
@@ -133,6 +145,11 @@ class StallWatchdog:
                     return
                 if not self._armed or self._generation != generation:
                     continue  # the row ended, or another started, within the period
+                seen = _mtime(self.progress)
+                if seen != self.progress_seen:  # a step of the row within the period: progress
+                    self.progress_seen, self.since = seen, time.monotonic()
+                    self._backstop(True)
+                    continue
                 row, waited = self.row, time.monotonic() - self.since
                 self._backstop(True)  # this thread still runs: push the C timer back
             try:

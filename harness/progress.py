@@ -9,14 +9,17 @@ import time
 from harness.options import duration
 
 
-def _clock(start: float, budget: float) -> str:
+def _clock(start: float, budget: float | None) -> str:
+    """The time spent, and of what budget (None: a run without one)."""
+    if budget is None:
+        return f"[{duration(time.time() - start):>6}]"
     return f"[{duration(time.time() - start):>6}/{duration(budget)}]"
 
 
 class LineProgress:
     """Plain lines, for logs and CI."""
 
-    def __init__(self, start: float, budget: float, stream=None) -> None:
+    def __init__(self, start: float, budget: float | None, stream=None) -> None:
         self.start, self.budget, self.stream = start, budget, stream or sys.stderr
 
     def event(self, text: str) -> None:
@@ -32,7 +35,7 @@ class LineProgress:
 class LiveProgress(LineProgress):
     """A rich live panel: the sweep's totals and what each worker runs now."""
 
-    def __init__(self, start: float, budget: float) -> None:
+    def __init__(self, start: float, budget: float | None) -> None:
         from rich.console import Console
         from rich.live import Live
 
@@ -53,7 +56,7 @@ class LiveProgress(LineProgress):
         self.live.stop()
 
 
-def make_progress(start: float, budget: float) -> LineProgress:
+def make_progress(start: float, budget: float | None) -> LineProgress:
     if sys.stderr.isatty():
         try:
             return LiveProgress(start, budget)

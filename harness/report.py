@@ -40,6 +40,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def write_json_report(results, skipped, path: Path, device: str, profile: str) -> None:
+    """report.json alone (a run writes it as each row ends)."""
     _write_atomic(path, json.dumps(_report_data(results, skipped, device, profile), indent=1))
 
 
@@ -326,13 +327,14 @@ def print_summary(results, skipped, seconds: float) -> None:
         ratio = "-" if r.worst_error is None else f"{r.worst_error / r.bound:.3f}"
         risk = "".join(f" (AT RISK: {c} {r.unexplained[c]:.2f})" for c in r.at_risk)
         print(f"{r.composition:<{comp_w}} {r.mode:<13} {r.property:<20} {r.cases:>5} {ratio:>11}  "
-              f"{'ok' if r.ok else r.status.upper()}{risk}")
+              f"{'ok' if r.status == 'passed' else r.status.upper()}{risk}")
     for comp, why in skipped:
         print(f"{comp:<{comp_w}} unavailable: {why}")
     failed = [r for r in results if not r.ok]
+    not_run = sum(r.status == "not run" for r in results)
     cases = sum(r.cases for r in results)
-    print(f"\n{len(results) - len(failed)} passed, {len(failed)} failed, {len(skipped)} unavailable: "
-          f"{cases} cases in {seconds:.1f}s")
+    print(f"\n{len(results) - len(failed) - not_run} passed, {len(failed)} failed, "
+          f"{f'{not_run} not run, ' if not_run else ''}{len(skipped)} unavailable: {cases} cases in {seconds:.1f}s")
     for r in failed:
         print(f"FAILED {r.row_id}: {r.headline()}")  # the full reason, tolerance included: report.md
         if r.case_file:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import random
 import re
@@ -45,7 +46,7 @@ from pathlib import Path
 from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
-                           default_case_timeout)
+                           compilers_under, default_case_timeout)
 from harness.sweep_worker import EXIT_CONTEXT_POISONED
 from search.casefile import CaseFile, case_name, modified, safe_name
 from search.matrix import shard_rows
@@ -54,8 +55,8 @@ from search.outcome import (ADAPTER_ERROR, RowOutcome, exit_status, finding_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
-STOP_GRACE_S = 5.0
-MAX_BUNDLE = 8  # groups a worker takes at most  # after SIGINT at the end of the budget, before SIGKILL
+STOP_GRACE_S = 5.0  # after SIGINT at the end of the budget, before SIGKILL
+MAX_BUNDLE = 8  # groups a worker takes at most
 
 
 def visible_gpus() -> list[str]:
@@ -132,8 +133,8 @@ class RowState:
         for known_id, n in (result.get("near_misses_known") or {}).items():
             self.near_misses_known[known_id] = self.near_misses_known.get(known_id, 0) + n
 
-    def record(self) -> dict:
-        """The row as ``harness.report`` reads it (a finding's kind gives its status)."""
+    def outcome(self) -> RowOutcome:
+        """The row's outcome over every round (a finding's kind gives its status)."""
         r, f = self.row, self.finding
         return RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, self.cases, self.seconds,
                           self.rounds, ok=f is None, worst_error=self.worst_error, bound=self.bound,
@@ -141,7 +142,11 @@ class RowState:
                           near_misses_known=dict(self.near_misses_known),
                           failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
                           case_file=None if f is None else f.get("case_file"), known=dict(self.known),
-                          steered=dict(self.steered)).record()
+                          steered=dict(self.steered))
+
+    def record(self) -> dict:
+        """The row as ``harness.report`` reads it."""
+        return self.outcome().record()
 
 
 @dataclass
@@ -164,6 +169,7 @@ class Task:
     grace: float = 0.0
     grace_anchor: float = 0.0  # the last activity the grace belongs to
     last_watch: float = 0.0
+    notices: int = 0  # compile notices printed during the current stall
 
 
 @dataclass
@@ -183,6 +189,15 @@ class Sweep:
     progress: object
     gpus: list[str] = field(default_factory=list)
     compile_timeout_s: float = COMPILE_TIMEOUT_S
+    # ``harness run``'s settings (harness.run): every round's examples a row (None: ``round_examples``), each row's
+    # shrink seconds and each worker's in all (None: the profile's, no total), and ``on_row(state)``, called for
+    # each row that passed its round or has a finding, in place of the sweep's own lines
+    examples: int | None = None
+    shrink_seconds: float | None = None
+    shrink_total: float | None = None
+    on_row: object = None
+    # A worker silent this long while its JIT compiler runs says so, in one line, and again each period
+    compile_notice_s: float = 60.0
     running: dict[int, Task] = field(default_factory=dict)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
@@ -249,7 +264,8 @@ class Sweep:
                        "rows": [{"row": s.row.id, "rounds": s.rounds} for s in self.active(u)]} for u in units],
             "device": self.device, "profile": self.profile, "seed": self.seed, "max_rounds": self.max_rounds,
             "out_dir": str(self.out_dir), "db": self.db, "redis": self.redis, "mutant": self.mutant,
-            "deadline": self.deadline, "events": str(events), "parent": os.getpid(),
+            "deadline": self.deadline, "events": str(events), "parent": os.getpid(), "examples": self.examples,
+            "shrink_seconds": self.shrink_seconds, "shrink_total": self.shrink_total,
             # Further rounds in the same process only while no other group waits for a worker.
             "continue_until": self.deadline if len(self.waiting()) <= len(units) + self.workers - len(self.running) - 1
             else 0.0},
@@ -320,9 +336,10 @@ class Sweep:
             active = max(active, modified(self.pending_file(task.current)) or active)
         now = time.time()
         if active != task.grace_anchor:
-            task.grace, task.grace_anchor = 0.0, active
+            task.grace, task.grace_anchor, task.notices = 0.0, active, 0
         if self.compiling:
             task.grace += now - (task.last_watch or now)
+            self.compile_notice(task, now - active)
         task.last_watch = now
         stalled = now - active
         limit = max(self.case_timeout(u) for u in ([task.current] if task.current else task.units))
@@ -335,6 +352,17 @@ class Sweep:
             what = "case" if task.current else "worker (before its first row)"
             waited = f", {task.grace:.0f}s of it while a JIT compiler ran" if task.grace >= 1 else ""
             self.crashed(task, "hang", f"hang: a {what} made no progress for {stalled:.0f}s{waited}")
+
+    def compile_notice(self, task: Task, silent: float) -> None:
+        """One line for each ``compile_notice_s`` a worker has been silent while a JIT compiler runs under it (slow,
+        not hung: a cold GPU's FlashInfer builds take minutes), naming what it compiles for and how long it has."""
+        if silent < (task.notices + 1) * self.compile_notice_s:
+            return
+        task.notices = int(silent // self.compile_notice_s)
+        compilers = compilers_under(task.proc.pid)
+        if compilers:
+            self.progress.event(f"worker {task.slot}: {self.groups[task.current or task.units[0]].label}: compiling "
+                                f"kernels for {silent:.0f}s ({', '.join(compilers)})")
 
     def case_timeout(self, unit: str) -> float:
         """How long one case of the group ``unit`` may make no progress: ``--case-timeout``, or the longest default
@@ -365,6 +393,9 @@ class Sweep:
     def row_done(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
         self.record_result(state, round_, result, seed)
         r = state.row
+        if result["ok"] and self.on_row is not None:
+            self.on_row(state)
+            return
         if result["ok"]:
             ratio = "" if result["worst_error"] is None else \
                 f", worst {result['worst_error'] / result['bound']:.2f} of bound"
@@ -494,6 +525,9 @@ class Sweep:
         append_jsonl(self.out_dir / "findings.jsonl", record)
         if state is not None:
             state.finding = record
+            if self.on_row is not None:
+                self.on_row(state)
+                return
         self.progress.event(f"FINDING ({kind}) {state.row.id if state else composition}: {reason}")
         if case_file:
             self.progress.event(f"  reproduce: python -m harness repro {case_file}")
@@ -553,9 +587,9 @@ class Sweep:
         done = [s for s in self.rows if s.rounds or s.finding]
         findings = sum(s.finding is not None for s in self.rows)
         rounds = min((s.rounds for s in self.rows if s.finding is None), default=0)
+        left = "" if self.deadline == math.inf else f", {duration(max(0.0, self.deadline - time.time()))} left"
         return (f"{len(done)}/{len(self.rows)} rows searched, every row {rounds} round(s) or more, "
-                f"{sum(s.cases for s in self.rows)} cases, {findings} finding(s), "
-                f"{duration(max(0.0, self.deadline - time.time()))} left")
+                f"{sum(s.cases for s in self.rows)} cases, {findings} finding(s){left}")
 
     def describe(self, task: Task) -> str:
         return f"worker {task.slot}: {self.groups[task.current or task.units[0]].label} round {task.current_round + 1}"

@@ -1,14 +1,15 @@
 """A sweep worker: a bundle of groups of rows (``search.group``: rows that share their batches), round after round,
 in a process of their own.
 
-Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep``. The task file names its groups (each one's
-id, compositions and rows, the rows to search and the rounds each has done; they are searched one after the other,
-a round of each at a time), the sweep's seed, the profile, the device, the example database, the mutant to inject,
-the deadline, and until when it may go on to further rounds (while no other group waits for its slot, it keeps its
-process rather than paying for a fresh one each round). Each event is one JSON line appended to the task's events file: ``start`` before a round of the
-group's search, ``done`` with each row's result after it. The group's pending case file, written by
-``search_group`` before every case, names the row that ran it and is the reproducer when this process dies or
-stalls.
+Run as ``python -m harness.sweep_worker TASK.json`` by ``harness.sweep`` (and by ``harness run``, through the same
+supervisor). The task file names its groups (each one's id, compositions and rows, the rows to search and the rounds
+each has done; they are searched one after the other, a round of each at a time), the sweep's seed, the profile, the
+device, the example database, the mutant to inject, the deadline, until when it may go on to further rounds (while no
+other group waits for its slot, it keeps its process rather than paying for a fresh one each round), and, when a run
+started it, the run's examples a row and shrink budget. Each event is one JSON line appended to the task's events
+file: ``start`` before a round of the group's search, ``done`` with each row's result after it. The group's pending
+case file, written by ``search_group`` before every case, names the row that ran it and is the reproducer when this
+process dies or stalls.
 
 A worker never outlives the sweep that started it (``parent`` in the task file): the kernel kills it when
 its parent dies (``PR_SET_PDEATHSIG``, Linux), and a watchdog thread checks ``os.getppid()`` every second
@@ -119,6 +120,8 @@ def run_task(task: dict) -> int:
     database = example_database(task.get("db"), task.get("redis"))
     out_dir = Path(task["out_dir"])
     first_round = min(n for rows in rounds.values() for n in rows.values())
+    # ``harness run``'s shrink budget: each row's seconds, and this worker's in all (None: the profile's, no total)
+    shrink_seconds, shrink_left = task.get("shrink_seconds"), task.get("shrink_total")
     with open(task["events"], "a") as events:
         def emit(**fields) -> None:
             events.write(json.dumps(fields | {"time": time.time()}) + "\n")
@@ -144,13 +147,19 @@ def run_task(task: dict) -> int:
                     emit(event="start", row=group.id, round=round_, rows=sorted(now))
 
                     def row_done(result, round_=round_, seed=seed, left=left) -> None:
+                        nonlocal shrink_left
                         emit(event="done", row=result.row_id, round=round_, seed=seed, result=result.record())
+                        if shrink_left is not None:
+                            shrink_left -= result.shrink_seconds or 0.0
                         left[result.row_id] += 1
                         if not result.ok:
                             del left[result.row_id]  # a row with a finding is done for this sweep
 
+                    shrink = shrink_seconds if shrink_left is None or shrink_seconds is None else \
+                        max(0.0, min(shrink_seconds, shrink_left))
                     results = search_group(group, profile, device, database=database, out_dir=out_dir,
-                                           max_examples=round_examples(profile, round_), seed=seed,
+                                           max_examples=task.get("examples") or round_examples(profile, round_),
+                                           seed=seed, shrink_seconds=shrink,
                                            skip=frozenset(r.id for r in group.rows if r.id not in now),
                                            on_done=row_done)
                     if device == "cuda" and any(result.cuda_context_lost for result in results):

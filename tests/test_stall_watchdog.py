@@ -14,11 +14,11 @@ import pytest
 from harness.procs import StallWatchdog, compilers_under
 
 
-def watched(tmp_path, seconds: float, during) -> str:
+def watched(tmp_path, seconds: float, during, progress=None) -> str:
     log = tmp_path / "stderr.txt"
     with open(log, "w") as f:
         dog = StallWatchdog(seconds, file=f)
-        dog.start("torch_native-decode-outputs")
+        dog.start("torch_native-decode-outputs", progress=progress)
         during()
         dog.stop()
         time.sleep(2 * seconds)  # stopped: nothing more is written
@@ -56,6 +56,23 @@ def test_a_compile_in_progress_is_one_line_naming_the_compiler(tmp_path):
 
 def test_a_row_that_ends_in_time_says_nothing(tmp_path):
     assert watched(tmp_path, 1.0, lambda: time.sleep(0.1)) == ""
+
+
+def test_a_group_whose_cases_go_on_says_nothing_and_one_that_stops_is_reported(tmp_path):
+    # `harness run` watches a group of rows: a long group is not stalled while its pending case file (rewritten
+    # before each case) keeps changing; once it stops changing, the stall is reported as before.
+    pending = tmp_path / "pending.json"
+    pending.write_text("0")
+
+    def cases(n: int) -> None:
+        for i in range(n):
+            time.sleep(0.1)
+            pending.write_text(str(i))
+            os.utime(pending, (time.time(), time.time()))  # a new mtime even on a coarse clock
+
+    assert watched(tmp_path, 0.4, lambda: cases(20), progress=pending) == ""
+    text = watched(tmp_path, 0.4, lambda: (cases(5), time.sleep(1.2)), progress=pending)
+    assert "torch_native-decode-outputs: no progress for" in text
 
 
 def test_a_closed_watchdog_ends_its_thread_and_a_bad_file_does_not_kill_it(tmp_path):

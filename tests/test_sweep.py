@@ -190,6 +190,48 @@ def test_time_spent_compiling_is_not_a_hang(stalled_sweep, tmp_path):
     assert "made no progress for 40s, 25s of it while a JIT compiler ran" in reason
 
 
+def test_a_worker_compiling_says_so_in_one_line_each_period(stalled_sweep, tmp_path):
+    """A cold GPU's first cases wait minutes on FlashInfer's builds: the sweep (and `harness run` in workers) says
+    which worker compiles for which group, and for how long, once per period, never with a stack dump."""
+    import os
+    import shutil
+
+    from harness.procs import compilers_under
+
+    sw, task = stalled_sweep
+    sleep = shutil.which("sleep")
+    if sleep is None:
+        pytest.skip("no sleep(1) to stand in for a compiler")
+    ninja = tmp_path / "ninja"
+    shutil.copy(sleep, ninja)
+    worker = subprocess.Popen([sys.executable, "-c", f"import subprocess; subprocess.run([{str(ninja)!r}, '60'])"],
+                              start_new_session=True)  # a worker whose build runs ninja
+    lines: list[str] = []
+    try:
+        for _ in range(50):
+            if "ninja" in compilers_under(worker.pid):
+                break
+            time.sleep(0.1)
+        else:
+            pytest.skip("no /proc to see processes in")
+        task.proc.kill()
+        task.proc.wait()
+        task.proc = worker
+        sw.progress.event = lines.append
+        sw.compiling, sw.compile_notice_s, sw.compile_timeout_s = True, 60.0, 1000.0
+        for silent in (30, 61, 90, 125):
+            stall(task, silent, compiling_for=silent)  # compiling all along: not a hang
+            task.grace = 0.0
+            sw.watch(task)
+    finally:
+        os.killpg(worker.pid, 9)
+        worker.wait()
+    assert len(lines) == 2, lines  # at 61 s and at 125 s
+    assert lines[0] == f"worker 0: {sw.groups[task.current].label}: compiling kernels for 61s (ninja)"
+    assert "compiling kernels for 125s" in lines[1] and 0 in sw.running
+    assert not os.path.exists(tmp_path / "findings.jsonl")
+
+
 def test_compile_timeout_bounds_the_grace(stalled_sweep):
     sw, task = stalled_sweep
     sw.compiling = True

@@ -1,0 +1,219 @@
+"""``python -m harness run``, the main job: every row of the matrix searched once, with its profile's examples, and
+reported row by row: a line as each row ends (in the order rows end), ``report.json`` after each, and at the end the
+table, ``report.md``, ``junit.xml`` and the plots.
+
+Rows are searched in groups that share their batches (``search.group``), as the sweep searches them: a batch is
+drawn, built and referenced once and checked by every row of its group that could have drawn it; a failure is shrunk
+for its row alone.
+
+Where the groups run:
+- in this process, one after the other (a CPU's default): a group that makes no progress for ``--stall-seconds``
+  says so, in one line while a JIT compiler runs, else with every thread's stack;
+- in worker processes (a GPU's default, and with a mutant that kills its process, ``--isolate`` or ``--workers``),
+  several at a time, under the sweep's supervisor (``harness.sweep.Sweep``: one round, no time budget). A crash or
+  a hang is then a finding of the row whose case was running, with that case as its reproducer, and the other rows
+  go on; a worker compiling kernels says so in one line per ``--stall-seconds``.
+
+Each group draws from ``round_seed(seed, group, 0)`` in this process and in workers alike. The seed is ``--seed`` or a
+fresh one, printed at the start: the same seed, rows and example database draw the same cases again, whichever
+process runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from harness.options import UsageError, duration
+
+
+def fresh_seed() -> int:
+    return random.SystemRandom().getrandbits(32)
+
+
+def clear_worker_state(out_dir: Path) -> None:
+    """An earlier run's worker files (its report is about to be replaced too). A sweep's folder is not a run's: its
+    state is what ``--resume`` goes on from."""
+    if (out_dir / "sweep.json").exists():
+        raise UsageError(f"--out {out_dir} holds a sweep (sweep.json): a run there would mix its files with the "
+                         f"sweep's; choose another --out")
+    for name in ("results.jsonl", "findings.jsonl"):
+        (out_dir / name).unlink(missing_ok=True)
+    for name in ("workers", "logs"):
+        shutil.rmtree(out_dir / name, ignore_errors=True)
+
+
+def expected_time(out_dir: Path, device: str, profile: str, rows: int, workers: int) -> str:
+    """How long this run should take, from the last finished run's report in ``out_dir`` (same device and profile),
+    scaled by the number of rows; or why there is no estimate."""
+    try:
+        data = json.loads((out_dir / "report.json").read_text())
+        last = data["run"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no finished run in {out_dir} to estimate from"
+    if data.get("device") != device or data.get("profile") != profile:
+        return f"the earlier run in {out_dir} was on {data.get('device')} under {data.get('profile')}: no estimate"
+    if last.get("interrupted") or not data.get("rows"):
+        return f"the earlier run in {out_dir} was interrupted: no estimate"
+    estimate = last["elapsed_s"] * rows / len(data["rows"])
+    where = "this process" if not last.get("workers") else f"{last['workers']} worker(s)"
+    note = "" if last.get("workers") == workers else " (other workers now)"
+    return (f"expected about {duration(estimate)}: the last run here checked {len(data['rows'])} rows in "
+            f"{duration(last['elapsed_s'])} with {where}{note}")
+
+
+class RowLines:
+    """The run's output as rows end: one line each (``[  n/N] row ... outcome``), its reproducer when it failed, and
+    ``report.json`` rewritten, so a run killed midway leaves the report of the rows that ended."""
+
+    def __init__(self, total: int, skipped, out_dir: Path, device: str, profile: str) -> None:
+        self.total, self.skipped, self.out_dir, self.device, self.profile = total, skipped, out_dir, device, profile
+        self.results: list = []
+
+    def __call__(self, result) -> None:
+        self.results.append(result)
+        print(f"[{len(self.results):{len(str(self.total))}d}/{self.total}] {result.row_id} ... {result.summary()} "
+              f"{result.seconds:.1f}s", flush=True)
+        if not result.ok and result.case_file:
+            print(f"          reproduce: python -m harness repro {result.case_file}", flush=True)
+        from harness.report import write_json_report
+
+        write_json_report(self.results, self.skipped, self.out_dir / "report.json", self.device, self.profile)
+
+
+def run_in_process(groups, profile, device: str, *, database, examples: int | None, out_dir: Path,
+                   shrink_seconds: float, seed: int, stall_seconds: float, mutant, on_row) -> None:
+    """Search ``groups`` one after the other in this process; shrinking takes at most ``shrink_seconds`` a row and
+    ``SHRINK_ROWS_PER_RUN`` rows' worth in all (past that, failures are reported as found)."""
+    from harness.procs import StallWatchdog
+    from harness.sweep_worker import round_seed
+    from search.casefile import safe_name
+    from search.group import search_group
+    from search.profiles import SHRINK_ROWS_PER_RUN
+
+    shrink_left = SHRINK_ROWS_PER_RUN * shrink_seconds
+    watchdog = StallWatchdog(stall_seconds)
+
+    def done(result) -> None:
+        nonlocal shrink_left
+        shrink_left -= result.shrink_seconds or 0.0
+        on_row(result)
+
+    try:
+        with mutant.patch() if mutant else contextlib.nullcontext():
+            for group in groups:
+                # A case is progress: the group's pending case file is rewritten before each one
+                watchdog.start(group.label, progress=out_dir / "pending" / f"{safe_name(group.id)}.json")
+                results = search_group(group, profile, device, database=database, max_examples=examples,
+                                       out_dir=out_dir, seed=round_seed(seed, group.id, 0),
+                                       shrink_seconds=max(0.0, min(shrink_seconds, shrink_left)), on_done=done)
+                watchdog.stop()
+                if device == "cuda" and any(r.cuda_context_lost for r in results):
+                    # A device-side assert is sticky: every later case in this process would fail with it.
+                    print(f"stopping: {group.label} left the CUDA context unusable; the rows after it need a fresh "
+                          f"process (run with --isolate)", file=sys.stderr)
+                    return
+    finally:
+        watchdog.close()
+
+
+def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None, out_dir: Path,
+                   shrink_seconds: float, seed: int, workers: int, case_timeout: float | None, stall_seconds: float,
+                   mutant: str | None, on_row, progress) -> list[dict]:
+    """Search ``rows`` in ``workers`` worker processes at a time, one round each; returns the findings that belong to
+    no row (a worker that failed between cases or before its first)."""
+    from harness.procs import COMPILE_TIMEOUT_S
+    from harness.sweep import RowState, Sweep, read_jsonl, visible_gpus
+    from search.profiles import SHRINK_ROWS_PER_RUN
+
+    began = time.time()
+    sweep = Sweep([RowState(r) for r in rows], device, profile.name, out_dir, math.inf, workers, case_timeout, seed,
+                  db, None, mutant, 1, progress, visible_gpus() if device == "cuda" else [], COMPILE_TIMEOUT_S,
+                  examples=examples, shrink_seconds=shrink_seconds,
+                  shrink_total=SHRINK_ROWS_PER_RUN * shrink_seconds, on_row=lambda state: on_row(state.outcome()),
+                  compile_notice_s=stall_seconds)
+    try:
+        sweep.run()
+    finally:
+        sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
+    return [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
+
+
+def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int:
+    """The run of ``rows`` as ``args`` ask (``harness.cli.cmd_run`` has checked them); returns the exit status."""
+    from harness.procs import Terminated
+    from harness.report import print_summary, write_reports
+    from harness.sweep import default_workers
+    from search.group import group_rows
+    from search.outcome import RowOutcome, exit_status
+
+    seed = fresh_seed() if args.seed is None else args.seed
+    shrink_seconds = profile.shrink_seconds if args.shrink_seconds is None else args.shrink_seconds
+    # Worker processes where a crash or a hang is likely or costly: on a GPU (a device-side assert is sticky, an
+    # illegal address kills the process, and one process leaves the GPU idle), with a mutant that kills the
+    # process, or asked.
+    isolate = bool(args.isolate or args.workers or device == "cuda" or (mutant and mutant.crashes))
+    workers = (args.workers or default_workers(device)) if isolate else 0
+    if workers:
+        clear_worker_state(out_dir)
+    groups = group_rows(rows, profile, device)
+    examples = args.max_examples or profile.max_examples
+    where = f"{workers} worker process(es)" if workers else "this process"
+    print(f"run of {len(rows)} row(s) in {len(groups)} group(s) on {device}, profile {profile.name}, up to {examples} "
+          f"examples a row, in {where}, seed {seed} (--seed {seed} draws these cases again)", flush=True)
+    print(expected_time(out_dir, device, profile.name, len(rows), workers), flush=True)
+    lines = RowLines(len(rows), skipped, out_dir, device, profile.name)
+    orphans: list[dict] = []
+    start = time.perf_counter()
+    with Terminated() as terminated:  # SIGTERM (a CI timeout) stops the run as Ctrl-C does
+        try:
+            if workers:
+                from harness.progress import make_progress
+
+                progress = make_progress(time.time(), None)
+                try:
+                    orphans = run_in_workers(rows, profile, device, db=str(Path(args.db or ".hypothesis/examples")
+                                                                            .absolute()),
+                                             examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
+                                             seed=seed, workers=workers, case_timeout=args.case_timeout,
+                                             stall_seconds=args.stall_seconds, mutant=args.mutant, on_row=lines,
+                                             progress=progress)
+                finally:
+                    progress.close()
+            else:
+                from hypothesis.database import DirectoryBasedExampleDatabase
+
+                run_in_process(groups, profile, device, database=DirectoryBasedExampleDatabase(
+                    args.db or ".hypothesis/examples"), examples=args.max_examples, out_dir=out_dir,
+                    shrink_seconds=shrink_seconds, seed=seed, stall_seconds=args.stall_seconds, mutant=mutant,
+                    on_row=lines)
+        except BaseException as e:
+            terminated.wrap_up()
+            if not terminated.is_stop(e):
+                raise
+        terminated.wrap_up()
+        interrupted = terminated.stopped is not None  # also a stop that surfaced too late to cut the run short
+        elapsed = time.perf_counter() - start
+        results = lines.results
+        ended = {r.row_id for r in results}
+        not_reached = [RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, rounds=0)
+                       for r in rows if r.id not in ended]
+        if interrupted:
+            print(f"\ninterrupted after {len(results)} of {len(rows)} rows: writing the report of the rows that "
+                  f"ended", file=sys.stderr)
+        print_summary(results + not_reached, skipped, elapsed)
+        for f in orphans:
+            print(f"ERROR {f['composition']}: {f['reason']}")
+        settings = {"elapsed_s": round(elapsed, 1), "workers": workers, "seed": seed, "examples": examples,
+                    "interrupted": interrupted}
+        write_reports(results + not_reached, skipped, out_dir, device, profile.name,
+                      findings=orphans or None, extra={"run": settings})
+    if interrupted:
+        return 130
+    return exit_status([r.finding_kind or "failure" for r in results if not r.ok] + [f["kind"] for f in orphans])
