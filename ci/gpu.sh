@@ -1,15 +1,31 @@
 #!/usr/bin/env bash
 # The GPU runner's job (plain shell: works outside CI too). Installs the harness with its gpu extra into
-# the current Python (${PYTHON:-python}; set HARNESS_NO_INSTALL=1 to use what is installed), then runs the
-# tests under the gpu profile and the GPU matrix. Both always run; the exit status is non-zero if either
-# failed. Findings land in harness-out/gpu/ (report.md, report.json, plots, case files).
+# the current Python (${PYTHON:-python}; set HARNESS_NO_INSTALL=1 to use what is installed), compiles the kernels
+# the gpu profile needs (harness warmup, in parallel), then runs the tests under the gpu profile and the GPU matrix
+# (harness run: groups of rows in several workers). All run; the exit status is non-zero if the tests or the run
+# failed. Findings land in harness-out/gpu/ (report.md, report.json, junit.xml, plots, case files).
+# It says at the start how long it expects to take: from the last job's times on this machine
+# (harness-out/gpu-job-times, kept with the kernel caches), else nothing is known.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 if [ "${HARNESS_NO_INSTALL:-0}" != "1" ]; then
   "$PY" -m pip install -e '.[gpu]' || { echo "ci/gpu.sh: installing the harness failed" >&2; exit 1; }
 fi
+times=harness-out/gpu-job-times
+if read -r w t r < "$times" 2>/dev/null; then
+  echo "ci/gpu.sh: expected about $(( (w + t + r + 59) / 60 )) min (the last job here: warmup ${w}s, tests ${t}s, run ${r}s)"
+else
+  echo "ci/gpu.sh: no earlier job on this machine to estimate from (the times land in $times)"
+fi
 status=0
+t0=$(date +%s)
+"$PY" -m harness warmup --profile gpu || echo "ci/gpu.sh: the warmup failed; the run compiles what it lacks" >&2
+t1=$(date +%s)
 "$PY" -m pytest -n auto --profile gpu tests || status=1
+t2=$(date +%s)
 "$PY" -m harness run --profile gpu --out harness-out/gpu || status=1
+t3=$(date +%s)
+mkdir -p harness-out && echo "$(( t1 - t0 )) $(( t2 - t1 )) $(( t3 - t2 ))" > "$times"
+echo "ci/gpu.sh: warmup $(( t1 - t0 ))s, tests $(( t2 - t1 ))s, run $(( t3 - t2 ))s"
 exit "$status"

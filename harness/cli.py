@@ -29,7 +29,7 @@ from harness.procs import CASE_TIMEOUT_DEFAULTS
 
 # Commands whose parser needs nothing heavy: for these, the sweep's parser (whose module imports torch) is
 # left out, so their bad input is reported before torch is imported.
-LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize", "bisect", "export")
+LIGHT_COMMANDS = ("list", "run", "mutants", "repro", "summarize", "bisect", "export", "warmup")
 
 
 def cmd_list(args) -> int:
@@ -357,8 +357,9 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
                     help="one process per mutant (always on a GPU, where a device-side assert is sticky)")
     sp.set_defaults(fn=cmd_mutants)
 
-    from harness import bisect
+    from harness import bisect, warmup
     bisect.add_parser(sub)
+    warmup.add_parser(sub)
 
     sp = sub.add_parser("summarize", help="one table of several runs' reports: cases, findings, headroom")
     sp.add_argument("folders", nargs="+", help="output folders of run or sweep (or their report.json)")

@@ -50,19 +50,24 @@ def _process_table() -> dict[int, tuple[int, str]]:
     return table
 
 
-def compilers_under(root: int) -> list[str]:
-    """The names of the compiler processes descending from ``root`` (sorted, each once; empty without /proc)."""
-    table = _process_table()
+def descendants(root: int, table: dict[int, tuple[int, str]] | None = None) -> list[int]:
+    """The pids of the processes descending from ``root`` (empty without /proc)."""
+    table = _process_table() if table is None else table
     children: dict[int, list[int]] = {}
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
-    found, stack = set(), list(children.get(root, []))
+    found, stack = [], list(children.get(root, []))
     while stack:
         pid = stack.pop()
-        if table[pid][1] in COMPILERS:
-            found.add(table[pid][1])
+        found.append(pid)
         stack.extend(children.get(pid, []))
-    return sorted(found)
+    return found
+
+
+def compilers_under(root: int) -> list[str]:
+    """The names of the compiler processes descending from ``root`` (sorted, each once; empty without /proc)."""
+    table = _process_table()
+    return sorted({table[pid][1] for pid in descendants(root, table) if table[pid][1] in COMPILERS})
 
 
 def _mtime(path: Path | None) -> float | None:

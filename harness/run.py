@@ -135,7 +135,7 @@ def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None,
     began = time.time()
     sweep = Sweep([RowState(r) for r in rows], device, profile.name, out_dir, math.inf, workers, case_timeout, seed,
                   db, None, mutant, 1, progress, visible_gpus() if device == "cuda" else [], COMPILE_TIMEOUT_S,
-                  examples=examples, shrink_seconds=shrink_seconds,
+                  is_run=True, examples=examples, shrink_seconds=shrink_seconds,
                   shrink_total=SHRINK_ROWS_PER_RUN * shrink_seconds, on_row=lambda state: on_row(state.outcome()),
                   compile_notice_s=stall_seconds)
     try:

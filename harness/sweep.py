@@ -189,9 +189,11 @@ class Sweep:
     progress: object
     gpus: list[str] = field(default_factory=list)
     compile_timeout_s: float = COMPILE_TIMEOUT_S
-    # ``harness run``'s settings (harness.run): every round's examples a row (None: ``round_examples``), each row's
-    # shrink seconds and each worker's in all (None: the profile's, no total), and ``on_row(state)``, called for
-    # each row that passed its round or has a finding, in place of the sweep's own lines
+    # ``harness run``'s settings (harness.run), when ``is_run``: its examples a row (None: the profile's, fewer for a slow
+    # row, as ``search_group`` takes them; a sweep's rounds have ``round_examples``), each row's shrink seconds and
+    # each worker's in all (None: the profile's, no total), and ``on_row(state)``, called for each row that passed its
+    # round or has a finding, in place of the sweep's own lines
+    is_run: bool = False
     examples: int | None = None
     shrink_seconds: float | None = None
     shrink_total: float | None = None
@@ -264,7 +266,8 @@ class Sweep:
                        "rows": [{"row": s.row.id, "rounds": s.rounds} for s in self.active(u)]} for u in units],
             "device": self.device, "profile": self.profile, "seed": self.seed, "max_rounds": self.max_rounds,
             "out_dir": str(self.out_dir), "db": self.db, "redis": self.redis, "mutant": self.mutant,
-            "deadline": self.deadline, "events": str(events), "parent": os.getpid(), "examples": self.examples,
+            "deadline": self.deadline, "events": str(events), "parent": os.getpid(), "run": self.is_run,
+            "examples": self.examples,
             "shrink_seconds": self.shrink_seconds, "shrink_total": self.shrink_total,
             # Further rounds in the same process only while no other group waits for a worker.
             "continue_until": self.deadline if len(self.waiting()) <= len(units) + self.workers - len(self.running) - 1

@@ -158,7 +158,8 @@ def run_task(task: dict) -> int:
                     shrink = shrink_seconds if shrink_left is None or shrink_seconds is None else \
                         max(0.0, min(shrink_seconds, shrink_left))
                     results = search_group(group, profile, device, database=database, out_dir=out_dir,
-                                           max_examples=task.get("examples") or round_examples(profile, round_),
+                                           max_examples=task["examples"] if task.get("run")
+                                           else round_examples(profile, round_),
                                            seed=seed, shrink_seconds=shrink,
                                            skip=frozenset(r.id for r in group.rows if r.id not in now),
                                            on_done=row_done)

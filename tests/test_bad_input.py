@@ -69,6 +69,10 @@ def test_run_selection_errors_name_the_cause(args, needles, capsys):
     (["run", "--profile", "nosuch"], ["unknown profile 'nosuch'"]),
     (["mutants", "--profile", "nosuch"], ["unknown profile 'nosuch'"]),
     (["run", "--profile", "gpu@x"], ["write NAME@K with K a rotation number"]),
+    (["run", "--workers", "0"], ["--workers must be positive"]),
+    (["warmup", "--workers", "0"], ["--workers must be positive"]),
+    (["warmup", "--budget", "0"], ["--budget '0'"]),
+    (["warmup", "--profile", "nosuch"], ["unknown profile 'nosuch'"]),
 ])
 def test_bad_options_fail_before_torch_is_imported(args, needles):
     out = run_without_torch(*args)

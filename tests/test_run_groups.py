@@ -9,10 +9,14 @@ import sys
 from pathlib import Path
 
 from harness.cli import main
+from harness.sweep_worker import FIRST_ROUND_EXAMPLES
+from search.profiles import PROFILES
 
 ROOT = Path(__file__).resolve().parents[1]
+# No --max-examples: each row's is the profile's (a sweep's first round has fewer: a run must not)
 SELECTION = ["--device", "cpu", "--backends", "torch_native", "--properties", "outputs", "--modes", "decode",
-             "extend", "--max-examples", "3", "--seed", "11"]
+             "extend", "--seed", "11"]
+EXAMPLES = PROFILES["ci"].max_examples
 
 
 def rows_of(out: Path) -> dict:
@@ -31,9 +35,10 @@ def test_workers_check_the_cases_this_process_checks(tmp_path, capsys):
     assert "in 2 worker process(es), seed 11" in out.stdout
     in_process, in_workers = rows_of(tmp_path / "here"), rows_of(tmp_path / "workers")
     assert len(in_process) == 4 and in_process == in_workers  # the same cases, the same worst errors
-    assert all(status == "passed" and cases == 3 for status, cases, _ in in_process.values())
+    assert EXAMPLES != FIRST_ROUND_EXAMPLES
+    assert all(status == "passed" and cases == EXAMPLES for status, cases, _ in in_process.values())
     for row in in_process:  # each row has its own line, in the order rows end
-        assert f"] {row} ... ok (3 cases" in out.stdout
+        assert f"] {row} ... ok ({EXAMPLES} cases" in out.stdout
     report = json.loads((tmp_path / "workers" / "report.json").read_text())
     assert report["run"]["workers"] == 2 and report["run"]["seed"] == 11
 
