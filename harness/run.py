@@ -55,17 +55,18 @@ def expected_time(out_dir: Path, device: str, profile: str, rows: int, workers: 
     try:
         data = json.loads((out_dir / "report.json").read_text())
         last = data["run"]
-    except (OSError, ValueError, KeyError, TypeError):
+        elapsed, rows_then = float(last["elapsed_s"]), len(data["rows"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"no finished run in {out_dir} to estimate from"
     if data.get("device") != device or data.get("profile") != profile:
         return f"the earlier run in {out_dir} was on {data.get('device')} under {data.get('profile')}: no estimate"
-    if last.get("interrupted") or not data.get("rows"):
+    if last.get("interrupted") or not rows_then:
         return f"the earlier run in {out_dir} was interrupted: no estimate"
-    estimate = last["elapsed_s"] * rows / len(data["rows"])
+    estimate = elapsed * rows / rows_then
     where = "this process" if not last.get("workers") else f"{last['workers']} worker(s)"
     note = "" if last.get("workers") == workers else " (other workers now)"
-    return (f"expected about {duration(estimate)}: the last run here checked {len(data['rows'])} rows in "
-            f"{duration(last['elapsed_s'])} with {where}{note}")
+    return (f"expected about {duration(estimate)}: the last run here checked {rows_then} rows in "
+            f"{duration(elapsed)} with {where}{note}")
 
 
 class RowLines:
@@ -75,8 +76,14 @@ class RowLines:
     def __init__(self, total: int, skipped, out_dir: Path, device: str, profile: str) -> None:
         self.total, self.skipped, self.out_dir, self.device, self.profile = total, skipped, out_dir, device, profile
         self.results: list = []
+        self.ended: set[str] = set()
 
     def __call__(self, result) -> None:
+        if result.row_id in self.ended:  # one outcome a row (a supervisor's second word on it is not a second row)
+            print(f"note: {result.row_id} was reported again ({result.summary()}); its first outcome stands",
+                  file=sys.stderr, flush=True)
+            return
+        self.ended.add(result.row_id)
         self.results.append(result)
         print(f"[{len(self.results):{len(str(self.total))}d}/{self.total}] {result.row_id} ... {result.summary()} "
               f"{result.seconds:.1f}s", flush=True)
@@ -85,6 +92,47 @@ class RowLines:
         from harness.report import write_json_report
 
         write_json_report(self.results, self.skipped, self.out_dir / "report.json", self.device, self.profile)
+
+
+def unended_rows_failed(rows, kind: str, reason: str, lines: RowLines) -> None:
+    """Each of ``rows`` that has no outcome yet gets ``kind`` (its group's search failed before it ended)."""
+    from search.outcome import RowOutcome
+
+    for row in rows:
+        if row.id not in lines.ended:
+            lines(RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name, ok=False,
+                             failure=f"{reason} (not searched to its end)", finding_kind=kind))
+
+
+def harness_error(group, error: Exception, out_dir: Path, lines: RowLines) -> None:
+    """The harness's own code raised out of ``group``'s search (Property.run turns every error of a check, the
+    engine's included, into a verdict): an adapter error, never the engine's finding. The row whose case was running
+    (the group's pending case, if that row has not ended) gets it with that case as its case file; the group's other
+    unended rows get it without one; the traceback goes to ``logs/harness-errors.log``. The run goes on with the next
+    group."""
+    import traceback
+
+    from search.casefile import CaseFile, case_name, safe_name
+    from search.outcome import ADAPTER_ERROR, RowOutcome
+
+    log = out_dir / "logs" / "harness-errors.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(f"== {group.label}\n{''.join(traceback.format_exception(error))}\n")
+    reason = f"harness error: {type(error).__name__}: {error} (traceback in {log})"
+    print(f"{group.label}: {reason}", file=sys.stderr, flush=True)
+    pending = out_dir / "pending" / f"{safe_name(group.id)}.json"
+    case = CaseFile.read(pending) if pending.exists() else None
+    row = None if case is None else next((r for r in group.rows if r.id == f"{case.composition}-"
+                                          f"{case.spec.mode.value}-{case.property}" and r.id not in lines.ended), None)
+    if row is not None:
+        case.verdict = {"reason": reason, "worst_error": None, "bound": None, "where": None}
+        case_file = case.write(out_dir / "cases" / case_name(case.composition, case.property, row.mode.value,
+                                                               case.spec))
+        lines(RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name, ok=False, failure=reason,
+                         finding_kind=ADAPTER_ERROR, spec=case.spec, case_file=case_file))
+    pending.unlink(missing_ok=True)
+    unended_rows_failed(group.rows, ADAPTER_ERROR, reason, lines)
 
 
 def run_in_process(groups, profile, device: str, *, database, examples: int | None, out_dir: Path,
@@ -110,9 +158,14 @@ def run_in_process(groups, profile, device: str, *, database, examples: int | No
             for group in groups:
                 # A case is progress: the group's pending case file is rewritten before each one
                 watchdog.start(group.label, progress=out_dir / "pending" / f"{safe_name(group.id)}.json")
-                results = search_group(group, profile, device, database=database, max_examples=examples,
-                                       out_dir=out_dir, seed=round_seed(seed, group.id, 0),
-                                       shrink_seconds=max(0.0, min(shrink_seconds, shrink_left)), on_done=done)
+                try:
+                    results = search_group(group, profile, device, database=database, max_examples=examples,
+                                           out_dir=out_dir, seed=round_seed(seed, group.id, 0),
+                                           shrink_seconds=max(0.0, min(shrink_seconds, shrink_left)), on_done=done)
+                except Exception as e:  # noqa: BLE001 - the harness's own bug: reported, and the next group goes on
+                    watchdog.stop()
+                    harness_error(group, e, out_dir, on_row)
+                    continue
                 watchdog.stop()
                 if device == "cuda" and any(r.cuda_context_lost for r in results):
                     # A device-side assert is sticky: every later case in this process would fail with it.
@@ -142,7 +195,11 @@ def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None,
         sweep.run()
     finally:
         sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
-    return [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
+    orphans = [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
+    for f in orphans:  # a group left alone after its worker failed between cases: its rows that had not ended
+        unended_rows_failed([r for unit in f.get("groups") or () for r in sweep.groups[unit].rows], f["kind"],
+                            f["reason"], on_row)
+    return orphans
 
 
 def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int:
@@ -171,7 +228,9 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
     lines = RowLines(len(rows), skipped, out_dir, device, profile.name)
     orphans: list[dict] = []
     start = time.perf_counter()
-    with Terminated() as terminated:  # SIGTERM (a CI timeout) stops the run as Ctrl-C does
+    # SIGTERM (a CI timeout) stops the run as Ctrl-C does. Once, with workers: the sweep's supervisor stops them and
+    # reads what they finished (seconds), which a repeated interrupt would cut short
+    with Terminated(repeat=not workers) as terminated:
         try:
             if workers:
                 from harness.progress import make_progress

@@ -190,9 +190,10 @@ class Sweep:
     gpus: list[str] = field(default_factory=list)
     compile_timeout_s: float = COMPILE_TIMEOUT_S
     # ``harness run``'s settings (harness.run), when ``is_run``: its examples a row (None: the profile's, fewer for a slow
-    # row, as ``search_group`` takes them; a sweep's rounds have ``round_examples``), each row's shrink seconds and
-    # each worker's in all (None: the profile's, no total), and ``on_row(state)``, called for each row that passed its
-    # round or has a finding, in place of the sweep's own lines
+    # row, as ``search_group`` takes them; a sweep's rounds have ``round_examples``), each row's shrink seconds and the
+    # run's in all (None: the profile's, no total; each worker gets what is left when it starts, so workers running
+    # side by side may each spend it), and ``on_row(state)``, called for each row that passed its round or has a
+    # finding, in place of the sweep's own lines
     is_run: bool = False
     examples: int | None = None
     shrink_seconds: float | None = None
@@ -241,14 +242,15 @@ class Sweep:
 
     def bundle(self, waiting: list[str]) -> list[str]:
         """The groups the next worker takes: the first waiting one, and more of those waiting at its round, a fair
-        share of them for the workers free now, up to MAX_BUNDLE. A worker process costs its imports (torch, the
+        share of them for the workers, up to MAX_BUNDLE. A worker process costs its imports (torch, the
         engine: seconds on a CPU), which a small group's round does not repay: a 150 s CPU sweep of 312 rows
         launched 50 workers for single groups and checked 860 cases, where 19 workers, one per composition, had
         checked 1304 (2026-11-27)."""
-        free = max(1, self.workers - len(self.running))
         first = min(s.rounds for s in self.active(waiting[0]))
         same = [u for u in waiting if min(s.rounds for s in self.active(u)) == first]
-        return same[:max(1, min(MAX_BUNDLE, len(same) // free))]
+        # A share for every worker, not only the free ones: at the end of a round, one free worker taking every group
+        # left would run them in turn while the others stood idle
+        return same[:max(1, min(MAX_BUNDLE, -(-len(same) // self.workers)))]
 
     def launch(self, slot: int, units: list[str]) -> None:
         rows = [s for u in units for s in self.active(u)]
@@ -395,6 +397,8 @@ class Sweep:
 
     def row_done(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
         self.record_result(state, round_, result, seed)
+        if self.shrink_total is not None:  # a run's: what is left goes to the workers launched from now on
+            self.shrink_total = max(0.0, self.shrink_total - (result.get("shrink_seconds") or 0.0))
         r = state.row
         if result["ok"] and self.on_row is not None:
             self.on_row(state)
@@ -480,11 +484,12 @@ class Sweep:
             return
         from harness.mutants.run import exit_description
 
-        if code == 1 and not self.log_tail(task, 1).startswith("SystemExit"):
+        raised = self.exception_line(task)
+        if code == 1 and not raised.startswith("SystemExit"):
             # An exception out of the worker's Python: Property.run turns every exception of a check (the engine's
             # included) into a verdict, so what escapes is the harness's own code (the search, the worker), never
             # the engine's bug
-            self.crashed(task, ADAPTER_ERROR, f"harness error: the worker raised ({self.log_tail(task, 1)})")
+            self.crashed(task, ADAPTER_ERROR, f"harness error: the worker raised ({raised})")
             return
         self.crashed(task, "crash", f"crash: the worker died ({exit_description(code)})")
 
@@ -495,19 +500,29 @@ class Sweep:
         pending = self.pending_file(task.current) if task.current else None
         case = CaseFile.read(pending) if pending is not None and pending.exists() else None
         state = None if case is None else self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
+        if state is not None and state.row.id not in task.round_rows:
+            # The pending case is of a row whose round had ended (reported): what failed came after it, between cases
+            state = None
+        # Without a row to blame, a worker that raised is the harness's own error (never a finding of the engine's);
+        # one that died or hung between cases is an error of unknown cause
+        group_kind = ADAPTER_ERROR if kind == ADAPTER_ERROR else "error"
         if state is None and task.current:
-            # A group's round was running, no case named: the harness's own code failed between cases. That group
-            # is left alone; the worker's other groups go on in a fresh process
+            # A group's round was running, no case of a row still running named: the harness's own code failed
+            # between cases. That group is left alone; the worker's other groups go on in a fresh process
             self.retired.add(task.current)
-            self.finding(None, "error", f"{reason} in {self.groups[task.current].label}, between cases: "
-                                        f"{self.log_tail(task, 1)}", None, self.groups[task.current].label, None)
+            if pending is not None:
+                pending.unlink(missing_ok=True)
+            where = "" if kind == ADAPTER_ERROR else self.innermost_frame(self.log_tail(task, 15))
+            self.finding(None, group_kind, f"{reason}{where} in {self.groups[task.current].label}, between cases",
+                         None, self.groups[task.current].label, None, groups=[task.current])
             return
         if state is None:
             # No group was running: the worker itself is broken (an import error, a bad environment). Its rows
             # would fail the same way in every process, so this sweep leaves its groups alone.
             self.retired.update(task.units)
             where = "before its first row" if not task.started_any else "between rows"
-            self.finding(None, "error", f"{reason} {where}: {self.log_tail(task, 1)}", None, label, None)
+            self.finding(None, group_kind, f"{reason} {where}: {self.exception_line(task)}", None, label, None,
+                         groups=list(task.units))
             return
         tail = self.log_tail(task, 15)
         reason += self.innermost_frame(tail)
@@ -547,6 +562,14 @@ class Sweep:
             start = dumps[-1] - 2 if dumps[-1] >= 2 and "Fatal Python error" in text[dumps[-1] - 2] else dumps[-1]
             return "\n".join(text[start:start + lines])
         return "\n".join(text[-lines:]) if text else "(no output)"
+
+    @staticmethod
+    def exception_line(task: Task) -> str:
+        """The last line of the worker's log that names an exception (``RuntimeError: ...``), else its last line:
+        Hypothesis prints its notes after the exception it re-raises."""
+        text = task.log.read_text(errors="replace").strip().splitlines() if task.log.exists() else []
+        named = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failed)\b(?::.*)?$")
+        return next((line for line in reversed(text) if named.match(line)), text[-1] if text else "(no output)")
 
     @staticmethod
     def innermost_frame(log_tail: str) -> str:

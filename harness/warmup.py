@@ -20,8 +20,9 @@ Warmup builds them first, in parallel:
    they fill (``~/.cache/flashinfer``, ``~/.triton``, Inductor's) are what the run after it reads.
 
 The cases check nothing: their verdicts are counted, not reported (the run that follows searches these rows and
-reports what fails). A process that dies is replaced and the warmup goes on; ``--budget`` bounds the whole warmup
-(from the command's start), the builds it started included.
+reports what fails). A process that dies takes its pool down: the cases running then go again one at a time, the
+one that dies again is dropped (counted), and the rest go on. ``--budget`` bounds the whole warmup (from the command's
+start), the builds it started included.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from concurrent.futures.process import BrokenProcessPool
 from harness.options import UsageError, duration, parse_budget, profile_named, resolve_device
 
 DRAWS = 60  # batches drawn per leaf row to read its variants off
-RESTARTS = 3  # pools replaced after a process died, before the warmup gives up
 SLOW_S = 1.0  # a case this long built something: it gets its own line
 
 
@@ -56,17 +56,18 @@ def describe(variant: tuple) -> str:
 
 
 def leaf_rows(rows) -> dict[tuple[str, str], object]:
-    """(leaf, mode) -> the row that warms it: the simplest composition holding the leaf (fewest characters), an
-    ``outputs`` row first. Rows whose check reads classes only run no kernel."""
+    """(leaf, mode) -> the row that warms it: an ``outputs`` row first (it runs the forward pass; a ``metadata`` or
+    ``conformance`` row may build no kernel), then the simplest composition holding the leaf (fewest characters).
+    Rows whose check reads classes only run no kernel."""
     chosen: dict[tuple[str, str], object] = {}
     for row in rows:
         if row.composition.support().class_only:
             continue
         for leaf in dict.fromkeys(row.composition.leaves()):
             key = (leaf, row.mode.value)
-            rank = (len(str(row.composition)), row.property.name != "outputs", row.id)
+            rank = (row.property.name != "outputs", len(str(row.composition)), row.id)
             best = chosen.get(key)
-            if best is None or rank < (len(str(best.composition)), best.property.name != "outputs", best.id):
+            if best is None or rank < (best.property.name != "outputs", len(str(best.composition)), best.id):
                 chosen[key] = row
     return chosen
 
@@ -125,70 +126,96 @@ def warm_case(device: str, profile_name: str, composition: str, row_id: str, spe
 
 # ---- the command ---------------------------------------------------------------------------------------------------
 class Pool:
-    """A process pool replaced when one of its processes dies (a crash in a kernel: the run will meet it again)."""
+    """Processes running tasks, ``workers`` at a time. A process that dies (a crash in a case: the run will meet it
+    and report it) takes down the pool's other processes too; the tasks running then are tried again one at a time in
+    a process of their own, the one that dies again is dropped, and the rest go on in a fresh pool."""
 
     def __init__(self, device: str, workers: int) -> None:
         import multiprocessing
 
-        self.device, self.workers, self.restarts = device, workers, 0
+        self.device, self.workers, self.died = device, workers, 0
         self.threads = max(1, (os.cpu_count() or 1) // workers)
         self.context = multiprocessing.get_context("spawn")  # CUDA does not survive a fork
-        self.executor = self._new()
+        self.executor = self._new(workers)
         self.killed = False
 
-    def _new(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.workers, mp_context=self.context, initializer=_init,
+    def _new(self, workers: int) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers, mp_context=self.context, initializer=_init,
                                    initargs=(self.device, self.threads))
 
     def map(self, fn, tasks: list[tuple], deadline: float, on_done) -> bool:
-        """``fn(*task)`` for every task, ``on_done(task, result or exception)`` as each ends; False if the deadline
-        came first (what was left is cancelled)."""
+        """``fn(*task)`` for every task, ``on_done(task, result or exception)`` as each ends (a task whose process
+        died twice: a ``BrokenProcessPool``); False if the deadline came first (what was left is not run)."""
         left = list(tasks)
         while left:
-            running = {self.executor.submit(fn, *task): task for task in left}
-            broken = False
-            while running:
-                done, _ = wait(running, timeout=max(0.0, deadline - time.time()), return_when=FIRST_COMPLETED)
-                if not done:
-                    self.kill()
+            suspects = self._window(self.executor, self.workers, fn, left, deadline, on_done)
+            if suspects is None:
+                return False
+            if not suspects:
+                continue
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            print(f"warmup: a worker process died (a crash in a case: the run will meet it); the {len(suspects)} "
+                  f"case(s) running then go again one at a time", flush=True)
+            for task in suspects:
+                alone = self._new(1)
+                try:
+                    again = self._window(alone, 1, fn, [task], deadline, on_done)
+                finally:
+                    alone.shutdown(wait=False, cancel_futures=True)
+                if again is None:
+                    self.kill_executor(alone)
                     return False
-                for future in done:
-                    task = running.pop(future)
-                    try:
-                        result = future.result()
-                    except BrokenProcessPool:
-                        broken = True
-                        continue
-                    except Exception as e:  # noqa: BLE001 - the case's own error: the run reports it
-                        result = e
-                    left.remove(task)
-                    on_done(task, result)
-            if broken:
-                self.restarts += 1
-                if self.restarts > RESTARTS:
-                    raise UsageError(f"warmup: worker processes died {self.restarts} times; see the run's findings "
-                                     f"for the crash (`python -m harness run`)")
-                print(f"warmup: a worker process died (a crash in a case: the run will meet it); {len(left)} "
-                      f"case(s) go on in fresh processes", flush=True)
-                self.executor.shutdown(wait=False, cancel_futures=True)
-                self.executor = self._new()
+                if again:  # it died again, alone: the culprit
+                    self.died += 1
+                    on_done(task, BrokenProcessPool(f"its process died running {fn.__name__}{task[2:4]}"))
+            left = [t for t in left if t not in suspects]
+            self.executor = self._new(self.workers)
         return True
 
-    def kill(self) -> None:
-        """Stop every process of the pool and the builds they started (a build left running would go on using the
-        cores the run after the warmup needs)."""
+    def _window(self, executor, width: int, fn, left: list[tuple], deadline: float, on_done) -> list[tuple] | None:
+        """Run ``left`` (removing each task as it ends) with at most ``width`` submitted at once, so that a broken pool
+        names only the tasks that were running. Returns the tasks running when a process died ([] if none did), or
+        None at the deadline (the pool's processes and their builds killed)."""
+        queue, running = list(left), {}
+        while queue or running:
+            while queue and len(running) < width:
+                task = queue.pop(0)
+                running[executor.submit(fn, *task)] = task
+            done, _ = wait(running, timeout=max(0.0, deadline - time.time()), return_when=FIRST_COMPLETED)
+            if not done:
+                self.kill_executor(executor)
+                return None
+            broken = []
+            for future in done:
+                task = running.pop(future)
+                try:
+                    result = future.result()
+                except BrokenProcessPool:
+                    broken.append(task)
+                    continue
+                except Exception as e:  # noqa: BLE001 - the case's own error: the run reports it
+                    result = e
+                left.remove(task)
+                on_done(task, result)
+            if broken:
+                return broken + list(running.values())
+        return []
+
+    def kill_executor(self, executor) -> None:
+        """Stop every process of ``executor`` and the builds they started (a build left running would go on using
+        the cores the run after the warmup needs)."""
         import signal
 
         from harness.procs import descendants
 
         self.killed = True
-        for proc in list((getattr(self.executor, "_processes", None) or {}).values()):
+        for proc in list((getattr(executor, "_processes", None) or {}).values()):
             for pid in [proc.pid, *descendants(proc.pid)]:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        executor.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         self.executor.shutdown(wait=not self.killed, cancel_futures=True)
@@ -266,8 +293,9 @@ def cmd_warmup(args) -> int:
             (leaf, mode), variant = task[5], task[6]
             if isinstance(result, Exception):
                 counts["errors"] += 1
-                print(f"[{counts['done']:>4}/{len(tasks)}] {leaf} {mode}: {describe(variant)}: "
-                      f"{type(result).__name__} (the run reports it)", flush=True)
+                what = "its process died" if isinstance(result, BrokenProcessPool) else type(result).__name__
+                print(f"[{counts['done']:>4}/{len(tasks)}] {leaf} {mode}: {describe(variant)}: {what} (the run "
+                      f"reports it)", flush=True)
                 return
             seconds, ok = result
             counts["failed"] += not ok
@@ -279,8 +307,8 @@ def cmd_warmup(args) -> int:
         finished = pool.map(_warm, tasks, deadline, warmed)
         print(f"warmup: {counts['done']} of {len(tasks)} variant(s) run in {duration(time.time() - start)}, "
               f"{counts['slow']} of them {SLOW_S:.0f}s or longer (a build){'' if finished else ', budget spent'}; "
-              f"{counts['failed']} check(s) failed and {counts['errors']} raised (not reported here: the run "
-              f"searches these rows)", flush=True)
+              f"{counts['failed']} check(s) failed and {counts['errors']} raised or died (not reported here: the "
+              f"run searches these rows)", flush=True)
         return 0
     finally:
         pool.close()

@@ -12,7 +12,7 @@ A new failure is shrunk for its row alone: from then on each batch Hypothesis tr
 shrunk case is the row's reproducer, as ``search_row`` writes it. The group's search then goes on for its other rows
 (a new Hypothesis run, its own database key). Known bugs, steering, adapter errors and a lost CUDA context are
 judged per row exactly as ``search_row`` judges them (the same ``record_case``); a row's outcome is the same record.
-``harness run`` keeps searching row by row; sweeps and the benchmark use groups.
+``harness run``, sweeps and the benchmark search groups; ``harness mutants`` and the pytest matrix search row by row.
 """
 
 from __future__ import annotations

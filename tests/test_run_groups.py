@@ -4,6 +4,7 @@ way a seed draws the same cases, each row is reported on its own, and the run sa
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -59,3 +60,58 @@ def test_a_run_in_workers_refuses_a_sweeps_folder(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "holds a sweep" in err and len(err.strip().splitlines()) == 1
     assert (tmp_path / "sweep.json").read_text() == "{}"
+
+
+BREAK_DECODE_GROUPS = '''
+import os
+if os.environ.get("HARNESS_TEST_BREAK_DECODE_GROUPS"):
+    import search.group as g
+    strategy = g.Group.strategy
+
+    def broken(self):
+        if "decode" in self.id:
+            raise RuntimeError("injected: the group search broke")
+        return strategy(self)
+
+    g.Group.strategy = broken
+'''
+
+
+def check_broken_decode_groups(out: Path, printed: str) -> None:
+    rows = {r["row"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    assert len(rows) == 4 and (out / "report.md").exists() and (out / "junit.xml").exists()
+    for name, r in rows.items():
+        if "decode" in name:
+            assert r["status"] == "adapter error" and "injected: the group search broke" in r["failure"], r
+            assert f"] {name} ... FAILED" in printed
+        else:
+            assert r["status"] == "passed", r
+    assert len(set(rows)) == 4 and printed.count(" ... ") == 4  # one line a row, none twice
+
+
+def test_a_harness_error_in_a_group_is_its_rows_adapter_error_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """The harness's own code raising out of a group's search is an adapter error of the rows it left unsearched (exit
+    status 3, never a finding of the engine's), the other groups still run, and every report is written (found by
+    review: in this process it was a traceback, exit 1, and no report.md; in workers, exit 1 and rows 'not run')."""
+    args = ["run", "--device", "cpu", "--backends", "torch_native", "--properties", "outputs", "--modes", "decode",
+            "idle", "--seed", "3"]
+    monkeypatch.setenv("HARNESS_TEST_BREAK_DECODE_GROUPS", "1")
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BREAK_DECODE_GROUPS)
+    import search.group
+    strategy = search.group.Group.strategy
+    try:
+        exec(BREAK_DECODE_GROUPS, {})  # this process, as the sitecustomize patches the workers
+        assert main([*args, "--out", str(tmp_path / "here"), "--db", str(tmp_path / "db1")]) == 3
+    finally:
+        search.group.Group.strategy = strategy
+    captured = capsys.readouterr()
+    check_broken_decode_groups(tmp_path / "here", captured.out)
+    assert "Traceback" not in captured.err and (tmp_path / "here" / "logs" / "harness-errors.log").exists()
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
+    out = subprocess.run([sys.executable, "-m", "harness", *args, "--workers", "1", "--out", str(tmp_path / "w"),
+                          "--db", str(tmp_path / "db2")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert out.returncode == 3, out.stdout + out.stderr
+    check_broken_decode_groups(tmp_path / "w", out.stdout)

@@ -318,7 +318,8 @@ def test_a_worker_still_starting_gets_the_startup_allowance_not_the_case_timeout
 
 def test_a_worker_takes_a_fair_share_of_the_groups_waiting_at_its_round(tmp_path):
     """A worker process costs its imports, which one small group's round does not repay: a worker takes several
-    groups waiting at the same round (their share for the free workers, at most MAX_BUNDLE), never one a round ahead."""
+    groups waiting at the same round (their share for all the workers, at most MAX_BUNDLE), never one a round ahead;
+    near a round's end, a free worker does not take every group left while the others stand idle."""
     from harness.sweep import MAX_BUNDLE, RowState, Sweep
     from search.matrix import matrix_rows
     from search.profiles import profile
@@ -330,7 +331,10 @@ def test_a_worker_takes_a_fair_share_of_the_groups_waiting_at_its_round(tmp_path
     waiting = sw.waiting()
     assert len(waiting) > 4
     bundle = sw.bundle(waiting)
-    assert bundle == waiting[:min(MAX_BUNDLE, len(waiting) // 2)]
+    assert bundle == waiting[:min(MAX_BUNDLE, -(-len(waiting) // 2))]
+    sw.running = {0: object()}  # one worker busy, three groups left: the free one takes two, not three
+    assert len(sw.bundle(waiting[:3])) == 2
+    sw.running = {}
     for s in sw.members[waiting[1]]:  # one group a round ahead: the others still go first, and it is not taken along
         s.rounds = 1
     bundle = sw.bundle(sw.waiting())
@@ -377,11 +381,46 @@ def test_an_exception_out_of_a_worker_is_the_harness_error(tmp_path, last_line, 
     CaseFile(str(rows[0].composition), "outputs", draws(row_strategy(rows[0], PROFILES["ci"]), 1)[0], "cpu",
              "ci").write(sw.pending_file(unit))
     log = tmp_path / "worker.log"
-    log.write_text(f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{last_line}\n")
+    # Hypothesis prints its notes after the exception it re-raises: the reason names the exception, not a note
+    log.write_text(f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{last_line}\n"
+                   f"You can reproduce this test case by temporarily adding @reproduce_failure(...)\n")
+    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
+    proc.wait()
+    task = Task([unit], 0, proc, tmp_path / "events.jsonl", log, last_activity=time.time())
+    task.current, task.started_any, task.round_rows = unit, True, {rows[0].id}
+    sw.exited(task, 1)
+    (finding,) = jsonl(tmp_path / "findings.jsonl")
+    assert finding["kind"] == kind and finding["row"] == rows[0].id and finding["case_file"]
+    if kind == "adapter_error":
+        assert last_line in finding["reason"]
+
+
+def test_a_harness_error_after_a_rows_round_ended_is_not_that_rows(tmp_path):
+    """The group's pending case names the last row that ran a case; once that row's round has ended (its line and
+    record written), a worker dying of the harness's own error is the group's error, not a second outcome of that row
+    (found by review: a row was reported twice, and each relaunch blamed another innocent row)."""
+    from harness.progress import make_progress
+    from harness.sweep import RowState, Sweep, Task
+    from search.matrix import matrix_rows
+    from search.profiles import PROFILES
+    from search.search_row import row_strategy
+    from tests.test_group_search import draws
+
+    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["decode"])[0]
+    sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0,
+               db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60))
+    unit = sw.unit_of[rows[0].id]
+    CaseFile(str(rows[0].composition), "outputs", draws(row_strategy(rows[0], PROFILES["ci"]), 1)[0], "cpu",
+             "ci").write(sw.pending_file(unit))
+    log = tmp_path / "worker.log"
+    log.write_text("Traceback (most recent call last):\nRuntimeError: a bug in the group search\n")
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     proc.wait()
     task = Task([unit], 0, proc, tmp_path / "events.jsonl", log, last_activity=time.time())
     task.current, task.started_any = unit, True
+    task.round_rows = {r.id for r in rows[1:]}  # rows[0]'s round is over
     sw.exited(task, 1)
     (finding,) = jsonl(tmp_path / "findings.jsonl")
-    assert finding["kind"] == kind and finding["row"] == rows[0].id and finding["case_file"]
+    assert finding["kind"] == "adapter_error" and finding["row"] is None and finding["groups"] == [unit]
+    assert "RuntimeError: a bug in the group search" in finding["reason"] and "between cases" in finding["reason"]
+    assert sw.by_id[rows[0].id].finding is None and sw.retired == {unit}
