@@ -424,3 +424,26 @@ def test_a_harness_error_after_a_rows_round_ended_is_not_that_rows(tmp_path):
     assert finding["kind"] == "adapter_error" and finding["row"] is None and finding["groups"] == [unit]
     assert "RuntimeError: a bug in the group search" in finding["reason"] and "between cases" in finding["reason"]
     assert sw.by_id[rows[0].id].finding is None and sw.retired == {unit}
+
+
+def test_a_runs_shrink_budget_is_the_runs_not_each_workers(tmp_path):
+    """`harness run` bounds shrinking over the whole run: what rows spent is taken off before the next worker starts
+    (found by review: each worker had the run's whole budget, 30 bundles of the ci matrix 30 times it)."""
+    import math
+
+    from harness.progress import make_progress
+    from harness.sweep import RowState, Sweep
+
+    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["decode", "extend"])[0]
+    sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, math.inf, 1, case_timeout_s=10.0, seed=0, db=None,
+               redis=None, mutant=None, max_rounds=1, progress=make_progress(time.time(), None), is_run=True,
+               shrink_seconds=10.0, shrink_total=40.0, on_row=lambda state: None)
+    state = sw.by_id[rows[0].id]
+    sw.row_done(state, 0, {**state.record(), "cases": 4, "shrink_seconds": 25.0, "ok": True})
+    assert sw.shrink_total == 15.0
+    sw.launch(0, sw.waiting()[:1])
+    try:
+        task = json.loads(next((tmp_path / "workers").glob("*.json")).read_text())
+    finally:
+        sw.kill(sw.running.pop(0))
+    assert task["shrink_total"] == 15.0 and task["shrink_seconds"] == 10.0 and task["run"] is True
