@@ -56,11 +56,16 @@ def test_a_swallowed_stop_comes_again_until_it_is_taken(sig):
         time.sleep(2 * Terminated.AGAIN_S)  # taken: no more repeats
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stopped_run_reports_what_ended(sig, tmp_path, capsys):
+@pytest.mark.parametrize("sig, workers", [(signal.SIGTERM, []), (signal.SIGINT, []), (signal.SIGTERM, ["--workers", "1"])],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-workers"])
+def test_a_stopped_run_reports_what_ended(sig, workers, tmp_path, capsys):
+    """With workers, the stop is taken once: the supervisor's clean-up gives each worker seconds to end and reads what
+    it finished (a repeated interrupt cut that short, leaving workers writing into a folder whose lock was gone:
+    found by review), and no worker outlives the run."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "harness", "run", "--device", "cpu", "--backends", "torch_native",
-           "--properties", "outputs", "cache", "--max-examples", "20", "--out", str(out), "--db", str(tmp_path / "db")]
+           "--properties", "outputs", "cache", "--max-examples", "20", "--out", str(out), "--db", str(tmp_path / "db"),
+           *workers]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -80,6 +85,13 @@ def test_a_stopped_run_reports_what_ended(sig, tmp_path, capsys):
     assert "interrupted after" in output and "passed," in output, output
     assert (out / "report.md").exists() and "torch_native" in (out / "report.md").read_text()
     assert "@seed" not in output  # Hypothesis's "reproduce this failure" note would mislead after a stop
+    if workers:
+        import json
+
+        pids = [json.loads(line)["pid"] for line in (out / "workers" / "pids.jsonl").read_text().splitlines()]
+        for pid in pids:  # a zombie awaiting its reaper is not running
+            stat = Path(f"/proc/{pid}/stat")
+            assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", f"worker {pid} lives on"
 
 
 def test_the_sweep_takes_its_stop_once():
@@ -95,34 +107,3 @@ def test_the_sweep_takes_its_stop_once():
         time.sleep(3 * Terminated.AGAIN_S)  # not interrupted
         assert time.monotonic() - start >= 3 * Terminated.AGAIN_S and terminated.stopped == signal.SIGTERM
 
-
-def test_a_run_in_workers_stopped_stops_its_workers_and_reports_what_ended(tmp_path):
-    """With workers, the stop is taken once (the supervisor's clean-up gives each worker seconds to end and reads
-    what it finished; a repeated interrupt cut that short and left workers writing into a folder whose lock was
-    gone: found by review)."""
-    import json
-
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "harness", "run", "--device", "cpu", "--backends", "torch_native",
-           "--properties", "outputs", "cache", "--max-examples", "20", "--workers", "1", "--out", str(out),
-           "--db", str(tmp_path / "db")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 240
-        while not (out / "report.json").exists():
-            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before its first row"
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGTERM)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, output
-    assert "interrupted after" in output and (out / "report.md").exists()
-    pids = [json.loads(line)["pid"] for line in (out / "workers" / "pids.jsonl").read_text().splitlines()]
-    assert pids
-    for pid in pids:  # every worker ended with the run (a zombie awaiting its reaper is not running)
-        stat = Path(f"/proc/{pid}/stat")
-        assert not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z", f"worker {pid} outlived it"

@@ -361,16 +361,12 @@ def test_a_worker_dying_between_a_groups_cases_retires_that_group_alone(tmp_path
     assert finding["kind"] == "error" and "between cases" in finding["reason"]
 
 
-@pytest.mark.parametrize("last_line, kind", [("TypeError: a bug in the search", "adapter_error"),
-                                             ("SystemExit: 1", "crash")])
-def test_an_exception_out_of_a_worker_is_the_harness_error(tmp_path, last_line, kind):
-    """Property.run turns every exception of a check, the engine's included, into a verdict: a worker that exits with
-    a Python exception (status 1) failed in the harness's own code, which is an adapter error, never the engine's
-    crash. A SystemExit may be anyone's, and stays a crash."""
+def worker_exited(tmp_path, log_text: str, running_rows: int):
+    """A one-worker sweep of torch_native decode rows whose worker exited with status 1 and ``log_text`` in its log,
+    while the group's pending case named its first row and ``running_rows`` of its rows (the last ones) had not ended.
+    Returns the sweep, its rows and the finding."""
     from harness.progress import make_progress
     from harness.sweep import RowState, Sweep, Task
-    from search.matrix import matrix_rows
-    from search.profiles import PROFILES
     from search.search_row import row_strategy
     from tests.test_group_search import draws
 
@@ -381,15 +377,27 @@ def test_an_exception_out_of_a_worker_is_the_harness_error(tmp_path, last_line, 
     CaseFile(str(rows[0].composition), "outputs", draws(row_strategy(rows[0], PROFILES["ci"]), 1)[0], "cpu",
              "ci").write(sw.pending_file(unit))
     log = tmp_path / "worker.log"
-    # Hypothesis prints its notes after the exception it re-raises: the reason names the exception, not a note
-    log.write_text(f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{last_line}\n"
-                   f"You can reproduce this test case by temporarily adding @reproduce_failure(...)\n")
+    log.write_text(log_text)
     proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
     proc.wait()
     task = Task([unit], 0, proc, tmp_path / "events.jsonl", log, last_activity=time.time())
-    task.current, task.started_any, task.round_rows = unit, True, {rows[0].id}
+    task.current, task.started_any = unit, True
+    task.round_rows = {r.id for r in rows[len(rows) - running_rows:]}
     sw.exited(task, 1)
     (finding,) = jsonl(tmp_path / "findings.jsonl")
+    return sw, rows, finding
+
+
+@pytest.mark.parametrize("last_line, kind", [("TypeError: a bug in the search", "adapter_error"),
+                                             ("SystemExit: 1", "crash")])
+def test_an_exception_out_of_a_worker_is_the_harness_error(tmp_path, last_line, kind):
+    """Property.run turns every exception of a check, the engine's included, into a verdict: a worker that exits with
+    a Python exception (status 1) failed in the harness's own code, which is an adapter error, never the engine's
+    crash. A SystemExit may be anyone's, and stays a crash."""
+    # Hypothesis prints its notes after the exception it re-raises: the reason names the exception, not a note
+    log = (f"Traceback (most recent call last):\n  File \"x.py\", line 1, in f\n{last_line}\n"
+           f"You can reproduce this test case by temporarily adding @reproduce_failure(...)\n")
+    sw, rows, finding = worker_exited(tmp_path, log, running_rows=2)  # every row still in its round
     assert finding["kind"] == kind and finding["row"] == rows[0].id and finding["case_file"]
     if kind == "adapter_error":
         assert last_line in finding["reason"]
@@ -399,28 +407,9 @@ def test_a_harness_error_after_a_rows_round_ended_is_not_that_rows(tmp_path):
     """The group's pending case names the last row that ran a case; once that row's round has ended (its line and
     record written), a worker dying of the harness's own error is the group's error, not a second outcome of that row
     (found by review: a row was reported twice, and each relaunch blamed another innocent row)."""
-    from harness.progress import make_progress
-    from harness.sweep import RowState, Sweep, Task
-    from search.matrix import matrix_rows
-    from search.profiles import PROFILES
-    from search.search_row import row_strategy
-    from tests.test_group_search import draws
-
-    rows = matrix_rows("cpu", PROFILES["ci"], ["torch_native"], ["outputs"], ["decode"])[0]
-    sw = Sweep([RowState(r) for r in rows], "cpu", "ci", tmp_path, time.time() + 60, 1, case_timeout_s=10.0, seed=0,
-               db=None, redis=None, mutant=None, max_rounds=None, progress=make_progress(time.time(), 60))
+    log = "Traceback (most recent call last):\nRuntimeError: a bug in the group search\n"
+    sw, rows, finding = worker_exited(tmp_path, log, running_rows=1)  # rows[0]'s round is over
     unit = sw.unit_of[rows[0].id]
-    CaseFile(str(rows[0].composition), "outputs", draws(row_strategy(rows[0], PROFILES["ci"]), 1)[0], "cpu",
-             "ci").write(sw.pending_file(unit))
-    log = tmp_path / "worker.log"
-    log.write_text("Traceback (most recent call last):\nRuntimeError: a bug in the group search\n")
-    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(1)"])
-    proc.wait()
-    task = Task([unit], 0, proc, tmp_path / "events.jsonl", log, last_activity=time.time())
-    task.current, task.started_any = unit, True
-    task.round_rows = {r.id for r in rows[1:]}  # rows[0]'s round is over
-    sw.exited(task, 1)
-    (finding,) = jsonl(tmp_path / "findings.jsonl")
     assert finding["kind"] == "adapter_error" and finding["row"] is None and finding["groups"] == [unit]
     assert "RuntimeError: a bug in the group search" in finding["reason"] and "between cases" in finding["reason"]
     assert sw.by_id[rows[0].id].finding is None and sw.retired == {unit}
