@@ -13,6 +13,7 @@ from pathlib import Path
 
 from harness.options import (
     UsageError,
+    add_selection,
     check_device_name,
     check_modes,
     check_out_folder,
@@ -301,18 +302,13 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m harness", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    def common(sp, profile_default="ci"):
-        sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
-        sp.add_argument("--profile", default=profile_default, help="ci, dev, nightly or gpu")
-        sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")
-
     sp = sub.add_parser("list", help="print the matrix: what runs here, and why the rest does not")
-    common(sp)
+    add_selection(sp)
     sp.add_argument("--why", action="store_true", help="also list each row left out, with its reason")
     sp.set_defaults(fn=cmd_list)
 
     sp = sub.add_parser("run", help="run the matrix (the main job)")
-    common(sp)
+    add_selection(sp)
     sp.add_argument("--properties", nargs="*", help="property names (default: all)")
     sp.add_argument("--modes", nargs="*", help="forward modes (default: all the composition supports)")
     sp.add_argument("--max-examples", type=int, help="examples per row (default: the profile's)")

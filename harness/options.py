@@ -126,3 +126,11 @@ def duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
+
+
+def add_selection(sp, profile_default: str = "ci") -> None:
+    """The options that say where and what a command runs: --device, --profile, --backends."""
+    sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
+    sp.add_argument("--profile", default=profile_default,
+                    help=f"ci, dev, nightly or gpu (default {profile_default})")
+    sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")

@@ -43,7 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.options import UsageError, duration, parse_budget, parse_shard, profile_named, resolve_device
+from harness.options import (UsageError, add_selection, duration, parse_budget, parse_shard, profile_named,
+                             resolve_device)
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
                            compilers_under, default_case_timeout)
@@ -816,9 +817,7 @@ def add_parser(sub) -> None:
     """Register ``sweep`` with the command line's subparsers."""
     sp = sub.add_parser("sweep", help="spend a time budget searching the whole matrix, a process per group of rows",
                         description=__doc__.splitlines()[0].split(": ", 1)[1])
-    sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
-    sp.add_argument("--profile", default="nightly", help="ci, dev, nightly (default) or gpu")
-    sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")
+    add_selection(sp, "nightly")
     sp.add_argument("--properties", nargs="*", help="property names (default: all)")
     sp.add_argument("--modes", nargs="*", help="forward modes (default: all the composition supports)")
     sp.add_argument("--budget", default="30m", help="wall time to spend, e.g. 90s, 30m, 2h (default 30m)")

@@ -33,7 +33,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from harness.options import UsageError, duration, parse_budget, profile_named, resolve_device
+from harness.options import UsageError, add_selection, duration, parse_budget, profile_named, resolve_device
 
 DRAWS = 60  # batches drawn per leaf row to read its variants off
 SLOW_S = 1.0  # a case this long built something: it gets its own line
@@ -325,9 +325,7 @@ def _warm(device, profile_name, composition, row_id, spec, key, variant):
 def add_parser(sub) -> None:
     sp = sub.add_parser("warmup", help="compile the kernels a profile's rows need, in parallel, before a run",
                         description=__doc__.splitlines()[0].split(": ", 1)[1])
-    sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")
-    sp.add_argument("--profile", default="ci", help="ci, dev, nightly or gpu")
-    sp.add_argument("--backends", nargs="*", help="leaf backend names or composition terms to include")
+    add_selection(sp)
     sp.add_argument("--modes", nargs="*", help="forward modes (default: all)")
     sp.add_argument("--workers", type=int, help="processes at a time (default: one per core, at most 16)")
     sp.add_argument("--budget", default="20m", help="stop after this long, e.g. 10m (default 20m)")
