@@ -31,6 +31,11 @@ beforehand, then only the composition built, planned and run (``engine.execute.e
 or checked: what the harness cannot go below. With several workers their loops' times add up, as if run one
 after the other on the device.
 
+The ``first`` column is the seconds from a unit's start to the end of its first case, warm-up included: its kernels'
+compiles, on a cold machine (run ``harness warmup`` first to build them all in parallel). The summary says the
+slowest. On a GPU the summary also gives the GPU's busy fraction: NVML's utilization (the share of each sample period
+in which a kernel ran) averaged over the whole benchmark, warm-up cases included.
+
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
 boundary synchronizes the device so kernels are charged to the phase that launched them. Each row first
 runs ``--warmup`` cases of other specifications (Triton and FlashInfer compile on first use), not counted.
@@ -168,6 +173,7 @@ class RowTiming:
     known: int = 0  # failures the ledger explains (docs/findings/known-failures.toml): a bug already triaged
     steered: int = 0  # batches not run: a known bug the row met needs what they have
     engine_seconds: float = 0.0  # the engine-only loop over the same batches (engine_only)
+    first_case_s: float = 0.0  # from the row's start to the end of its first case (warm-up included): its compiles
 
     @property
     def total(self) -> float:
@@ -216,8 +222,10 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     from search.group import DRAWS_PER_EXAMPLE
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    began, first_case_s = time.perf_counter(), None
     for spec in draw_specs(row, profile, warmup, seed + 1_000_003) if warmup else []:
         row.property.run(row.composition, spec, device)
+        first_case_s = first_case_s or time.perf_counter() - began
     if barrier is not None:
         barrier.wait()
     sync()
@@ -241,6 +249,7 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
             finally:
                 clock.leave()
             cases += 1
+            first_case_s = first_case_s or time.perf_counter() - began
             ran.append((row.composition, spec))
             if not verdict.ok:  # counted apart from the timed part: the ledger is the report's, not the search's
                 if steer.known(row, spec, verdict, device):
@@ -253,7 +262,7 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
     return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, cases, failures,
                      seconds, started - generation, finished, known=known, steered=steer.steered,
-                     engine_seconds=engine_only(ran, device, sync))
+                     engine_seconds=engine_only(ran, device, sync), first_case_s=first_case_s or 0.0)
 
 
 class Steering:
@@ -300,6 +309,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     ran: list = []
     clock = PhaseClock(sync)
     steer = Steering()
+    began, first = time.perf_counter(), []  # the first case's end, once there is one
 
     def check(spec, limit: int, timed: bool) -> None:
         for row in group.rows:
@@ -314,6 +324,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
             finally:
                 clock.leave()
             counts[row.id] += 1
+            first[:] = first or [time.perf_counter() - began]
             if timed:
                 ran.append((row.composition, view))
             if timed and not verdict.ok:
@@ -353,7 +364,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
     return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
                      totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered,
-                     engine_seconds=engine_only(ran, device, sync))
+                     engine_seconds=engine_only(ran, device, sync), first_case_s=first[0] if first else 0.0)
 
 
 def combine(parts: list[RowTiming]) -> RowTiming:
@@ -362,7 +373,7 @@ def combine(parts: list[RowTiming]) -> RowTiming:
     return dataclasses.replace(
         first, cases=sum(p.cases for p in parts), failures=sum(p.failures for p in parts),
         known=sum(p.known for p in parts), steered=sum(p.steered for p in parts),
-        engine_seconds=sum(p.engine_seconds for p in parts),
+        engine_seconds=sum(p.engine_seconds for p in parts), first_case_s=max(p.first_case_s for p in parts),
         seconds={ph: sum(p.seconds[ph] for p in parts) for ph in PHASES},
         started=min(p.started for p in parts), finished=max(p.finished for p in parts), workers=len(parts))
 
@@ -436,14 +447,14 @@ def table_row(r: RowTiming, w: int) -> str:
     time, new failures and known ones (the ledger's)."""
     shares = "".join(f"{100 * r.seconds[p] / r.total if r.total else 0:>7.1f}" for p in PHASES)
     return (f"{r.composition:<{w}} {r.mode:<7} {r.property:<20} {r.cases:>5} {r.cases_per_second:>8.2f} {r.limit:>8.2f}"
-            f"{shares} {r.failures:>5} {r.known:>5} {r.steered:>5}")
+            f"{shares} {r.failures:>5} {r.known:>5} {r.steered:>5} {r.first_case_s:>6.1f}")
 
 
-def print_table(results: list[RowTiming]) -> None:
+def print_table(results: list[RowTiming], busy: float | None, busy_how: str) -> None:
     w = max([len(r.composition) for r in results] + [11])
     heads = "".join(f"{p[:5] + '%':>7}" for p in PHASES)
     print(f"{'composition':<{w}} {'mode':<7} {'property':<20} {'cases':>5} {'cases/s':>8} {'limit':>8}{heads} "
-          f"{'fails':>5} {'known':>5} {'steer':>5}")
+          f"{'fails':>5} {'known':>5} {'steer':>5} {'first':>6}")
     for r in results:
         print(table_row(r, w))
     total = {p: sum(r.seconds[p] for r in results) for p in PHASES}
@@ -454,6 +465,57 @@ def print_table(results: list[RowTiming]) -> None:
     print(f"{'all':<{w}} {'':<7} {'':<20} {cases:>5} {rate:>8.2f} {limit:>8.2f}{shares}")
     if limit:
         print(f"checked cases/s are {rate / limit:.2f} of the engine-only loop's over the same batches")
+    slowest = max(results, key=lambda r: r.first_case_s)
+    print(f"first case: every unit's within {slowest.first_case_s:.1f}s of its start ({slowest.composition} "
+          f"{slowest.mode} {slowest.property} the slowest; its compiles included)")
+    print(f"GPU busy: {f'{100 * busy:.0f}% of the wall time' if busy is not None else 'not measured'} ({busy_how})")
+
+
+class BusySampler:
+    """The GPU's busy fraction over the benchmark: NVML's utilization (the share of its last sample period in which a
+    kernel ran on the GPU), read every ``period`` seconds on a thread, averaged. ``read`` returns a percentage."""
+
+    def __init__(self, read, period: float = 0.2) -> None:
+        self.read, self.period, self.samples = read, period, []
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpu-busy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.samples.append(float(self.read()))
+            except Exception as e:  # noqa: BLE001 - no NVML here: the figure is missing, the benchmark goes on
+                self.error = f"{type(e).__name__}: {e}"
+                return
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._thread.join()
+        return sum(self.samples) / len(self.samples) / 100 if self.samples else None
+
+
+def busy_reader(device: str):
+    """A function returning the GPU's utilization in percent (NVML through torch, else ``nvidia-smi``), and how it is
+    read; (None, why) on a CPU."""
+    if device != "cuda":
+        return None, f"no GPU: {device}"
+    import subprocess
+
+    import torch
+
+    index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+    try:
+        torch.cuda.utilization(index)
+        return (lambda: torch.cuda.utilization(index)), "NVML utilization, sampled every 0.2 s, warm-up included"
+    except Exception:  # noqa: BLE001 - torch reads NVML through pynvml, which may be missing
+        def smi() -> float:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                  "-i", str(index)], capture_output=True, text=True, timeout=10, check=True)
+            return float(out.stdout.strip().splitlines()[0])
+
+        return smi, "nvidia-smi utilization, sampled every 0.2 s, warm-up included"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -495,17 +557,24 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {device}, profile {profile.name}, batches up to {profile.max_requests} requests, "
           f"{args.cases} cases per row after {args.warmup} warm-up, {args.workers} worker(s)"
           + (f", {len(rows)} group(s) sharing their batches" if args.shared else ""), file=sys.stderr)
-    if args.workers > 1:
-        results = run_workers(args, device, rows)
-        if results is None:
-            return 1
-    else:
-        results = []
-        for n, row in enumerate(rows, 1):
-            results.append(bench(row, profile, device, args.cases, args.seed, args.warmup))
-            print(f"[{n}/{len(rows)}] {table_row(results[-1], len(results[-1].composition))}", file=sys.stderr,
-                  flush=True)
-    print_table(results)
+    read, busy_how = busy_reader(device)
+    sampler = BusySampler(read) if read is not None else None
+    try:
+        if args.workers > 1:
+            results = run_workers(args, device, rows)
+            if results is None:
+                return 1
+        else:
+            results = []
+            for n, row in enumerate(rows, 1):
+                results.append(bench(row, profile, device, args.cases, args.seed, args.warmup))
+                print(f"[{n}/{len(rows)}] {table_row(results[-1], len(results[-1].composition))}", file=sys.stderr,
+                      flush=True)
+    finally:
+        busy = sampler.stop() if sampler is not None else None
+    if sampler is not None and sampler.error:
+        busy_how += f"; could not read it: {sampler.error}"
+    print_table(results, busy, busy_how)
     if args.json:
         Path(args.json).write_text(json.dumps([dataclasses.asdict(r) | {"cases_per_second": r.cases_per_second,
                                                                           "limit": r.limit}

@@ -28,7 +28,10 @@ def test_every_row_gets_its_cases_and_each_unit_is_printed_when_done(shared):
     assert int(total.split()[1]) == 4 * 3  # torch_native and tbo(torch_native), outputs and cache: 3 cases each
     assert float(total.split()[3]) > 0  # the engine-only loop's cases/s over the same batches
     assert "of the engine-only loop's over the same batches" in out.stdout
-    units = [line for line in table[1:] if not line.startswith(("all ", "checked cases/s"))]
+    assert "first case: every unit's within" in out.stdout and "GPU busy: not measured (no GPU: cpu)" in out.stdout
+    assert all(float(line.split()[-1]) >= 0 for line in table[1:] if not line.startswith(("all ", "checked", "first",
+                                                                                        "GPU")))
+    units = [line for line in table[1:] if not line.startswith(("all ", "checked cases/s", "first case", "GPU busy"))]
     assert len(units) == (1 if shared else 4)
     assert all(f"[{n}/{len(units)}]" in out.stderr for n in range(1, len(units) + 1))  # as each one ends
     if shared:
@@ -54,6 +57,27 @@ def test_known_bugs_stop_costing_cases(shared):
                           "refuse_or_correct", "--cases", "6", "--warmup", "0", *(["--shared"] if shared else [])],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
-    (row,) = [line for line in out.stdout.splitlines()[1:] if not line.startswith(("all ", "checked cases/s"))]
-    cases, *_, fails, known, steered = row.split()[-11:]
+    (row,) = [line for line in out.stdout.splitlines()[1:]
+              if not line.startswith(("all ", "checked cases/s", "first case", "GPU busy"))]
+    cases, *_, fails, known, steered, first = row.split()[-12:]
     assert int(fails) == 0 and int(known) >= 1 and int(steered) > 0 and int(cases) < 6, row
+
+
+def test_the_busy_fraction_is_the_mean_of_the_utilization_read():
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import BusySampler
+
+    readings = iter([40, 60, 80, 100] + [100] * 1000)
+    sampler = BusySampler(lambda: next(readings), period=0.01)
+    time.sleep(0.3)
+    busy = sampler.stop()
+    assert sampler.samples[:4] == [40, 60, 80, 100] and 0.7 < busy <= 1.0
+
+    def no_nvml() -> float:
+        raise ModuleNotFoundError("pynvml")
+
+    broken = BusySampler(no_nvml, period=0.01)
+    time.sleep(0.05)
+    assert broken.stop() is None and "pynvml" in broken.error
