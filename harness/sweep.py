@@ -58,6 +58,9 @@ ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
 STOP_GRACE_S = 5.0  # after SIGINT at the end of the budget, before SIGKILL
 MAX_BUNDLE = 8  # groups a worker takes at most
+# A group of the harness's own backends only goes a round for every CONTROL_EVERY of the engine's groups (its rows
+# are a control sample; the engine's compositions are what a sweep is for)
+CONTROL_EVERY = 4
 
 
 def visible_gpus() -> list[str]:
@@ -229,11 +232,14 @@ class Sweep:
                 and (self.max_rounds is None or s.rounds < self.max_rounds)]
 
     def waiting(self) -> list[str]:
-        """Groups with rows to search and no worker, fewest rounds along first; at equal rounds those that run an
-        engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU sweep in
-        matrix order never reached an SGLang row), then matrix order."""
+        """Groups with rows to search and no worker, fewest rounds along first, a group of the harness's own backends
+        counting each of its rounds CONTROL_EVERY times when the sweep has an engine's groups; at equal rounds those
+        that run an engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU
+        sweep in matrix order never reached an SGLang row), then matrix order."""
         busy = {u for t in self.running.values() for u in t.units}
-        ready = [(min(s.rounds for s in self.active(u)), not self.engine_rows(u), order, u)
+        weight = CONTROL_EVERY if any(self.engine_rows(u) for u in self.groups) else 1
+        ready = [(min(s.rounds for s in self.active(u)) * (1 if self.engine_rows(u) else weight),
+                  not self.engine_rows(u), order, u)
                  for order, u in enumerate(self.groups) if u not in busy and self.active(u)]
         return [u for *_, u in sorted(ready)]
 

@@ -62,6 +62,10 @@ class Profile:
     # Rows that declare a slow CPU path (Capabilities.slow_on_cpu) draw at most this many examples on a CPU
     # (None: the profile's max_examples), so one interpreted engine does not take over a CI run.
     slow_row_examples: int | None = None
+    # Rows of the harness's own backends only (no engine's class among them) draw at most this many examples in a run
+    # (None: the profile's max_examples): a control sample that shows the references and properties sound, the
+    # examples going to the engine's compositions, which are what users test
+    control_examples: int | None = None
     # KV cache storages drawn where a composition declares them (the first is where shrinking goes).
     kv_cache_dtypes: tuple[str, ...] = ("auto", "fp8_e4m3")
     # Lightning layers (num_heads, head_dim): Ling's head dim, 128, whatever the profile (SGLang's seg_la decode
@@ -104,14 +108,14 @@ PROFILES: dict[str, Profile] = {p.name: p for p in [
             description="a developer's machine: the ci shapes and a group-8 MQA, more examples"),
     Profile("nightly", "float32", ((8, 2, 64, 64),), (8, 32, 16, 64, 32), (2, 4, 32, 32), (1, 4, 16, 32, 64),
             max_requests=8, max_prefix=300, max_extend=120, max_layers=4, max_examples=200, max_boundary=300,
-            fallback_dtype="float16",
+            fallback_dtype="float16", control_examples=50,
             rotating_head_configs=((8, 8, 64, 64), (8, 1, 64, 64), (16, 2, 128, 128), (16, 8, 128, 128),
                                    (4, 1, 256, 256), (8, 2, 256, 256)),
             long_context=(4096, 16384), wide_batch=(64, 128),
             description="long sweeps: bigger shapes, many examples, rotating head configurations"),
     Profile("gpu", "bfloat16", ((8, 2, 128, 128),), (16, 128, 64, 512, 128), (4, 8, 128, 128), (1, 16, 32, 64),
             max_requests=16, max_prefix=600, max_extend=200, max_layers=4, max_examples=20, max_boundary=600,
-            rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
+            control_examples=5, rotating_head_configs=((8, 8, 128, 128), (8, 1, 128, 128), (16, 8, 128, 128), (16, 2, 64, 64),
                                    (8, 8, 64, 64), (8, 2, 256, 256), (8, 1, 256, 256)),
             long_context=(16384, 32768), wide_batch=(64, 160), lightning=(8, 128), short_conv_hidden=1024,
             mamba2=(16, 64, 128, 4), mamba2_groups=(1, 8), mamba2_chunks=(64, 256), kda=(4, 128, 128, 4),

@@ -83,12 +83,17 @@ def row_profile(support, profile: Profile, device: str) -> Profile:
 
 def row_budget(row: Row, profile: Profile, device: str, max_examples: int | None,
                shrink_seconds: float | None) -> tuple[int | None, float | None]:
-    """A row's examples (None: the profile's) and shrinking time: fewer for a slow row, one and no shrinking for a
-    row whose check reads classes, not the batch (more examples, or shrinking one, repeat it)."""
+    """A row's examples (None: the profile's) and shrinking time: fewer for a slow row and for a row of the harness's
+    own backends (a control sample: ``Profile.control_examples``), one and no shrinking for a row whose check reads
+    classes, not the batch (more examples, or shrinking one, repeat it). A ``max_examples`` given wins."""
     support = row.composition.support()
     slow = (device == "cpu" and support.slow_on_cpu) or row.property.runs_twice
-    if slow and max_examples is None and profile.slow_row_examples:
-        max_examples = min(profile.max_examples, profile.slow_row_examples)  # a --max-examples given wins
+    if max_examples is None:
+        limits = [profile.slow_row_examples if slow else None,
+                  profile.control_examples if row.composition.engine == "harness" else None]
+        fewer = min((n for n in limits if n), default=None)
+        if fewer is not None and fewer < profile.max_examples:
+            max_examples = fewer
     if support.class_only:
         return (1 if max_examples is None else max_examples), 0
     return max_examples, shrink_seconds

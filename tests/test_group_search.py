@@ -345,3 +345,20 @@ def test_a_bug_that_escapes_leaves_the_pending_case_naming_its_row(tmp_path, row
         search_group(group, PROFILE, "cpu", max_examples=3, out_dir=tmp_path, seed=1, skip=skip)
     (pending,) = (tmp_path / "pending").glob("*.json")
     assert json.loads(pending.read_text())["composition"] == "sglang.triton"
+
+
+def test_the_harness_own_rows_are_a_control_sample_where_the_profile_says():
+    """Issue 26: a run's examples go to the engine's compositions; rows of the harness's own backends get the
+    profile's control_examples (the gpu profile: 5 of 20), a --max-examples given wins."""
+    from search.search_row import row_budget
+
+    profile = dataclasses.replace(PROFILE, max_examples=20, control_examples=5)
+    rows = matrix_rows("cpu", profile, ["torch_native", "sglang.torch_native"], ["outputs"], ["decode"])[0]
+    own = next(r for r in rows if str(r.composition) == "torch_native")
+    assert row_budget(own, profile, "cpu", None, 10.0) == (5, 10.0)
+    assert row_budget(own, profile, "cpu", 12, 10.0) == (12, 10.0)
+    assert row_budget(own, PROFILE, "cpu", None, 10.0) == (None, 10.0)  # ci: none set
+    engine = [r for r in rows if r.composition.engine == "sglang"]
+    if engine:
+        assert row_budget(engine[0], profile, "cpu", None, 10.0) == (None, 10.0)
+    assert PROFILES["gpu"].control_examples == 5

@@ -298,6 +298,14 @@ def test_at_equal_rounds_the_engines_compositions_start_first(tmp_path):
     for s in states:  # the engine's rows one round ahead: the harness's own come first
         s.rounds = 1 if "sglang." in str(s.row.composition) else 0
     assert not sw.engine_rows(sw.waiting()[0])
+    # After that, the harness's own rows are a control sample: a round of theirs for every CONTROL_EVERY of the
+    # engine's (issue 26: the engine's compositions first and most)
+    from harness.sweep import CONTROL_EVERY
+
+    for engine_rounds, engine_first in ((1, True), (CONTROL_EVERY, True), (CONTROL_EVERY + 1, False)):
+        for s in states:
+            s.rounds = engine_rounds if "sglang." in str(s.row.composition) else 1
+        assert sw.engine_rows(sw.waiting()[0]) == engine_first, engine_rounds
 
 
 def test_a_worker_still_starting_gets_the_startup_allowance_not_the_case_timeout(stalled_sweep):
