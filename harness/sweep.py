@@ -293,6 +293,10 @@ class Sweep:
         gpu = f" on GPU {self.gpus[slot % len(self.gpus)]}" if self.gpus else ""
         for u in units:
             rows = self.active(u)
+            if self.is_run:  # one round: the label says how many rows, unless a fresh process goes on after a crash
+                left = "" if len(rows) == len(self.groups[u].rows) else f", {len(rows)} row(s) left"
+                self.progress.event(f"start {self.groups[u].label}{left}{gpu}")
+                continue
             self.progress.event(f"start {self.groups[u].label} at round {min(s.rounds for s in rows) + 1}: "
                                 f"{len(rows)} row(s){gpu}")
 
