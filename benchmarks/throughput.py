@@ -31,10 +31,12 @@ beforehand, then only the composition built, planned and run (``engine.execute.e
 or checked: what the harness cannot go below. With several workers their loops' times add up, as if run one
 after the other on the device.
 
-The ``first`` column is the seconds from a unit's start to the end of its first case, warm-up included: its kernels'
-compiles, on a cold machine (run ``harness warmup`` first to build them all in parallel). The summary says the
-slowest. On a GPU the summary also gives the GPU's busy fraction: NVML's utilization (the share of each sample period
-in which a kernel ran) averaged over the whole benchmark, warm-up cases included.
+The ``first`` column is how long a unit's first case took (warm-up included): its kernels' compiles, on a cold machine
+(run ``harness warmup`` first to build them all in parallel). The units share their process, so a compile or the CUDA
+setup that several need is charged to the first of them that runs. The summary says the slowest. On a GPU the summary
+also gives the GPU's busy fraction: NVML's utilization (the share of each sample period in which a kernel ran), read
+every 0.2 s and averaged over the samples taken while some unit's timed part ran (not the workers' start, the warm-up
+or the engine-only loop).
 
 Time is exclusive (a backend call inside materialization counts once, as backend) and, on a GPU, every
 boundary synchronizes the device so kernels are charged to the phase that launched them. Each row first
@@ -173,7 +175,7 @@ class RowTiming:
     known: int = 0  # failures the ledger explains (docs/findings/known-failures.toml): a bug already triaged
     steered: int = 0  # batches not run: a known bug the row met needs what they have
     engine_seconds: float = 0.0  # the engine-only loop over the same batches (engine_only)
-    first_case_s: float = 0.0  # from the row's start to the end of its first case (warm-up included): its compiles
+    first_case_s: float = 0.0  # how long the unit's first case (warm-up included) took: its compiles
 
     @property
     def total(self) -> float:
@@ -222,10 +224,11 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     from search.group import DRAWS_PER_EXAMPLE
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    began, first_case_s = time.perf_counter(), None
+    first_case_s = None
     for spec in draw_specs(row, profile, warmup, seed + 1_000_003) if warmup else []:
+        case_began = time.perf_counter()
         row.property.run(row.composition, spec, device)
-        first_case_s = first_case_s or time.perf_counter() - began
+        first_case_s = first_case_s or time.perf_counter() - case_began
     if barrier is not None:
         barrier.wait()
     sync()
@@ -244,12 +247,13 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
             if steer.off(row, spec):
                 continue
             clock.enter("checking")  # whatever the property does outside the timed calls
+            case_began = time.perf_counter()
             try:
                 verdict = row.property.run(row.composition, spec, device)
             finally:
                 clock.leave()
             cases += 1
-            first_case_s = first_case_s or time.perf_counter() - began
+            first_case_s = first_case_s or time.perf_counter() - case_began
             ran.append((row.composition, spec))
             if not verdict.ok:  # counted apart from the timed part: the ledger is the report's, not the search's
                 if steer.known(row, spec, verdict, device):
@@ -309,7 +313,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     ran: list = []
     clock = PhaseClock(sync)
     steer = Steering()
-    began, first = time.perf_counter(), []  # the first case's end, once there is one
+    first: list[float] = []  # how long the first case took, once there is one
 
     def check(spec, limit: int, timed: bool) -> None:
         for row in group.rows:
@@ -319,12 +323,13 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
             if timed and steer.off(row, view):
                 continue
             clock.enter("checking")
+            case_began = time.perf_counter()
             try:
                 verdict = row.property.run(row.composition, view, device)
             finally:
                 clock.leave()
             counts[row.id] += 1
-            first[:] = first or [time.perf_counter() - began]
+            first[:] = first or [time.perf_counter() - case_began]
             if timed:
                 ran.append((row.composition, view))
             if timed and not verdict.ok:
@@ -466,7 +471,7 @@ def print_table(results: list[RowTiming], busy: float | None, busy_how: str) -> 
     if limit:
         print(f"checked cases/s are {rate / limit:.2f} of the engine-only loop's over the same batches")
     slowest = max(results, key=lambda r: r.first_case_s)
-    print(f"first case: every unit's within {slowest.first_case_s:.1f}s of its start ({slowest.composition} "
+    print(f"first case: every unit's took {slowest.first_case_s:.1f}s or less ({slowest.composition} "
           f"{slowest.mode} {slowest.property} the slowest; its compiles included)")
     print(f"GPU busy: {f'{100 * busy:.0f}% of the wall time' if busy is not None else 'not measured'} ({busy_how})")
 
@@ -476,8 +481,10 @@ class BusySampler:
     kernel ran on the GPU), read every ``period`` seconds on a thread, averaged. ``read`` returns a percentage."""
 
     def __init__(self, read, period: float = 0.2) -> None:
-        self.read, self.period, self.samples = read, period, []
+        self.read, self.period = read, period
+        self.samples: list[tuple[float, float]] = []  # (time.perf_counter(), percent)
         self.error: str | None = None
+        self.tried = threading.Event()  # set after the first read, whatever it gave
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gpu-busy", daemon=True)
         self._thread.start()
@@ -485,15 +492,22 @@ class BusySampler:
     def _run(self) -> None:
         while not self._stop.wait(self.period):
             try:
-                self.samples.append(float(self.read()))
+                self.samples.append((time.perf_counter(), float(self.read())))
             except Exception as e:  # noqa: BLE001 - no NVML here: the figure is missing, the benchmark goes on
                 self.error = f"{type(e).__name__}: {e}"
                 return
+            finally:
+                self.tried.set()
 
-    def stop(self) -> float | None:
+    def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        return sum(self.samples) / len(self.samples) / 100 if self.samples else None
+
+    def busy(self, spans: list[tuple[float, float]]) -> float | None:
+        """The mean utilization, as a fraction, over the samples taken within ``spans`` ((start, end) perf_counter
+        times: the units' timed parts); None without one."""
+        inside = [pct for t, pct in self.samples if any(a <= t <= b for a, b in spans)]
+        return sum(inside) / len(inside) / 100 if inside else None
 
 
 def busy_reader(device: str):
@@ -508,14 +522,18 @@ def busy_reader(device: str):
     index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     try:
         torch.cuda.utilization(index)
-        return (lambda: torch.cuda.utilization(index)), "NVML utilization, sampled every 0.2 s, warm-up included"
+        return (lambda: torch.cuda.utilization(index)), "NVML utilization over the timed parts"
     except Exception:  # noqa: BLE001 - torch reads NVML through pynvml, which may be missing
+        # nvidia-smi numbers the GPUs without CUDA_VISIBLE_DEVICES: the visible device's own id (an index or UUID)
+        visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
+        which = visible[index] if index < len(visible) else str(index)
+
         def smi() -> float:
             out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
-                                  "-i", str(index)], capture_output=True, text=True, timeout=10, check=True)
+                                  "-i", which], capture_output=True, text=True, timeout=10, check=True)
             return float(out.stdout.strip().splitlines()[0])
 
-        return smi, "nvidia-smi utilization, sampled every 0.2 s, warm-up included"
+        return smi, "nvidia-smi utilization over the timed parts"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -571,7 +589,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{n}/{len(rows)}] {table_row(results[-1], len(results[-1].composition))}", file=sys.stderr,
                       flush=True)
     finally:
-        busy = sampler.stop() if sampler is not None else None
+        if sampler is not None:
+            sampler.stop()
+    busy = sampler.busy([(r.started, r.finished) for r in results]) if sampler is not None else None
     if sampler is not None and sampler.error:
         busy_how += f"; could not read it: {sampler.error}"
     print_table(results, busy, busy_how)

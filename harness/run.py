@@ -221,9 +221,11 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
         clear_worker_state(out_dir)
     groups = group_rows(rows, profile, device)
     examples = args.max_examples or profile.max_examples
+    control = "" if args.max_examples or not profile.control_examples else \
+        f" ({min(examples, profile.control_examples)} for the harness's own rows, a control sample)"
     where = f"{workers} worker process(es)" if workers else "this process"
     print(f"run of {len(rows)} row(s) in {len(groups)} group(s) on {device}, profile {profile.name}, up to {examples} "
-          f"examples a row, in {where}, seed {seed} (--seed {seed} draws these cases again)", flush=True)
+          f"examples a row{control}, in {where}, seed {seed} (--seed {seed} draws these cases again)", flush=True)
     print(expected_time(out_dir, device, profile.name, len(rows), workers), flush=True)
     lines = RowLines(len(rows), skipped, out_dir, device, profile.name)
     orphans: list[dict] = []

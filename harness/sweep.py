@@ -221,6 +221,7 @@ class Sweep:
         self.members = {unit: [self.by_id[r.id] for r in g.rows] for unit, g in self.groups.items()}
         self.unit_of = {r.id: unit for unit, g in self.groups.items() for r in g.rows}
         self.retired: set[str] = set()
+        self._control_weight: int | None = None  # rank()'s, once
         # Names this invocation's task files and logs (the pid: two sessions may start within one second).
         self.session = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
@@ -237,11 +238,16 @@ class Sweep:
         that run an engine's classes before the harness's own (the engine is what a sweep is for: a 46-minute CPU
         sweep in matrix order never reached an SGLang row), then matrix order."""
         busy = {u for t in self.running.values() for u in t.units}
-        weight = CONTROL_EVERY if any(self.engine_rows(u) for u in self.groups) else 1
-        ready = [(min(s.rounds for s in self.active(u)) * (1 if self.engine_rows(u) else weight),
-                  not self.engine_rows(u), order, u)
+        ready = [(self.rank(u), not self.engine_rows(u), order, u)
                  for order, u in enumerate(self.groups) if u not in busy and self.active(u)]
         return [u for *_, u in sorted(ready)]
+
+    def rank(self, unit: str) -> int:
+        """How far along the group ``unit`` counts: its rows' fewest rounds, times CONTROL_EVERY for a group of the
+        harness's own backends when the sweep has an engine's groups."""
+        if self._control_weight is None:
+            self._control_weight = CONTROL_EVERY if any(self.engine_rows(u) for u in self.groups) else 1
+        return min(s.rounds for s in self.active(unit)) * (1 if self.engine_rows(unit) else self._control_weight)
 
     def engine_rows(self, unit: str) -> bool:
         """Whether the group ``unit`` runs an engine's classes (not only the harness's own backends)."""
@@ -253,8 +259,10 @@ class Sweep:
         engine: seconds on a CPU), which a small group's round does not repay: a 150 s CPU sweep of 312 rows
         launched 50 workers for single groups and checked 860 cases, where 19 workers, one per composition, had
         checked 1304 (2026-11-27)."""
-        first = min(s.rounds for s in self.active(waiting[0]))
-        same = [u for u in waiting if min(s.rounds for s in self.active(u)) == first]
+        # Those of the first one's rank (the order waiting() keeps: an engine group lagging a round does not take ours
+        # along) and of its round (a worker searches its groups a round at a time)
+        first = (self.rank(waiting[0]), min(s.rounds for s in self.active(waiting[0])))
+        same = [u for u in waiting if (self.rank(u), min(s.rounds for s in self.active(u))) == first]
         # A share for every worker, not only the free ones: at the end of a round, one free worker taking every group
         # left would run them in turn while the others stood idle
         return same[:max(1, min(MAX_BUNDLE, -(-len(same) // self.workers)))]

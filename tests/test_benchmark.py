@@ -28,7 +28,7 @@ def test_every_row_gets_its_cases_and_each_unit_is_printed_when_done(shared):
     assert int(total.split()[1]) == 4 * 3  # torch_native and tbo(torch_native), outputs and cache: 3 cases each
     assert float(total.split()[3]) > 0  # the engine-only loop's cases/s over the same batches
     assert "of the engine-only loop's over the same batches" in out.stdout
-    assert "first case: every unit's within" in out.stdout and "GPU busy: not measured (no GPU: cpu)" in out.stdout
+    assert "first case: every unit's took" in out.stdout and "GPU busy: not measured (no GPU: cpu)" in out.stdout
     assert all(float(line.split()[-1]) >= 0 for line in table[1:] if not line.startswith(("all ", "checked", "first",
                                                                                         "GPU")))
     units = [line for line in table[1:] if not line.startswith(("all ", "checked cases/s", "first case", "GPU busy"))]
@@ -63,7 +63,7 @@ def test_known_bugs_stop_costing_cases(shared):
     assert int(fails) == 0 and int(known) >= 1 and int(steered) > 0 and int(cases) < 6, row
 
 
-def test_the_busy_fraction_is_the_mean_of_the_utilization_read():
+def test_the_busy_fraction_is_the_mean_of_the_utilization_read_while_units_were_timed():
     import time
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -72,12 +72,17 @@ def test_the_busy_fraction_is_the_mean_of_the_utilization_read():
     readings = iter([40, 60, 80, 100] + [100] * 1000)
     sampler = BusySampler(lambda: next(readings), period=0.01)
     time.sleep(0.3)
-    busy = sampler.stop()
-    assert sampler.samples[:4] == [40, 60, 80, 100] and 0.7 < busy <= 1.0
+    sampler.stop()
+    assert [pct for _, pct in sampler.samples[:4]] == [40, 60, 80, 100]
+    everything = (sampler.samples[0][0], sampler.samples[-1][0])
+    assert 0.7 < sampler.busy([everything]) <= 1.0
+    first_two = (sampler.samples[0][0], sampler.samples[1][0])  # a unit timed while the first two were read
+    assert sampler.busy([first_two]) == 0.5 and sampler.busy([(0.0, 1.0)]) is None
 
     def no_nvml() -> float:
         raise ModuleNotFoundError("pynvml")
 
     broken = BusySampler(no_nvml, period=0.01)
-    time.sleep(0.05)
-    assert broken.stop() is None and "pynvml" in broken.error
+    assert broken.tried.wait(5)
+    broken.stop()
+    assert broken.busy([everything]) is None and "pynvml" in broken.error

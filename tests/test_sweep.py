@@ -306,6 +306,13 @@ def test_at_equal_rounds_the_engines_compositions_start_first(tmp_path):
         for s in states:
             s.rounds = engine_rounds if "sglang." in str(s.row.composition) else 1
         assert sw.engine_rows(sw.waiting()[0]) == engine_first, engine_rounds
+    # A bundle keeps to its first group's rank: an engine group lagging a round does not take ours along (review)
+    for s in states:
+        s.rounds = 1 if "sglang." not in str(s.row.composition) else 2
+    lagging = next(u for u in sw.groups if sw.engine_rows(u))
+    for s in sw.members[lagging]:
+        s.rounds = 1
+    assert sw.bundle(sw.waiting()) == [lagging]
 
 
 def test_a_worker_still_starting_gets_the_startup_allowance_not_the_case_timeout(stalled_sweep):
