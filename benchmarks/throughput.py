@@ -313,9 +313,10 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     ran: list = []
     clock = PhaseClock(sync)
     steer = Steering()
-    first: list[float] = []  # how long the first case took, once there is one
+    first_case_s = None  # how long the first case took, once there is one
 
     def check(spec, limit: int, timed: bool) -> None:
+        nonlocal first_case_s
         for row in group.rows:
             if counts[row.id] >= limit or group.admits(row, spec) is not None:
                 continue
@@ -329,7 +330,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
             finally:
                 clock.leave()
             counts[row.id] += 1
-            first[:] = first or [time.perf_counter() - case_began]
+            first_case_s = first_case_s or time.perf_counter() - case_began
             if timed:
                 ran.append((row.composition, view))
             if timed and not verdict.ok:
@@ -369,7 +370,7 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
     seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
     return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
                      totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered,
-                     engine_seconds=engine_only(ran, device, sync), first_case_s=first[0] if first else 0.0)
+                     engine_seconds=engine_only(ran, device, sync), first_case_s=first_case_s or 0.0)
 
 
 def combine(parts: list[RowTiming]) -> RowTiming:
@@ -510,6 +511,13 @@ class BusySampler:
         return sum(inside) / len(inside) / 100 if inside else None
 
 
+def smi_device(index: int, visible: str) -> str:
+    """What ``nvidia-smi -i`` calls the visible CUDA device ``index``: nvidia-smi numbers the GPUs without
+    ``CUDA_VISIBLE_DEVICES``, so the device's own entry there (an index or a UUID), else the index itself."""
+    listed = [x.strip() for x in visible.split(",") if x.strip()]
+    return listed[index] if index < len(listed) else str(index)
+
+
 def busy_reader(device: str):
     """A function returning the GPU's utilization in percent (NVML through torch, else ``nvidia-smi``), and how it is
     read; (None, why) on a CPU."""
@@ -524,9 +532,7 @@ def busy_reader(device: str):
         torch.cuda.utilization(index)
         return (lambda: torch.cuda.utilization(index)), "NVML utilization over the timed parts"
     except Exception:  # noqa: BLE001 - torch reads NVML through pynvml, which may be missing
-        # nvidia-smi numbers the GPUs without CUDA_VISIBLE_DEVICES: the visible device's own id (an index or UUID)
-        visible = [x.strip() for x in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if x.strip()]
-        which = visible[index] if index < len(visible) else str(index)
+        which = smi_device(index, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
 
         def smi() -> float:
             out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",

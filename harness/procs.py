@@ -71,10 +71,9 @@ def compilers_under(root: int) -> list[str]:
 
 
 def _mtime(path: Path | None) -> float | None:
-    try:
-        return None if path is None else path.stat().st_mtime
-    except OSError:
-        return None
+    from search.casefile import modified
+
+    return None if path is None else modified(path)
 
 
 class StallWatchdog:

@@ -112,7 +112,7 @@ def harness_error(group, error: Exception, out_dir: Path, lines: RowLines) -> No
     group."""
     import traceback
 
-    from search.casefile import CaseFile, case_name, safe_name
+    from search.casefile import CaseFile, safe_name
     from search.outcome import ADAPTER_ERROR, RowOutcome
 
     log = out_dir / "logs" / "harness-errors.log"
@@ -123,12 +123,10 @@ def harness_error(group, error: Exception, out_dir: Path, lines: RowLines) -> No
     print(f"{group.label}: {reason}", file=sys.stderr, flush=True)
     pending = out_dir / "pending" / f"{safe_name(group.id)}.json"
     case = CaseFile.read(pending) if pending.exists() else None
-    row = None if case is None else next((r for r in group.rows if r.id == f"{case.composition}-"
-                                          f"{case.spec.mode.value}-{case.property}" and r.id not in lines.ended), None)
+    row = None if case is None else next((r for r in group.rows if r.id == case.row_id and r.id not in lines.ended),
+                                         None)
     if row is not None:
-        case.verdict = {"reason": reason, "worst_error": None, "bound": None, "where": None}
-        case_file = case.write(out_dir / "cases" / case_name(case.composition, case.property, row.mode.value,
-                                                               case.spec))
+        case_file = case.settle(pending, reason, out_dir)
         lines(RowOutcome(row.id, str(row.composition), row.mode.value, row.property.name, ok=False, failure=reason,
                          finding_kind=ADAPTER_ERROR, spec=case.spec, case_file=case_file))
     pending.unlink(missing_ok=True)
@@ -262,9 +260,8 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
         interrupted = terminated.stopped is not None  # also a stop that surfaced too late to cut the run short
         elapsed = time.perf_counter() - start
         results = lines.results
-        ended = {r.row_id for r in results}
         not_reached = [RowOutcome(r.id, str(r.composition), r.mode.value, r.property.name, rounds=0)
-                       for r in rows if r.id not in ended]
+                       for r in rows if r.id not in lines.ended]
         if interrupted:
             print(f"\ninterrupted after {len(results)} of {len(rows)} rows: writing the report of the rows that "
                   f"ended", file=sys.stderr)

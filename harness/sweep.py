@@ -49,7 +49,7 @@ from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
                            compilers_under, default_case_timeout)
 from harness.sweep_worker import EXIT_CONTEXT_POISONED
-from search.casefile import CaseFile, case_name, modified, safe_name
+from search.casefile import CaseFile, modified, safe_name
 from search.matrix import shard_rows
 from search.outcome import (ADAPTER_ERROR, RowOutcome, exit_status, finding_kind, is_worse, merge_headroom,
                             row_at_risk, unexplained_headroom)
@@ -485,7 +485,7 @@ class Sweep:
                 case = CaseFile.read(path)
             except Exception:  # noqa: BLE001 - not a case file this harness can read: not a finding of its own
                 continue
-            state = self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
+            state = self.by_id.get(case.row_id)
             if state is None or state.finding is not None:
                 continue  # a row outside this sweep, or one whose finding is already recorded
             reason = (case.verdict or {}).get("reason") or "a case file without a recorded finding"
@@ -518,7 +518,7 @@ class Sweep:
         label = ", ".join(self.groups[u].label for u in task.units)
         pending = self.pending_file(task.current) if task.current else None
         case = CaseFile.read(pending) if pending is not None and pending.exists() else None
-        state = None if case is None else self.by_id.get(f"{case.composition}-{case.spec.mode.value}-{case.property}")
+        state = None if case is None else self.by_id.get(case.row_id)
         if state is not None and state.row.id not in task.round_rows:
             # The pending case is of a row whose round had ended (reported): what failed came after it, between cases
             state = None
@@ -545,11 +545,7 @@ class Sweep:
             return
         tail = self.log_tail(task, 15)
         reason += self.innermost_frame(tail)
-        case.verdict = {"reason": f"{reason} (not shrunk: the process died with it)", "worst_error": None,
-                        "bound": None, "where": None}
-        case_file = str(case.write(self.out_dir / "cases" / case_name(
-            case.composition, case.property, state.row.mode.value, case.spec)))
-        pending.unlink()
+        case_file = str(case.settle(pending, f"{reason} (not shrunk: the process died with it)", self.out_dir))
         self.finding(state, kind, reason, case_file, case.composition, task.current_round, log=str(task.log),
                      log_tail=tail)
 

@@ -93,6 +93,20 @@ class CaseFile:
             "created": self.created or datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         }, indent=1, sort_keys=True)
 
+    @property
+    def row_id(self) -> str:
+        """The id of the matrix row this case is of (``search.matrix.Row.id``)."""
+        return f"{self.composition}-{self.spec.mode.value}-{self.property}"
+
+    def settle(self, pending: Path, reason: str, out_dir: Path) -> Path:
+        """This case, read from ``pending`` (a case its process never finished: it died, hung or raised), as the case
+        file of its row's finding: ``reason`` its verdict, written under ``out_dir/cases``, the pending file removed."""
+        self.verdict = {"reason": reason, "worst_error": None, "bound": None, "where": None}
+        path = self.write(Path(out_dir) / "cases" / case_name(self.composition, self.property, self.spec.mode.value,
+                                                               self.spec))
+        Path(pending).unlink(missing_ok=True)
+        return path
+
     def write(self, path: str | Path) -> Path:
         """Write atomically (a crash mid-write never leaves half a file)."""
         path = Path(path)

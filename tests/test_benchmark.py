@@ -86,3 +86,11 @@ def test_the_busy_fraction_is_the_mean_of_the_utilization_read_while_units_were_
     assert broken.tried.wait(5)
     broken.stop()
     assert broken.busy([everything]) is None and "pynvml" in broken.error
+
+
+def test_nvidia_smi_is_asked_for_the_visible_device():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import smi_device
+
+    assert smi_device(0, "3") == "3" and smi_device(1, "2, GPU-abc") == "GPU-abc"
+    assert smi_device(0, "") == "0" and smi_device(2, "1") == "2"
