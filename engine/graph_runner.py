@@ -352,11 +352,14 @@ class PrefillGraphRunner:
     graph: the engine's layer objects run them eagerly on the live plan between captured segments, over the real
     tokens (``global_num_token_non_padded_cpu``); what runs between them (RoPE, the harness's per-layer glue) is
     captured. The backend provides the engine's scope and capture (``prefill_graph_scope(fb)``,
-    ``capture_prefill_graph(fn)``): a composition declares ``Support.prefill_graph``.
+    ``capture_prefill_graph(fn, stream)``, ``prefill_graph_breaks()``: the breaks the capture in progress has
+    recorded): a composition declares ``Support.prefill_graph``. At capture each layer's breaks are counted
+    (``breaks``, ``unbroken_layers``): a layer that does not break is frozen into a segment.
 
-    On the CPU nothing is captured: the dummy batch is planned as at capture, and each replay runs the layers
-    under the same scope, which exercises the padding and the engine's routing (its graph breaks run straight
-    through without a capture)."""
+    On the CPU nothing is captured: the dummy batch is planned as at capture and its layers run once under the
+    engine's capture machinery with no graph begun (``capture_prefill_graph(fn, None)``), which counts the breaks
+    as a capture does; each replay runs the layers under the same scope, which exercises the padding and the
+    engine's routing (its graph breaks run straight through without a capture)."""
 
     def __init__(self, backend, model_runner: ModelRunner, template: ForwardBatch, layer_specs,
                  weights: list[LayerWeights], inputs_like: list[LayerInputs], num_tokens: int,
@@ -378,6 +381,7 @@ class PrefillGraphRunner:
         self.template = template
         self.graph = None
         self.outputs: list[torch.Tensor] = []
+        self.breaks: list[int] = []  # each layer's eager graph breaks at capture
 
     def _static(self, fb: ForwardBatch, raw_tokens: int) -> ForwardBatch:
         """``fb``'s requests over the static token buffers (``raw_tokens`` of them real)."""
@@ -404,6 +408,15 @@ class PrefillGraphRunner:
         return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
                 for s, i, w in zip(self.layer_specs, self.inputs, self.weights)]
 
+    def _captured_layers(self, fb: ForwardBatch) -> list[torch.Tensor]:
+        """The layers under a capture, each one's graph breaks counted (``self.breaks``)."""
+        outs, self.breaks = [], []
+        for s, i, w in zip(self.layer_specs, self.inputs, self.weights):
+            before = self.backend.prefill_graph_breaks()
+            outs.append(run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections))
+            self.breaks.append(self.backend.prefill_graph_breaks() - before)
+        return outs
+
     @property
     def captured(self) -> str:
         return f"for {self.bs} tokens"
@@ -412,14 +425,25 @@ class PrefillGraphRunner:
         dummy = self._dummy()
         self.backend.init_forward_metadata(dummy)
         if not self.use_cuda_graph:
+            # No graph: the layers run once over the dummy batch under the engine's capture machinery with nothing
+            # captured, so each layer's graph breaks are counted as a capture counts them
+            with self.backend.prefill_graph_scope(dummy):
+                self.backend.capture_prefill_graph(lambda: self._captured_layers(dummy), None)
             return
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream), self.backend.prefill_graph_scope(dummy):
             for _ in range(2):  # SGLang's warm-up runs (kernels compile and allocate outside the graph)
                 self._layers(dummy)
-            self.graph, self.outputs = self.backend.capture_prefill_graph(lambda: self._layers(dummy), stream)
+            self.graph, self.outputs = self.backend.capture_prefill_graph(lambda: self._captured_layers(dummy),
+                                                                          stream)
         torch.cuda.current_stream().wait_stream(stream)
+
+    def unbroken_layers(self) -> list[tuple[object, int]]:
+        """(layer, breaks) for each layer that did not break out of the graph exactly once at capture. Every layer
+        of a prefill graph must: its attention (or linear attention) plans per batch on the host, and a kernel
+        captured into a segment would replay the capture batch's plan and state slots on every batch."""
+        return [(s, n) for s, n in zip(self.layer_specs, self.breaks) if n != 1]
 
     def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
         t = fb.extend_num_tokens

@@ -84,6 +84,13 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     else:
         runner = _graph_runner(composition, spec, graph_case, mr, pad_value=POISON)
     runner.capture()
+    if isinstance(runner, PrefillGraphRunner) and runner.unbroken_layers():
+        layers = ", ".join(f"layer {layer.layer_id} ({layer.kind}) took {breaks}"
+                           for layer, breaks in runner.unbroken_layers())
+        return Verdict(NAME, False, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens), prefill "
+                                    f"graph captured {runner.captured}: {layers} eager graph break(s) where each layer "
+                                    f"takes exactly 1; a layer captured into a segment replays the capture batch's "
+                                    f"plan and state slots on every batch")
     replays = [graph_case.inputs]
     if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's
         replays.append(_fresh_inputs(graph_case.inputs, spec.seed + 1))

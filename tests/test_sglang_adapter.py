@@ -222,6 +222,24 @@ def test_prefill_graph_runs_attention_in_sglangs_graph_breaks(device):
 
 
 @needs_sglang
+@pytest.mark.parametrize("kind", ["linear", "full"])
+def test_a_layer_that_does_not_break_the_prefill_graph_fails(device, kind):
+    # Without SGLang's eager_on_graph on a layer's eager entry (the GDN layer before sgl-project/sglang#25110), its
+    # kernels are captured into a segment and every replay reuses the capture batch's plan: the capture counts that
+    # layer's breaks, on the CPU too (nothing captured there, the same decorator consulted).
+    sgl = runtime.load()
+    owner, method = ((sgl.RadixLinearAttention, "_eager_linear_attention") if kind == "linear"
+                     else (sgl.RadixAttention, "_eager_attention"))
+    extend = BatchSpec(ForwardMode.EXTEND, (3, 0), (5, 4), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
+                       dtype="float16", seed=6)
+    with mock.patch.object(owner, method, owner.__dict__[method].__wrapped__):
+        verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.gdn))"), extend, device)
+    assert not verdict.ok
+    layer = "layer 0 (linear)" if kind == "linear" else "layer 1 (mha)"
+    assert f"{layer} took 0 eager graph break(s)" in verdict.reason, verdict.reason
+
+
+@needs_sglang
 def test_tree_branches_start_from_the_states_before_the_verify(device):
     # SGLang's GDN verify advances the committed conv state in place; the chain re-run of each branch must start
     # from the state the verify started from (the H100 sweep of 2026-11-24 saw the root node "differ" by 105%

@@ -102,6 +102,30 @@ def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
     return first_child, next_sibling
 
 
+@contextlib.contextmanager
+def host_break_capture(sgl, graph):
+    """SGLang's breakable-graph capture with nothing captured, for a machine without CUDA graphs: inside it,
+    SGLang's ``eager_on_graph`` decorator sees a capture in progress (its context variable holds a
+    ``BreakableCUDAGraphCapture``), ends the segment, runs the decorated call and records it in ``graph`` as a
+    break, exactly as in a real capture; the segment ends and starts do nothing (no CUDA graph is begun). A layer
+    whose call is not a graph break (the decorator missing) runs straight through and records nothing, as its
+    kernels would be frozen into a segment on a GPU."""
+
+    class HostCapture(sgl.BreakableCUDAGraphCapture):
+        def _begin_new_segment(self) -> None:
+            pass
+
+        def _end_current_segment(self) -> None:
+            pass
+
+    capture = HostCapture(graph)
+    token = sgl.breakable_capture_var.set(capture)
+    try:
+        yield capture
+    finally:
+        sgl.breakable_capture_var.reset(token)
+
+
 class _SglangObject(AttentionBackend):
     """What an adapter answers straight from the SGLang object it holds (``inner``): SGLang's own answers."""
 
@@ -534,13 +558,28 @@ class SglangBackend(_SglangObject):
 
     def capture_prefill_graph(self, fn, stream):
         """``fn`` captured as SGLang's ``BreakableCUDAGraph`` (segments between its layers' graph breaks) on
-        ``stream``; returns the graph and what ``fn`` returned (the tensors a replay refills)."""
+        ``stream``; returns the graph and what ``fn`` returned (the tensors a replay refills). With ``stream``
+        None (a CPU: no graphs) ``fn`` runs once under SGLang's capture machinery with nothing captured
+        (:func:`host_break_capture`): each graph break is recorded as in a capture, so what breaks is seen there too.
+        """
         graph = self.sgl.BreakableCUDAGraph()
+        if stream is None:
+            with host_break_capture(self.sgl, graph):
+                return graph, fn()
         # One memory pool for every segment, as SGLang's breakable backend gives them (a break's weakly held
         # inputs live in the pool of the segment that produced them)
         with self.sgl.BreakableCUDAGraphCapture(graph, pool=torch.cuda.graph_pool_handle(), stream=stream):
             out = fn()
         return graph, out
+
+    def prefill_graph_breaks(self) -> int:
+        """How many eager breaks the prefill-graph capture in progress has recorded so far: one per call that
+        SGLang's ``eager_on_graph`` took out of the graph (``BreakableCUDAGraph._break_fns``, what every replay
+        runs eagerly between the captured segments)."""
+        capture = self.sgl.breakable_capture_var.get()
+        if capture is None:
+            raise RuntimeError("prefill_graph_breaks outside a prefill-graph capture")
+        return len(capture.cuda_graph._break_fns)
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
         """q ``[T, Hq, D]``, k ``[T, Hk, D]``, v ``[T, Hk, Dv]`` -> o ``[T, Hq, Dv]`` through SGLang's layer, under a

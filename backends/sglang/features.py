@@ -150,6 +150,8 @@ FEATURES: dict[str, Feature] = {
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:BreakableCUDAGraph"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:"
            "BreakableCUDAGraphCapture"),
+        # the capture in progress, which its eager_on_graph breaks read (the harness's break count reads it too)
+        _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_current_capture_var"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:enable_breakable_cuda_graph"),
         _p("srt.model_executor.runner_utils.forward_batch:set_forward_batch"),
         _p("srt.model_executor.runner_utils.prefill_graph:prefill_graph_scope"))),

@@ -271,11 +271,13 @@ def _import_names() -> dict[str, object]:
         # Its verify path's index buffer (0.5.22 on; before, LFM2 verified through its prefill path)
         register_shortconv_verify_buffers = getattr(lfm2, "register_shortconv_verify_buffers", None)
     # The breakable prefill graph: its capture, its scope flags, the live batch its graph breaks read
-    BreakableCUDAGraph = BreakableCUDAGraphCapture = enable_breakable_cuda_graph = None
+    BreakableCUDAGraph = BreakableCUDAGraphCapture = enable_breakable_cuda_graph = breakable_capture_var = None
     set_forward_batch = prefill_graph_scope = None
     if features.has("prefill_graph"):
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
             BreakableCUDAGraph, BreakableCUDAGraphCapture)
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
+            _current_capture_var as breakable_capture_var)  # the capture in progress, which eager_on_graph reads
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
             enable_breakable_cuda_graph)
         from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
