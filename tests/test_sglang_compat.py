@@ -121,3 +121,35 @@ def test_the_sgl_kernel_stand_in_defines_the_op_older_releases_register_a_fake_f
 
     with pytest.raises(NotImplementedError):  # no kernel: a call fails loudly, as the rest of the stand-in does
         torch.ops.sgl_kernel.moe_fused_gate(torch.zeros(2, 4), torch.zeros(4), 1, 1, 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU registration applies on a machine without CUDA")
+def test_the_attention_layers_custom_ops_run_their_python_bodies_on_a_cpu():
+    # SGLang registers a custom op for the CUDA key on any non-NPU/XPU/MUSA machine: on a CPU, 0.5.22's prefill-graph
+    # split op failed ("Could not run 'sglang::unified_attention_with_output' with arguments from the 'CPU'
+    # backend"). An op defined in an attention layer's module is also registered for the CPU, with its own body;
+    # an op of any other module is left as SGLang registers it.
+    pytest.importorskip("sglang")
+    from backends.sglang import runtime
+
+    runtime.load()
+    from sglang.srt.utils import common
+
+    assert runtime._layer_ops_on_cpu() == ["layer custom ops on cpu"]  # installed once, not wrapped twice
+    library = torch.library.Library("harness_test_ops", "DEF")
+
+    def layer_op(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x * 2)
+
+    def other_op(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(x * 3)
+
+    layer_op.__module__ = "sglang.srt.layers.radix_attention"
+    other_op.__module__ = "sglang.srt.layers.moe.topk"
+    common.direct_register_custom_op("layer_op", layer_op, ["out"], target_lib=library)
+    common.direct_register_custom_op("other_op", other_op, ["out"], target_lib=library)
+    x, out = torch.arange(3.0), torch.zeros(3)
+    torch.ops.harness_test_ops.layer_op(x, out)
+    assert out.tolist() == [0.0, 2.0, 4.0]
+    with pytest.raises(NotImplementedError, match="CPU"):
+        torch.ops.harness_test_ops.other_op(x, out)

@@ -100,13 +100,19 @@ def test_a_missing_feature_makes_its_rows_unavailable_and_names_it(fake_sglang):
     fake = fake_sglang(modules)
     everything = tuple(features.CORE) + ("graph_contract", "prefill_graph", "tbo", "draft_extend_v2")
     assert features.missing(everything) == ()  # the copy has everything the installed release has
-    # 0.5.22: no runner_utils/prefill_graph.py; graph() loses its extend rows, nothing else
+    # 0.5.22: no runner_utils/prefill_graph.py (the scope's flags): graph() keeps its extend rows (0.5.22's layers
+    # take their breaks through the piecewise forward context)
     (fake / "srt" / "model_executor" / "runner_utils" / "prefill_graph.py").unlink()
+    features.forget()
+    assert features.has("prefill_graph") and not features.has("prefill_graph_flags")
+    assert ForwardMode.EXTEND in parse("graph(sglang.triton)").support().modes
+    # no runner_utils/forward_batch.py either (0.5.16): graph() loses its extend rows, nothing else
+    (fake / "srt" / "model_executor" / "runner_utils" / "forward_batch.py").unlink()
     features.forget()
     graph = parse("graph(sglang.triton)")
     assert ForwardMode.EXTEND not in graph.support().modes and ForwardMode.DECODE in graph.support().modes
     why = dict(graph.engine_mode_gaps())[ForwardMode.EXTEND]
-    assert "prefill_graph" in why and "no module sglang.srt.model_executor.runner_utils.prefill_graph" in why
+    assert "prefill_graph" in why and "no module sglang.srt.model_executor.runner_utils.forward_batch" in why
     assert ForwardMode.EXTEND in parse("sglang.triton").support().modes
     # no TboAttnBackend: every tbo() row over SGLang is unavailable, named
     (fake / "srt" / "layers" / "attention" / "tbo_backend.py").write_text("# gone\n")

@@ -129,6 +129,26 @@ def backend_scope(sgl, backend, forward_batch):
         forward_batch.attn_backend = saved
 
 
+@contextlib.contextmanager
+def prefill_graph_flags(sgl, raw_num_tokens: int):
+    """The prefill-graph scope's flags (0.5.23 on: RadixAttention and RadixLinearAttention take their graph breaks
+    where ``is_in_prefill_graph_scope()``); 0.5.22 has no such scope (its layers go by the piecewise forward
+    context, :func:`piecewise_forward_context`)."""
+    if sgl.prefill_graph_scope is None:
+        yield
+        return
+    with sgl.prefill_graph_scope(full_graph=False, raw_num_tokens=raw_num_tokens):
+        yield
+
+
+def piecewise_forward_context(sgl, forward_batch, layers, num_tokens: int, raw_num_tokens: int):
+    """SGLang's piecewise forward context as its prefill runner sets it (no quantization, MoE layers or indexers):
+    the batch, the model's layers by id, the static and real token counts."""
+    fn = sgl.set_tc_piecewise_forward_context
+    return fn(forward_batch, layers, None, [], [], **accepted(fn, dict(num_tokens=num_tokens,
+                                                                        raw_num_tokens=raw_num_tokens)))
+
+
 def attach_pools(forward_batch, sgl_runner) -> None:
     """Up to 0.5.13 a ForwardBatch carries the runner's pools (``forward_batch.token_to_kv_pool``, which the
     backends write through) and its backend; later releases read them from the runner."""

@@ -146,15 +146,20 @@ FEATURES: dict[str, Feature] = {
         "replay (up to 0.5.13)", (
             _p(f"{_BASE}:AttentionBackend.init_forward_metadata_capture_cuda_graph"),
             _p(f"{_BASE}:AttentionBackend.init_forward_metadata_replay_cuda_graph"))),
-    "prefill_graph": Feature("the breakable prefill graph (graph() rows of extend batches)", (
+    "prefill_graph": Feature("the breakable prefill graph (graph() rows of extend batches; seen in 0.5.22 and 0.5.23, not 0.5.16)", (
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:BreakableCUDAGraph"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:"
            "BreakableCUDAGraphCapture"),
         # the capture in progress, which its eager_on_graph breaks read (the harness's break count reads it too)
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_current_capture_var"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:enable_breakable_cuda_graph"),
-        _p("srt.model_executor.runner_utils.forward_batch:set_forward_batch"),
-        _p("srt.model_executor.runner_utils.prefill_graph:prefill_graph_scope"))),
+        # the model's layers by id, through which 0.5.22's RadixAttention reaches its graph-break op
+        _p("srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager:"
+           "set_tc_piecewise_forward_context"),
+        _p("srt.model_executor.runner_utils.forward_batch:set_forward_batch"))),
+    "prefill_graph_flags": Feature("the prefill-graph scope's flags, which 0.5.23's layers read to take their graph "
+                                   "breaks (prefill_graph_scope)", (
+        _p("srt.model_executor.runner_utils.prefill_graph:prefill_graph_scope"),)),
     "tbo": Feature("two-batch overlap: TboAttnBackend and its splitter", (
         _p("srt.layers.attention.tbo_backend:TboAttnBackend"),
         _p("srt.batch_overlap.two_batch_overlap:TboForwardBatchPreparer"),

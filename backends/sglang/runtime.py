@@ -270,9 +270,10 @@ def _import_names() -> dict[str, object]:
         Lfm2ShortConv = lfm2.Lfm2ShortConv
         # Its verify path's index buffer (0.5.22 on; before, LFM2 verified through its prefill path)
         register_shortconv_verify_buffers = getattr(lfm2, "register_shortconv_verify_buffers", None)
-    # The breakable prefill graph: its capture, its scope flags, the live batch its graph breaks read
+    # The breakable prefill graph: its capture, its flag, the live batch its graph breaks read, the piecewise
+    # forward context (the layers by id), and the prefill-graph scope's flags (0.5.23 on)
     BreakableCUDAGraph = BreakableCUDAGraphCapture = enable_breakable_cuda_graph = breakable_capture_var = None
-    set_forward_batch = prefill_graph_scope = None
+    set_forward_batch = set_tc_piecewise_forward_context = prefill_graph_scope = None
     if features.has("prefill_graph"):
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
             BreakableCUDAGraph, BreakableCUDAGraphCapture)
@@ -280,7 +281,10 @@ def _import_names() -> dict[str, object]:
             _current_capture_var as breakable_capture_var)  # the capture in progress, which eager_on_graph reads
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
             enable_breakable_cuda_graph)
+        from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
+            set_tc_piecewise_forward_context)
         from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+    if features.has("prefill_graph_flags"):
         from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
 
     return {k: v for k, v in locals().items()}
@@ -302,6 +306,7 @@ def load() -> SimpleNamespace:
     warnings.filterwarnings("ignore", module="sglang")
     try:
         try:
+            cpu_ops = _layer_ops_on_cpu()
             names = _import_names()
         except ModuleNotFoundError as e:
             # Up to 0.5.13 SGLang imports sgl_kernel on a CPU too (mem_cache/memory_pool_host.py imports its
@@ -311,7 +316,9 @@ def load() -> SimpleNamespace:
             _drop_partial_imports()
             sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
             shims.append("sgl_kernel")
+            cpu_ops = _layer_ops_on_cpu()
             names = _import_names()
+        shims += cpu_ops
         compat.enter_single_rank()
     except Exception as e:  # noqa: BLE001 - raised again as what it is: the harness could not load the engine
         _drop_partial_imports()
@@ -321,6 +328,46 @@ def load() -> SimpleNamespace:
 
         interpreter_shims.apply()
     return SimpleNamespace(shims=shims, **names)
+
+
+def _layer_ops_on_cpu() -> list[str]:
+    """On a machine without CUDA, SGLang's attention-layer custom ops also dispatch on the CPU, to their own Python
+    bodies. Call before SGLang's layer modules are imported.
+
+    SGLang registers each custom op (``utils/custom_op.py`` -> ``utils/common.py:direct_register_custom_op``) for
+    the accelerator's dispatch key only: "CUDA" on any machine that is not NPU, XPU or MUSA, so on a CPU a call
+    through the dispatcher fails ("Could not run 'sglang::unified_attention_with_output' with arguments from the
+    'CPU' backend"). The ops of its attention layers (``layers/radix_attention.py`` and
+    ``radix_linear_attention.py``: the graph-split ops 0.5.22's layers call under a prefill graph) are Python
+    functions that hand their tensors to the attention backend; each is registered for the CPU key too, with the
+    same function, so a CPU runs exactly what a GPU runs. Ops of other modules are left as SGLang registers them.
+    Returns ``["layer custom ops on cpu"]`` where the registration function exists (0.5.14 on), else []."""
+    if torch.cuda.is_available():
+        return []
+    try:
+        from sglang.srt.utils import common
+    except ImportError:
+        return []
+    register = getattr(common, "direct_register_custom_op", None)
+    if register is None or getattr(register, "also_on_cpu", False):
+        return ["layer custom ops on cpu"] if register is not None else []
+    modules = ("sglang.srt.layers.radix_attention", "sglang.srt.layers.radix_linear_attention")
+
+    def direct_register_custom_op(op_name, op_func, mutates_args, fake_impl=None, target_lib=None):
+        register(op_name, op_func, mutates_args, fake_impl=fake_impl, target_lib=target_lib)
+        if getattr(op_func, "__module__", None) in modules:
+            library = target_lib or common.sglang_lib
+            try:
+                library.impl(op_name, op_func, "CPU")
+            except RuntimeError as e:  # registered already (a second engine in this process): as SGLang does
+                if "multiple times" not in str(e):
+                    raise
+
+    direct_register_custom_op.also_on_cpu = True
+    common.direct_register_custom_op = direct_register_custom_op
+    return ["layer custom ops on cpu"]
+
+
 
 
 @cache
