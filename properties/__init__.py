@@ -32,7 +32,7 @@ from properties.linear_state import verify_commits_every_position
 from properties.metadata import metadata_invariants
 from properties.outputs import outputs_match_reference
 from properties.refusal import REFUSAL, overreach_options, refusal_applies, refuses_or_computes_correctly
-from properties.replan import REPLAN, replan_applies, replan_gives_the_new_batch
+from properties.replan import REPLAN, replan_applies, replan_gives_the_new_batch, same_shapes
 from properties.tree import tree_branch_equals_chain
 from properties.verdict import Verdict
 
@@ -70,6 +70,9 @@ class Property:
     # Each example runs the composition twice, over batches the outputs rows also check once: searched as a slow
     # row where the profile has few examples for those (Profile.slow_row_examples, the ci profile's main job)
     runs_twice: bool = False
+    # The batch the check runs through the same backend before the drawn one (replan's), made from the drawn one. A
+    # crash there is marked (``details["batch"] == "before"``) and the ledger judges it by that batch, not the drawn.
+    before: Callable[[BatchSpec], BatchSpec] | None = None
 
     def options(self, composition: Composition, mode: ForwardMode) -> dict:
         """Keyword arguments of the strategy this property adds for a row of ``composition`` in ``mode``."""
@@ -112,6 +115,9 @@ class Property:
             verdict = self.check(composition, spec, device)
         except Exception as e:  # noqa: BLE001 - any crash of a backend under test is a finding
             verdict = Verdict(self.name, False, crash_reason(e), details={"traceback": crash_frames(e)})
+            if getattr(e, "harness_batch", None) == "before":
+                verdict = dataclasses.replace(verdict, reason=f"{verdict.reason}, running the batch before the drawn "
+                                                              f"one", details={**verdict.details, "batch": "before"})
             culprit = adapter_frame(e, composition)
             if culprit is not None:  # the harness's own code failed around an engine's classes: not the engine's bug
                 verdict = Verdict(self.name, False, f"adapter error at {culprit}: {verdict.reason}",
@@ -185,7 +191,7 @@ PROPERTIES: dict[str, Property] = {p.name: p for p in [
              "one backend object, then a second batch of the same shapes (requests reordered, other pages, rows, "
              "data, q/k/v as fused views): the second's outputs and states are its own, not a stale plan's",
              modes=frozenset(SERVING_MODES) - {ForwardMode.IDLE}, per_child=True, row_applies=replan_applies,
-             runs_twice=True),
+             runs_twice=True, before=same_shapes),
     Property(REFUSAL, refuses_or_computes_correctly,
              "a batch past one limit the backend declares (soft-cap, window, fp8 cache or its KV scales) "
              "is refused with an error or computed within the bound, never answered wrong", modes=DRAFTING_MODES,

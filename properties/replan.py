@@ -86,7 +86,11 @@ def replan_gives_the_new_batch(composition: Composition, spec: BatchSpec, device
     before = same_shapes(spec)
     first = materialize(before, device)
     backend = composition.build(before, ModelRunner.of(first.forward_batch, before.layers))
-    execute(composition, first, backend)
+    try:
+        execute(composition, first, backend)
+    except Exception as e:
+        e.harness_batch = "before"  # a crash of the batch before the drawn one: judged by that batch (Property.before)
+        raise
     second = dataclasses.replace(materialize(spec, device), weights=first.weights)
     reference = reference_outputs(second)  # from the batch's own pools, before they move
     second = moved_into(first, second)

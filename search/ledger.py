@@ -671,7 +671,14 @@ def match(composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verd
 
     A verdict that failed several comparisons (properties.verdict.Worst: ``details["failing"]``) is known only if
     an entry explains each of them, judged one at a time as if it were the worst: a known bug in one layer must not
-    hide a new one in another layer of the same batch. The entry returned is the one for the worst comparison."""
+    hide a new one in another layer of the same batch. The entry returned is the one for the worst comparison. A
+    crash running the batch a property runs before the drawn one (``details["batch"] == "before"``: replan's) is
+    judged by that batch."""
+    if verdict.details.get("batch") == "before":  # it failed running the batch the property runs first
+        from properties import PROPERTIES
+
+        spec = PROPERTIES[prop].before(spec)
+
     def explained(part: Verdict) -> KnownFailure | None:
         return next((e for e in known_failures() if e.matches(composition, mode, prop, spec, part, device)), None)
     failing = verdict.details.get("failing", ())

@@ -399,3 +399,17 @@ def test_a_two_chunk_cut_between_requests_is_a_plain_cut():
     assert known is not None and known.id == "sglang-tbo-gdn-child-start-loc"
     chunked = dataclasses.replace(spec, prefix_lens=(0,), extend_lens=(80,))  # one request: cut inside it
     assert not ledger.CONDITIONS["tbo_linear_plain_split"](chunked, oob)
+
+
+def test_a_crash_in_the_batch_replan_runs_first_is_judged_by_that_batch():
+    # The H100 main job of 2026-11-27 (gpu53.sh): tbo(sglang.flashinfer)-mixed-replan crashed in FlashInfer's ragged
+    # prefill (q.shape[0] 54 against qo_indptr[-1] 7). The drawn batch is no two-chunk cut, but replan first runs
+    # the same batch with its requests rotated (same_shapes), which is: the known TBO two-chunk bug, reached there.
+    spec = BatchSpec(ForwardMode.MIXED, (0,) * 10, (45, 1, 1, 1, 1, 1, 1, 1, 55, 1), (MHALayer(0, 8, 2, 128, 128),),
+                     dtype="bfloat16")
+    crash = "crashed: ValueError: q.shape[0] (54) does not match qo_indptr[-1] (7). (prefill.py:5208 in run)"
+    before = Verdict("replan", False, crash + ", running the batch before the drawn one", details={"batch": "before"})
+    found = ledger.match("tbo(sglang.flashinfer)", "mixed", "replan", spec, before, "cuda")
+    assert found is not None and found.id == "sglang-tbo-mixed-two-chunk"
+    # The same crash in the drawn batch itself is not that bug: the drawn batch is no two-chunk cut
+    assert ledger.match("tbo(sglang.flashinfer)", "mixed", "replan", spec, Verdict("replan", False, crash), "cuda") is None

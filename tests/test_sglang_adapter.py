@@ -586,3 +586,19 @@ def test_sglang_builds_its_mamba2_hybrid_for_a_nemotron_h_model(device):
         assert PROPERTIES[name].run(composition, extend, device).ok, name
     # Nemotron-H's MTP draft has no mamba layer: SGLang wraps no draft worker in its hybrid, so none is drawn
     assert not parse("hybrid(sglang.triton,sglang.mamba2)").support().hybrid_draft_worker
+
+
+@needs_sglang
+def test_a_crash_in_the_batch_replan_runs_first_is_marked_and_known_by_that_batch():
+    # replan runs the drawn batch's requests rotated first: here that batch is a two-chunk TBO cut (the drawn one is
+    # not), which crashes SGLang's TorchNative extend (the known sglang-tbo-mixed-two-chunk). The H100 main job
+    # reported three such rows as new findings (gpu53.sh, 2026-11-27) before the crash was marked.
+    from search import ledger
+
+    spec = BatchSpec(ForwardMode.MIXED, (0,) * 10, (45, 1, 1, 1, 1, 1, 1, 1, 55, 1), (MHALayer(0, 4, 2, 32, 32),),
+                     dtype="float32")
+    verdict = PROPERTIES["replan"].run(parse("tbo(sglang.torch_native)"), spec, "cpu")
+    assert not verdict.ok and verdict.details.get("batch") == "before", str(verdict)
+    assert verdict.reason.endswith("running the batch before the drawn one")
+    known = ledger.match("tbo(sglang.torch_native)", "mixed", "replan", spec, verdict, "cpu")
+    assert known is not None and known.id == "sglang-tbo-mixed-two-chunk"
