@@ -233,6 +233,32 @@ def interleave(tasks: list[tuple], key) -> list[tuple]:
     return out
 
 
+# Packages whose kernels build slowly on a cold machine: their leaves' variants are warmed first
+SLOW_BUILDERS = {
+    # nvcc per module: 85 s with the machine's 16 cores to itself, 150-210 s among 16 builds at once (H100,
+    # 2026-11-27, gpu51.sh and gpu53.sh); in gpu53.sh's interleaved order the first FlashInfer build started 2.5
+    # minutes in and its prefill modules were never reached in 9 minutes
+    "flashinfer": "FlashInfer's JIT (nvcc), minutes a module",
+}
+
+
+def slow_builder(leaf: str) -> bool:
+    """Whether ``leaf`` needs a package whose kernels build slowly (:data:`SLOW_BUILDERS`)."""
+    from backends.registry import leaf_capabilities
+
+    return any(package in SLOW_BUILDERS for package in leaf_capabilities(leaf).requires)
+
+
+def warm_order(tasks: list, leaf, variant) -> list:
+    """The order to warm ``tasks`` in: the slow builders' leaves first (:func:`slow_builder`), so that their builds
+    (minutes each) are all under way from the start and the quick ones fill the cores around them; within each,
+    round robin over the variants, so that the cases running at once build different kernels (the leaves and modes
+    of one variant mostly share theirs: FlashInfer's decode, draft decode and verify rows, SGLang's wrapper and ours,
+    all wait on one build of one module when they run side by side)."""
+    return [t for slow in (True, False) for t in interleave([t for t in tasks if slow_builder(leaf(t)) == slow],
+                                                             key=variant)]
+
+
 def default_workers(device: str) -> int:
     """A build is a CPU's work (nvcc, ptxas, a C++ compiler): one process per core, at most 16 (each holds a CUDA
     context on a GPU)."""
@@ -282,10 +308,7 @@ def cmd_warmup(args) -> int:
             return 0
         tasks = [(device, profile.name, str(chosen[key].composition), chosen[key].id, spec, key, variant)
                  for key, found in variants.items() for variant, spec in found]
-        # Round robin over the variants: the cases running at once build different kernels (the leaves and modes
-        # of one variant mostly share theirs: FlashInfer's decode, draft decode and verify rows, SGLang's wrapper
-        # and ours, all wait on one build of one module when they run side by side)
-        tasks = interleave(tasks, key=lambda t: t[6])
+        tasks = warm_order(tasks, leaf=lambda t: t[5][0], variant=lambda t: t[6])
         counts = {"done": 0, "slow": 0, "failed": 0, "errors": 0}
 
         def warmed(task, result) -> None:

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from batch.spec import BatchSpec, ForwardMode, MHALayer, MLALayer
-from harness.warmup import Pool, interleave, kernel_variants, leaf_rows
+from harness.warmup import Pool, interleave, kernel_variants, leaf_rows, warm_order
 from search.matrix import matrix_rows
 from search.profiles import PROFILES
 
@@ -47,6 +47,16 @@ def test_each_leaf_is_warmed_by_its_simplest_outputs_row():
 def test_interleaving_puts_different_kernels_side_by_side():
     tasks = [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("c", 1), ("c", 2)]
     assert interleave(tasks, key=lambda t: t[0]) == [("a", 1), ("b", 1), ("c", 1), ("a", 2), ("c", 2), ("a", 3)]
+
+
+def test_the_slow_builders_variants_go_first_each_kind_interleaved():
+    # On a cold H100 the interleaved order started its first FlashInfer build 2.5 minutes in and never reached the
+    # prefill modules in 9 minutes (gpu53.sh): the nvcc builds must all be under way from the start.
+    tasks = [("triton", "v1"), ("triton", "v2"), ("flashinfer", "v1"), ("sglang.flashinfer", "v1"),
+             ("flashinfer", "v2"), ("torch_native", "v1")]
+    ordered = warm_order(tasks, leaf=lambda t: t[0], variant=lambda t: t[1])
+    assert ordered == [("flashinfer", "v1"), ("flashinfer", "v2"), ("sglang.flashinfer", "v1"),
+                       ("triton", "v1"), ("triton", "v2"), ("torch_native", "v1")]
 
 
 def test_the_list_is_fixed_and_the_warmup_runs_each_variant_once():
