@@ -6,6 +6,9 @@
 # failed. Findings land in harness-out/gpu/ (report.md, report.json, junit.xml, plots, case files).
 # It says at the start how long it expects to take: from the last job's times on this machine
 # (harness-out/gpu-job-times, kept with the kernel caches), else nothing is known.
+# The job keeps to GPU_JOB_MINUTES (default 15) in all: the warmup gets at most two fifths of it (the builds it
+# leaves undone happen in the run), the tests take theirs, and the run gets what is left (at least 2 minutes), as a
+# budget: every row's first examples before any row's full search (harness run --budget).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -19,12 +22,16 @@ else
   echo "ci/gpu.sh: no earlier job on this machine to estimate from (the times land in $times)"
 fi
 status=0
+job=$(( ${GPU_JOB_MINUTES:-15} * 60 ))
 t0=$(date +%s)
-"$PY" -m harness warmup --profile gpu || echo "ci/gpu.sh: the warmup failed; the run compiles what it lacks" >&2
+"$PY" -m harness warmup --profile gpu --budget "$(( job * 2 / 5 ))s" ||
+  echo "ci/gpu.sh: the warmup failed; the run compiles what it lacks" >&2
 t1=$(date +%s)
 "$PY" -m pytest -n auto --profile gpu tests || status=1
 t2=$(date +%s)
-"$PY" -m harness run --profile gpu --out harness-out/gpu || status=1
+left=$(( job - (t2 - t0) - 30 ))  # 30 s for the reports after the search
+[ "$left" -ge 120 ] || left=120
+"$PY" -m harness run --profile gpu --budget "${left}s" --out harness-out/gpu || status=1
 t3=$(date +%s)
 mkdir -p harness-out && echo "$(( t1 - t0 )) $(( t2 - t1 )) $(( t3 - t2 ))" > "$times"
 echo "ci/gpu.sh: warmup $(( t1 - t0 ))s, tests $(( t2 - t1 ))s, run $(( t3 - t2 ))s"

@@ -145,6 +145,8 @@ def _database(path: str | None):
 def cmd_run(args) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {args.max_examples}")
+    if args.budget is not None:
+        parse_budget(args.budget)  # a bad duration is one line before anything starts
     check_positive("--stall-seconds", args.stall_seconds)
     check_positive("--case-timeout", args.case_timeout)
     check_positive("--workers", args.workers)
@@ -315,6 +317,9 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=int, help="fix the random choices: the same seed draws the same cases (given the "
                                              "same example database; default: fresh ones each run)")
     sp.add_argument("--shard", help="I/N: run only shard I of N (rows split by a stable hash of their id, as in sweep)")
+    sp.add_argument("--budget", help="end the search after this long, e.g. 12m (in worker processes): every row gets "
+                                     "its first 3 examples before any gets its full search, and a row the budget "
+                                     "cut short ends with the cases it ran")
     sp.add_argument("--out", default="harness-out", help="folder for case files and the report")
     sp.add_argument("--db", help="Hypothesis example database folder (default .hypothesis/examples)")
     sp.add_argument("--stall-seconds", type=float, default=180.0,

@@ -14,6 +14,11 @@ Where the groups run:
   a hang is then a finding of the row whose case was running, with that case as its reproducer, and the other rows
   go on; a worker compiling kernels says so in one line per ``--stall-seconds``.
 
+Under ``--budget`` (workers, always) the run ends when the time does: each row's first few examples come before any
+row's full search (two rounds, as a sweep's first two), so a budget that cannot hold the whole matrix still reaches
+every row it can, and a row the budget cut short ends with the cases it ran (the summary counts them); the rounds
+under way when it ends are not counted. ``ci/gpu.sh`` gives the run what its time limit leaves.
+
 Each group draws from ``round_seed(seed, group, 0)`` in this process and in workers alike. The seed is ``--seed`` or a
 fresh one, printed at the start: the same seed, rows and example database draw the same cases again, whichever
 process runs them.
@@ -30,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness.options import UsageError, duration
+from harness.options import UsageError, duration, parse_budget
 
 
 def fresh_seed() -> int:
@@ -176,23 +181,32 @@ def run_in_process(groups, profile, device: str, *, database, examples: int | No
 
 def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None, out_dir: Path,
                    shrink_seconds: float, seed: int, workers: int, case_timeout: float | None, stall_seconds: float,
-                   mutant: str | None, on_row, progress) -> list[dict]:
+                   mutant: str | None, on_row, progress, budget: float | None = None) -> list[dict]:
     """Search ``rows`` in ``workers`` worker processes at a time, one round each; returns the findings that belong to
-    no row (a worker that failed between cases or before its first)."""
+    no row (a worker that failed between cases or before its first).
+
+    Under a ``budget`` (seconds from now) each row has two rounds, a few examples first (every row is reached before
+    any is searched in full), then its own; at the budget's end the workers stop (the rounds they had under way are
+    not counted) and each row that passed its first round ends with the cases it ran."""
     from harness.procs import COMPILE_TIMEOUT_S
     from harness.sweep import RowState, Sweep, read_jsonl, visible_gpus
     from search.profiles import SHRINK_ROWS_PER_RUN
 
     began = time.time()
-    sweep = Sweep([RowState(r) for r in rows], device, profile.name, out_dir, math.inf, workers, case_timeout, seed,
-                  db, None, mutant, 1, progress, visible_gpus() if device == "cuda" else [], COMPILE_TIMEOUT_S,
-                  is_run=True, examples=examples, shrink_seconds=shrink_seconds,
+    rounds = 1 if budget is None else 2
+    states = [RowState(r) for r in rows]
+    sweep = Sweep(states, device, profile.name, out_dir, math.inf if budget is None else began + budget, workers,
+                  case_timeout, seed, db, None, mutant, rounds, progress, visible_gpus() if device == "cuda" else [],
+                  COMPILE_TIMEOUT_S, is_run=True, examples=examples, shrink_seconds=shrink_seconds,
                   shrink_total=SHRINK_ROWS_PER_RUN * shrink_seconds, on_row=lambda state: on_row(state.outcome()),
                   compile_notice_s=stall_seconds)
     try:
         sweep.run()
     finally:
         sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
+    for state in states:  # the budget ended their full search: they end with what they ran
+        if state.finding is None and 0 < state.rounds < rounds and state.row.id not in getattr(on_row, "ended", ()):
+            on_row(state.outcome())
     orphans = [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
     for f in orphans:  # a group left alone after its worker failed between cases: its rows that had not ended
         unended_rows_failed([r for unit in f.get("groups") or () for r in sweep.groups[unit].rows], f["kind"],
@@ -210,10 +224,13 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
 
     seed = fresh_seed() if args.seed is None else args.seed
     shrink_seconds = profile.shrink_seconds if args.shrink_seconds is None else args.shrink_seconds
+    from harness.sweep_worker import FIRST_ROUND_EXAMPLES
+
+    budget = parse_budget(args.budget) if args.budget else None
     # Worker processes where a crash or a hang is likely or costly: on a GPU (a device-side assert is sticky, an
     # illegal address kills the process, and one process leaves the GPU idle), with a mutant that kills the
-    # process, or asked.
-    isolate = bool(args.isolate or args.workers or device == "cuda" or (mutant and mutant.crashes))
+    # process, or asked; and under a budget (the sweep's supervisor stops them when it ends).
+    isolate = bool(args.isolate or args.workers or device == "cuda" or (mutant and mutant.crashes) or budget)
     workers = (args.workers or default_workers(device)) if isolate else 0
     if workers:
         clear_worker_state(out_dir)
@@ -222,8 +239,11 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
     control = "" if args.max_examples or not profile.control_examples else \
         f" ({min(examples, profile.control_examples)} for the harness's own rows, a control sample)"
     where = f"{workers} worker process(es)" if workers else "this process"
+    within = "" if budget is None else \
+        f", within {duration(budget)} (each row's first {min(FIRST_ROUND_EXAMPLES, examples)} examples first)"
     print(f"run of {len(rows)} row(s) in {len(groups)} group(s) on {device}, profile {profile.name}, up to {examples} "
-          f"examples a row{control}, in {where}, seed {seed} (--seed {seed} draws these cases again)", flush=True)
+          f"examples a row{control}, in {where}{within}, seed {seed} (--seed {seed} draws these cases again)",
+          flush=True)
     print(expected_time(out_dir, device, profile.name, len(rows), workers), flush=True)
     lines = RowLines(len(rows), skipped, out_dir, device, profile.name)
     orphans: list[dict] = []
@@ -242,7 +262,7 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
                                              examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
                                              seed=seed, workers=workers, case_timeout=args.case_timeout,
                                              stall_seconds=args.stall_seconds, mutant=args.mutant, on_row=lines,
-                                             progress=progress)
+                                             progress=progress, budget=budget)
                 finally:
                     progress.close()
             else:
@@ -266,10 +286,14 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
             print(f"\ninterrupted after {len(results)} of {len(rows)} rows: writing the report of the rows that "
                   f"ended", file=sys.stderr)
         print_summary(results + not_reached, skipped, elapsed)
+        if budget is not None:
+            first_only = sum(1 for r in results if r.ok and r.rounds == 1)
+            print(f"budget {duration(budget)}: {len(results) - first_only} row(s) searched in full or with a finding, "
+                  f"{first_only} with their first examples only, {len(not_reached)} not reached")
         for f in orphans:
             print(f"ERROR {f['composition']}: {f['reason']}")
         settings = {"elapsed_s": round(elapsed, 1), "workers": workers, "seed": seed, "examples": examples,
-                    "interrupted": interrupted}
+                    "interrupted": interrupted, "budget_s": budget}
         write_reports(results + not_reached, skipped, out_dir, device, profile.name,
                       findings=orphans or None, extra={"run": settings})
     if interrupted:

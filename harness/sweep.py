@@ -420,7 +420,8 @@ class Sweep:
             self.shrink_total = max(0.0, self.shrink_total - (result.get("shrink_seconds") or 0.0))
         r = state.row
         if result["ok"] and self.on_row is not None:
-            self.on_row(state)
+            if state.rounds >= (self.max_rounds or 1):  # a run's row ends with its last round (two under a budget)
+                self.on_row(state)
             return
         if result["ok"]:
             ratio = "" if result["worst_error"] is None else \

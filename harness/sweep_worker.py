@@ -43,6 +43,15 @@ def round_examples(profile, round_: int) -> int:
     return min(FIRST_ROUND_EXAMPLES, profile.max_examples) if round_ == 0 else profile.max_examples
 
 
+def run_examples(task: dict, profile, round_: int) -> int | None:
+    """``harness run``'s examples a row in ``round_``: its own (None: the profile's, fewer for a slow row) in its one
+    round; under a time budget (two rounds) a few in the first, so that every row is reached before any is searched
+    in full, then its own in the second."""
+    if task.get("max_rounds") == 2 and round_ == 0:
+        return min(FIRST_ROUND_EXAMPLES, task["examples"] or profile.max_examples)
+    return task["examples"]
+
+
 def round_seed(sweep_seed: int, unit: str, round_: int) -> int:
     """Each group's search in each round of a sweep draws from its own, reproducible seed."""
     return int.from_bytes(hashlib.sha256(f"{sweep_seed}/{unit}/{round_}".encode()).digest()[:8], "big")
@@ -158,7 +167,7 @@ def run_task(task: dict) -> int:
                     shrink = shrink_seconds if shrink_left is None or shrink_seconds is None else \
                         max(0.0, min(shrink_seconds, shrink_left))
                     results = search_group(group, profile, device, database=database, out_dir=out_dir,
-                                           max_examples=task["examples"] if task.get("run")
+                                           max_examples=run_examples(task, profile, round_) if task.get("run")
                                            else round_examples(profile, round_),
                                            seed=seed, shrink_seconds=shrink,
                                            skip=frozenset(r.id for r in group.rows if r.id not in now),

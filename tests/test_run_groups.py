@@ -115,3 +115,45 @@ def test_a_harness_error_in_a_group_is_its_rows_adapter_error_and_the_run_goes_o
                          env=env)
     assert out.returncode == 3, out.stdout + out.stderr
     check_broken_decode_groups(tmp_path / "w", out.stdout)
+
+
+def test_a_budgeted_run_reaches_every_row_before_searching_any_in_full(tmp_path):
+    # Two rounds in workers: each row's first examples, then its own; with time to spare both end
+    out = subprocess.run([sys.executable, "-m", "harness", "run", *SELECTION, "--budget", "10m", "--out",
+                          str(tmp_path / "ample"), "--db", str(tmp_path / "db1")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"within 10m00s (each row's first {FIRST_ROUND_EXAMPLES} examples first)" in out.stdout
+    assert "budget 10m00s: 4 row(s) searched in full or with a finding, 0 with their first examples only, 0 not reached" \
+        in out.stdout
+    rows = rows_of(tmp_path / "ample")
+    assert all(status == "passed" and cases == FIRST_ROUND_EXAMPLES + EXAMPLES for status, cases, _ in rows.values())
+    assert json.loads((tmp_path / "ample" / "report.json").read_text())["run"]["budget_s"] == 600
+    # A budget that ends before any worker has started: nothing reached, said so, and no failure
+    out = subprocess.run([sys.executable, "-m", "harness", "run", *SELECTION, "--budget", "0.1s", "--out",
+                          str(tmp_path / "none"), "--db", str(tmp_path / "db2")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 with their first examples only, 4 not reached" in out.stdout
+    assert {status for status, *_ in rows_of(tmp_path / "none").values()} == {"not run"}
+
+
+def test_a_bad_budget_is_one_line(capsys):
+    assert main(["run", *SELECTION, "--budget", "soon"]) == 2
+    err = capsys.readouterr().err
+    assert "--budget 'soon' is not a duration" in err and "Traceback" not in err
+
+
+def test_a_row_the_budget_cuts_short_ends_with_the_cases_it_ran(tmp_path):
+    # Round 0 (3 examples a row) fits the budget many times over; round 1 (5000 a row) cannot: every row ends as
+    # passed with its first round's cases, and the run says so
+    decode = ["--device", "cpu", "--backends", "torch_native", "--properties", "outputs", "--modes", "decode",
+              "--seed", "11"]
+    out = subprocess.run([sys.executable, "-m", "harness", "run", *decode, "--max-examples", "5000", "--budget", "30s",
+                          "--out", str(tmp_path), "--db", str(tmp_path / "db")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "budget 30s: 0 row(s) searched in full or with a finding, 2 with their first examples only, 0 not reached" \
+        in out.stdout, out.stdout
+    assert {row: (status, cases) for row, (status, cases, _) in rows_of(tmp_path).items()} == {
+        row: ("passed", FIRST_ROUND_EXAMPLES) for row in rows_of(tmp_path)}
