@@ -58,11 +58,11 @@ def describe(variant: tuple) -> str:
 def leaf_rows(rows) -> dict[tuple[str, str], object]:
     """(leaf, mode) -> the row that warms it: an ``outputs`` row first (it runs the forward pass; a ``metadata`` or
     ``conformance`` row may build no kernel), then the simplest composition holding the leaf (fewest characters).
-    Rows whose check reads classes only run no kernel."""
+    Rows whose check reads classes only run no kernel, nor do idle batches (no tokens)."""
     chosen: dict[tuple[str, str], object] = {}
     for row in rows:
-        if row.composition.support().class_only:
-            continue
+        if row.composition.support().class_only or row.mode.value == "idle":
+            continue  # an idle batch has no tokens: its forward runs no attention kernel (its graph is decode's)
         for leaf in dict.fromkeys(row.composition.leaves()):
             key = (leaf, row.mode.value)
             rank = (row.property.name != "outputs", len(str(row.composition)), row.id)
