@@ -602,3 +602,32 @@ def test_a_crash_in_the_batch_replan_runs_first_is_marked_and_known_by_that_batc
     assert verdict.reason.endswith("running the batch before the drawn one")
     known = ledger.match("tbo(sglang.torch_native)", "mixed", "replan", spec, verdict, "cpu")
     assert known is not None and known.id == "sglang-tbo-mixed-two-chunk"
+
+
+@needs_sglang
+def test_a_nemotron_h_mamba_layer_breaks_the_prefill_graph_through_its_split_op(device):
+    # Nemotron-H's mamba layer leaves a breakable prefill graph through its model-level split op, which finds the
+    # layer and the batch in the piecewise forward context; without its eager_on_graph the layer is captured.
+    from sglang.srt.models import nemotron_h
+
+    import engine.graph_runner as graph_runner
+
+    runtime.load()
+    layers = (Mamba2Layer(0, 4, 8, 2, 16, chunk_size=16), MHALayer(1, 4, 2, 16, 16))
+    extend = BatchSpec(ForwardMode.EXTEND, (20, 0), (13, 3), layers, dtype="float16", seed=9)
+    composition = parse("graph(hybrid(sglang.triton,sglang.mamba2))")
+    breaks = []
+    counted = graph_runner.PrefillGraphRunner.unbroken_layers
+
+    def spy(runner, *args, **kwargs):
+        breaks.append(list(runner.breaks))
+        return counted(runner, *args, **kwargs)
+
+    with mock.patch.object(graph_runner.PrefillGraphRunner, "unbroken_layers", spy):
+        verdict = PROPERTIES["graph_replay"].run(composition, extend, device)
+    assert verdict.ok, str(verdict)
+    assert breaks == [[1, 1]]
+    with mock.patch.object(nemotron_h, "breakable_nemotron_mamba2_with_output",
+                           nemotron_h.nemotron_mamba2_with_output):
+        verdict = PROPERTIES["graph_replay"].run(composition, extend, device)
+    assert not verdict.ok and "layer 0 (mamba2) took 0 eager graph break(s)" in verdict.reason, str(verdict)

@@ -662,8 +662,12 @@ class SglangBackend(_SglangObject):
         T, s = zxbcdt.shape[0], layer.spec
         if forward_batch.forward_mode.is_idle():  # Nemotron-H's decoder layers skip idle batches before their mixer
             return zxbcdt.new_empty(0, s.num_heads, s.head_dim)  # (models/nemotron_h.py:616)
-        o = self._run_recurrent(layer, forward_batch, via,
-                                lambda sfb: self._mamba2_layer(layer)._forward_mamba(zxbcdt, sfb))
+        block = self._mamba2_layer(layer)
+        # The decoder layer's call into its mixer: ``_forward_mixer`` (0.5.22 on), which under a breakable prefill
+        # graph breaks out of it through the model's split op (models/nemotron_h.py, breakable_nemotron_mamba2_with_
+        # output) and otherwise runs ``_forward_mamba``, the only call before it
+        mixer = getattr(block, "_forward_mixer", block._forward_mamba)
+        o = self._run_recurrent(layer, forward_batch, via, lambda sfb: mixer(zxbcdt, sfb))
         return o[:T, :s.intermediate].reshape(T, s.num_heads, s.head_dim)
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
@@ -1011,9 +1015,10 @@ class SglangMamba2(_LinearChild):
         # The verify conv kernel advances the request's conv state through the draft tokens in place (the mixer's
         # causal_conv1d_update with intermediate_conv_window), as GDN's; the commit rewrites it.
         verify_advances_conv_state=True,
-        # Nemotron-H's mamba layer breaks out of the breakable prefill graph (breakable_nemotron_mamba2_with_output,
-        # models/nemotron_h.py); not adapted here yet.
-        prefill_graph=False,
+        # Nemotron-H's mamba layer breaks out of the breakable prefill graph through its split op
+        # (breakable_nemotron_mamba2_with_output, models/nemotron_h.py), which finds the layer and the batch in the
+        # piecewise forward context the adapter's prefill-graph scope sets
+        prefill_graph=True,
         # A Nemotron-H MTP draft has no mamba layer: SGLang builds no hybrid for its draft worker
         # (configs/hybrid_arch.py, mamba2_config: a draft model whose pattern has no "M")
         hybrid_draft_worker=False,

@@ -338,7 +338,8 @@ def _layer_ops_on_cpu() -> list[str]:
     the accelerator's dispatch key only: "CUDA" on any machine that is not NPU, XPU or MUSA, so on a CPU a call
     through the dispatcher fails ("Could not run 'sglang::unified_attention_with_output' with arguments from the
     'CPU' backend"). The ops of its attention layers (``layers/radix_attention.py`` and
-    ``radix_linear_attention.py``: the graph-split ops 0.5.22's layers call under a prefill graph) are Python
+    ``radix_linear_attention.py``: the graph-split ops 0.5.22's layers call under a prefill graph; Nemotron-H's
+    mamba split op, ``models/nemotron_h.py``) are Python
     functions that hand their tensors to the attention backend; each is registered for the CPU key too, with the
     same function, so a CPU runs exactly what a GPU runs. Ops of other modules are left as SGLang registers them.
     Returns ``["layer custom ops on cpu"]`` where the registration function exists (0.5.14 on), else []."""
@@ -351,7 +352,9 @@ def _layer_ops_on_cpu() -> list[str]:
     register = getattr(common, "direct_register_custom_op", None)
     if register is None or getattr(register, "also_on_cpu", False):
         return ["layer custom ops on cpu"] if register is not None else []
-    modules = ("sglang.srt.layers.radix_attention", "sglang.srt.layers.radix_linear_attention")
+    # (and Nemotron-H's mamba split op, the model-level one a hybrid's mamba layer breaks a prefill graph with)
+    modules = ("sglang.srt.layers.radix_attention", "sglang.srt.layers.radix_linear_attention",
+               "sglang.srt.models.nemotron_h")
 
     def direct_register_custom_op(op_name, op_func, mutates_args, fake_impl=None, target_lib=None):
         register(op_name, op_func, mutates_args, fake_impl=fake_impl, target_lib=target_lib)
