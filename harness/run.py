@@ -54,22 +54,30 @@ def clear_worker_state(out_dir: Path) -> None:
         shutil.rmtree(out_dir / name, ignore_errors=True)
 
 
-def expected_time(out_dir: Path, device: str, profile: str, rows: int, workers: int) -> str:
+def expected_time(out_dir: Path, device: str, profile: str, rows: int, workers: int,
+                  budget: float | None = None) -> str:
     """How long this run should take, from the last finished run's report in ``out_dir`` (same device and profile),
-    scaled by the number of rows; or why there is no estimate."""
+    scaled by the number of rows, and no longer than ``budget``; or why there is no estimate."""
+    bound = "" if budget is None else f"at most {duration(budget)} (its budget); "
     try:
         data = json.loads((out_dir / "report.json").read_text())
         last = data["run"]
         elapsed, rows_then = float(last["elapsed_s"]), len(data["rows"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return f"no finished run in {out_dir} to estimate from"
+        return f"{bound}no finished run in {out_dir} to estimate from"
     if data.get("device") != device or data.get("profile") != profile:
-        return f"the earlier run in {out_dir} was on {data.get('device')} under {data.get('profile')}: no estimate"
+        return f"{bound}the earlier run in {out_dir} was on {data.get('device')} under {data.get('profile')}: no estimate"
     if last.get("interrupted") or not rows_then:
-        return f"the earlier run in {out_dir} was interrupted: no estimate"
+        return f"{bound}the earlier run in {out_dir} was interrupted: no estimate"
+    if last.get("budget_s") and any(r.get("status") == "not run" or (r.get("ok") and r.get("rounds") == 1)
+                                    for r in data["rows"]):
+        return f"{bound}the earlier run in {out_dir} ended with its budget before its last row: no estimate"
     estimate = elapsed * rows / rows_then
     where = "this process" if not last.get("workers") else f"{last['workers']} worker(s)"
     note = "" if last.get("workers") == workers else " (other workers now)"
+    if budget is not None and budget < estimate:
+        return (f"expected {duration(budget)}, its budget: the last run here checked {rows_then} rows in "
+                f"{duration(elapsed)} with {where}{note}, so about {duration(estimate)} for all of them")
     return (f"expected about {duration(estimate)}: the last run here checked {rows_then} rows in "
             f"{duration(elapsed)} with {where}{note}")
 
@@ -244,7 +252,7 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
     print(f"run of {len(rows)} row(s) in {len(groups)} group(s) on {device}, profile {profile.name}, up to {examples} "
           f"examples a row{control}, in {where}{within}, seed {seed} (--seed {seed} draws these cases again)",
           flush=True)
-    print(expected_time(out_dir, device, profile.name, len(rows), workers), flush=True)
+    print(expected_time(out_dir, device, profile.name, len(rows), workers, budget), flush=True)
     lines = RowLines(len(rows), skipped, out_dir, device, profile.name)
     orphans: list[dict] = []
     start = time.perf_counter()

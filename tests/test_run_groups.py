@@ -129,6 +129,11 @@ def test_a_budgeted_run_reaches_every_row_before_searching_any_in_full(tmp_path)
     rows = rows_of(tmp_path / "ample")
     assert all(status == "passed" and cases == FIRST_ROUND_EXAMPLES + EXAMPLES for status, cases, _ in rows.values())
     assert json.loads((tmp_path / "ample" / "report.json").read_text())["run"]["budget_s"] == 600
+    # Its report estimates the next run there; a budget shorter than the estimate is what the run expects
+    again = subprocess.run([sys.executable, "-m", "harness", "run", *SELECTION, "--budget", "0.1s", "--out",
+                            str(tmp_path / "ample"), "--db", str(tmp_path / "db1")], cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+    assert "its budget: the last run here checked 4 rows in" in again.stdout, again.stdout
     # A budget that ends before any worker has started: nothing reached, said so, and no failure
     out = subprocess.run([sys.executable, "-m", "harness", "run", *SELECTION, "--budget", "0.1s", "--out",
                           str(tmp_path / "none"), "--db", str(tmp_path / "db2")], cwd=ROOT, capture_output=True,
@@ -157,3 +162,8 @@ def test_a_row_the_budget_cuts_short_ends_with_the_cases_it_ran(tmp_path):
         in out.stdout, out.stdout
     assert {row: (status, cases) for row, (status, cases, _) in rows_of(tmp_path).items()} == {
         row: ("passed", FIRST_ROUND_EXAMPLES) for row in rows_of(tmp_path)}
+    # A run the budget cut short says nothing of how long the whole would take
+    again = subprocess.run([sys.executable, "-m", "harness", "run", *decode, "--budget", "0.1s", "--out",
+                            str(tmp_path), "--db", str(tmp_path / "db")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=600)
+    assert "ended with its budget before its last row: no estimate" in again.stdout, again.stdout
