@@ -47,7 +47,7 @@ def run_examples(task: dict, profile, round_: int) -> int | None:
     """``harness run``'s examples a row in ``round_``: its own (None: the profile's, fewer for a slow row) in its one
     round; under a time budget (two rounds) a few in the first, so that every row is reached before any is searched
     in full, then its own in the second."""
-    if task.get("max_rounds") == 2 and round_ == 0:
+    if (task.get("max_rounds") or 1) > 1 and round_ == 0:
         return min(FIRST_ROUND_EXAMPLES, task["examples"] or profile.max_examples)
     return task["examples"]
 
