@@ -631,3 +631,18 @@ def test_a_nemotron_h_mamba_layer_breaks_the_prefill_graph_through_its_split_op(
                            nemotron_h.nemotron_mamba2_with_output):
         verdict = PROPERTIES["graph_replay"].run(composition, extend, device)
     assert not verdict.ok and "layer 0 (mamba2) took 0 eager graph break(s)" in verdict.reason, str(verdict)
+
+
+@needs_sglang
+def test_a_prefill_graph_scope_that_does_not_take_hold_is_an_adapter_error(device):
+    # Were the adapter's scope to miss a flag the installed release's layers read, they would take no break and the
+    # break count would blame SGLang; the scope checks the engine's own predicates instead, in the adapter's code.
+    from backends.sglang import compat
+
+    extend = BatchSpec(ForwardMode.EXTEND, (3, 0), (5, 4), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
+                       dtype="float16", seed=6)
+    with mock.patch.object(compat, "prefill_graph_flags", lambda sgl, raw: contextlib.nullcontext()):
+        verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.gdn))"), extend, device)
+    assert not verdict.ok and verdict.reason.startswith("adapter error at backends/sglang/adapter.py"), verdict.reason
+    if runtime.load().is_in_prefill_graph_scope is not None:  # a release whose layers read the scope's flags
+        assert "is_in_prefill_graph_scope()" in verdict.reason

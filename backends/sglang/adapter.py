@@ -102,6 +102,22 @@ def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
     return first_child, next_sibling
 
 
+def _check_prefill_graph_scope(sgl, sfb) -> None:
+    """The engine's own predicates, read inside the prefill-graph scope the adapter entered: the ones its layers ask
+    before they break out of the graph. A layer that took no break because this scope did not take hold on the
+    installed release is the adapter's error (raised here, so reported as one), never the engine's finding."""
+    wrong = [what for what, held in (
+        ("is_in_breakable_cuda_graph()", sgl.is_in_breakable_cuda_graph()),
+        ("the piecewise forward context's batch", getattr(sgl.get_tc_piecewise_forward_context(), "forward_batch",
+                                                          None) is sfb),
+        ("get_forward_batch()", sgl.get_forward_batch() is sfb),
+        ("is_in_prefill_graph_scope()", sgl.is_in_prefill_graph_scope is None or sgl.is_in_prefill_graph_scope()),
+    ) if not held]
+    if wrong:
+        raise RuntimeError(f"the adapter's prefill-graph scope did not take hold on this release: {', '.join(wrong)} "
+                           f"read otherwise inside it")
+
+
 class _LayersById:
     """The engine's layer objects indexed by layer id, as a model runner's ``attention_layers`` list is (SGLang's
     split ops read ``attention_layers[layer_id]``): read from the adapter's layers when indexed, since each is built
@@ -575,6 +591,7 @@ class SglangBackend(_SglangObject):
                 compat.backend_scope(sgl, self.inner, sfb), \
                 compat.piecewise_forward_context(sgl, sfb, _LayersById(self.radix), num_tokens=sfb.input_ids.shape[0],
                                                  raw_num_tokens=raw):
+            _check_prefill_graph_scope(sgl, sfb)
             yield
 
     def capture_prefill_graph(self, fn, stream):

@@ -153,13 +153,18 @@ FEATURES: dict[str, Feature] = {
         # the capture in progress, which its eager_on_graph breaks read (the harness's break count reads it too)
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_current_capture_var"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:enable_breakable_cuda_graph"),
+        _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:is_in_breakable_cuda_graph"),
         # the model's layers by id, through which 0.5.22's RadixAttention reaches its graph-break op
         _p("srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager:"
            "set_tc_piecewise_forward_context"),
-        _p("srt.model_executor.runner_utils.forward_batch:set_forward_batch"))),
+        _p("srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager:"
+           "get_tc_piecewise_forward_context"),
+        _p("srt.model_executor.runner_utils.forward_batch:set_forward_batch"),
+        _p("srt.model_executor.runner_utils.forward_batch:get_forward_batch"))),
     "prefill_graph_flags": Feature("the prefill-graph scope's flags, which 0.5.23's layers read to take their graph "
                                    "breaks (prefill_graph_scope)", (
-        _p("srt.model_executor.runner_utils.prefill_graph:prefill_graph_scope"),)),
+        _p("srt.model_executor.runner_utils.prefill_graph:prefill_graph_scope"),
+        _p("srt.model_executor.runner_utils.prefill_graph:is_in_prefill_graph_scope"))),
     "tbo": Feature("two-batch overlap: TboAttnBackend and its splitter", (
         _p("srt.layers.attention.tbo_backend:TboAttnBackend"),
         _p("srt.batch_overlap.two_batch_overlap:TboForwardBatchPreparer"),

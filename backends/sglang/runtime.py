@@ -274,18 +274,20 @@ def _import_names() -> dict[str, object]:
     # forward context (the layers by id), and the prefill-graph scope's flags (0.5.23 on)
     BreakableCUDAGraph = BreakableCUDAGraphCapture = enable_breakable_cuda_graph = breakable_capture_var = None
     set_forward_batch = set_tc_piecewise_forward_context = prefill_graph_scope = None
+    is_in_breakable_cuda_graph = get_tc_piecewise_forward_context = get_forward_batch = None
     if features.has("prefill_graph"):
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
             BreakableCUDAGraph, BreakableCUDAGraphCapture)
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph import (
             _current_capture_var as breakable_capture_var)  # the capture in progress, which eager_on_graph reads
         from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
-            enable_breakable_cuda_graph)
+            enable_breakable_cuda_graph, is_in_breakable_cuda_graph)
         from sglang.srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager import (
-            set_tc_piecewise_forward_context)
-        from sglang.srt.model_executor.runner_utils.forward_batch import set_forward_batch
+            get_tc_piecewise_forward_context, set_tc_piecewise_forward_context)
+        from sglang.srt.model_executor.runner_utils.forward_batch import get_forward_batch, set_forward_batch
+    is_in_prefill_graph_scope = None
     if features.has("prefill_graph_flags"):
-        from sglang.srt.model_executor.runner_utils.prefill_graph import prefill_graph_scope
+        from sglang.srt.model_executor.runner_utils.prefill_graph import is_in_prefill_graph_scope, prefill_graph_scope
 
     return {k: v for k, v in locals().items()}
 
