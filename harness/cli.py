@@ -136,12 +136,6 @@ def drawn_axes(c, profile) -> str:
     return text
 
 
-def _database(path: str | None):
-    from hypothesis.database import DirectoryBasedExampleDatabase
-
-    return DirectoryBasedExampleDatabase(path or ".hypothesis/examples")
-
-
 def cmd_run(args) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError(f"--max-examples must be >= 1, got {args.max_examples}")

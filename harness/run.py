@@ -10,7 +10,8 @@ Where the groups run:
 - in this process, one after the other (a CPU's default): a group that makes no progress for ``--stall-seconds``
   says so, in one line while a JIT compiler runs, else with every thread's stack;
 - in worker processes (a GPU's default, and with a mutant that kills its process, ``--isolate`` or ``--workers``),
-  several at a time, under the sweep's supervisor (``harness.sweep.Sweep``: one round, no time budget). A crash or
+  several at a time, under the sweep's supervisor (``harness.sweep.Sweep``: one round and no time budget, or two
+  rounds under ``--budget``). A crash or
   a hang is then a finding of the row whose case was running, with that case as its reproducer, and the other rows
   go on; a worker compiling kernels says so in one line per ``--stall-seconds``.
 
@@ -19,7 +20,8 @@ row's full search (two rounds, as a sweep's first two), so a budget that cannot 
 every row it can, and a row the budget cut short ends with the cases it ran (the summary counts them); the rounds
 under way when it ends are not counted. ``ci/gpu.sh`` gives the run what its time limit leaves.
 
-Each group draws from ``round_seed(seed, group, 0)`` in this process and in workers alike. The seed is ``--seed`` or a
+Each group draws from ``round_seed(seed, group, 0)`` in this process and in workers alike (under ``--budget``, its
+full search from ``round_seed(seed, group, 1)``). The seed is ``--seed`` or a
 fresh one, printed at the start: the same seed, rows and example database draw the same cases again, whichever
 process runs them.
 """
@@ -259,27 +261,25 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
     # SIGTERM (a CI timeout) stops the run as Ctrl-C does. Once, with workers: the sweep's supervisor stops them and
     # reads what they finished (seconds), which a repeated interrupt would cut short
     with Terminated(repeat=not workers) as terminated:
+        db = Path(args.db or ".hypothesis/examples").absolute()
         try:
             if workers:
                 from harness.progress import make_progress
 
                 progress = make_progress(time.time(), None)
                 try:
-                    orphans = run_in_workers(rows, profile, device, db=str(Path(args.db or ".hypothesis/examples")
-                                                                            .absolute()),
-                                             examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
+                    orphans = run_in_workers(rows, profile, device, db=str(db), examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
                                              seed=seed, workers=workers, case_timeout=args.case_timeout,
                                              stall_seconds=args.stall_seconds, mutant=args.mutant, on_row=lines,
                                              progress=progress, budget=budget)
                 finally:
                     progress.close()
             else:
-                from hypothesis.database import DirectoryBasedExampleDatabase
+                from harness.sweep_worker import example_database
 
-                run_in_process(groups, profile, device, database=DirectoryBasedExampleDatabase(
-                    args.db or ".hypothesis/examples"), examples=args.max_examples, out_dir=out_dir,
-                    shrink_seconds=shrink_seconds, seed=seed, stall_seconds=args.stall_seconds, mutant=mutant,
-                    on_row=lines)
+                run_in_process(groups, profile, device, database=example_database(str(db), None),
+                               examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds, seed=seed,
+                               stall_seconds=args.stall_seconds, mutant=mutant, on_row=lines)
         except BaseException as e:
             terminated.wrap_up()
             if not terminated.is_stop(e):

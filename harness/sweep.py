@@ -58,8 +58,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
 STOP_GRACE_S = 5.0  # after SIGINT at the end of the budget, before SIGKILL
 MAX_BUNDLE = 8  # groups a worker takes at most
-# A group of the harness's own backends only goes a round for every CONTROL_EVERY of the engine's groups (its rows
-# are a control sample; the engine's compositions are what a sweep is for)
+# A group of the harness's own backends goes one round for every CONTROL_EVERY rounds of the engine's groups (its
+# rows are a control sample; the engine's compositions are what a sweep is for)
 CONTROL_EVERY = 4
 
 
@@ -196,8 +196,8 @@ class Sweep:
     # ``harness run``'s settings (harness.run), when ``is_run``: its examples a row (None: the profile's, fewer for a slow
     # row, as ``search_group`` takes them; a sweep's rounds have ``round_examples``), each row's shrink seconds and the
     # run's in all (None: the profile's, no total; each worker gets what is left when it starts, so workers running
-    # side by side may each spend it), and ``on_row(state)``, called for each row that passed its round or has a
-    # finding, in place of the sweep's own lines
+    # side by side may each spend it), and ``on_row(state)``, called for each row that passed its last round (the
+    # one round, or the second under a budget) or has a finding, in place of the sweep's own lines
     is_run: bool = False
     examples: int | None = None
     shrink_seconds: float | None = None
@@ -301,7 +301,7 @@ class Sweep:
         gpu = f" on GPU {self.gpus[slot % len(self.gpus)]}" if self.gpus else ""
         for u in units:
             rows = self.active(u)
-            if self.is_run:  # one round: the label says how many rows, unless a fresh process goes on after a crash
+            if self.is_run:  # the label says how many rows, unless a fresh process goes on after a crash
                 left = "" if len(rows) == len(self.groups[u].rows) else f", {len(rows)} row(s) left"
                 self.progress.event(f"start {self.groups[u].label}{left}{gpu}")
                 continue

@@ -12,8 +12,9 @@ Warmup builds them first, in parallel:
    a logit cap; the KV cache's dtype; a speculative draft window. They are read off draws of the row's own strategy
    (seeded: the same profile and selection list the same variants), taken by the leaf's simplest row (the leaf
    alone where it is a row, its ``outputs`` row first).
-2. **One case for each variant**, in ``--workers`` processes at a time, the variants interleaved so that the cases
-   running together build different kernels (a second builder of the same FlashInfer kernel waits on its lock, it
+2. **One case for each variant**, in ``--workers`` processes at a time (:func:`warm_order`): the variants of leaves
+   that need FlashInfer first (its nvcc builds take minutes each: all under way from the start), and within each
+   kind the variants interleaved so that the cases running together build different kernels (a second builder of the same FlashInfer kernel waits on its lock, it
    does not build it again: interleaved by leaf and mode instead, 16 processes on a cold H100 finished 3 FlashInfer
    modules in 300 s, most of them waiting on the same builds). Each process's builds get its share of the cores
    (``MAX_JOBS``): sixteen processes each building a FlashInfer prefill module took 170-210 s apiece. The caches
@@ -33,7 +34,8 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 
-from harness.options import UsageError, add_selection, duration, parse_budget, profile_named, resolve_device
+from harness.options import (UsageError, add_selection, check_positive, duration, parse_budget, profile_named,
+                             resolve_device)
 
 DRAWS = 60  # batches drawn per leaf row to read its variants off
 SLOW_S = 1.0  # a case this long built something: it gets its own line
@@ -268,8 +270,7 @@ def default_workers(device: str) -> int:
 def cmd_warmup(args) -> int:
     start = time.time()  # the budget counts from here: deriving the matrix takes tens of seconds with SGLang
     budget = parse_budget(args.budget)
-    if args.workers is not None and args.workers < 1:
-        raise UsageError(f"--workers must be positive, got {args.workers}")
+    check_positive("--workers", args.workers)
     from search.matrix import matrix
 
     device = resolve_device(args.device)

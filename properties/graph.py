@@ -84,9 +84,9 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     else:
         runner = _graph_runner(composition, spec, graph_case, mr, pad_value=POISON)
     runner.capture()
-    if isinstance(runner, PrefillGraphRunner) and runner.unbroken_layers():
-        layers = ", ".join(f"layer {layer.layer_id} ({layer.kind}) took {breaks}"
-                           for layer, breaks in runner.unbroken_layers())
+    unbroken = runner.unbroken_layers() if isinstance(runner, PrefillGraphRunner) else []
+    if unbroken:
+        layers = ", ".join(f"layer {layer.layer_id} ({layer.kind}) took {breaks}" for layer, breaks in unbroken)
         return Verdict(NAME, False, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens), prefill "
                                     f"graph captured {runner.captured}: {layers} eager graph break(s) where each layer "
                                     f"takes exactly 1; a layer captured into a segment replays the capture batch's "

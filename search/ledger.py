@@ -677,7 +677,10 @@ def match(composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verd
     if verdict.details.get("batch") == "before":  # it failed running the batch the property runs first
         from properties import PROPERTIES
 
-        spec = PROPERTIES[prop].before(spec)
+        before = PROPERTIES[prop].before
+        if before is None:
+            raise AssertionError(f"{prop} marked a failure as its batch before the drawn one but defines no such batch")
+        spec = before(spec)
 
     def explained(part: Verdict) -> KnownFailure | None:
         return next((e for e in known_failures() if e.matches(composition, mode, prop, spec, part, device)), None)

@@ -29,8 +29,6 @@ def test_every_row_gets_its_cases_and_each_unit_is_printed_when_done(shared):
     assert float(total.split()[3]) > 0  # the engine-only loop's cases/s over the same batches
     assert "of the engine-only loop's over the same batches" in out.stdout
     assert "first case: every unit's took" in out.stdout and "GPU busy: not measured (no GPU: cpu)" in out.stdout
-    assert all(float(line.split()[-1]) >= 0 for line in table[1:] if not line.startswith(("all ", "checked", "first",
-                                                                                        "GPU")))
     units = [line for line in table[1:] if not line.startswith(("all ", "checked cases/s", "first case", "GPU busy"))]
     assert len(units) == (1 if shared else 4)
     assert all(f"[{n}/{len(units)}]" in out.stderr for n in range(1, len(units) + 1))  # as each one ends

@@ -358,7 +358,8 @@ def test_the_harness_own_rows_are_a_control_sample_where_the_profile_says():
     assert row_budget(own, profile, "cpu", None, 10.0) == (5, 10.0)
     assert row_budget(own, profile, "cpu", 12, 10.0) == (12, 10.0)
     assert row_budget(own, PROFILE, "cpu", None, 10.0) == (None, 10.0)  # ci: none set
-    engine = [r for r in rows if r.composition.engine == "sglang"]
-    if engine:
-        assert row_budget(engine[0], profile, "cpu", None, 10.0) == (None, 10.0)
     assert PROFILES["gpu"].control_examples == 5
+    engine = [r for r in rows if r.composition.engine == "sglang"]
+    if not engine:
+        pytest.skip("SGLang is not installed: an engine row's budget is not checked")
+    assert row_budget(engine[0], profile, "cpu", None, 10.0) == (None, 10.0)

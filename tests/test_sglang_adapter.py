@@ -230,6 +230,8 @@ def test_a_layer_that_does_not_break_the_prefill_graph_fails(device, kind):
     sgl = runtime.load()
     owner, method = ((sgl.RadixLinearAttention, "_eager_linear_attention") if kind == "linear"
                      else (sgl.RadixAttention, "_eager_attention"))
+    if method not in owner.__dict__:
+        pytest.skip(f"this SGLang's {owner.__name__} breaks the graph through a split op, not {method} (0.5.22)")
     extend = BatchSpec(ForwardMode.EXTEND, (3, 0), (5, 4), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
                        dtype="float16", seed=6)
     with mock.patch.object(owner, method, owner.__dict__[method].__wrapped__):
@@ -639,10 +641,11 @@ def test_a_prefill_graph_scope_that_does_not_take_hold_is_an_adapter_error(devic
     # break count would blame SGLang; the scope checks the engine's own predicates instead, in the adapter's code.
     from backends.sglang import compat
 
+    if runtime.load().is_in_prefill_graph_scope is None:
+        pytest.skip("this SGLang's layers read no prefill-graph scope flags (0.5.22): nothing to leave out")
     extend = BatchSpec(ForwardMode.EXTEND, (3, 0), (5, 4), (LinearLayer(0, 2, 4, 16, 16), MHALayer(1, 4, 2, 16, 16)),
                        dtype="float16", seed=6)
     with mock.patch.object(compat, "prefill_graph_flags", lambda sgl, raw: contextlib.nullcontext()):
         verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.gdn))"), extend, device)
     assert not verdict.ok and verdict.reason.startswith("adapter error at backends/sglang/adapter.py"), verdict.reason
-    if runtime.load().is_in_prefill_graph_scope is not None:  # a release whose layers read the scope's flags
-        assert "is_in_prefill_graph_scope()" in verdict.reason
+    assert "is_in_prefill_graph_scope()" in verdict.reason

@@ -135,7 +135,9 @@ def test_the_attention_layers_custom_ops_run_their_python_bodies_on_a_cpu():
     runtime.load()
     from sglang.srt.utils import common
 
-    assert runtime._layer_ops_on_cpu() == ["layer custom ops on cpu"]  # installed once, not wrapped twice
+    installed = common.direct_register_custom_op
+    assert runtime._layer_ops_on_cpu() == ["layer custom ops on cpu"]
+    assert common.direct_register_custom_op is installed and installed.also_on_cpu  # installed once, not wrapped twice
     library = torch.library.Library("harness_test_ops", "DEF")
 
     def layer_op(x: torch.Tensor, out: torch.Tensor) -> None:

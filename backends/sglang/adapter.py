@@ -118,24 +118,6 @@ def _check_prefill_graph_scope(sgl, sfb) -> None:
                            f"read otherwise inside it")
 
 
-class _LayersById:
-    """The engine's layer objects indexed by layer id, as a model runner's ``attention_layers`` list is (SGLang's
-    split ops read ``attention_layers[layer_id]``): read from the adapter's layers when indexed, since each is built
-    on its first forward."""
-
-    def __init__(self, layers: dict) -> None:
-        self.layers = layers
-
-    def __getitem__(self, layer_id: int):
-        return self.layers[layer_id]
-
-    def __len__(self) -> int:
-        return max(self.layers, default=-1) + 1
-
-    def __iter__(self):
-        return (self.layers.get(i) for i in range(len(self)))
-
-
 @contextlib.contextmanager
 def host_break_capture(sgl, graph):
     """SGLang's breakable-graph capture with nothing captured, for a machine without CUDA graphs: inside it,
@@ -582,14 +564,15 @@ class SglangBackend(_SglangObject):
         (``_prefill_forward_context``, prefill_cuda_graph_runner.py:809-839 in 0.5.23, :780-805 in 0.5.22, inside the
         breakable backend's ``enable_breakable_cuda_graph``): its layers see a breakable prefill graph, the live
         batch, and the piecewise forward context with the model's layers by id (through which 0.5.22's layers reach
-        their graph-break ops; 0.5.23's read the prefill-graph scope's flags instead)."""
+        their graph-break ops, and Nemotron-H's mamba split op its layer in both releases; 0.5.23's attention and
+        linear-attention layers read the prefill-graph scope's flags instead)."""
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("a prefill graph scope before init_forward_metadata planned the batch")
         sgl, raw = self.sgl, sfb.global_num_token_non_padded_cpu
         with sgl.enable_breakable_cuda_graph(), compat.prefill_graph_flags(sgl, raw), sgl.set_forward_batch(sfb), \
                 compat.backend_scope(sgl, self.inner, sfb), \
-                compat.piecewise_forward_context(sgl, sfb, _LayersById(self.radix), num_tokens=sfb.input_ids.shape[0],
+                compat.piecewise_forward_context(sgl, sfb, self.radix, num_tokens=sfb.input_ids.shape[0],
                                                  raw_num_tokens=raw):
             _check_prefill_graph_scope(sgl, sfb)
             yield

@@ -143,7 +143,8 @@ def prefill_graph_flags(sgl, raw_num_tokens: int):
 
 def piecewise_forward_context(sgl, forward_batch, layers, num_tokens: int, raw_num_tokens: int):
     """SGLang's piecewise forward context as its prefill runner sets it (no quantization, MoE layers or indexers):
-    the batch, the model's layers by id, the static and real token counts."""
+    the batch, the model's layers by id (``layers``: any mapping; SGLang's split ops only index it, and the adapter's
+    dict fills as each layer is built on its first forward), the static and real token counts."""
     fn = sgl.set_tc_piecewise_forward_context
     return fn(forward_batch, layers, None, [], [], **accepted(fn, dict(num_tokens=num_tokens,
                                                                         raw_num_tokens=raw_num_tokens)))

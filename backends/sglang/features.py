@@ -154,7 +154,8 @@ FEATURES: dict[str, Feature] = {
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.breakable_cuda_graph:_current_capture_var"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:enable_breakable_cuda_graph"),
         _p("srt.model_executor.runner_backend_utils.breakable_cuda_graph.context:is_in_breakable_cuda_graph"),
-        # the model's layers by id, through which 0.5.22's RadixAttention reaches its graph-break op
+        # the model's layers by id, through which 0.5.22's RadixAttention reaches its graph-break op (and Nemotron-H's
+        # mamba split op its layer, in 0.5.23 too)
         _p("srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager:"
            "set_tc_piecewise_forward_context"),
         _p("srt.model_executor.runner_backend_utils.tc_piecewise_cuda_graph.context_manager:"

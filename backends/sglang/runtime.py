@@ -352,8 +352,10 @@ def _layer_ops_on_cpu() -> list[str]:
     except ImportError:
         return []
     register = getattr(common, "direct_register_custom_op", None)
-    if register is None or getattr(register, "also_on_cpu", False):
-        return ["layer custom ops on cpu"] if register is not None else []
+    if register is None:
+        return []
+    if getattr(register, "also_on_cpu", False):  # installed already (a second load after a failed import)
+        return ["layer custom ops on cpu"]
     # (and Nemotron-H's mamba split op, the model-level one a hybrid's mamba layer breaks a prefill graph with)
     modules = ("sglang.srt.layers.radix_attention", "sglang.srt.layers.radix_linear_attention",
                "sglang.srt.models.nemotron_h")
@@ -371,8 +373,6 @@ def _layer_ops_on_cpu() -> list[str]:
     direct_register_custom_op.also_on_cpu = True
     common.direct_register_custom_op = direct_register_custom_op
     return ["layer custom ops on cpu"]
-
-
 
 
 @cache
