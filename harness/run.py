@@ -191,13 +191,14 @@ def run_in_process(groups, profile, device: str, *, database, examples: int | No
 
 def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None, out_dir: Path,
                    shrink_seconds: float, seed: int, workers: int, case_timeout: float | None, stall_seconds: float,
-                   mutant: str | None, on_row, progress, budget: float | None = None) -> list[dict]:
+                   mutant: str | None, on_row: RowLines, progress, budget: float | None = None) -> list[dict]:
     """Search ``rows`` in ``workers`` worker processes at a time, one round each; returns the findings that belong to
     no row (a worker that failed between cases or before its first).
 
     Under a ``budget`` (seconds from now) each row has two rounds, a few examples first (every row is reached before
     any is searched in full), then its own; at the budget's end the workers stop (the rounds they had under way are
-    not counted) and each row that passed its first round ends with the cases it ran."""
+    not counted) and each row that passed its first round ends with the cases it ran. A group whose worker failed
+    between cases is reported first: its rows that had not ended get that failure, not a first round's pass."""
     from harness.procs import COMPILE_TIMEOUT_S
     from harness.sweep import RowState, Sweep, read_jsonl, visible_gpus
     from search.profiles import SHRINK_ROWS_PER_RUN
@@ -212,15 +213,15 @@ def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None,
                   compile_notice_s=stall_seconds)
     try:
         sweep.run()
-    finally:
+    finally:  # also when the run is stopped: what ended is reported
         sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
-    for state in states:  # the budget ended their full search: they end with what they ran
-        if state.finding is None and 0 < state.rounds < rounds and state.row.id not in getattr(on_row, "ended", ()):
-            on_row(state.outcome())
-    orphans = [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
-    for f in orphans:  # a group left alone after its worker failed between cases: its rows that had not ended
-        unended_rows_failed([r for unit in f.get("groups") or () for r in sweep.groups[unit].rows], f["kind"],
-                            f["reason"], on_row)
+        orphans = [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
+        for f in orphans:  # a group left alone after its worker failed between cases: its rows that had not ended
+            unended_rows_failed([r for unit in f.get("groups") or () for r in sweep.groups[unit].rows], f["kind"],
+                                f["reason"], on_row)
+        for state in states:  # the budget (or a stop) ended their full search: they end with what they ran
+            if state.finding is None and 0 < state.rounds < rounds and state.row.id not in on_row.ended:
+                on_row(state.outcome())
     return orphans
 
 

@@ -167,3 +167,41 @@ def test_a_row_the_budget_cuts_short_ends_with_the_cases_it_ran(tmp_path):
                             str(tmp_path), "--db", str(tmp_path / "db")], cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
     assert "ended with its budget before its last row: no estimate" in again.stdout, again.stdout
+
+
+BREAK_DECODE_SECOND_ROUND = '''
+import os
+marker = os.environ.get("HARNESS_TEST_BREAK_DECODE_AFTER")
+if marker:
+    import search.group as g
+    strategy = g.Group.strategy
+
+    def broken(self):
+        if "decode" in self.id:
+            if os.path.exists(marker):
+                raise RuntimeError("injected: the group search broke in its second round")
+            open(marker, "w").close()
+        return strategy(self)
+
+    g.Group.strategy = broken
+'''
+
+
+def test_a_group_that_fails_in_a_budgeted_runs_second_round_is_not_reported_as_passed(tmp_path):
+    # Its rows passed their first round; the failure between cases of the second is theirs (found by review: the
+    # rows cut short by the budget were reported first, as passed with their first examples, and the group's error
+    # only as a loose line)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(BREAK_DECODE_SECOND_ROUND)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]),
+               HARNESS_TEST_BREAK_DECODE_AFTER=str(tmp_path / "marker"))
+    out = subprocess.run([sys.executable, "-m", "harness", "run", *SELECTION, "--budget", "10m", "--out",
+                          str(tmp_path / "out"), "--db", str(tmp_path / "db")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert out.returncode == 3, out.stdout + out.stderr
+    rows = {r["row"]: r for r in json.loads((tmp_path / "out" / "report.json").read_text())["rows"]}
+    for name, r in rows.items():
+        if "decode" in name:
+            assert r["status"] == "adapter error" and "second round" in r["failure"], r
+        else:
+            assert r["status"] == "passed" and r["cases"] == FIRST_ROUND_EXAMPLES + EXAMPLES, r
