@@ -3,6 +3,8 @@
 #
 # Usage, from the project root, after ci/setup.sh (it uses .venv's harness to build the environments):
 #   bash ci/releases.sh VERSION... [-- HARNESS-RUN-ARGUMENTS]
+#   bash ci/releases.sh --build-only VERSION...   (builds the environments and runs nothing: .ci/run builds
+#                                                  0.5.10's while the tests run, since pip mostly waits)
 #   VERSION: a release (0.5.10 or newer), "newest" (the newest on the package index) or the path of an SGLang
 #   source checkout (its environment is named after the checkout's commit). Each gets an environment under HARNESS_ENVS (default ~/.cache/attn-harness/envs), built once with
 #   ci/install-sglang.sh (the release's own pins), the environments `harness bisect` uses too.
@@ -19,10 +21,12 @@
 # the oldest, the newest and main.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+build_only=0
+[ "${1:-}" = "--build-only" ] && { build_only=1; shift; }
 versions=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do versions+=("$1"); shift; done
 [ "${1:-}" = "--" ] && shift
-[ ${#versions[@]} -gt 0 ] || { echo "usage: bash ci/releases.sh VERSION... [-- HARNESS-RUN-ARGUMENTS]" >&2; exit 2; }
+[ ${#versions[@]} -gt 0 ] || { echo "usage: bash ci/releases.sh [--build-only] VERSION... [-- HARNESS-RUN-ARGUMENTS]" >&2; exit 2; }
 run_args=("$@")
 [ ${#run_args[@]} -gt 0 ] || run_args=(--profile ci --backends sglang.torch_native sglang.triton sglang.gdn sglang.lightning sglang.short_conv)
 PY=.venv/bin/python
@@ -51,6 +55,7 @@ print(build_env(sys.argv[1], Path(sys.argv[2]), lambda line: print(line, file=sy
 EOF
   ) || { echo "error: could not build the environment of $v" >&2; worst=2; continue; }
   name=$(basename "$env")
+  if [ "$build_only" -eq 1 ]; then echo "== $name: built"; continue; fi
   echo "== $name: harness run ${run_args[*]}"
   status=0
   TRITON_INTERPRET=${TRITON_INTERPRET:-1} "$env/bin/python" -m harness run "${run_args[@]}" --out "$OUT/$name" \
