@@ -433,6 +433,15 @@ def _conv_state_by_request_row(spec: BatchSpec, verdict: Verdict) -> bool:
     return m is not None and any(l.layer_id == int(m.group(1)) and l.kind == "short_conv" for l in spec.layers)
 
 
+def _conv_layer_captured_in_prefill_graph(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A breakable prefill graph's capture counted no eager break for a layer, and every such layer is a short-conv
+    layer: LFM2's conv layer marks none (models/lfm2.py, Lfm2ShortConv.forward), so its conv kernel is captured with
+    the capture batch's metadata and replayed on every batch (docs/findings/sglang-lfm2-conv-captured-in-prefill-graph.md).
+    A full-attention or GDN layer that does not break is another bug, and stays a finding."""
+    unbroken = re.findall(r"layer (\d+) \((\w+)\) took (\d+)", verdict.reason)
+    return bool(unbroken) and all(kind == "short_conv" and breaks == "0" for _, kind, breaks in unbroken)
+
+
 def _kda_chunk_decay(spec: BatchSpec, verdict: Verdict) -> bool:
     """The disagreement is in a KDA layer of a batch with a request of two or more new tokens (a chunked prefill
     decays them against each other): up to 0.5.21 SGLang's Triton chunk kernels take the chunk's cumulative gate in
@@ -500,6 +509,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "draft_decode_window_layer": _draft_decode_window_layer,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
     "conv_state_by_request_row": _conv_state_by_request_row,
+    "conv_layer_captured_in_prefill_graph": _conv_layer_captured_in_prefill_graph,
     "split_hides_block_m": _split_hides_block_m,
     "split_hides_support_triton": _split_hides_support_triton,
 }

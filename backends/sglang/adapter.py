@@ -960,9 +960,11 @@ class SglangShortConv(_LinearChild):
         # (causal_conv1d_update with intermediate_conv_window, models/lfm2.py shortconv_target_verify); the commit
         # rewrites it.
         verify_advances_conv_state=True,
-        # LFM2's conv layer marks no break for SGLang's breakable prefill graph (models/lfm2.py has none, unlike
-        # GDN's RadixLinearAttention): whether a server captures it there is not adapted.
-        prefill_graph=False,
+        # A server on CUDA runs LFM2's extends through the breakable prefill graph by default (0.5.16 on,
+        # cuda_graph_config.py default_prefill_backend; no rule in arg_groups/cuda_graph_hook.py turns it off for
+        # LFM2), so graph() extends run here too, and the break count judges the conv layer, which marks no break
+        # (models/lfm2.py Lfm2ShortConv.forward, unlike GDN's RadixLinearAttention)
+        prefill_graph=True,
     )
 
 
