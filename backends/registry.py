@@ -32,6 +32,7 @@ LEAVES: dict[str, str] = {
     "sglang.lightning": "backends.sglang.adapter:SglangLightning",
     "sglang.short_conv": "backends.sglang.adapter:SglangShortConv",
     "sglang.mamba2": "backends.sglang.adapter:SglangMamba2",
+    "sglang.mamba2_granite": "backends.sglang.adapter:SglangMamba2Granite",
     "sglang.kda": "backends.sglang.adapter:SglangKda",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
@@ -360,8 +361,11 @@ def all_compositions() -> list[Composition]:
     theirs += [Composition("pd", (Composition(p), Composition(d))) for p in mha for d in mha
                if p != d and leaf_capabilities(p).engine == leaf_capabilities(d).engine
                and leaf_capabilities(p).devices & leaf_capabilities(d).devices]
+    # graph() over what captures a decode-side graph, or runs its extends through a breakable prefill graph (not
+    # under tbo(), as Composition.support says)
     theirs += [Composition("graph", (c,)) for c in theirs
-               if _engine_term_adapted("graph", c) and c.support().cuda_graph_modes]
+               if _engine_term_adapted("graph", c) and (c.support().cuda_graph_modes or (
+                   c.support().prefill_graph and "tbo" not in c.wrappers()))]
     # A class-level leaf alone, under SGLang's TBO wrapper, and beside each SGLang linear backend under its hybrid
     # wrapper: never built, their rows read the wrapper's class against the leaf's classes (class_conformance)
     read = [Composition(n) for n in class_only]

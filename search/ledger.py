@@ -433,13 +433,17 @@ def _conv_state_by_request_row(spec: BatchSpec, verdict: Verdict) -> bool:
     return m is not None and any(l.layer_id == int(m.group(1)) and l.kind == "short_conv" for l in spec.layers)
 
 
-def _conv_layer_captured_in_prefill_graph(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A breakable prefill graph's capture counted no eager break for a layer, and every such layer is a short-conv
-    layer: LFM2's conv layer marks none (models/lfm2.py, Lfm2ShortConv.forward), so its conv kernel is captured with
-    the capture batch's metadata and replayed on every batch (docs/findings/sglang-lfm2-conv-captured-in-prefill-graph.md).
-    A full-attention or GDN layer that does not break is another bug, and stays a finding."""
-    unbroken = re.findall(r"layer (\d+) \((\w+)\) took (\d+)", verdict.reason)
-    return bool(unbroken) and all(kind == "short_conv" and breaks == "0" for _, kind, breaks in unbroken)
+def _captured_in_prefill_graph(kind: str) -> Callable[[BatchSpec, Verdict], bool]:
+    """A breakable prefill graph's capture counted no eager break for a layer, and every such layer is of ``kind``.
+    LFM2's conv layer marks none (models/lfm2.py, Lfm2ShortConv.forward), nor do Granite 4.0-H's and Falcon-H1's
+    mamba layers (Mamba2AttnBackend.forward called directly): their kernels are captured with the capture batch's
+    metadata and replayed on every batch (docs/findings/sglang-lfm2-conv-captured-in-prefill-graph.md,
+    sglang-mamba2-mixer-captured-in-prefill-graph.md). A layer of another kind that does not break, or one that
+    breaks twice, is another bug and stays a finding."""
+    def condition(spec: BatchSpec, verdict: Verdict) -> bool:
+        unbroken = re.findall(r"layer (\d+) \((\w+)\) took (\d+)", verdict.reason)
+        return bool(unbroken) and all(k == kind and breaks == "0" for _, k, breaks in unbroken)
+    return condition
 
 
 def _kda_chunk_decay(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -509,7 +513,8 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "draft_decode_window_layer": _draft_decode_window_layer,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
     "conv_state_by_request_row": _conv_state_by_request_row,
-    "conv_layer_captured_in_prefill_graph": _conv_layer_captured_in_prefill_graph,
+    "conv_layer_captured_in_prefill_graph": _captured_in_prefill_graph("short_conv"),
+    "mamba_mixer_captured_in_prefill_graph": _captured_in_prefill_graph("mamba2"),
     "split_hides_block_m": _split_hides_block_m,
     "split_hides_support_triton": _split_hides_support_triton,
 }

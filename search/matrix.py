@@ -123,9 +123,10 @@ def mode_reason(c: Composition, mode: ForwardMode) -> str:
 def not_derived_reason(c: Composition) -> str:
     """Why a well-formed term is not among the compositions the declarations allow."""
     if "graph" in c.wrappers():
-        missing = [n for n in c.leaves() if not leaf_capabilities(n).cuda_graph_modes]
+        missing = [n for n in c.leaves() if not leaf_capabilities(n).cuda_graph_modes
+                   and not leaf_capabilities(n).prefill_graph]
         if missing:
-            return f"{', '.join(missing)} captures no CUDA graph (declares no cuda_graph_modes)"
+            return f"{', '.join(missing)} captures no CUDA graph (declares no cuda_graph_modes, no prefill graph)"
     return "not a composition the backends' declarations allow"
 
 

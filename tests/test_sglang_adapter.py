@@ -49,7 +49,7 @@ def test_sglang_terms_are_sglangs_own_classes_only():
     # asked for by name, the row that cannot exist says why
     m = matrix("cpu", PROFILES["ci"], ["graph(sglang.torch_native)"])
     assert m.unavailable == [("graph(sglang.torch_native)",
-                              "sglang.torch_native captures no CUDA graph (declares no cuda_graph_modes)")]
+                              "sglang.torch_native captures no CUDA graph (declares no cuda_graph_modes, no prefill graph)")]
 
 
 def test_sglang_graph_modes_are_declared_from_sglangs_graph_runners():

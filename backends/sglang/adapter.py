@@ -663,10 +663,24 @@ class SglangBackend(_SglangObject):
         if forward_batch.forward_mode.is_idle():  # Nemotron-H's decoder layers skip idle batches before their mixer
             return zxbcdt.new_empty(0, s.num_heads, s.head_dim)  # (models/nemotron_h.py:616)
         block = self._mamba2_layer(layer)
-        # The decoder layer's call into its mixer: ``_forward_mixer`` (0.5.22 on), which under a breakable prefill
-        # graph breaks out of it through the model's split op (models/nemotron_h.py, breakable_nemotron_mamba2_with_
-        # output) and otherwise runs ``_forward_mamba``, the only call before it
-        mixer = getattr(block, "_forward_mixer", block._forward_mamba)
+        if getattr(self, "linear", None) is not None and self.linear.mixer_call == "backend_forward":
+            def mixer(hidden_states, sfb):
+                # GraniteMoeHybrid's and Falcon-H1's decoder layers: the hybrid from the forward context, then its
+                # Mamba-2 backend's forward with an output buffer, no graph break (models/granitemoehybrid.py:146-157)
+                backend = via or self.inner
+                if not isinstance(backend, self.sgl.HybridLinearAttnBackend):
+                    raise RuntimeError(f"a Granite-shaped mamba layer runs under a HybridLinearAttnBackend, not "
+                                       f"{type(backend).__name__}")
+                output = torch.empty_like(hidden_states)
+                backend.linear_attn_backend.forward(mixer=block.mixer, layer_id=block.layer_id,
+                                                    hidden_states=hidden_states, output=output, forward_batch=sfb,
+                                                    use_triton_causal_conv=True)
+                return output
+        else:
+            # Nemotron-H's decoder layer's call into its mixer: ``_forward_mixer`` (0.5.22 on), which under a
+            # breakable prefill graph breaks out of it through the model's split op (models/nemotron_h.py,
+            # breakable_nemotron_mamba2_with_output) and otherwise runs ``_forward_mamba``, the only call before it
+            mixer = getattr(block, "_forward_mixer", block._forward_mamba)
         o = self._run_recurrent(layer, forward_batch, via, lambda sfb: mixer(zxbcdt, sfb))
         return o[:T, :s.intermediate].reshape(T, s.num_heads, s.head_dim)
 
@@ -1026,6 +1040,23 @@ class SglangMamba2(_LinearChild):
         hybrid_draft_worker=False,
         slow_on_cpu="the interpreted SSD chunk-scan kernels take seconds a case",
     )
+    # How the model's mamba decoder layer hands its mixer to the backend: Nemotron-H's ``_forward_mixer``
+    mixer_call = "nemotron_h"
+
+
+class SglangMamba2Granite(SglangMamba2):
+    """The same Mamba-2 backend as :class:`SglangMamba2` (its hybrid built for the same Nemotron-H-shaped config), its
+    mixer handed over as GraniteMoeHybrid's (Granite 4.0-H) and Falcon-H1's decoder layers hand theirs: they call
+    ``get_attn_backend().linear_attn_backend.forward(mixer, ...)`` themselves, with an output buffer
+    (models/granitemoehybrid.py:146-157, models/falcon_h1.py:340-353). Neither marks a break for the breakable prefill
+    graph, which 0.5.22 and 0.5.23 turn on by default on CUDA with no rule for these models: graph() extends run here
+    as a server runs them, and the break count judges the mixer."""
+
+    # Extends only: outside a prefill graph the call is :class:`SglangMamba2`'s (Nemotron-H's ``_forward_mixer`` runs
+    # the same ``Mamba2AttnBackend.forward`` there), so its other modes and decode graphs would repeat those rows
+    capabilities = dataclasses.replace(SglangMamba2.capabilities, modes=frozenset({ForwardMode.EXTEND}),
+                                       cuda_graph_modes=frozenset())
+    mixer_call = "backend_forward"
 
 
 class SglangHybrid(SglangBackend):
@@ -1040,7 +1071,7 @@ class SglangHybrid(SglangBackend):
     def __init__(self, full: type[SglangBackend], linear: type[SglangBackend], model_runner,
                  draft_worker: bool = False) -> None:
         super().__init__(model_runner)
-        self.sglang_name, self.full = full.sglang_name, full
+        self.sglang_name, self.full, self.linear = full.sglang_name, full, linear
         (kind,) = linear.capabilities.attention_kinds
         self.hybrid = runtime.HybridModel.of(model_runner, draft_worker, kind)
 
