@@ -907,6 +907,14 @@ def sglang_linear_captured_in_prefill_graph():
     return _replace(layer, "_eager_linear_attention", layer.__dict__["_eager_linear_attention"].__wrapped__)
 
 
+def sglang_mamba_mixer_captured_in_prefill_graph():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.models import nemotron_h
+    # Nemotron-H's mixer call without its eager_on_graph op, as Granite 4.0-H's and Falcon-H1's layers make it
+    return _replace(nemotron_h, "breakable_nemotron_mamba2_with_output", nemotron_h.nemotron_mamba2_with_output)
+
+
 def graph_captures_linear():
     import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
@@ -967,6 +975,12 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "segments and every replay reuses the capture batch's metadata and state slots; Qwen3.5 GSM8K fell from "
            "86.7% to 16.5% with no error (on a CPU, where nothing is captured, the capture's break count sees it)",
            ("graph(hybrid(sglang.triton,sglang.gdn))",), ("graph_replay",), modes=("extend",), engine="sglang"),
+    Mutant("sglang_mamba_mixer_captured_in_prefill_graph", "SGLang's Nemotron-H mamba layer calls its mixer "
+           "without the eager_on_graph op, as Granite 4.0-H's and Falcon-H1's layers do "
+           "(docs/findings/sglang-mamba2-mixer-captured-in-prefill-graph.md): the conv and SSD kernels are captured "
+           "into the prefill graph with the capture batch's Mamba-2 metadata; an illegal memory access on an H100, "
+           "the break count on a CPU",
+           ("graph(hybrid(sglang.triton,sglang.mamba2))",), ("graph_replay",), modes=("extend",), engine="sglang"),
     Mutant("sglang_one_arg_mha_chunk", "a full-attention child whose init_mha_chunk_metadata takes only the batch "
            "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
            "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
