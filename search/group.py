@@ -257,7 +257,7 @@ def _attempt(group: Group, members: list[_Member], profile: Profile, device: str
                 continue
             if group.admits(m.row, spec) is not None:
                 continue
-            if steered_off(spec, m.steer_off, m.failures, m.result):
+            if steered_off(spec, m.steer_off, m.failures, m.result, m.row.property.before):
                 continue
             outcome, verdict = run(m, spec)
             if outcome == ADAPTER and not m.result.context_poisoned:

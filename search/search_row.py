@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
+from typing import Callable
 
 from hypothesis import given, reject
 from hypothesis.errors import Flaky, HypothesisException, Unsatisfiable
@@ -103,11 +104,16 @@ def row_budget(row: Row, profile: Profile, device: str, max_examples: int | None
 PASSED, KNOWN, ADAPTER, FAILED, POISONED = "passed", "known", "adapter", "failed", "poisoned"
 
 
-def steered_off(spec: BatchSpec, steer_off: list, failures: list, result: RowOutcome) -> bool:
+def steered_off(spec: BatchSpec, steer_off: list, failures: list, result: RowOutcome,
+                before: Callable[[BatchSpec], BatchSpec] | None = None) -> bool:
     """Whether ``spec`` has what a known bug this row met needs (counted in ``result.steered``): not run. Never once a
     new failure is found: its shrinking and final replay must see every batch they try (a rejected replay reads as
-    flaky)."""
-    met = None if failures else next((entry for entry in steer_off if entry.could_show(spec)), None)
+    flaky). ``before``: the batch the row's property runs first (replan's, ``Property.before``), whose known bugs
+    steer too: the ledger judges a crash there by that batch."""
+    if failures or not steer_off:
+        return False
+    batches = (spec,) if before is None else (spec, before(spec))
+    met = next((entry for entry in steer_off if any(entry.could_show(b) for b in batches)), None)
     if met is not None:
         result.steered[met.id] = result.steered.get(met.id, 0) + 1
     return met is not None
@@ -250,7 +256,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     def probe(spec: BatchSpec) -> None:
         if shrink_time_spent():
             raise ShrinkBudgetSpent
-        if steered_off(spec, steer_off, failures, result):
+        if steered_off(spec, steer_off, failures, result, row.property.before):
             reject()  # Hypothesis draws another
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)

@@ -15,6 +15,7 @@ class StandInProperty:
     name: str = "outputs"
     strategy_options: tuple = ()
     runs_twice: bool = False
+    before = None  # Property.before: no batch run ahead of the drawn one
 
     def options(self, composition, mode) -> dict:
         return dict(self.strategy_options)

@@ -121,3 +121,18 @@ def test_a_known_bug_met_while_a_new_one_shrinks_does_not_steer_its_replay(tmp_p
     assert not result.ok and any(n >= 5 for n in prop.seen)
     assert "failed once" not in str(result.failure)  # not reported as flaky
     assert result.spec.num_tokens == 5  # shrunk to the smallest failing batch
+
+
+def test_the_batch_a_property_runs_first_steers_too():
+    # replan runs a batch of the drawn one's shapes first (Property.before) and the ledger judges a crash there by that
+    # batch: a draw whose batch before has a known bug's shape is steered off like one that has it itself (found by
+    # review: steering read the drawn batch only)
+    from search.outcome import RowOutcome
+    from search.search_row import steered_off
+
+    two = BatchSpec(ForwardMode.EXTEND, (0,), (2,), (MHALayer(0, 4, 2, 16, 16),))
+    grown = lambda spec: dataclasses.replace(spec, extend_lens=(3,))  # noqa: E731 - a stand-in batch before
+    result = RowOutcome("row", "c", "extend", "p")
+    assert not steered_off(two, [Entry()], [], result)
+    assert steered_off(two, [Entry()], [], result, grown) and result.steered == {"three-tokens": 1}
+    assert not steered_off(two, [Entry()], [("a new failure", None)], result, grown)  # never while one shrinks
