@@ -560,6 +560,11 @@ COULD_SHOW = {
     "tbo_linear_plain_split": lambda spec: _tbo_linear_plain_cut(spec),
     "tbo_linear_stray_writes": lambda spec: _tbo_linear_plain_cut(spec),
     "tbo_mrope_unsliced": lambda spec: spec.mrope is not None,
+    # Every extend through a prefill graph with such a layer: once met, the row's other draws are not run
+    "conv_layer_captured_in_prefill_graph": lambda spec: spec.mode is ForwardMode.EXTEND and any(
+        layer.kind == "short_conv" for layer in spec.layers),
+    "mamba_mixer_captured_in_prefill_graph": lambda spec: spec.mode is ForwardMode.EXTEND and any(
+        layer.kind == "mamba2" for layer in spec.layers),
 }
 
 
