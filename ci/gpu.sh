@@ -27,7 +27,9 @@ t0=$(date +%s)
 "$PY" -m harness warmup --profile gpu --budget "$(( job * 2 / 5 ))s" ||
   echo "ci/gpu.sh: the warmup failed; the run compiles what it lacks" >&2
 t1=$(date +%s)
-"$PY" -m pytest -n auto --profile gpu tests || status=1
+# The matrix's rows are the run's to search, within its budget: as tests under the gpu profile they took 249 s for 121
+# of ~1500 rows on a cold H100 (harness-out/gpu59.sh, note22), the whole job's time several times over
+"$PY" -m pytest -n auto --profile gpu tests --ignore=tests/test_matrix.py || status=1
 t2=$(date +%s)
 left=$(( job - (t2 - t0) - 30 ))  # 30 s for the reports after the search
 [ "$left" -ge 120 ] || left=120
