@@ -520,6 +520,10 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
 }
 
 
+def _extend_with(spec: BatchSpec, kind: str) -> bool:
+    return spec.mode is ForwardMode.EXTEND and any(layer.kind == kind for layer in spec.layers)
+
+
 def _window_layers(spec: BatchSpec) -> list[int]:
     return [w for w in (getattr(layer, "sliding_window", None) for layer in spec.layers) if w is not None]
 
@@ -561,10 +565,8 @@ COULD_SHOW = {
     "tbo_linear_stray_writes": lambda spec: _tbo_linear_plain_cut(spec),
     "tbo_mrope_unsliced": lambda spec: spec.mrope is not None,
     # Every extend through a prefill graph with such a layer: once met, the row's other draws are not run
-    "conv_layer_captured_in_prefill_graph": lambda spec: spec.mode is ForwardMode.EXTEND and any(
-        layer.kind == "short_conv" for layer in spec.layers),
-    "mamba_mixer_captured_in_prefill_graph": lambda spec: spec.mode is ForwardMode.EXTEND and any(
-        layer.kind == "mamba2" for layer in spec.layers),
+    "conv_layer_captured_in_prefill_graph": lambda spec: _extend_with(spec, "short_conv"),
+    "mamba_mixer_captured_in_prefill_graph": lambda spec: _extend_with(spec, "mamba2"),
 }
 
 

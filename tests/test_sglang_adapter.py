@@ -637,6 +637,30 @@ def test_a_nemotron_h_mamba_layer_breaks_the_prefill_graph_through_its_split_op(
 
 
 @needs_sglang
+@pytest.mark.parametrize("composition", ["hybrid(sglang.torch_native,sglang.mamba2_granite)",
+                                         "tbo(hybrid(sglang.torch_native,sglang.mamba2_granite))"])
+def test_a_granite_shaped_mamba_layer_hands_its_mixer_over_as_granite_does(device, composition):
+    # The Granite leaf's call (Mamba2AttnBackend.forward with an output buffer, no graph break), under TBO's child
+    # adapters too (found by review: there the Nemotron-H call ran instead, silently)
+    from backends.sglang.adapter import SglangMamba2Granite
+
+    runtime.load()
+    calls = []
+    granite = SglangMamba2Granite.hand_over
+
+    def spy(block, hidden_states, sfb, backend):
+        calls.append(type(backend).__name__)
+        return granite(block, hidden_states, sfb, backend)
+
+    layers = (Mamba2Layer(0, 4, 8, 2, 16, chunk_size=16), MHALayer(1, 4, 2, 16, 16))
+    extend = BatchSpec(ForwardMode.EXTEND, (5, 0), (6, 3), layers, dtype="float32", seed=4)
+    with mock.patch.object(SglangMamba2Granite, "hand_over", staticmethod(spy)):
+        verdict = PROPERTIES["outputs"].run(parse(composition), extend, device)
+    assert verdict.ok, str(verdict)
+    assert calls and set(calls) == {"HybridLinearAttnBackend"}, calls
+
+
+@needs_sglang
 def test_a_prefill_graph_scope_that_does_not_take_hold_is_an_adapter_error(device):
     # Were the adapter's scope to miss a flag the installed release's layers read, they would take no break and the
     # break count would blame SGLang; the scope checks the engine's own predicates instead, in the adapter's code.

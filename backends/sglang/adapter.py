@@ -657,31 +657,15 @@ class SglangBackend(_SglangObject):
         return o[:, :hidden].reshape(bcx.shape[0], 1, hidden)
 
     def _run_mamba2(self, layer, forward_batch, zxbcdt, via=None) -> torch.Tensor:
-        """zxbcdt ``[T, I + conv_dim + H]`` -> o ``[T, H, P]`` through SGLang's Nemotron-H mamba layer, which hands
-        its mixer to the hybrid's Mamba2AttnBackend."""
+        """zxbcdt ``[T, I + conv_dim + H]`` -> o ``[T, H, P]`` through SGLang's Nemotron-H mamba layer, its mixer handed
+        to the hybrid's Mamba2AttnBackend as the model's layer does (the Mamba-2 leaf's ``hand_over``)."""
         T, s = zxbcdt.shape[0], layer.spec
         if forward_batch.forward_mode.is_idle():  # Nemotron-H's decoder layers skip idle batches before their mixer
             return zxbcdt.new_empty(0, s.num_heads, s.head_dim)  # (models/nemotron_h.py:616)
         block = self._mamba2_layer(layer)
-        if getattr(self, "linear", None) is not None and self.linear.mixer_call == "backend_forward":
-            def mixer(hidden_states, sfb):
-                # GraniteMoeHybrid's and Falcon-H1's decoder layers: the hybrid from the forward context, then its
-                # Mamba-2 backend's forward with an output buffer, no graph break (models/granitemoehybrid.py:146-157)
-                backend = via or self.inner
-                if not isinstance(backend, self.sgl.HybridLinearAttnBackend):
-                    raise RuntimeError(f"a Granite-shaped mamba layer runs under a HybridLinearAttnBackend, not "
-                                       f"{type(backend).__name__}")
-                output = torch.empty_like(hidden_states)
-                backend.linear_attn_backend.forward(mixer=block.mixer, layer_id=block.layer_id,
-                                                    hidden_states=hidden_states, output=output, forward_batch=sfb,
-                                                    use_triton_causal_conv=True)
-                return output
-        else:
-            # Nemotron-H's decoder layer's call into its mixer: ``_forward_mixer`` (0.5.22 on), which under a
-            # breakable prefill graph breaks out of it through the model's split op (models/nemotron_h.py,
-            # breakable_nemotron_mamba2_with_output) and otherwise runs ``_forward_mamba``, the only call before it
-            mixer = getattr(block, "_forward_mixer", block._forward_mamba)
-        o = self._run_recurrent(layer, forward_batch, via, lambda sfb: mixer(zxbcdt, sfb))
+        hand_over = self.linear.hand_over  # the hybrid's Mamba-2 leaf: how its model's layer calls the mixer
+        o = self._run_recurrent(layer, forward_batch, via,
+                                lambda sfb: hand_over(block, zxbcdt, sfb, via or self.inner))
         return o[:T, :s.intermediate].reshape(T, s.num_heads, s.head_dim)
 
     def forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache: bool = True, *,
@@ -1040,8 +1024,12 @@ class SglangMamba2(_LinearChild):
         hybrid_draft_worker=False,
         slow_on_cpu="the interpreted SSD chunk-scan kernels take seconds a case",
     )
-    # How the model's mamba decoder layer hands its mixer to the backend: Nemotron-H's ``_forward_mixer``
-    mixer_call = "nemotron_h"
+    @staticmethod
+    def hand_over(block, hidden_states, sfb, backend):
+        """Nemotron-H's decoder layer's call into its mixer: ``_forward_mixer`` (0.5.22 on), which under a breakable
+        prefill graph breaks out of it through the model's split op (models/nemotron_h.py,
+        breakable_nemotron_mamba2_with_output) and otherwise runs ``_forward_mamba``, the only call before it."""
+        return getattr(block, "_forward_mixer", block._forward_mamba)(hidden_states, sfb)
 
 
 class SglangMamba2Granite(SglangMamba2):
@@ -1056,7 +1044,18 @@ class SglangMamba2Granite(SglangMamba2):
     # the same ``Mamba2AttnBackend.forward`` there), so its other modes and decode graphs would repeat those rows
     capabilities = dataclasses.replace(SglangMamba2.capabilities, modes=frozenset({ForwardMode.EXTEND}),
                                        cuda_graph_modes=frozenset())
-    mixer_call = "backend_forward"
+
+    @staticmethod
+    def hand_over(block, hidden_states, sfb, backend):
+        """GraniteMoeHybrid's and Falcon-H1's decoder layers: the hybrid from the forward context (``backend``), then
+        its Mamba-2 backend's forward with an output buffer, no graph break (models/granitemoehybrid.py:146-157)."""
+        if not isinstance(backend, runtime.load().HybridLinearAttnBackend):
+            raise RuntimeError(f"a Granite-shaped mamba layer runs under a HybridLinearAttnBackend, not "
+                               f"{type(backend).__name__}")
+        output = torch.empty_like(hidden_states)
+        backend.linear_attn_backend.forward(mixer=block.mixer, layer_id=block.layer_id, hidden_states=hidden_states,
+                                            output=output, forward_batch=sfb, use_triton_causal_conv=True)
+        return output
 
 
 class SglangHybrid(SglangBackend):
@@ -1139,6 +1138,7 @@ class _TboChild(SglangBackend):
         self.states = parent.primary.states
         self.inner = parent.inner.children[index]
         self.radix = parent.primary.radix  # the model's layer objects are the same for both halves
+        self.linear = getattr(parent.primary, "linear", None)  # a hybrid's linear leaf: how its mixer is handed over
         self.batches = {}
         self.leaf = type(parent.primary)  # the wrapped adapter's class: how its layers are called, its plans read
 
