@@ -38,11 +38,43 @@ def _cache_file() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attn-harness" / "interpreter-probe.json"
 
 
-@cache
+def late_switch() -> str | None:
+    """Why this process cannot interpret Triton kernels although ``TRITON_INTERPRET=1`` is set, or None.
+
+    ``triton.jit`` reads the switch when a kernel is defined. Set after triton was imported (on a GPU host, by a
+    caller that asked for the CPU in a process that had already imported it), it makes every kernel defined later
+    interpreted while triton's own library functions (``tl.max``, ``tl.sum``: ``triton/language/standard.py``)
+    stay compiled, and the first interpreted kernel that calls one raises "Cannot call @triton.jit'd outside of
+    the scope of a kernel". Seen on the lent H100: SGLang's Triton rows on the GPU crashed that way after a
+    CPU-device test in the same pytest worker set the switch."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None or not os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    from triton.runtime.jit import JITFunction
+
+    if isinstance(getattr(standard, "max", None), JITFunction):
+        return ("TRITON_INTERPRET=1 was set after triton was imported in this process, so its library kernels are "
+                "compiled and interpreted ones cannot call them: run the CPU rows in a fresh process")
+    return None
+
+
 def interpreter_fault() -> str | None:
-    """One line saying why Triton's interpreter cannot run kernels here, or None when the probe kernel computes
-    its expected result. The verdict is kept per environment (``_environment``) in the user's cache folder: every
-    process of a run or sweep asks, and the probe (importing Triton, running a kernel) costs seconds."""
+    """One line saying why Triton's interpreter cannot run kernels in this process, or None: the process's own
+    state (``late_switch``) first, then the environment's verdict (``environment_fault``). Where it can, the
+    interpreter is made to skip its redundant patching (``skip_repatching_in_device_calls``) before any row runs."""
+    fault = late_switch() or environment_fault()
+    if fault is None and os.environ.get("TRITON_INTERPRET") == "1":
+        skip_repatching_in_device_calls()
+    return fault
+
+
+@cache
+def environment_fault() -> str | None:
+    """One line saying why Triton's interpreter cannot run kernels in this environment, or None when the probe
+    kernel computes its expected result. The verdict is kept per environment (``_environment``) in the user's cache
+    folder: every process of a run or sweep asks, and the probe (importing Triton, running a kernel) costs seconds.
+    Asked only where the switch was not late (``interpreter_fault``): there the probe would fail for the process's
+    sake, and its verdict would be kept for the environment."""
     key, path = _environment(), _cache_file()
     try:
         known = json.loads(path.read_text())
@@ -103,3 +135,52 @@ def _probe() -> str | None:
         message = str(e).splitlines()[0] if str(e) else ""
         return f"Triton's interpreter fails on this machine ({versions}): {type(e).__name__}: {message}"
     return None
+
+
+# The launch in progress (whether one is, and which language modules it patched); "skip": off, Triton's own way
+_device_calls = {"grid": False, "patched": frozenset(), "skip": True}
+
+
+def skip_repatching_in_device_calls() -> None:
+    """Let a device function called inside an interpreted kernel run under the kernel's patched ``triton.language``
+    instead of patching it again.
+
+    Triton's interpreter patches ``triton.language`` for a launch (``GridExecutor.__call__`` -> ``_patch_lang``) and
+    again at every call of a ``@triton.jit`` device function inside it (``InterpretedFunction.__call__``, triton
+    3.6-3.8), for each program of the grid. The second patching finds the launch's patches in place and changes
+    nothing, but costs an ``inspect.getmembers`` over the language modules per call: 27% of a ci-profile
+    ``graph(sglang.triton)`` draft-decode row's 57 s (cProfile: 18,667 ``_patch_lang`` calls, 15.5 s), since SGLang's
+    kernels call ``tl.cdiv`` and their own helpers in every program. A device function whose module sees a language
+    module the launch did not patch is patched as before. Idempotent; a no-op where the interpreter's layout differs.
+    """
+    try:
+        from triton.runtime import interpreter as tri
+    except ImportError:
+        return
+    real_patch, real_grid_call = getattr(tri, "_patch_lang", None), getattr(tri.GridExecutor, "__call__", None)
+    if real_patch is None or real_grid_call is None or getattr(real_patch, "skips_device_calls", False):
+        return
+    language = [m for m in (getattr(tri, "tl", None), getattr(getattr(tri, "tl", None), "core", None)) if m]
+
+    def langs(fn) -> frozenset:
+        return frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in language))
+
+    def patch_lang(fn):
+        if _device_calls["skip"] and _device_calls["grid"] and langs(fn) <= _device_calls["patched"]:
+            return tri._LangPatchScope()  # nothing changed, nothing to restore
+        scope = real_patch(fn)
+        if _device_calls["grid"]:
+            _device_calls["patched"] = _device_calls["patched"] | langs(fn)
+        return scope
+
+    def grid_call(self, *args, **kwargs):
+        outer = _device_calls["grid"], _device_calls["patched"]
+        _device_calls.update(grid=True, patched=frozenset())
+        try:
+            return real_grid_call(self, *args, **kwargs)
+        finally:
+            _device_calls["grid"], _device_calls["patched"] = outer
+
+    patch_lang.skips_device_calls = True
+    tri._patch_lang = patch_lang
+    tri.GridExecutor.__call__ = grid_call

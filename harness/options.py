@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,7 +29,10 @@ def resolve_device(requested: str) -> str:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda asked for, but no CUDA GPU is visible (use --device cpu)")
-    if requested == "cpu":
+    if requested == "cpu" and "triton" not in sys.modules:
+        # Too late once triton is imported (a caller's process on a GPU host): the switch would interpret the
+        # kernels defined from then on and not triton's own, and they cannot run together
+        # (backends/interpreter.py late_switch). Left unset, the interpreted rows say they need it.
         os.environ.setdefault("TRITON_INTERPRET", "1")
     return requested
 

@@ -15,6 +15,8 @@ _OWN = tuple(_PROJECT / d for d in ("backends", "batch", "engine", "harness", "p
 # Harness code on the engine's side: a mutant's patched-in function is the engine's code, and the interpreter's
 # bounds checker raises on behalf of the engine's kernel that read or wrote outside its tensors
 _ENGINE_STAND_INS = (_PROJECT / "harness" / "mutants", _PROJECT / "backends" / "sglang" / "interpreter_shims.py")
+# Harness code inside Triton's interpreter (a launch goes through it as through Triton's own frames): neither side's
+_TOOLCHAIN = (_PROJECT / "backends" / "interpreter.py",)
 
 
 # Errors a GPU reports asynchronously: raised by whichever later call synchronizes (a .tolist(), a copy), so the
@@ -49,6 +51,8 @@ def adapter_frame(e: BaseException, composition: Composition) -> str | None:
     engine_root = None if engine_root is None else engine_root.resolve()
     for frame in reversed(traceback.extract_tb(e.__traceback__)):
         path = Path(frame.filename).resolve()
+        if path in _TOOLCHAIN:
+            continue
         if (engine_root is not None and engine_root in path.parents) or \
                 any(d == path or d in path.parents for d in _ENGINE_STAND_INS):
             return None

@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from batch.spec import BatchSpec, ForwardMode, MHALayer
 from properties import Property
@@ -56,6 +57,21 @@ def test_a_crash_in_the_harness_around_the_engine_is_an_adapter_error(fake_engin
     assert adapter_frame(_raised(lambda: fake_engine.calls(_project_fails)), ENGINE).endswith("in _one_shape")
     # the harness's own compositions: every crash is a finding of the backend under test
     assert adapter_frame(_raised(_project_fails), HARNESS) is None
+
+
+def test_the_interpreters_launch_wrapper_is_neither_sides(fake_engine, monkeypatch):
+    """backends/interpreter.py wraps Triton's interpreted launch (skip_repatching_in_device_calls): an engine kernel
+    that reads out of bounds raises through it as through Triton's own frames, and stays the engine's finding (the
+    wrapper's frame made four short_conv rows' known out-of-bounds read an adapter error)."""
+    from backends import interpreter
+
+    # a wrapper frame of that file between the engine's call and the library frame that raised (this test's own
+    # frames are neither side's, as Triton's are)
+    launch = compile("def launch(fn):\n    return fn()\n", interpreter.__file__, "exec")
+    scope = {}
+    exec(launch, scope)
+    kernel = lambda: torch.zeros(2)[5]  # noqa: E731 - the interpreter's bounds check, raising
+    assert adapter_frame(_raised(lambda: fake_engine.calls(lambda: scope["launch"](kernel))), ENGINE) is None
 
 
 def test_the_engine_reading_what_the_adapters_stand_in_lacks_is_an_adapter_error(fake_engine):

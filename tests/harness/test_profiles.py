@@ -4,6 +4,7 @@ every rotating configuration comes round within a week of two-shard nightly runs
 from __future__ import annotations
 
 import datetime
+import os
 
 import pytest
 
@@ -42,7 +43,8 @@ def test_bad_names(name, message):
 @pytest.mark.parametrize("device, backend, slow, long_drawn", [
     ("cpu", "triton", True, False), ("cpu", "triton", False, False), ("cpu", "torch_native", False, True),
     ("cuda", "triton", True, True)])
-def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, device, backend, slow, long_drawn):
+def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, device, backend, slow, long_drawn,
+                                                         interpreted_rows_listed):
     """A nightly case of interpreted Triton over 36k cached keys ran for over 25 minutes: on a CPU the rows
     whose kernels are interpreted search without the long-context shape, whether or not they declare slow_on_cpu
     (SGLang's Triton does not: it draws the profile's examples); the PyTorch backends and a GPU keep it. Only a
@@ -94,11 +96,38 @@ def test_a_broken_triton_interpreter_makes_interpreted_rows_unavailable_not_find
 
 
 def test_the_interpreter_probe_passes_where_the_interpreter_works(monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU host's tests run Triton compiled, never interpreted (and the lent image's interpreter, "
+                    "triton 3.6.0, is broken: its CPU rows are then unavailable, the test above)")
     from backends.interpreter import interpreter_fault
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
     assert interpreter_fault() is None
+
+
+def test_a_switch_set_after_triton_was_imported_is_not_taken_for_an_interpreter(monkeypatch):
+    """On the lent H100, a CPU-device test set TRITON_INTERPRET=1 in a pytest worker that had imported triton:
+    SGLang's kernels defined later were interpreted, triton's own stayed compiled, and every SGLang Triton row on
+    the GPU then crashed in that worker ("Cannot call @triton.jit'd outside of the scope of a kernel")."""
+    triton = pytest.importorskip("triton")
+    from triton.runtime.jit import JITFunction
+
+    from backends import interpreter
+    from backends.registry import leaf_capabilities
+    from harness.options import resolve_device
+
+    standard = triton.language.standard
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    compiled_max = JITFunction(standard.max.fn) if not isinstance(standard.max, JITFunction) else standard.max
+    monkeypatch.setattr(standard, "max", compiled_max)  # triton as imported before the switch was set
+    monkeypatch.setattr(interpreter, "environment_fault", lambda: pytest.fail("probed in a process that cannot tell"))
+    assert "after triton was imported" in interpreter.interpreter_fault()
+    assert "after triton was imported" in leaf_capabilities("triton").unavailable_reason("cpu")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert resolve_device("cpu") == "cpu" and "TRITON_INTERPRET" not in os.environ  # too late: left unset
 
 
 def test_the_interpreter_probe_runs_once_per_environment(monkeypatch, tmp_path):
@@ -110,10 +139,10 @@ def test_the_interpreter_probe_runs_once_per_environment(monkeypatch, tmp_path):
     monkeypatch.setattr(interpreter, "_probe", lambda: calls.append(1) or "broken here")
     for env in ("triton 3.6.0 ...", "triton 3.6.0 ...", "triton 3.8.0 ..."):
         monkeypatch.setattr(interpreter, "_environment", lambda env=env: env)
-        interpreter.interpreter_fault.cache_clear()
-        assert interpreter.interpreter_fault() == "broken here"
+        interpreter.environment_fault.cache_clear()
+        assert interpreter.environment_fault() == "broken here"
     assert len(calls) == 2  # once per environment, the second process read the first one's verdict
-    interpreter.interpreter_fault.cache_clear()
+    interpreter.environment_fault.cache_clear()
 
 
 def test_draws_take_no_constants_from_local_source():
