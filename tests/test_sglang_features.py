@@ -249,3 +249,33 @@ def test_a_release_without_kdas_safe_gate_draws_and_takes_standard_gates_only(tm
             assert (support.unsupported_reason(safe) is None) is takes
     finally:
         features.forget()
+
+
+def test_modules_a_failed_import_left_without_their_package_are_forgotten_before_loading(tmp_path, monkeypatch):
+    """A package whose __init__ raised is forgotten, the submodules it had imported are not; under a namespace
+    package (SGLang's ``srt`` has no __init__.py) the next import then fails with KeyError: the package's name. On
+    the lent H200 eight tests' first load in their pytest worker failed so; runtime.load forgets the orphans first."""
+    import importlib
+    import sys
+
+    root = tmp_path / "fakeengine_ns"
+    (root / "srt").mkdir(parents=True)
+    (root / "__init__.py").write_text("import fakeengine_ns.srt.configs\nimport sgl_kernel_that_is_absent\n")
+    (root / "srt" / "configs.py").write_text("")
+    (root / "srt" / "layers.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [n for n in sys.modules if n.startswith("fakeengine_ns")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("fakeengine_ns.srt.configs")
+    assert "fakeengine_ns" not in sys.modules and "fakeengine_ns.srt" in sys.modules  # the orphans
+    with pytest.raises(KeyError, match="fakeengine_ns"):
+        importlib.import_module("fakeengine_ns.srt.layers")
+
+    runtime._forget_orphans("fakeengine_ns")
+    assert not [n for n in sys.modules if n.startswith("fakeengine_ns")]
+    (root / "__init__.py").write_text("")  # the import can now succeed (the stand-in's role in load)
+    importlib.invalidate_caches()
+    assert importlib.import_module("fakeengine_ns.srt.layers")
+    for name in [n for n in sys.modules if n.startswith("fakeengine_ns")]:
+        del sys.modules[name]

@@ -19,7 +19,6 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
-import os
 import sys
 import types
 from dataclasses import dataclass
@@ -183,6 +182,21 @@ def _define_sgl_kernel_ops() -> None:
     _SGL_KERNEL_LIBRARY.append(library)
 
 
+def _forget_orphans(package: str = "sglang") -> None:
+    """Forget the modules of ``package`` whose parent is not loaded: what an earlier failed import left behind.
+
+    When a package's ``__init__`` raises, Python forgets the package but keeps the submodules it had imported by
+    then; ``sglang.srt`` is a namespace package (no ``__init__.py``), and importing anything under it finds it in
+    ``sys.modules`` and asks its parent for a path: ``KeyError: 'sglang'`` (``_NamespacePath._get_parent_path``).
+    Seen on the lent H200: a pytest worker's first load failed that way after an earlier test's import of SGLang
+    had failed on the absent sgl_kernel (imports in the engine's ``__init__`` on a GPU)."""
+    names = sorted((n for n in sys.modules if n == package or n.startswith(package + ".")), key=lambda n: n.count("."))
+    for name in names:
+        parent = name.rpartition(".")[0]
+        if parent and parent not in sys.modules:
+            sys.modules.pop(name, None)
+
+
 def _drop_partial_imports() -> None:
     """Forget the SGLang modules a failed import left half-initialised, so the retry imports them afresh."""
     for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
@@ -306,6 +320,7 @@ def load() -> SimpleNamespace:
     import warnings
 
     warnings.filterwarnings("ignore", module="sglang")
+    _forget_orphans()
     try:
         try:
             cpu_ops = _layer_ops_on_cpu()
@@ -324,12 +339,35 @@ def load() -> SimpleNamespace:
         compat.enter_single_rank()
     except Exception as e:  # noqa: BLE001 - raised again as what it is: the harness could not load the engine
         _drop_partial_imports()
-        raise RuntimeError(f"loading sglang {installed_version()} failed: {type(e).__name__}: {e}") from e
-    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError(f"loading sglang {installed_version()} failed: {type(e).__name__}: {e}"
+                           f"{_where(e)}") from e
+    if _triton_interprets():
         from backends.sglang import interpreter_shims
 
         interpreter_shims.apply()
     return SimpleNamespace(shims=shims, **names)
+
+
+def _where(e: BaseException) -> str:
+    """Where a failed load raised, innermost frame first and the last of SGLang's own after it (an import error's
+    message alone names no file: a KeyError: 'sglang' on the lent H100 said nothing of where)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return ""
+    engine = [f for f in reversed(frames[:-1]) if "/sglang/" in f.filename and "/backends/sglang/" not in f.filename]
+    shown = [frames[-1]] + engine[:1]
+    return " (raised at " + ", from ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} in {f.name}"
+                                           for f in shown) + ")"
+
+
+def _triton_interprets() -> bool:
+    """Whether SGLang's Triton kernels were defined interpreted (what ``triton.jit`` gave them, not what the
+    environment says now: a switch set after triton's import interprets only later kernels)."""
+    triton_jit = sys.modules.get("triton.runtime.jit")
+    standard = sys.modules.get("triton.language.standard")
+    return triton_jit is not None and standard is not None and not isinstance(standard.max, triton_jit.JITFunction)
 
 
 def _layer_ops_on_cpu() -> list[str]:
