@@ -77,13 +77,16 @@ def test_failure_writes_a_case_file_that_replays(tmp_path, capfd):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["rows"][0]["ok"] and report["rows"][0]["cases"] > 0
 
-    # The same run with a fault injected fails and leaves a small, replayable case behind.
+    # The same run with a fault injected fails and leaves a small, replayable case behind. Shrinking gets a
+    # minute, not the profile's 10 s: on a GPU host's loaded pytest (16 workers compiling kernels) 10 s left a
+    # two-request case (harness-out/gpu61.sh); on a 2-core CPU the whole test takes about 5 s.
     from harness.mutants.catalogue import MUTANTS
 
     fault = MUTANTS["gqa_modulo_mapping"]
     with fault.patch():
         code = main(["run", "--device", "cpu", "--backends", "torch_native", "--properties", "outputs",
-                     "--modes", "decode", "--out", str(tmp_path / "f"), "--db", str(tmp_path / "db2")])
+                     "--modes", "decode", "--shrink-seconds", "60", "--out", str(tmp_path / "f"),
+                     "--db", str(tmp_path / "db2")])
     printed = capfd.readouterr().out
     assert code == 1, printed
     cases = list((tmp_path / "f" / "cases").glob("torch_native-*.json"))  # tbo(torch_native) fails too
