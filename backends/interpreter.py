@@ -47,15 +47,19 @@ def late_switch() -> str | None:
     stay compiled, and the first interpreted kernel that calls one raises "Cannot call @triton.jit'd outside of
     the scope of a kernel". Seen on the lent H100: SGLang's Triton rows on the GPU crashed that way after a
     CPU-device test in the same pytest worker set the switch."""
-    standard = sys.modules.get("triton.language.standard")
-    if standard is None or not os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(getattr(standard, "max", None), JITFunction):
+    if os.environ.get("TRITON_INTERPRET") == "1" and triton_interprets() is False:
         return ("TRITON_INTERPRET=1 was set after triton was imported in this process, so its library kernels are "
                 "compiled and interpreted ones cannot call them: run the CPU rows in a fresh process")
     return None
+
+
+def triton_interprets() -> bool | None:
+    """Whether triton, as imported in this process, interprets its kernels: what ``triton.jit`` made of its own
+    library functions, whatever the environment says now (None: triton is not imported yet)."""
+    standard, jit = sys.modules.get("triton.language.standard"), sys.modules.get("triton.runtime.jit")
+    if standard is None or jit is None:
+        return None
+    return not isinstance(getattr(standard, "max", None), jit.JITFunction)
 
 
 def interpreter_fault() -> str | None:

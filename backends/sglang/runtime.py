@@ -341,7 +341,9 @@ def load() -> SimpleNamespace:
         _drop_partial_imports()
         raise RuntimeError(f"loading sglang {installed_version()} failed: {type(e).__name__}: {e}"
                            f"{_where(e)}") from e
-    if _triton_interprets():
+    from backends.interpreter import triton_interprets
+
+    if triton_interprets():  # SGLang's kernels were defined interpreted (not: the environment says so now)
         from backends.sglang import interpreter_shims
 
         interpreter_shims.apply()
@@ -360,14 +362,6 @@ def _where(e: BaseException) -> str:
     shown = [frames[-1]] + engine[:1]
     return " (raised at " + ", from ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} in {f.name}"
                                            for f in shown) + ")"
-
-
-def _triton_interprets() -> bool:
-    """Whether SGLang's Triton kernels were defined interpreted (what ``triton.jit`` gave them, not what the
-    environment says now: a switch set after triton's import interprets only later kernels)."""
-    triton_jit = sys.modules.get("triton.runtime.jit")
-    standard = sys.modules.get("triton.language.standard")
-    return triton_jit is not None and standard is not None and not isinstance(standard.max, triton_jit.JITFunction)
 
 
 def _layer_ops_on_cpu() -> list[str]:
