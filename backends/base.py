@@ -220,8 +220,11 @@ class Capabilities:
             if fault:
                 return fault
         if self.engine == "sglang":
-            from backends.sglang.runtime import unavailable_reason
+            from backends.sglang.runtime import cpu_on_a_cuda_host, unavailable_reason
 
+            reason = cpu_on_a_cuda_host() if device == "cpu" else None
+            if reason:
+                return reason
             reason = unavailable_reason(self.engine_features + (self.cpu_engine_features if device == "cpu" else ()))
             if reason:
                 return reason

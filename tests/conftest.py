@@ -50,13 +50,16 @@ def profile(request):
 
 
 @pytest.fixture
-def interpreted_rows_listed(monkeypatch):
-    """For tests of the planning over a CPU's interpreted rows (matrix, groups, budgets) that run no kernel: those
-    rows are listed whether or not this process can interpret Triton. A GPU host's pytest never switches the
-    interpreter on (it would interpret the GPU rows' kernels too), and the lent image's interpreter is broken
-    (backends/interpreter.py); there such a test would plan over fewer rows and fail for the host's sake."""
+def cpu_rows_listed(monkeypatch):
+    """For tests of the planning over a CPU's rows (matrix, groups, budgets) that run no kernel: every CPU row is
+    listed whatever this host can run. A GPU host's pytest never switches Triton's interpreter on (it would interpret
+    the GPU rows' kernels too), the lent image's interpreter is broken (backends/interpreter.py), and SGLang's CPU
+    path needs a host without CUDA (backends/sglang/runtime.py cpu_on_a_cuda_host); there such a test would plan
+    over fewer rows and fail for the host's sake."""
     from backends import base, interpreter
+    from backends.sglang import runtime
 
     real = base.env_flag
     monkeypatch.setattr(base, "env_flag", lambda name: name == "TRITON_INTERPRET" or real(name))
     monkeypatch.setattr(interpreter, "interpreter_fault", lambda: None)
+    monkeypatch.setattr(runtime, "cpu_on_a_cuda_host", lambda: None)

@@ -22,8 +22,8 @@ from search.search_row import row_options, row_strategy
 from search.strategies import drawable, merge_options
 from tests.stand_ins import StandInProperty
 
-# Planning over the CPU rows, interpreted Triton among them, on whatever host runs the tests (conftest.py)
-pytestmark = pytest.mark.usefixtures("interpreted_rows_listed")
+# Planning over the CPU rows (interpreted Triton, SGLang) on whatever host runs the tests (conftest.py)
+pytestmark = pytest.mark.usefixtures("cpu_rows_listed")
 
 PROFILE = PROFILES["ci"]
 

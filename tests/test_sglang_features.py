@@ -279,3 +279,19 @@ def test_modules_a_failed_import_left_without_their_package_are_forgotten_before
     assert importlib.import_module("fakeengine_ns.srt.layers")
     for name in [n for n in sys.modules if n.startswith("fakeengine_ns")]:
         del sys.modules[name]
+
+
+def test_sglangs_cpu_rows_are_unavailable_on_a_host_with_a_cuda_gpu(monkeypatch):
+    """SGLang registers its custom ops for the host's accelerator: on the lent H200 its torch_native decode over CPU
+    tensors raised the dispatcher's NotImplementedError, and refuse_or_correct counted it a refusal (a pass)."""
+    import torch
+
+    comp = parse("sglang.torch_native")
+    if comp.unavailable_reason("cuda" if torch.cuda.is_available() else "cpu"):
+        pytest.skip(comp.unavailable_reason("cuda" if torch.cuda.is_available() else "cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "CUDA_VISIBLE_DEVICES" in comp.unavailable_reason("cpu")
+    assert "CUDA_VISIBLE_DEVICES" in parse("hybrid(sglang.triton,sglang.gdn)").unavailable_reason("cpu")
+    assert parse("torch_native").unavailable_reason("cpu") is None  # the harness's own run on any host's CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert comp.unavailable_reason("cpu") is None

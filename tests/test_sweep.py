@@ -242,7 +242,7 @@ def test_compile_timeout_bounds_the_grace(stalled_sweep):
 
 @pytest.mark.parametrize("declared_slow", [True, False])
 def test_interpreted_kernels_get_a_longer_case_timeout_on_a_cpu(tmp_path, monkeypatch, declared_slow,
-                                                               interpreted_rows_listed):
+                                                               cpu_rows_listed):
     """A nightly-profile case of interpreted Triton over 36k cached keys ran past 120 s in a CPU sweep and was
     reported as a hang, and so did SGLang's Triton decode over 128 requests (125 s), which does not declare
     slow_on_cpu: a composition whose kernels are interpreted there gets the longer default (not on a GPU, and not

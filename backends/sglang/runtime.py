@@ -53,6 +53,20 @@ def unavailable_reason(needs: tuple[str, ...] = ()) -> str | None:
     return None
 
 
+def cpu_on_a_cuda_host() -> str | None:
+    """Why SGLang's rows cannot run on the CPU of this host, or None: a host with a CUDA GPU.
+
+    SGLang decides by the host, not by the tensors: its custom ops are registered for the accelerator's dispatch
+    key alone (CUDA wherever a GPU is visible, utils/common.py), and ``_layer_ops_on_cpu`` adds the CPU key only on
+    a machine without CUDA. Seen on the lent H200 (harness-out/gpu64.sh): SGLang's torch_native decode over CPU
+    tensors raised the dispatcher's NotImplementedError, which refuse_or_correct took for a refusal (a pass) and
+    outputs would report as SGLang's crash."""
+    if torch.cuda.is_available():
+        return ("SGLang on the CPU of a host with a CUDA GPU calls ops registered for CUDA only: run its CPU rows on "
+                "a machine without a GPU, or with CUDA_VISIBLE_DEVICES= set")
+    return None
+
+
 class _Inert:
     """Any attribute of a stubbed module: usable as a value, a base class or a hashable key, never called."""
 

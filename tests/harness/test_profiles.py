@@ -44,7 +44,7 @@ def test_bad_names(name, message):
     ("cpu", "triton", True, False), ("cpu", "triton", False, False), ("cpu", "torch_native", False, True),
     ("cuda", "triton", True, True)])
 def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, device, backend, slow, long_drawn,
-                                                         interpreted_rows_listed):
+                                                         cpu_rows_listed):
     """A nightly case of interpreted Triton over 36k cached keys ran for over 25 minutes: on a CPU the rows
     whose kernels are interpreted search without the long-context shape, whether or not they declare slow_on_cpu
     (SGLang's Triton does not: it draws the profile's examples); the PyTorch backends and a GPU keep it. Only a
