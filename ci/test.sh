@@ -5,6 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
-# worksteal: a worker left idle takes tests queued on the other (the suite's tail holds tests of 10-30 s); the
-# README's test command, 2 workers on this 2-core machine: 412 s against 423-432 s with xdist's default.
-exec .venv/bin/python -m pytest -n "${HARNESS_WORKERS:-2}" --dist worksteal "$@"
+exec .venv/bin/python -m pytest -n "${HARNESS_WORKERS:-2}" "$@"
