@@ -114,9 +114,15 @@ class Composition:
         """Whose classes run: "harness", or the engine whose backends (and wrappers) these are."""
         return leaf_capabilities(self.leaves()[0]).engine
 
+    def captured_modes(self, support: Support) -> frozenset[ForwardMode]:
+        """The modes graph() captures over this composition, given its leaves' declarations: each decode-side mode
+        every leaf captures, and EXTEND where every leaf runs a breakable prefill graph (not under tbo(): the
+        harness drives no engine's TBO through one)."""
+        prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
+        return frozenset(support.cuda_graph_modes) | prefill
+
     def support(self) -> Support:
-        """The leaves' declarations combined; under ``graph()`` only the modes every leaf captures (EXTEND where
-        every leaf runs a prefill graph; not yet under tbo(): the harness drives no engine's TBO through one)."""
+        """The leaves' declarations combined; under ``graph()`` only the modes it captures (``captured_modes``)."""
         caps = {n: _engine_limited(leaf_capabilities(n)) for n in self.leaves()}
         for split in self.splits():
             # A split's decode backend never sees a verify batch (the prefill one takes it): its tree mask is not needed
@@ -124,8 +130,7 @@ class Composition:
             caps[decode] = dataclasses.replace(caps[decode], custom_mask=True)
         support = Support.of(list(caps.values()))
         if "graph" in self.wrappers():
-            prefill = {ForwardMode.EXTEND} if support.prefill_graph and "tbo" not in self.wrappers() else set()
-            support = dataclasses.replace(support, modes=support.modes & (support.cuda_graph_modes | prefill))
+            support = dataclasses.replace(support, modes=support.modes & self.captured_modes(support))
         if not self.is_leaf and not (self.name == "graph" and self.children[0].is_leaf):
             # A draft worker builds its multi-step draft backend from the one backend it is configured with
             # (SGLang: DraftBackendFactory.create_decode_backend), never under a wrapper; its own graph runner
@@ -364,8 +369,7 @@ def all_compositions() -> list[Composition]:
     # graph() over what captures a decode-side graph, or runs its extends through a breakable prefill graph (not
     # under tbo(), as Composition.support says)
     theirs += [Composition("graph", (c,)) for c in theirs
-               if _engine_term_adapted("graph", c) and (c.support().cuda_graph_modes or (
-                   c.support().prefill_graph and "tbo" not in c.wrappers()))]
+               if _engine_term_adapted("graph", c) and c.captured_modes(c.support())]
     # A class-level leaf alone, under SGLang's TBO wrapper, and beside each SGLang linear backend under its hybrid
     # wrapper: never built, their rows read the wrapper's class against the leaf's classes (class_conformance)
     read = [Composition(n) for n in class_only]

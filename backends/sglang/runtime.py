@@ -196,6 +196,11 @@ def _define_sgl_kernel_ops() -> None:
     _SGL_KERNEL_LIBRARY.append(library)
 
 
+def _modules_of(package: str) -> list[str]:
+    """The names in ``sys.modules`` of ``package`` and its submodules."""
+    return [n for n in sys.modules if n == package or n.startswith(package + ".")]
+
+
 def _forget_orphans(package: str = "sglang") -> None:
     """Forget the modules of ``package`` whose parent is not loaded: what an earlier failed import left behind.
 
@@ -204,8 +209,7 @@ def _forget_orphans(package: str = "sglang") -> None:
     ``sys.modules`` and asks its parent for a path: ``KeyError: 'sglang'`` (``_NamespacePath._get_parent_path``).
     Seen on the lent H200: a pytest worker's first load failed that way after an earlier test's import of SGLang
     had failed on the absent sgl_kernel (imports in the engine's ``__init__`` on a GPU)."""
-    names = sorted((n for n in sys.modules if n == package or n.startswith(package + ".")), key=lambda n: n.count("."))
-    for name in names:
+    for name in sorted(_modules_of(package), key=lambda n: n.count(".")):  # parents before their children
         parent = name.rpartition(".")[0]
         if parent and parent not in sys.modules:
             sys.modules.pop(name, None)
@@ -213,7 +217,7 @@ def _forget_orphans(package: str = "sglang") -> None:
 
 def _drop_partial_imports() -> None:
     """Forget the SGLang modules a failed import left half-initialised, so the retry imports them afresh."""
-    for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+    for name in _modules_of("sglang"):
         del sys.modules[name]
 
 
@@ -366,7 +370,7 @@ def load() -> SimpleNamespace:
 
 def _where(e: BaseException) -> str:
     """Where a failed load raised, innermost frame first and the last of SGLang's own after it (an import error's
-    message alone names no file: a KeyError: 'sglang' on the lent H100 said nothing of where)."""
+    message alone names no file: a KeyError: 'sglang' on the lent H200 said nothing of where)."""
     import traceback
 
     frames = traceback.extract_tb(e.__traceback__)
