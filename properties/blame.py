@@ -49,9 +49,10 @@ def adapter_frame(e: BaseException, composition: Composition) -> str | None:
         return stand_in
     engine_root = package_root(composition.engine)
     engine_root = None if engine_root is None else engine_root.resolve()
-    for frame in reversed(traceback.extract_tb(e.__traceback__)):
+    frames = traceback.extract_tb(e.__traceback__)
+    for frame in reversed(frames):
         path = Path(frame.filename).resolve()
-        if path in _TOOLCHAIN:
+        if path in _TOOLCHAIN and frame is not frames[-1]:  # raised in it: the harness's own bug
             continue
         if (engine_root is not None and engine_root in path.parents) or \
                 any(d == path or d in path.parents for d in _ENGINE_STAND_INS):

@@ -72,6 +72,11 @@ def test_the_interpreters_launch_wrapper_is_neither_sides(fake_engine, monkeypat
     exec(launch, scope)
     kernel = lambda: torch.zeros(2)[5]  # noqa: E731 - the interpreter's bounds check, raising
     assert adapter_frame(_raised(lambda: fake_engine.calls(lambda: scope["launch"](kernel))), ENGINE) is None
+    # raised in the wrapper itself: the harness's bug, an adapter error
+    broken = compile("def launch(fn):\n    raise TypeError('a bug in the wrapper')\n", interpreter.__file__, "exec")
+    exec(broken, scope)
+    where = adapter_frame(_raised(lambda: fake_engine.calls(lambda: scope["launch"](kernel))), ENGINE)
+    assert where is not None and where.startswith("backends/interpreter.py:"), where
 
 
 def test_the_engine_reading_what_the_adapters_stand_in_lacks_is_an_adapter_error(fake_engine):
