@@ -33,6 +33,7 @@ host-side values frozen by a real capture need the GPU.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import replace
 
@@ -356,6 +357,14 @@ class PrefillGraphRunner:
     recorded): a composition declares ``Support.prefill_graph``. At capture each layer's breaks are counted
     (``breaks``, ``unbroken_layers``): a layer that does not break is frozen into a segment.
 
+    A backend may capture a layer kind's extend on purpose, over static tables it refreshes before each replay
+    (SGLang 0.5.23's captured-metadata contract, prefill_cuda_graph_runner.py ``_init_forward_metadata_for_capture``
+    and ``_prepare_forward_metadata_for_replay``: its hybrid over KDA). The backend plans the capture batch with
+    ``init_forward_metadata_for_prefill_capture`` (what it returns is the bucket's metadata), each replay with
+    ``prepare_forward_metadata_for_prefill_replay``, and names the layer kinds it runs inside the graph
+    (``prefill_graph_layers_in_graph``, asked right after the capture's plan): those layers take no break, and
+    whether their replays are right is what the replay-against-eager comparison judges.
+
     On the CPU nothing is captured: the dummy batch is planned as at capture and its layers run once under the
     engine's capture machinery with no graph begun (``capture_prefill_graph(fn, None)``), which counts the breaks
     as a capture does; each replay runs the layers under the same scope, which exercises the padding and the
@@ -382,6 +391,8 @@ class PrefillGraphRunner:
         self.graph = None
         self.outputs: list[torch.Tensor] = []
         self.breaks: list[int] = []  # each layer's eager graph breaks at capture
+        self.captured_plan = None  # the bucket's metadata, where the backend captures a layer kind's extend
+        self.in_graph: frozenset[str] = frozenset()  # the layer kinds the backend runs inside the graph
 
     def _static(self, fb: ForwardBatch, raw_tokens: int) -> ForwardBatch:
         """``fb``'s requests over the static token buffers (``raw_tokens`` of them real)."""
@@ -408,6 +419,17 @@ class PrefillGraphRunner:
         return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
                 for s, i, w in zip(self.layer_specs, self.inputs, self.weights)]
 
+    def _uncaptured_layers(self, fb: ForwardBatch) -> list[torch.Tensor]:
+        """A replay's layers on a CPU, where nothing was captured: each runs its Python again. A layer of a kind the
+        backend runs inside the graph does so with the host values its capture recorded
+        (``prefill_graph_captured_host``), as its replayed kernels would; the others break out and run on the live
+        batch, as they do between a real replay's segments."""
+        outs = []
+        for s, i, w in zip(self.layer_specs, self.inputs, self.weights):
+            with self.backend.prefill_graph_captured_host(fb) if s.kind in self.in_graph else contextlib.nullcontext():
+                outs.append(run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections))
+        return outs
+
     def _captured_layers(self, fb: ForwardBatch) -> list[torch.Tensor]:
         """The layers under a capture, each one's graph breaks counted (``self.breaks``)."""
         outs, self.breaks = [], []
@@ -423,7 +445,8 @@ class PrefillGraphRunner:
 
     def capture(self) -> None:
         dummy = self._dummy()
-        self.backend.init_forward_metadata(dummy)
+        self.captured_plan = self.backend.init_forward_metadata_for_prefill_capture(dummy)
+        self.in_graph = self.backend.prefill_graph_layers_in_graph()
         if not self.use_cuda_graph:
             # No graph: the layers run once over the dummy batch under the engine's capture machinery with nothing
             # captured, so each layer's graph breaks are counted as a capture counts them
@@ -439,11 +462,16 @@ class PrefillGraphRunner:
                                                                           stream)
         torch.cuda.current_stream().wait_stream(stream)
 
+    def expected_breaks(self, layer) -> int:
+        """The eager breaks ``layer`` takes at capture: none where the backend runs its kind inside the graph, else 1."""
+        return 0 if layer.kind in self.in_graph else 1
+
     def unbroken_layers(self) -> list[tuple[object, int]]:
-        """(layer, breaks) for each layer that did not break out of the graph exactly once at capture. Every layer
-        of a prefill graph must: its attention (or linear attention) plans per batch on the host, and a kernel
-        captured into a segment would replay the capture batch's plan and state slots on every batch."""
-        return [(s, n) for s, n in zip(self.layer_specs, self.breaks) if n != 1]
+        """(layer, breaks) for each layer that did not break out of the graph as it must at capture
+        (:meth:`expected_breaks`). A layer whose attention (or linear attention) plans per batch on the host breaks
+        exactly once: a kernel captured into a segment would replay the capture batch's plan and state slots on
+        every batch."""
+        return [(s, n) for s, n in zip(self.layer_specs, self.breaks) if n != self.expected_breaks(s)]
 
     def replay(self, fb: ForwardBatch, inputs: list[LayerInputs]) -> list[torch.Tensor]:
         t = fb.extend_num_tokens
@@ -451,10 +479,11 @@ class PrefillGraphRunner:
             raise ValueError(f"an extend of {t} tokens does not fit a prefill graph captured for {self.bs}")
         load_token_rows(self, fb, inputs, t)
         static = self._static(fb, t)
-        prepare_batch(self.backend, static, self.layer_specs)
+        prepare_batch(self.backend, static, self.layer_specs,
+                      plan=lambda b: self.backend.prepare_forward_metadata_for_prefill_replay(self.captured_plan, b))
         with self.backend.prefill_graph_scope(static):
             if self.graph is None:
-                outs = self._layers(static)
+                outs = self._uncaptured_layers(static)
             else:
                 self.graph.replay()
                 outs = self.outputs

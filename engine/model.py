@@ -42,9 +42,10 @@ def needs_mha_chunk_plan(fb: ForwardBatch, layer_specs) -> bool:
             and not fb.forward_mode.is_idle())
 
 
-def prepare_batch(backend: Any, fb: ForwardBatch, layer_specs) -> None:
-    """What the model runner does once per batch before the layers."""
-    backend.init_forward_metadata(fb)
+def prepare_batch(backend: Any, fb: ForwardBatch, layer_specs, plan=None) -> None:
+    """What the model runner does once per batch before the layers; ``plan(fb)``: how a graph's replay plans the batch
+    instead of ``init_forward_metadata`` (engine.graph_runner.PrefillGraphRunner)."""
+    (plan or backend.init_forward_metadata)(fb)
     # Serving engines guard this call with hasattr: a wrapper that lacks the method silently skips it.
     if needs_mha_chunk_plan(fb, layer_specs) and hasattr(backend, "init_mha_chunk_metadata"):
         backend.init_mha_chunk_metadata(fb)

@@ -86,11 +86,13 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
     runner.capture()
     unbroken = runner.unbroken_layers() if isinstance(runner, PrefillGraphRunner) else []
     if unbroken:
+        in_graph = (f" ({', '.join(sorted(runner.in_graph))} layers: 0, the backend runs them inside the graph on "
+                    f"tables it refreshes at each replay)" if runner.in_graph else "")
         layers = ", ".join(f"layer {layer.layer_id} ({layer.kind}) took {breaks}" for layer, breaks in unbroken)
         return Verdict(NAME, False, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens), prefill "
                                     f"graph captured {runner.captured}: {layers} eager graph break(s) where each layer "
-                                    f"takes exactly 1; a layer captured into a segment replays the capture batch's "
-                                    f"plan and state slots on every batch")
+                                    f"takes exactly 1{in_graph}; a layer captured into a segment replays the capture "
+                                    f"batch's plan and state slots on every batch")
     replays = [graph_case.inputs]
     if runner.use_cuda_graph:  # a captured graph holds its outputs: a second replay must not return the first's
         replays.append(_fresh_inputs(graph_case.inputs, spec.seed + 1))

@@ -250,6 +250,8 @@ class SglangBackend(_SglangObject):
 
     sglang_name: ClassVar[str]
     planned_graph: bool = False  # the last plan was a graph's (its buffers sized for the largest capture)
+    # Built for a server whose extends run through the breakable prefill graph (set by the prefill graph's capture)
+    prefill_graph: bool = False
     hybrid: runtime.HybridModel | None = None  # set for SGLang's hybrid wrapper (SglangHybrid)
     decode_name: str | None = None  # set for SGLang's prefill/decode split (SglangPrefillDecode)
 
@@ -263,6 +265,7 @@ class SglangBackend(_SglangObject):
         self.algorithm = "eagle"  # the server's --speculative-algorithm it was built for (batch.spec.SpecInput)
         self.batches: dict[int, object] = {}  # id(harness batch) -> its SGLang ForwardBatch
         self.radix: dict[int, object] = {}
+        self.built_for_prefill_graph = False
 
     def state_sync(self) -> "runtime.StateSync | None":
         return self.states
@@ -292,12 +295,14 @@ class SglangBackend(_SglangObject):
         draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
         # A batch without speculative inputs runs on whatever server the backend was built for
         algorithm = fb.spec_info.algorithm if fb.spec_info is not None else self.algorithm
-        if self.inner is not None and draft <= self.draft_tokens and algorithm == self.algorithm:
+        if self.inner is not None and draft <= self.draft_tokens and algorithm == self.algorithm and \
+                self.built_for_prefill_graph == self.prefill_graph:
             return
         topk = fb.spec_info.topk if fb.spec_info is not None else 0
         self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid,
-                                              decode_backend_name=self.decode_name, algorithm=algorithm)
-        self.algorithm = algorithm
+                                              decode_backend_name=self.decode_name, algorithm=algorithm,
+                                              prefill_graph=self.prefill_graph)
+        self.algorithm, self.built_for_prefill_graph = algorithm, self.prefill_graph
         if self.hybrid is not None:
             self.states = runtime.StateSync(self.sgl_runner, self.model_runner)
         self.inner = self.make_inner(self.sgl_runner)
@@ -512,6 +517,11 @@ class SglangBackend(_SglangObject):
 
     # ---- the protocol ----
     def init_forward_metadata(self, forward_batch) -> None:
+        self._plan(forward_batch, lambda sfb: self.inner.init_forward_metadata(sfb))
+
+    def _plan(self, forward_batch, plan) -> None:
+        """SGLang's view of ``forward_batch``, the linear states pushed into its pools, then ``plan(sfb)`` under the
+        backend's forward context."""
         self._ensure_built(forward_batch)
         sfb = self.translate(forward_batch)
         self.batches = {id(forward_batch): sfb}
@@ -524,7 +534,7 @@ class SglangBackend(_SglangObject):
             self.inner.forward_metadata = None
             return
         with compat.backend_scope(self.sgl, self.inner, sfb):
-            self.inner.init_forward_metadata(sfb)
+            plan(sfb)
 
     # ---- CUDA graphs: SGLang's three-method contract, over the graph runner's static batch ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -558,6 +568,62 @@ class SglangBackend(_SglangObject):
             compat.plan_in_graph(self.inner, sfb)
 
     # ---- SGLang's breakable prefill graph (engine.graph_runner.PrefillGraphRunner) ----
+    def _captures_prefill_metadata(self) -> bool:
+        """Whether SGLang's backend takes the captured-metadata contract of the breakable prefill graph, as it decided
+        at construction (``use_captured_forward_metadata_for_breakable_cuda_graph``: the hybrid over a linear backend
+        whose extend runs on static tables, 0.5.23's KDA; a release without the attribute has no such contract)."""
+        return bool(getattr(self.inner, "use_captured_forward_metadata_for_breakable_cuda_graph", False))
+
+    def init_forward_metadata_for_prefill_capture(self, forward_batch):
+        """How SGLang's prefill runner plans a bucket's capture batch (``_init_forward_metadata_for_capture``,
+        prefill_cuda_graph_runner.py:1236-1255 in 0.5.23), on a backend built for a server whose extends run through
+        the breakable graph: where the backend takes the captured-metadata contract, its
+        ``init_forward_metadata_for_breakable_cuda_graph_capture`` (the bucket's metadata is returned, each replay
+        refreshes it); elsewhere the eager plan (None)."""
+        self.prefill_graph = True
+        captured = []
+
+        def plan(sfb):
+            if self._captures_prefill_metadata():
+                captured.append(self.inner.init_forward_metadata_for_breakable_cuda_graph_capture(sfb))
+            else:
+                self.inner.init_forward_metadata(sfb)
+
+        self._plan(forward_batch, plan)
+        return captured[0] if captured else None
+
+    def prepare_forward_metadata_for_prefill_replay(self, captured, forward_batch) -> None:
+        """How SGLang's prefill runner plans a replay (``_prepare_forward_metadata_for_replay``, :1257-1318): the
+        captured-metadata contract's refresh of the bucket's metadata (the harness's static batch is SGLang's static
+        batch too), else the eager plan."""
+        if not self._captures_prefill_metadata():
+            self.init_forward_metadata(forward_batch)
+            return
+        self._plan(forward_batch, lambda sfb: self.inner.prepare_forward_metadata_for_breakable_cuda_graph_replay(
+            captured, sfb, static_forward_batch=sfb))
+
+    def prefill_graph_layers_in_graph(self) -> frozenset[str]:
+        """The layer kinds SGLang's backend runs inside the prefill graph being captured (no eager break): none here
+        (a hybrid's linear kinds where it says so)."""
+        return frozenset()
+
+    @contextlib.contextmanager
+    def prefill_graph_captured_host(self, forward_batch):
+        """For a CPU's replay, where nothing was captured and a layer run inside the graph runs its Python again: the
+        host values that layer's capture recorded. The capture batch's tokens were all real, so SGLang's linear layer
+        trimmed nothing there (``_linear_attention_with_output_impl`` reads ``global_num_token_non_padded_cpu``,
+        radix_linear_attention.py:171-174 in 0.5.23), and a replayed graph hands its kernels every padded row: the
+        live batch's count is the bucket's while the layer runs."""
+        sfb = self.batches.get(id(forward_batch))
+        if sfb is None:
+            raise RuntimeError("a captured layer's replay before the replay planned the batch")
+        live = sfb.global_num_token_non_padded_cpu
+        sfb.global_num_token_non_padded_cpu = sfb.input_ids.shape[0]  # the static batch's rows: the bucket
+        try:
+            yield
+        finally:
+            sfb.global_num_token_non_padded_cpu = live
+
     @contextlib.contextmanager
     def prefill_graph_scope(self, forward_batch):
         """What SGLang's prefill runner enters around a capture or replay of the planned ``forward_batch``
@@ -990,9 +1056,11 @@ class SglangKda(_LinearChild):
         # The verify conv kernel advances the request's conv state through the draft tokens in place, as GDN's; the
         # commit rewrites it.
         verify_advances_conv_state=True,
-        # KDAAttnBackend runs a breakable prefill graph's extends through its own graph path (kda_prefill_graph.py,
-        # prefill_graph_metadata); not adapted here yet.
-        prefill_graph=False,
+        # A server on CUDA runs Kimi Linear's extends through the breakable prefill graph (0.5.22 on). In 0.5.23 the
+        # hybrid captures the KDA extend inside the graph over static tables it refreshes before each replay
+        # (kda_prefill_graph.py; SglangHybrid.prefill_graph_layers_in_graph), so graph() extend rows compare those
+        # replays with eager ones; in 0.5.22 its RadixLinearAttention breaks out of the graph, as GDN's
+        prefill_graph=True,
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
     )
 
@@ -1099,6 +1167,13 @@ class SglangHybrid(SglangBackend):
     def _planner(self):
         """The full-attention child (SGLang's hybrid keeps no plan of its own)."""
         return self.inner.full_attn_backend
+
+    def prefill_graph_layers_in_graph(self) -> frozenset[str]:
+        """The linear child's kinds where SGLang's hybrid runs its layers' extend inside the prefill graph being
+        captured (``linear_extend_in_graph``, hybrid_linear_attn_backend.py:1284-1288 in 0.5.23: the KDA extend on
+        static tables; its RadixLinearAttention then takes no eager break, radix_linear_attention.py:115)."""
+        in_graph = getattr(self.inner, "linear_extend_in_graph", None)  # 0.5.23 on
+        return self.linear.capabilities.attention_kinds if in_graph is not None and in_graph() else frozenset()
 
 
 class SglangPrefillDecode(SglangBackend):

@@ -20,6 +20,7 @@ The facts (file:line per release) are in ``docs/findings/releases.md``; in short
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import inspect
@@ -141,13 +142,35 @@ def prefill_graph_flags(sgl, raw_num_tokens: int):
         yield
 
 
+class _AttentionLayers(collections.abc.Mapping):
+    """The model's attention layers by id as SGLang's runner lists them for its graphs
+    (model_runner_components/layer_setup.py, 0.5.22): a layer module that wraps an ``attn`` (Kimi Linear's
+    ``KimiDeltaAttention`` over its RadixLinearAttention) stands for that ``attn``; any other (a RadixAttention,
+    Nemotron-H's mamba decoder layer) for itself. A view of the adapter's dict, which fills as each layer is built on
+    its first forward."""
+
+    def __init__(self, blocks) -> None:
+        self.blocks = blocks
+
+    def __getitem__(self, layer_id):
+        block = self.blocks[layer_id]
+        return getattr(block, "attn", block)
+
+    def __iter__(self):
+        return iter(self.blocks)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
 def piecewise_forward_context(sgl, forward_batch, layers, num_tokens: int, raw_num_tokens: int):
     """SGLang's piecewise forward context as its prefill runner sets it (no quantization, MoE layers or indexers):
-    the batch, the model's layers by id (``layers``: any mapping; SGLang's split ops only index it, and the adapter's
-    dict fills as each layer is built on its first forward), the static and real token counts."""
+    the batch, the model's attention layers by id (``layers``: the adapter's layer modules by id; SGLang's split ops
+    only index it: 0.5.22's linear-attention op takes the layer it calls the backend with from there), the static and
+    real token counts."""
     fn = sgl.set_tc_piecewise_forward_context
-    return fn(forward_batch, layers, None, [], [], **accepted(fn, dict(num_tokens=num_tokens,
-                                                                        raw_num_tokens=raw_num_tokens)))
+    return fn(forward_batch, _AttentionLayers(layers), None, [], [],
+              **accepted(fn, dict(num_tokens=num_tokens, raw_num_tokens=raw_num_tokens)))
 
 
 def attach_pools(forward_batch, sgl_runner) -> None:

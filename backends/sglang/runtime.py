@@ -353,7 +353,7 @@ def load() -> SimpleNamespace:
             shims.append("sgl_kernel")
             cpu_ops = _layer_ops_on_cpu()
             names = _import_names()
-        shims += cpu_ops
+        shims += cpu_ops + _host_pinning_on_cpu()
         compat.enter_single_rank()
     except Exception as e:  # noqa: BLE001 - raised again as what it is: the harness could not load the engine
         _drop_partial_imports()
@@ -380,6 +380,25 @@ def _where(e: BaseException) -> str:
     shown = [frames[-1]] + engine[:1]
     return " (raised at " + ", from ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} in {f.name}"
                                            for f in shown) + ")"
+
+
+def _host_pinning_on_cpu() -> list[str]:
+    """On a machine without an accelerator, ``Tensor.pin_memory`` answers the tensor itself.
+
+    Torch raises there ("Cannot access accelerator device when none is available"). SGLang's KDA prefill graph pins
+    the host tables it copies to the device before each replay (linear/kda_prefill_graph.py,
+    ``KDAPrefillGraphMetadata.fill``, 0.5.23). Pinning only lets a host-to-device copy run asynchronously; on a CPU
+    the copy is host to host, and the values copied are the same. Returns ``["host pinning on cpu"]`` where it
+    applies."""
+    if torch.cuda.is_available():
+        return []
+    if not getattr(torch.Tensor.pin_memory, "harness_host", False):
+        def pin_memory(self, device=None):
+            return self
+
+        pin_memory.harness_host = True
+        torch.Tensor.pin_memory = pin_memory
+    return ["host pinning on cpu"]
 
 
 def _layer_ops_on_cpu() -> list[str]:
@@ -749,7 +768,8 @@ SERVER_ALGORITHMS = {"eagle": "EAGLE", "frozen_kv_mtp": "FROZEN_KV_MTP", "ngram"
 
 def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 0, topk: int = 0,
                 hybrid: HybridModel | None = None, decode_backend_name: str | None = None,
-                num_steps: int | None = None, draft_window: tuple[int, int] = (0, 0), algorithm: str = "eagle"):
+                num_steps: int | None = None, draft_window: tuple[int, int] = (0, 0), algorithm: str = "eagle",
+                prefill_graph: bool = False):
     """An SGLang model runner over the harness runner's pools (KV storage shared, not copied; linear-attention
     states are copied, see :class:`StateSync`).
 
@@ -764,7 +784,10 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     ``--speculative-attention-mode prefill``). ``num_steps``: the server's ``--speculative-num-steps`` (default: one
     less than the draft tokens, a chain's). ``draft_window``: its ``--speculative-draft-window-size`` and
     ``--speculative-draft-sink-size`` (0: unset). ``algorithm``: its ``--speculative-algorithm`` where it drafts
-    (batch.spec.VERIFY_ALGORITHMS).
+    (batch.spec.VERIFY_ALGORITHMS). ``prefill_graph``: its extends run through the breakable prefill graph
+    (``cuda_graph_config.prefill.backend`` breakable, a CUDA server's default from 0.5.22): published so, a backend
+    whose extend can be captured says so at construction (the hybrid's
+    ``use_captured_forward_metadata_for_breakable_cuda_graph`` over KDA); eager rows publish every phase disabled.
     """
     sgl = load()
     kinds = {layer.kind for layer in runner.layers} - RECURRENT_KINDS
@@ -815,7 +838,8 @@ def make_runner(runner: ModelRunner, backend_name: str, max_draft_tokens: int = 
     windowed = {} if window_size <= 0 else dict(speculative_draft_window_size=window_size,
                                                 speculative_draft_sink_size=sink_size)
     graphs = {} if sgl.CudaGraphConfig is None else {"cuda_graph_config": sgl.CudaGraphConfig(
-        decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED), prefill=sgl.PhaseConfig(backend=sgl.Backend.DISABLED))}
+        decode=sgl.PhaseConfig(backend=sgl.Backend.DISABLED),
+        prefill=sgl.PhaseConfig(backend=sgl.Backend.BREAKABLE if prefill_graph else sgl.Backend.DISABLED))}
     r.server_args = compat.publish_server_args(
         sgl, attention_backend=backend_name, chunked_prefill_size=-1, **graphs, **split, **windowed,
         disable_radix_cache=False, dllm_algorithm=None, dllm_algorithm_config=None, dp_size=1,
