@@ -446,6 +446,19 @@ def _captured_in_prefill_graph(kind: str) -> Callable[[BatchSpec, Verdict], bool
     return condition
 
 
+def _kda_in_graph_beta(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A breakable prefill graph's replay of an extend disagrees with the eager run in a KDA layer: its output
+    ("replay layer N") or its state pool ("replay pool ssmN" / "convN"). SGLang 0.5.23 runs the KDA extend inside the
+    graph (linear/kda_prefill_graph.py, ``kda_extend_in_graph``) and tells the chunk kernel beta is raw only where
+    the forget gate comes flat (``beta_is_raw=gate_was_flat``, ``a.ndim == 3``); Kimi Linear's layer hands a raw beta
+    with a [1, T, H, K] gate, and the eager path says raw always, so replays skip beta's sigmoid
+    (docs/findings/sglang-kda-prefill-graph-beta-not-raw.md)."""
+    m = re.match(r"replay(?: with new inputs)? (?:layer |pool (?:ssm|conv))(\d+)\b", verdict.where or "")
+    if spec.mode is not ForwardMode.EXTEND:
+        return False
+    return m is not None and any(layer.layer_id == int(m.group(1)) and layer.kind == "kda" for layer in spec.layers)
+
+
 def _kda_chunk_decay(spec: BatchSpec, verdict: Verdict) -> bool:
     """The disagreement is in a KDA layer of a batch with a request of two or more new tokens (a chunked prefill
     decays them against each other): up to 0.5.21 SGLang's Triton chunk kernels take the chunk's cumulative gate in
@@ -515,6 +528,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "conv_state_by_request_row": _conv_state_by_request_row,
     "conv_layer_captured_in_prefill_graph": _captured_in_prefill_graph("short_conv"),
     "mamba_mixer_captured_in_prefill_graph": _captured_in_prefill_graph("mamba2"),
+    "kda_in_graph_beta": _kda_in_graph_beta,
     "split_hides_block_m": _split_hides_block_m,
     "split_hides_support_triton": _split_hides_support_triton,
 }
@@ -567,6 +581,7 @@ COULD_SHOW = {
     # Every extend through a prefill graph with such a layer: once met, the row's other draws are not run
     "conv_layer_captured_in_prefill_graph": lambda spec: _extend_with(spec, "short_conv"),
     "mamba_mixer_captured_in_prefill_graph": lambda spec: _extend_with(spec, "mamba2"),
+    "kda_in_graph_beta": lambda spec: _extend_with(spec, "kda"),
 }
 
 

@@ -638,6 +638,48 @@ def test_a_nemotron_h_mamba_layer_breaks_the_prefill_graph_through_its_split_op(
 
 
 @needs_sglang
+def test_kimi_linear_runs_its_kda_extend_inside_the_prefill_graph_and_replays_must_follow_eager(device):
+    # Under a breakable prefill graph, 0.5.23's hybrid runs the KDA extend inside the graph over static tables it
+    # refreshes before each replay (the captured-metadata contract): its KDA layer takes no eager break, the full
+    # layer one, and each replay (padded: 11 tokens in the 16-token bucket, one request continuing a prefix) must
+    # equal the eager run. It does not in 0.5.23: the in-graph call says beta is raw only for a flat gate, and Kimi
+    # Linear's is [1, T, H, K] (a ledger entry). Given the eager path's beta_is_raw=True, the replays agree.
+    import engine.graph_runner as graph_runner
+    from search import ledger
+
+    sgl = runtime.load()
+    if not hasattr(sgl.HybridLinearAttnBackend, "init_forward_metadata_for_breakable_cuda_graph_capture"):
+        pytest.skip("this SGLang's hybrid has no captured-metadata prefill graph (before 0.5.23): its KDA layers "
+                    "break out of the graph as GDN's do")
+    from sglang.srt.layers.attention.linear.kernels import kda_triton
+    layers = (KdaLayer(0, 2, 16, 16), MHALayer(1, 4, 2, 16, 16))
+    extend = BatchSpec(ForwardMode.EXTEND, (20, 0), (5, 6), layers, dtype="float16", seed=3)
+    composition = parse("graph(hybrid(sglang.triton,sglang.kda))")
+    seen = []
+    counted = graph_runner.PrefillGraphRunner.unbroken_layers
+
+    def spy(runner, *args, **kwargs):
+        seen.append((list(runner.breaks), runner.in_graph))
+        return counted(runner, *args, **kwargs)
+
+    with mock.patch.object(graph_runner.PrefillGraphRunner, "unbroken_layers", spy):
+        verdict = PROPERTIES["graph_replay"].run(composition, extend, device)
+    assert seen == [([0, 1], frozenset({"kda"}))]
+    assert not verdict.ok and verdict.where.startswith("replay layer 0:"), str(verdict)
+    known = ledger.match(str(composition), "extend", "graph_replay", extend, verdict, device)
+    assert known is not None and known.id == "sglang-kda-prefill-graph-beta-not-raw"
+
+    chunk_kda = kda_triton.chunk_kda
+
+    def beta_raw(**kwargs):  # the eager extend's convention: the model hands beta raw
+        return chunk_kda(**(kwargs | {"beta_is_raw": True}))
+
+    with mock.patch.object(kda_triton, "chunk_kda", beta_raw):
+        verdict = PROPERTIES["graph_replay"].run(composition, extend, device)
+    assert verdict.ok, str(verdict)
+
+
+@needs_sglang
 @pytest.mark.parametrize("composition", ["hybrid(sglang.torch_native,sglang.mamba2_granite)",
                                          "tbo(hybrid(sglang.torch_native,sglang.mamba2_granite))"])
 def test_a_granite_shaped_mamba_layer_hands_its_mixer_over_as_granite_does(device, composition):
