@@ -211,6 +211,12 @@ class Capabilities:
             return f"needs a {' or '.join(sorted(self.devices))} device (this run uses {device})"
         if device == "cuda" and not torch.cuda.is_available():
             return "needs a CUDA GPU; none is visible"
+        if self.engine == "sglang" and device == "cpu":
+            from backends.sglang.runtime import cpu_on_a_cuda_host
+
+            reason = cpu_on_a_cuda_host()  # first: nothing else on this host would make these rows run
+            if reason:
+                return reason
         if device == "cpu" and self.cpu_needs_env and not env_flag(self.cpu_needs_env):
             return f"on the CPU it needs {self.cpu_needs_env}=1 (set before triton is imported)"
         if device == "cpu" and self.cpu_needs_env == "TRITON_INTERPRET":
@@ -220,11 +226,8 @@ class Capabilities:
             if fault:
                 return fault
         if self.engine == "sglang":
-            from backends.sglang.runtime import cpu_on_a_cuda_host, unavailable_reason
+            from backends.sglang.runtime import unavailable_reason
 
-            reason = cpu_on_a_cuda_host() if device == "cpu" else None
-            if reason:
-                return reason
             reason = unavailable_reason(self.engine_features + (self.cpu_engine_features if device == "cpu" else ()))
             if reason:
                 return reason

@@ -87,7 +87,7 @@ def test_the_installed_release_has_what_the_adapter_builds_with_and_no_version_i
 
 
 @pytest.mark.skipif(runtime.installed_version() is None, reason="sglang is not installed (bash ci/install-sglang.sh)")
-def test_a_missing_feature_makes_its_rows_unavailable_and_names_it(fake_sglang):
+def test_a_missing_feature_makes_its_rows_unavailable_and_names_it(fake_sglang, cpu_rows_listed):
     root = features.package_root()
     modules = {}
     for feature in features.FEATURES.values():  # a copy of the installed source the probes read, file by file
