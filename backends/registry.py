@@ -34,6 +34,7 @@ LEAVES: dict[str, str] = {
     "sglang.mamba2": "backends.sglang.adapter:SglangMamba2",
     "sglang.mamba2_granite": "backends.sglang.adapter:SglangMamba2Granite",
     "sglang.kda": "backends.sglang.adapter:SglangKda",
+    "sglang.kda_glm5": "backends.sglang.adapter:SglangKdaGlm5",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
     # SGLang's backends whose planning runs here but not their kernels (backends/sglang/plans.py)

@@ -648,7 +648,7 @@ def test_kimi_linear_runs_its_kda_extend_inside_the_prefill_graph_and_replays_mu
     from search import ledger
 
     sgl = runtime.load()
-    if not hasattr(sgl.HybridLinearAttnBackend, "init_forward_metadata_for_breakable_cuda_graph_capture"):
+    if "init_forward_metadata_for_breakable_cuda_graph_capture" not in vars(sgl.HybridLinearAttnBackend):
         pytest.skip("this SGLang's hybrid has no captured-metadata prefill graph (before 0.5.23): its KDA layers "
                     "break out of the graph as GDN's do")
     from sglang.srt.layers.attention.linear.kernels import kda_triton
@@ -677,6 +677,42 @@ def test_kimi_linear_runs_its_kda_extend_inside_the_prefill_graph_and_replays_mu
     with mock.patch.object(kda_triton, "chunk_kda", beta_raw):
         verdict = PROPERTIES["graph_replay"].run(composition, extend, device)
     assert verdict.ok, str(verdict)
+
+
+@needs_sglang
+def test_glm5_flash_hands_its_kda_gate_flat_and_its_prefill_graph_replays_follow_eager(device):
+    # GLM-5.3 Flash, the KDA model whose breakable prefill graph SGLang keeps on by default: its own layer module hands
+    # the backend a flat [1, T, H * K] gate (Kimi Linear's is [1, T, H, K]), and the graph's in-graph KDA extend then
+    # takes beta raw, as the eager one does: replays (padded, one request continuing a prefix) equal eager.
+    import engine.graph_runner as graph_runner
+
+    sgl = runtime.load()
+    if sgl.Glm5NextLinearAttention is None:
+        pytest.skip("this SGLang has no GLM-5.3 Flash model")
+    from sglang.srt.layers.attention.linear.kda_backend import KDAAttnBackend
+
+    gates, seen = [], []
+    extend_kda = KDAAttnBackend.forward_extend
+
+    def spy_extend(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs):
+        gates.append(tuple(a.shape))
+        return extend_kda(backend, layer, forward_batch, mixed_qkv, a, b, **kwargs)
+
+    counted = graph_runner.PrefillGraphRunner.unbroken_layers
+
+    def spy_breaks(runner, *args, **kwargs):
+        seen.append(list(runner.breaks))
+        return counted(runner, *args, **kwargs)
+
+    layers = (KdaLayer(0, 2, 16, 16), MHALayer(1, 4, 2, 16, 16))
+    extend = BatchSpec(ForwardMode.EXTEND, (20, 0), (5, 6), layers, dtype="float16", seed=3)
+    with mock.patch.object(KDAAttnBackend, "forward_extend", spy_extend), \
+            mock.patch.object(graph_runner.PrefillGraphRunner, "unbroken_layers", spy_breaks):
+        verdict = PROPERTIES["graph_replay"].run(parse("graph(hybrid(sglang.triton,sglang.kda_glm5))"), extend, device)
+    assert verdict.ok, str(verdict)
+    assert gates and all(g[0] == 1 and g[-1] == 2 * 16 for g in gates), gates  # flat: [1, tokens, H * K]
+    in_graph = "init_forward_metadata_for_breakable_cuda_graph_capture" in vars(sgl.HybridLinearAttnBackend)
+    assert seen == [[0 if in_graph else 1, 1]]
 
 
 @needs_sglang

@@ -369,34 +369,11 @@ class SglangBackend(_SglangObject):
         return conv
 
     def _kda_layer(self, layer):
-        """SGLang's own Kimi Linear KDA layer (``KimiDeltaAttention``) for a harness KDA layer (cached per layer id):
-        its RadixLinearAttention built as the model's ``__init__`` builds it, with the drawn parameters (conv weights,
-        A_log and dt_bias in float32, as the model keeps them); its projections a stand-in that hands over the
-        harness's inputs in the order they return theirs (q|k|v, beta, the forget gate, the norm's gate), its output
-        norm and projection the identity. Its ``forward`` is then the model's, whatever the release: 0.5.10 applies
-        the gate and the step size's sigmoid in the model before the backend's extend (models/kimi_linear.py), later
-        releases hand the backend both raw."""
+        """SGLang's own KDA layer module of the hybrid's KDA leaf's model for a harness KDA layer (cached per layer id):
+        ``build_layer`` of :class:`SglangKda` (Kimi Linear's ``KimiDeltaAttention``) or of a variant."""
         block = self.radix.get(layer.layer_id)
         if block is None:
-            sgl, s, w = self.sgl, layer.spec, layer.weights
-            H, K = s.num_heads, s.head_k_dim
-            with _building("KimiDeltaAttention"), torch.no_grad():
-                block = sgl.KimiDeltaAttention.__new__(sgl.KimiDeltaAttention)
-                torch.nn.Module.__init__(block)  # no __init__: it would build TP-sharded projections and load nothing
-                block.layer_idx, block.num_heads, block.head_dim = s.layer_id, H, K
-                block.num_k_heads = block.num_v_heads = H
-                block.head_k_dim, block.head_v_dim = K, s.head_v_dim
-                block.do_fuse_qkvbfg = False
-                block.forward_qkvbfg = lambda projected: projected
-                block.o_norm, block.o_proj = _Ungated(), _Identity()
-                block.A_log = torch.nn.Parameter(w["A_log"].float().reshape(1, 1, H, 1), requires_grad=False)
-                block.dt_bias = torch.nn.Parameter(w["dt_bias"].float(), requires_grad=False)
-                # (a safe-gate case never reaches a release without it: kda_safe_gate, Capabilities.engine_limits)
-                gate = {} if s.lower_bound is None else {"lower_bound": s.lower_bound}
-                block.attn = sgl.RadixLinearAttention(
-                    layer_id=s.layer_id, num_q_heads=H, num_k_heads=H, num_v_heads=H, head_q_dim=K, head_k_dim=K,
-                    head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"].float(), bias=None, activation="silu",
-                    A_log=block.A_log, dt_bias=block.dt_bias, **gate)
+            block = self.linear.build_layer(self.sgl, layer)
             self.radix[layer.layer_id] = block
         return block
 
@@ -707,12 +684,14 @@ class SglangBackend(_SglangObject):
         return o.reshape(mixed_qkv.shape[0], s.num_v_heads, s.head_v_dim)
 
     def _run_kda(self, layer, forward_batch, mixed_qkv, a, b, via=None) -> torch.Tensor:
-        """mixed_qkv ``[T, conv_dim]``, a ``[T, H * K]``, b ``[T, H]`` -> o ``[T, H, V]`` through SGLang's Kimi Linear
-        KDA layer (its forward: the gates as the installed release hands them to the backend)."""
+        """mixed_qkv ``[T, conv_dim]``, a ``[T, H * K]``, b ``[T, H]`` -> o ``[T, H, V]`` through SGLang's KDA layer
+        module, called as its model calls it (the leaf's ``call_layer``: the gates as the installed release hands them
+        to the backend)."""
         s, T = layer.spec, mixed_qkv.shape[0]
         norm_gate = mixed_qkv.new_zeros(T, s.num_heads * s.head_v_dim)  # the output norm's gate, unread (_Ungated)
-        o = self._run_recurrent(layer, forward_batch, via, lambda sfb: self._kda_layer(layer)(
-            hidden_states=(mixed_qkv, b, a, norm_gate), positions=None, forward_batch=sfb, zero_allocator=None))
+        block = self._kda_layer(layer)
+        o = self._run_recurrent(layer, forward_batch, via,
+                                lambda sfb: self.linear.call_layer(block, (mixed_qkv, b, a, norm_gate), sfb))
         return o.reshape(T, s.num_heads, s.head_v_dim)
 
     def _run_short_conv(self, layer, forward_batch, bcx, via=None) -> torch.Tensor:
@@ -1063,6 +1042,93 @@ class SglangKda(_LinearChild):
         prefill_graph=True,
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
     )
+
+    @staticmethod
+    def build_layer(sgl, layer):
+        """SGLang's own Kimi Linear KDA layer (``KimiDeltaAttention``) for a harness KDA layer: its
+        RadixLinearAttention built as the model's ``__init__`` builds it, with the drawn parameters (conv weights,
+        A_log and dt_bias in float32, as the model keeps them); its projections a stand-in that hands over the
+        harness's inputs in the order they return theirs (q|k|v, beta, the forget gate, the norm's gate), its output
+        norm and projection the identity. Its ``forward`` is then the model's, whatever the release: 0.5.10 applies
+        the gate and the step size's sigmoid in the model before the backend's extend (models/kimi_linear.py), later
+        releases hand the backend both raw, the gate unflattened to ``[1, T, H, K]`` for an extend."""
+        s = layer.spec
+        H, K = s.num_heads, s.head_k_dim
+        with _building("KimiDeltaAttention"), torch.no_grad():
+            block = sgl.KimiDeltaAttention.__new__(sgl.KimiDeltaAttention)
+            torch.nn.Module.__init__(block)  # no __init__: it would build TP-sharded projections and load nothing
+            block.layer_idx, block.num_heads, block.head_dim = s.layer_id, H, K
+            block.num_k_heads = block.num_v_heads = H
+            block.head_k_dim, block.head_v_dim = K, s.head_v_dim
+            block.do_fuse_qkvbfg = False
+            block.forward_qkvbfg = lambda projected: projected
+            block.o_norm, block.o_proj = _Ungated(), _Identity()
+            _kda_parameters(sgl, block, layer)
+        return block
+
+    @staticmethod
+    def call_layer(block, projected, sfb):
+        """Kimi Linear's call: ``KimiDeltaAttention.forward(hidden_states, positions, forward_batch, zero_allocator)``
+        (its ``forward_qkvbfg`` hands ``projected`` over)."""
+        return block(hidden_states=projected, positions=None, forward_batch=sfb, zero_allocator=None)
+
+
+def _kda_parameters(sgl, block, layer) -> None:
+    """A KDA layer module's A_log, dt_bias and RadixLinearAttention, as SGLang's models build them from the drawn
+    parameters (A_log and dt_bias in float32, as the models keep them)."""
+    s, w = layer.spec, layer.weights
+    H, K = s.num_heads, s.head_k_dim
+    block.A_log = torch.nn.Parameter(w["A_log"].float().reshape(1, 1, H, 1), requires_grad=False)
+    block.dt_bias = torch.nn.Parameter(w["dt_bias"].float(), requires_grad=False)
+    # (a safe-gate case never reaches a release without it: kda_safe_gate, Capabilities.engine_limits)
+    gate = {} if s.lower_bound is None else {"lower_bound": s.lower_bound}
+    block.attn = sgl.RadixLinearAttention(
+        layer_id=s.layer_id, num_q_heads=H, num_k_heads=H, num_v_heads=H, head_q_dim=K, head_k_dim=K,
+        head_v_dim=s.head_v_dim, conv_weights=w["conv_weight"].float(), bias=None, activation="silu",
+        A_log=block.A_log, dt_bias=block.dt_bias, **gate)
+
+
+class SglangKdaGlm5(SglangKda):
+    """The same KDA backend as :class:`SglangKda` (its hybrid built for the same Kimi-Linear-shaped config), its layer
+    GLM-5.3 Flash's (``Glm5NextLinearAttention``, models/glm5_next.py), which hands the forget gate flat:
+    ``[1, T, H * K]`` for an extend or a verify, where Kimi Linear's is ``[1, T, H, K]`` (extend) and ``[T, H * K]``
+    (verify). GLM-5.3 Flash is the one KDA model whose breakable prefill graph SGLang keeps on by default
+    (arg_groups/cuda_graph_hook.py, "GLM-5.3 Flash is BCG-validated"), so its graph() extends are what such a server
+    runs. Decode hands the gate as Kimi Linear does (``[T, H * K]``): those rows would repeat :class:`SglangKda`'s."""
+
+    capabilities = dataclasses.replace(
+        SglangKda.capabilities, modes=frozenset({ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY}),
+        cuda_graph_modes=frozenset({ForwardMode.TARGET_VERIFY}),
+        engine_features=(*SglangKda.capabilities.engine_features, "glm5_kda_model"))
+
+    @staticmethod
+    def build_layer(sgl, layer):
+        """SGLang's own ``Glm5NextLinearAttention`` for a harness KDA layer, built as :meth:`SglangKda.build_layer`
+        builds Kimi Linear's: no ``__init__``, the drawn parameters, its projections a stand-in (here taking the batch
+        too, as GLM's do), its output norm and projection the identity."""
+        s = layer.spec
+        H, K = s.num_heads, s.head_k_dim
+        with _building("Glm5NextLinearAttention"), torch.no_grad():
+            block = sgl.Glm5NextLinearAttention.__new__(sgl.Glm5NextLinearAttention)
+            torch.nn.Module.__init__(block)
+            block.layer_idx, block.head_dim, block.local_num_heads = s.layer_id, K, H
+            block.head_k_dim, block.head_v_dim = K, s.head_v_dim
+            block.do_fuse_qkvbfg = False
+            # Its forward reads the hidden states' rows before projecting them: the stand-in is handed q|k|v as the
+            # hidden states and answers the call's projections (call_layer)
+            block.forward_qkvbfg = lambda hidden_states, forward_batch: block.harness_projected
+            block.o_norm, block.o_proj = _Ungated(), _Identity()
+            _kda_parameters(sgl, block, layer)
+        return block
+
+    @staticmethod
+    def call_layer(block, projected, sfb):
+        """GLM-5.3 Flash's call: ``Glm5NextLinearAttention.forward(hidden_states, forward_batch)``."""
+        block.harness_projected = projected
+        try:
+            return block(projected[0], sfb)
+        finally:
+            block.harness_projected = None
 
 
 class SglangMamba2(_LinearChild):

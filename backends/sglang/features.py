@@ -208,6 +208,10 @@ FEATURES: dict[str, Feature] = {
     "kda_model": Feature("a Kimi Linear config, its KDA layer and SGLang's KDA backend", (
         _p("srt.configs.kimi_linear:KimiLinearConfig"), _p("srt.models.kimi_linear:KimiDeltaAttention"),
         _p("srt.layers.attention.linear.kda_backend:KDAAttnBackend"))),
+    # GLM-5.3 Flash's KDA layer (its forget gate handed flat), the one KDA model whose breakable prefill graph is on
+    # by default
+    "glm5_kda_model": Feature("GLM-5.3 Flash's KDA layer (Glm5NextLinearAttention)", (
+        _p("srt.models.glm5_next:Glm5NextLinearAttention"),)),
     # KDA's safe gate (Ling V3's, Kimi K3's: each token's log-decay held in [lower_bound, 0]), 0.5.22 on; before it
     # a KDA layer has the standard gate only
     "kda_safe_gate": Feature("KDA's safe gate (a lower_bound on RadixLinearAttention)", (

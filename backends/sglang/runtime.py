@@ -291,10 +291,12 @@ def _import_names() -> dict[str, object]:
         from sglang.srt.configs.nemotron_h import NemotronHConfig
         from sglang.srt.layers.attention.mamba.mamba import MambaMixer2
         from sglang.srt.models.nemotron_h import NemotronHMambaDecoderLayer
-    KimiLinearConfig = KimiDeltaAttention = None
+    KimiLinearConfig = KimiDeltaAttention = Glm5NextLinearAttention = None
     if features.has("kda_model"):
         from sglang.srt.configs.kimi_linear import KimiLinearConfig
         from sglang.srt.models.kimi_linear import KimiDeltaAttention
+    if features.has("glm5_kda_model"):
+        from sglang.srt.models.glm5_next import Glm5NextLinearAttention
     Lfm2Config = Lfm2ShortConv = register_shortconv_verify_buffers = None
     if features.has("short_conv_model"):
         from sglang.srt.configs.lfm2 import Lfm2Config
