@@ -131,6 +131,14 @@ def _build_for_a_minute() -> None:
     build.wait()
 
 
+def _gone_or_zombie(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
+    except FileNotFoundError:  # reaped, possibly between two reads
+        return True
+    return "Z" in state
+
+
 def test_the_budget_stops_the_warmup_and_the_builds_it_started(tmp_path, monkeypatch):
     monkeypatch.setenv("WARMUP_TEST_MARKER", str(tmp_path / "build.pid"))
     pool = Pool("cpu", 1)
@@ -142,7 +150,7 @@ def test_the_budget_stops_the_warmup_and_the_builds_it_started(tmp_path, monkeyp
     assert time.time() - started < 20
     build = int((tmp_path / "build.pid").read_text())
     for _ in range(50):  # SIGKILL is delivered at once; the zombie's parent (the pool process) is gone too
-        if not Path(f"/proc/{build}").exists() or "Z" in Path(f"/proc/{build}/stat").read_text().split(")")[1][:3]:
+        if _gone_or_zombie(build):
             break
         time.sleep(0.1)
     else:
