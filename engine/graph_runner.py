@@ -358,7 +358,7 @@ class PrefillGraphRunner:
     (``breaks``, ``unbroken_layers``): a layer that does not break is frozen into a segment.
 
     A backend may capture a layer kind's extend on purpose, over static tables it refreshes before each replay
-    (SGLang 0.5.23's captured-metadata contract, prefill_cuda_graph_runner.py ``_init_forward_metadata_for_capture``
+    (SGLang's captured-metadata contract, 0.5.22 on, prefill_cuda_graph_runner.py ``_init_forward_metadata_for_capture``
     and ``_prepare_forward_metadata_for_replay``: its hybrid over KDA). The backend plans the capture batch with
     ``init_forward_metadata_for_prefill_capture`` (what it returns is the bucket's metadata), each replay with
     ``prepare_forward_metadata_for_prefill_replay``, and names the layer kinds it runs inside the graph
@@ -463,7 +463,8 @@ class PrefillGraphRunner:
         torch.cuda.current_stream().wait_stream(stream)
 
     def expected_breaks(self, layer) -> int:
-        """The eager breaks ``layer`` takes at capture: none where the backend runs its kind inside the graph, else 1."""
+        """The eager breaks ``layer`` takes at capture: none where the backend runs its kind inside the graph, else
+        1."""
         return 0 if layer.kind in self.in_graph else 1
 
     def unbroken_layers(self) -> list[tuple[object, int]]:

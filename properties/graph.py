@@ -123,8 +123,11 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
             bound = layer_bound(composition, spec, spec.layers[0], device)
             worst.add(compare(t[1:], eager_pools[name][1:].to(torch.float64), bound,
                               label=f"{label} pool {name}:"), bound)
-    return worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "
-                               f"in a {runner.mode.value} graph captured {runner.captured}")
+    verdict = worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "
+                                  f"in a {runner.mode.value} graph captured {runner.captured}")
+    if isinstance(runner, PrefillGraphRunner):  # the layer kinds the engine ran inside the graph (the ledger reads it)
+        verdict.details["in_graph"] = tuple(sorted(runner.in_graph))
+    return verdict
 
 
 GRAPH_METADATA = "graph_metadata"

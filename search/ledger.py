@@ -447,15 +447,18 @@ def _captured_in_prefill_graph(kind: str) -> Callable[[BatchSpec, Verdict], bool
 
 
 def _kda_in_graph_beta(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A breakable prefill graph's replay of an extend disagrees with the eager run in a KDA layer: its output
-    ("replay layer N") or its state pool ("replay pool ssmN" / "convN"). SGLang 0.5.23 runs the KDA extend inside the
-    graph (linear/kda_prefill_graph.py, ``kda_extend_in_graph``) and tells the chunk kernel beta is raw only where
-    the forget gate comes flat (``beta_is_raw=gate_was_flat``, ``a.ndim == 3``); Kimi Linear's layer hands a raw beta
-    with a [1, T, H, K] gate, and the eager path says raw always, so replays skip beta's sigmoid
-    (docs/findings/sglang-kda-prefill-graph-beta-not-raw.md)."""
-    m = re.match(r"replay(?: with new inputs)? (?:layer |pool (?:ssm|conv))(\d+)\b", verdict.where or "")
-    if spec.mode is not ForwardMode.EXTEND:
+    """A breakable prefill graph whose capture ran the KDA extend inside the graph (``details["in_graph"]``), and
+    whose replay of an extend disagrees with the eager run in a KDA layer: its output ("replay layer N") or its
+    recurrent state ("replay pool ssmN"; beta never reaches the conv state, which the conv kernel writes before beta
+    is read). SGLang 0.5.22 and 0.5.23 run that extend inside the graph (linear/kda_prefill_graph.py,
+    ``kda_extend_in_graph``) and tell the chunk kernel beta is raw only where the forget gate comes flat
+    (``beta_is_raw=gate_was_flat``, ``a.ndim == 3``); Kimi Linear's layer hands a raw beta with a [1, T, H, K] gate,
+    and the eager path says raw always, so replays skip beta's sigmoid
+    (docs/findings/sglang-kda-prefill-graph-beta-not-raw.md). Where KDA breaks out of the graph instead (a release
+    without the contract, ``SGLANG_DISABLE_KDA_PREFILL_GRAPH_EXTEND``), a disagreement is another bug."""
+    if spec.mode is not ForwardMode.EXTEND or "kda" not in verdict.details.get("in_graph", ()):
         return False
+    m = re.match(r"replay(?: with new inputs)? (?:layer |pool ssm)(\d+)\b", verdict.where or "")
     return m is not None and any(layer.layer_id == int(m.group(1)) and layer.kind == "kda" for layer in spec.layers)
 
 

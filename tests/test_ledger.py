@@ -267,6 +267,25 @@ def test_kdas_mixed_exponent_bases_are_known_in_a_kda_layer_of_a_multi_token_req
     assert entry.applies_to("0.5.10") and not entry.applies_to("0.5.22")
 
 
+def test_the_kda_prefill_graph_beta_entry_explains_kda_outputs_and_states_where_the_engine_ran_them_in_graph():
+    """Where the engine ran KDA inside the prefill graph: a KDA layer's replayed output or recurrent state, not its
+    conv state (written before beta is read), another layer, or a capture whose KDA layers broke out."""
+    from batch.spec import KdaLayer
+    spec = BatchSpec(ForwardMode.EXTEND, (0, 5), (3, 2), (KdaLayer(0, 2, 16, 16), MHALayer(1, 4, 2, 16, 16)))
+    condition = ledger.CONDITIONS["kda_in_graph_beta"]
+
+    def replay(where: str, in_graph=("kda",)) -> Verdict:
+        return Verdict("graph_replay", False, "relative L2 error out of bounds", where=where,
+                       details={"in_graph": in_graph})
+
+    assert condition(spec, replay("replay layer 0: request 1, token 0, head 0, dim 3"))
+    assert condition(spec, replay("replay with new inputs layer 0: request 0, token 2, head 1, dim 0"))
+    assert condition(spec, replay("replay pool ssm0: index (3, 0, 0, 15)"))
+    assert not condition(spec, replay("replay pool conv0: index (3, 0, 1)"))
+    assert not condition(spec, replay("replay layer 1: request 0, token 1, head 0, dim 0"))  # the MHA layer
+    assert not condition(spec, replay("replay layer 0: request 1, token 0, head 0, dim 3", in_graph=()))
+
+
 def test_kdas_fused_intra_clamp_is_known_in_a_sharp_decay_layer_with_the_standard_gate():
     """0.5.23, CPU: one fresh request of 18 tokens, sharp decays, the standard gate: the output off at token 14."""
     from batch.spec import KdaLayer

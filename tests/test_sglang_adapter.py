@@ -649,7 +649,7 @@ def test_kimi_linear_runs_its_kda_extend_inside_the_prefill_graph_and_replays_mu
 
     sgl = runtime.load()
     if "init_forward_metadata_for_breakable_cuda_graph_capture" not in vars(sgl.HybridLinearAttnBackend):
-        pytest.skip("this SGLang's hybrid has no captured-metadata prefill graph (before 0.5.23): its KDA layers "
+        pytest.skip("this SGLang's hybrid has no captured-metadata prefill graph (before 0.5.22): its KDA layers "
                     "break out of the graph as GDN's do")
     from sglang.srt.layers.attention.linear.kernels import kda_triton
     layers = (KdaLayer(0, 2, 16, 16), MHALayer(1, 4, 2, 16, 16))

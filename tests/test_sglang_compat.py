@@ -155,3 +155,16 @@ def test_the_attention_layers_custom_ops_run_their_python_bodies_on_a_cpu():
     assert out.tolist() == [0.0, 2.0, 4.0]
     with pytest.raises(NotImplementedError, match="CPU"):
         torch.ops.harness_test_ops.other_op(x, out)
+
+
+def test_the_piecewise_context_lists_each_layer_as_sglangs_runner_does():
+    # SGLang's layer_setup lists a layer module that wraps an attn (Kimi Linear's KimiDeltaAttention) by that attn,
+    # any other by itself; 0.5.22's linear split op calls the backend with what it finds there. A view: layers
+    # built after the context was entered are listed too.
+    wrapped, plain = torch.nn.Module(), torch.nn.Module()
+    wrapped.attn = torch.nn.Identity()
+    blocks = {0: wrapped}
+    layers = compat._AttentionLayers(blocks)
+    blocks[1] = plain
+    assert layers[0] is wrapped.attn and layers[1] is plain
+    assert list(layers) == [0, 1] and len(layers) == 2

@@ -133,8 +133,8 @@ def _build_for_a_minute() -> None:
 
 def _gone_or_zombie(pid: int) -> bool:
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[1][:3]
-    except FileNotFoundError:  # reaped, possibly between two reads
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]  # the name before it may hold a ")"
+    except (FileNotFoundError, ProcessLookupError):  # reaped, possibly between opening the file and reading it
         return True
     return "Z" in state
 

@@ -548,7 +548,8 @@ class SglangBackend(_SglangObject):
     def _captures_prefill_metadata(self) -> bool:
         """Whether SGLang's backend takes the captured-metadata contract of the breakable prefill graph, as it decided
         at construction (``use_captured_forward_metadata_for_breakable_cuda_graph``: the hybrid over a linear backend
-        whose extend runs on static tables, 0.5.23's KDA; a release without the attribute has no such contract)."""
+        whose extend runs on static tables, KDA's from 0.5.22; a release without the attribute has no such
+        contract)."""
         return bool(getattr(self.inner, "use_captured_forward_metadata_for_breakable_cuda_graph", False))
 
     def init_forward_metadata_for_prefill_capture(self, forward_batch):
@@ -573,6 +574,8 @@ class SglangBackend(_SglangObject):
         """How SGLang's prefill runner plans a replay (``_prepare_forward_metadata_for_replay``, :1257-1318): the
         captured-metadata contract's refresh of the bucket's metadata (the harness's static batch is SGLang's static
         batch too), else the eager plan."""
+        if self.inner is None or not self.built_for_prefill_graph:
+            raise RuntimeError("a prefill graph replay before its capture built the backend for the graph")
         if not self._captures_prefill_metadata():
             self.init_forward_metadata(forward_batch)
             return
@@ -589,8 +592,8 @@ class SglangBackend(_SglangObject):
         """For a CPU's replay, where nothing was captured and a layer run inside the graph runs its Python again: the
         host values that layer's capture recorded. The capture batch's tokens were all real, so SGLang's linear layer
         trimmed nothing there (``_linear_attention_with_output_impl`` reads ``global_num_token_non_padded_cpu``,
-        radix_linear_attention.py:171-174 in 0.5.23), and a replayed graph hands its kernels every padded row: the
-        live batch's count is the bucket's while the layer runs."""
+        radix_linear_attention.py:177-179 in 0.5.23, :174-176 in 0.5.22), and a replayed graph hands its kernels every
+        padded row: the live batch's count is the bucket's while the layer runs."""
         sfb = self.batches.get(id(forward_batch))
         if sfb is None:
             raise RuntimeError("a captured layer's replay before the replay planned the batch")
@@ -1035,10 +1038,11 @@ class SglangKda(_LinearChild):
         # The verify conv kernel advances the request's conv state through the draft tokens in place, as GDN's; the
         # commit rewrites it.
         verify_advances_conv_state=True,
-        # A server on CUDA runs Kimi Linear's extends through the breakable prefill graph (0.5.22 on). In 0.5.23 the
-        # hybrid captures the KDA extend inside the graph over static tables it refreshes before each replay
-        # (kda_prefill_graph.py; SglangHybrid.prefill_graph_layers_in_graph), so graph() extend rows compare those
-        # replays with eager ones; in 0.5.22 its RadixLinearAttention breaks out of the graph, as GDN's
+        # Under a breakable prefill graph (a CUDA server's default prefill graph from 0.5.22; SGLang keeps it off for
+        # KDA models other than GLM-5.3 Flash unless --cuda-graph-backend-prefill breakable is passed,
+        # arg_groups/cuda_graph_hook.py), 0.5.22 and 0.5.23's hybrid runs the KDA extend inside the graph over static
+        # tables it refreshes before each replay (kda_prefill_graph.py; SglangHybrid.prefill_graph_layers_in_graph):
+        # graph() extend rows compare those replays with eager ones
         prefill_graph=True,
         slow_on_cpu="the interpreted fla chunk kernels take seconds a case",
     )
@@ -1236,9 +1240,10 @@ class SglangHybrid(SglangBackend):
 
     def prefill_graph_layers_in_graph(self) -> frozenset[str]:
         """The linear child's kinds where SGLang's hybrid runs its layers' extend inside the prefill graph being
-        captured (``linear_extend_in_graph``, hybrid_linear_attn_backend.py:1284-1288 in 0.5.23: the KDA extend on
-        static tables; its RadixLinearAttention then takes no eager break, radix_linear_attention.py:115)."""
-        in_graph = getattr(self.inner, "linear_extend_in_graph", None)  # 0.5.23 on
+        captured (``linear_extend_in_graph``, hybrid_linear_attn_backend.py:1284-1288 in 0.5.23, :1282 in 0.5.22: the
+        KDA extend on static tables; its RadixLinearAttention then takes no eager break, radix_linear_attention.py:115
+        in 0.5.23)."""
+        in_graph = getattr(self.inner, "linear_extend_in_graph", None)  # 0.5.22 on
         return self.linear.capabilities.attention_kinds if in_graph is not None and in_graph() else frozenset()
 
 

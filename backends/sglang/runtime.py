@@ -385,7 +385,7 @@ def _where(e: BaseException) -> str:
 
 
 def _host_pinning_on_cpu() -> list[str]:
-    """On a machine without an accelerator, ``Tensor.pin_memory`` answers the tensor itself.
+    """On a machine without CUDA, ``Tensor.pin_memory`` answers a copy of the tensor, unpinned.
 
     Torch raises there ("Cannot access accelerator device when none is available"). SGLang's KDA prefill graph pins
     the host tables it copies to the device before each replay (linear/kda_prefill_graph.py,
@@ -396,7 +396,7 @@ def _host_pinning_on_cpu() -> list[str]:
         return []
     if not getattr(torch.Tensor.pin_memory, "harness_host", False):
         def pin_memory(self, device=None):
-            return self
+            return self.clone()  # a copy, as pinning an unpinned tensor makes one
 
         pin_memory.harness_host = True
         torch.Tensor.pin_memory = pin_memory
