@@ -915,6 +915,18 @@ def sglang_mamba_mixer_captured_in_prefill_graph():
     return _replace(nemotron_h, "breakable_nemotron_mamba2_with_output", nemotron_h.nemotron_mamba2_with_output)
 
 
+def sglang_kda_prefill_graph_tables_not_refreshed():
+    from backends.sglang.runtime import load
+    sgl = load()
+    hybrid = sgl.HybridLinearAttnBackend
+
+    def prepare(self, capture_metadata, forward_batch, *, static_forward_batch=None):
+        # the full child planned for the live batch; the linear child's in-graph tables left as the capture built them
+        self.full_attn_backend.init_forward_metadata(forward_batch)
+
+    return _replace(hybrid, "prepare_forward_metadata_for_breakable_cuda_graph_replay", prepare)
+
+
 def graph_captures_linear():
     import engine.graph_runner as gr
     return _replace(gr, "CAPTURE_LINEAR_LAYERS", True)
@@ -981,6 +993,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "into the prefill graph with the capture batch's Mamba-2 metadata; an illegal memory access on an H100, "
            "the break count on a CPU",
            ("graph(hybrid(sglang.triton,sglang.mamba2))",), ("graph_replay",), modes=("extend",), engine="sglang"),
+    Mutant("sglang_kda_prefill_graph_tables_not_refreshed", "SGLang's hybrid replays a breakable prefill graph "
+           "without refreshing the static tables its KDA extend runs on inside the graph (the captured-metadata "
+           "contract, 0.5.22 on); every replayed prefill convolves and scans the capture batch's one sequence from "
+           "its state slot (GLM-5.3 Flash's layer, whose in-graph extend is otherwise right)",
+           ("graph(hybrid(sglang.triton,sglang.kda_glm5))",), ("graph_replay",), modes=("extend",), engine="sglang"),
     Mutant("sglang_one_arg_mha_chunk", "a full-attention child whose init_mha_chunk_metadata takes only the batch "
            "(TRT-LLM MLA before the #27316 review; CPU form on TorchNative); the hybrid's positional "
            "(forward_batch, disable_flashinfer_ragged) call raises TypeError on the first MLA prefill",
