@@ -361,7 +361,8 @@ class PrefillGraphRunner:
     (SGLang's captured-metadata contract, 0.5.22 on, prefill_cuda_graph_runner.py ``_init_forward_metadata_for_capture``
     and ``_prepare_forward_metadata_for_replay``: its hybrid over KDA). The backend plans the capture batch with
     ``init_forward_metadata_for_prefill_capture`` (what it returns is the bucket's metadata), each replay with
-    ``prepare_forward_metadata_for_prefill_replay``, and names the layer kinds it runs inside the graph
+    ``prepare_forward_metadata_for_prefill_replay`` (a batch of more requests than ``prefill_graph_max_requests``
+    runs eagerly, as the engine's runner votes), and names the layer kinds it runs inside the graph
     (``prefill_graph_layers_in_graph``, asked right after the capture's plan): those layers take no break, and
     whether their replays are right is what the replay-against-eager comparison judges.
 
@@ -478,6 +479,13 @@ class PrefillGraphRunner:
         t = fb.extend_num_tokens
         if t > self.bs:
             raise ValueError(f"an extend of {t} tokens does not fit a prefill graph captured for {self.bs}")
+        limit = self.backend.prefill_graph_max_requests()
+        if limit is not None and fb.batch_size > limit:
+            # The engine's vote: a batch of more requests than the captured tables hold runs eagerly, outside the graph
+            # (SGLang's prefill runner, can_replay_locally)
+            prepare_batch(self.backend, fb, self.layer_specs)
+            return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
+                    for s, i, w in zip(self.layer_specs, inputs, self.weights)]
         load_token_rows(self, fb, inputs, t)
         static = self._static(fb, t)
         prepare_batch(self.backend, static, self.layer_specs,

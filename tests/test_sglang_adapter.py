@@ -680,6 +680,38 @@ def test_kimi_linear_runs_its_kda_extend_inside_the_prefill_graph_and_replays_mu
 
 
 @needs_sglang
+def test_a_batch_of_more_requests_than_the_kda_graph_tables_hold_runs_eagerly_as_sglang_votes(device, monkeypatch):
+    # SGLang's prefill runner replays a captured-metadata graph only for batches its tables hold
+    # (prefill_cuda_graph_max_batch_size, for KDA SGLANG_KDA_PREFILL_GRAPH_MAX_SEQS); a larger one runs eagerly.
+    # With one request allowed, a two-request extend must not reach the tables (SGLang's fill asserts there).
+    sgl = runtime.load()
+    if "init_forward_metadata_for_breakable_cuda_graph_capture" not in vars(sgl.HybridLinearAttnBackend):
+        pytest.skip("this SGLang's hybrid has no captured-metadata prefill graph (before 0.5.22)")
+    monkeypatch.setenv("SGLANG_KDA_PREFILL_GRAPH_MAX_SEQS", "1")
+    import sglang.srt.layers.attention.linear.kda_backend as kda_backend
+
+    in_graph = []
+    extend_in_graph = kda_backend.kda_extend_in_graph
+
+    def spy(**kwargs):
+        in_graph.append(kwargs["meta"].max_seqs)
+        return extend_in_graph(**kwargs)
+
+    layers = (KdaLayer(0, 2, 16, 16), MHALayer(1, 4, 2, 16, 16))
+    composition = parse("graph(hybrid(sglang.triton,sglang.kda_glm5))")
+    with mock.patch.object(kda_backend, "kda_extend_in_graph", spy):
+        verdict = PROPERTIES["graph_replay"].run(
+            composition, BatchSpec(ForwardMode.EXTEND, (4, 0), (3, 2), layers, dtype="float16", seed=1), device)
+        assert verdict.ok, str(verdict)
+        assert in_graph == [1] * (3 if device == "cuda" else 1)  # the capture (and its warm-up runs) only
+        verdict = PROPERTIES["graph_replay"].run(
+            composition, BatchSpec(ForwardMode.EXTEND, (4,), (3,), layers, dtype="float16", seed=1), device)
+        assert verdict.ok, str(verdict)
+    # One request fits: on a CPU that replay reruns the in-graph extend (a GPU replays it without Python)
+    assert len(in_graph) == (6 if device == "cuda" else 3)
+
+
+@needs_sglang
 def test_glm5_flash_hands_its_kda_gate_flat_and_its_prefill_graph_replays_follow_eager(device):
     # GLM-5.3 Flash, the KDA model whose breakable prefill graph SGLang keeps on by default: its own layer module hands
     # the backend a flat [1, T, H * K] gate (Kimi Linear's is [1, T, H, K]), and the graph's in-graph KDA extend then

@@ -582,6 +582,15 @@ class SglangBackend(_SglangObject):
         self._plan(forward_batch, lambda sfb: self.inner.prepare_forward_metadata_for_breakable_cuda_graph_replay(
             captured, sfb, static_forward_batch=sfb))
 
+    def prefill_graph_max_requests(self) -> int | None:
+        """The most requests a replay of the prefill graph takes, as SGLang's prefill runner votes
+        (``can_replay_locally``, prefill_cuda_graph_runner.py:1365-1369 in 0.5.23: a larger batch runs eagerly): under
+        the captured-metadata contract the backend's ``prefill_cuda_graph_max_batch_size`` (for KDA,
+        ``SGLANG_KDA_PREFILL_GRAPH_MAX_SEQS``, default 128), else no limit."""
+        if not self._captures_prefill_metadata():
+            return None
+        return getattr(self.inner, "prefill_cuda_graph_max_batch_size", None)
+
     def prefill_graph_layers_in_graph(self) -> frozenset[str]:
         """The layer kinds SGLang's backend runs inside the prefill graph being captured (no eager break): none here
         (a hybrid's linear kinds where it says so)."""
