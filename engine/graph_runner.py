@@ -417,14 +417,11 @@ class PrefillGraphRunner:
                        state_slots=zero, spec_info=None)
 
     def _layers(self, fb: ForwardBatch) -> list[torch.Tensor]:
-        return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
-                for s, i, w in zip(self.layer_specs, self.inputs, self.weights)]
-
-    def _uncaptured_layers(self, fb: ForwardBatch) -> list[torch.Tensor]:
-        """A replay's layers on a CPU, where nothing was captured: each runs its Python again. A layer of a kind the
-        backend runs inside the graph does so with the host values its capture recorded
-        (``prefill_graph_captured_host``), as its replayed kernels would; the others break out and run on the live
-        batch, as they do between a real replay's segments."""
+        """The layers over the static buffers, each running its Python: SGLang's warm-up runs before a capture, and a
+        replay on a CPU, where nothing was captured. A layer of a kind the backend runs inside the graph does so with
+        the host values its capture recorded (``prefill_graph_captured_host``; at warm-up the capture batch's own),
+        as its replayed kernels would; the others break out and run on the live batch, as they do between a real
+        replay's segments."""
         outs = []
         for s, i, w in zip(self.layer_specs, self.inputs, self.weights):
             with self.backend.prefill_graph_captured_host(fb) if s.kind in self.in_graph else contextlib.nullcontext():
@@ -483,16 +480,14 @@ class PrefillGraphRunner:
         if limit is not None and fb.batch_size > limit:
             # The engine's vote: a batch of more requests than the captured tables hold runs eagerly, outside the graph
             # (SGLang's prefill runner, can_replay_locally)
-            prepare_batch(self.backend, fb, self.layer_specs)
-            return [run_layer_overlapped(self.backend, s, i, w, fb, self.mrope_sections)
-                    for s, i, w in zip(self.layer_specs, inputs, self.weights)]
+            return eager_run(self.backend, fb, self.layer_specs, inputs, self.weights, self.mrope_sections)
         load_token_rows(self, fb, inputs, t)
         static = self._static(fb, t)
         prepare_batch(self.backend, static, self.layer_specs,
                       plan=lambda b: self.backend.prepare_forward_metadata_for_prefill_replay(self.captured_plan, b))
         with self.backend.prefill_graph_scope(static):
             if self.graph is None:
-                outs = self._uncaptured_layers(static)
+                outs = self._layers(static)
             else:
                 self.graph.replay()
                 outs = self.outputs

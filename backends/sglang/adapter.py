@@ -265,7 +265,6 @@ class SglangBackend(_SglangObject):
         self.algorithm = "eagle"  # the server's --speculative-algorithm it was built for (batch.spec.SpecInput)
         self.batches: dict[int, object] = {}  # id(harness batch) -> its SGLang ForwardBatch
         self.radix: dict[int, object] = {}
-        self.built_for_prefill_graph = False
 
     def state_sync(self) -> "runtime.StateSync | None":
         return self.states
@@ -295,14 +294,13 @@ class SglangBackend(_SglangObject):
         draft = fb.spec_info.draft_token_num if fb.spec_info is not None else 0
         # A batch without speculative inputs runs on whatever server the backend was built for
         algorithm = fb.spec_info.algorithm if fb.spec_info is not None else self.algorithm
-        if self.inner is not None and draft <= self.draft_tokens and algorithm == self.algorithm and \
-                self.built_for_prefill_graph == self.prefill_graph:
+        if self.inner is not None and draft <= self.draft_tokens and algorithm == self.algorithm:
             return
         topk = fb.spec_info.topk if fb.spec_info is not None else 0
         self.sgl_runner = runtime.make_runner(self.model_runner, self.sglang_name, draft, topk, hybrid=self.hybrid,
                                               decode_backend_name=self.decode_name, algorithm=algorithm,
                                               prefill_graph=self.prefill_graph)
-        self.algorithm, self.built_for_prefill_graph = algorithm, self.prefill_graph
+        self.algorithm = algorithm
         if self.hybrid is not None:
             self.states = runtime.StateSync(self.sgl_runner, self.model_runner)
         self.inner = self.make_inner(self.sgl_runner)
@@ -496,9 +494,9 @@ class SglangBackend(_SglangObject):
     def init_forward_metadata(self, forward_batch) -> None:
         self._plan(forward_batch, lambda sfb: self.inner.init_forward_metadata(sfb))
 
-    def _plan(self, forward_batch, plan) -> None:
+    def _plan(self, forward_batch, plan):
         """SGLang's view of ``forward_batch``, the linear states pushed into its pools, then ``plan(sfb)`` under the
-        backend's forward context."""
+        backend's forward context; returns what it returns (None for an empty idle batch, which is not planned)."""
         self._ensure_built(forward_batch)
         sfb = self.translate(forward_batch)
         self.batches = {id(forward_batch): sfb}
@@ -509,9 +507,9 @@ class SglangBackend(_SglangObject):
             # SGLang's eager runner never plans an empty idle batch: it drops the stale plan instead
             # (runner/eager_runner.py:451-456), and every layer then returns an empty output.
             self.inner.forward_metadata = None
-            return
+            return None
         with compat.backend_scope(self.sgl, self.inner, sfb):
-            plan(sfb)
+            return plan(sfb)
 
     # ---- CUDA graphs: SGLang's three-method contract, over the graph runner's static batch ----
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -558,23 +556,17 @@ class SglangBackend(_SglangObject):
         the breakable graph: where the backend takes the captured-metadata contract, its
         ``init_forward_metadata_for_breakable_cuda_graph_capture`` (the bucket's metadata is returned, each replay
         refreshes it); elsewhere the eager plan (None)."""
-        self.prefill_graph = True
-        captured = []
-
-        def plan(sfb):
-            if self._captures_prefill_metadata():
-                captured.append(self.inner.init_forward_metadata_for_breakable_cuda_graph_capture(sfb))
-            else:
-                self.inner.init_forward_metadata(sfb)
-
-        self._plan(forward_batch, plan)
-        return captured[0] if captured else None
+        if not self.prefill_graph:  # built (if at all) for eager extends: built again, for the graph's server
+            self.prefill_graph, self.inner = True, None
+        return self._plan(forward_batch, lambda sfb: (
+            self.inner.init_forward_metadata_for_breakable_cuda_graph_capture(sfb) if self._captures_prefill_metadata()
+            else self.inner.init_forward_metadata(sfb)))
 
     def prepare_forward_metadata_for_prefill_replay(self, captured, forward_batch) -> None:
         """How SGLang's prefill runner plans a replay (``_prepare_forward_metadata_for_replay``, :1257-1318): the
         captured-metadata contract's refresh of the bucket's metadata (the harness's static batch is SGLang's static
         batch too), else the eager plan."""
-        if self.inner is None or not self.built_for_prefill_graph:
+        if self.inner is None or not self.prefill_graph:
             raise RuntimeError("a prefill graph replay before its capture built the backend for the graph")
         if not self._captures_prefill_metadata():
             self.init_forward_metadata(forward_batch)
