@@ -32,6 +32,22 @@ def pytest_addoption(parser):
                      help="restrict the matrix to these backends or composition terms")
 
 
+# Tests that reach the machine's accelerator where it has one: the ``device`` fixture's (it answers "cuda" there),
+# the GPU kernels' and Triton kernel tests (tests/gpu, tests/triton_kernels), and those marked ``device`` by hand
+# because what they check depends on the host having a GPU. The rest run alike on any host: the GPU runner's job
+# (ci/gpu.sh) runs only these (``-m device``), as the CPU CI runs every test.
+DEVICE_FOLDERS = ("gpu", "triton_kernels")
+
+
+def pytest_collection_modifyitems(config, items):
+    tests = config.rootpath / "tests"
+    for item in items:
+        folder = item.path.relative_to(tests).parts[0] if item.path.is_relative_to(tests) else ""
+        if "device" in getattr(item, "fixturenames", ()) or item.get_closest_marker("gpu") or \
+                folder in DEVICE_FOLDERS:
+            item.add_marker(pytest.mark.device)
+
+
 def pytest_configure(config):
     profile = named_profile(config.getoption("--profile"))
     db = DirectoryBasedExampleDatabase(os.path.join(config.rootpath, ".hypothesis", "examples"))

@@ -281,6 +281,7 @@ def test_modules_a_failed_import_left_without_their_package_are_forgotten_before
         del sys.modules[name]
 
 
+@pytest.mark.device  # what it checks differs on a GPU host
 def test_sglangs_cpu_rows_are_unavailable_on_a_host_with_a_cuda_gpu(monkeypatch):
     """SGLang registers its custom ops for the host's accelerator: on the lent H200 its torch_native decode over CPU
     tensors raised the dispatcher's NotImplementedError, and refuse_or_correct counted it a refusal (a pass)."""

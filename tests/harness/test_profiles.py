@@ -82,6 +82,7 @@ def test_interpreted_rows_on_a_cpu_draw_no_long_context(monkeypatch, tmp_path, d
     assert settings == [min(limits) if limits else None]
 
 
+@pytest.mark.device  # what it checks differs on a GPU host
 def test_a_broken_triton_interpreter_makes_interpreted_rows_unavailable_not_findings(monkeypatch):
     # The lent GPU host's image (triton 3.6.0): every interpreted kernel raised a TypeError inside Triton's
     # interpreter, and a CPU sweep there blamed 480 cases on the backends.
@@ -95,6 +96,7 @@ def test_a_broken_triton_interpreter_makes_interpreted_rows_unavailable_not_find
     assert leaf_capabilities("torch_native").unavailable_reason("cpu") is None  # no interpreter, no question
 
 
+@pytest.mark.device  # what it checks differs on a GPU host
 def test_the_interpreter_probe_passes_where_the_interpreter_works(monkeypatch):
     import torch
 
@@ -108,6 +110,7 @@ def test_the_interpreter_probe_passes_where_the_interpreter_works(monkeypatch):
     assert interpreter_fault() is None
 
 
+@pytest.mark.device  # what it checks differs on a GPU host
 def test_a_switch_set_after_triton_was_imported_is_not_taken_for_an_interpreter(monkeypatch):
     """On the lent H100, a CPU-device test set TRITON_INTERPRET=1 in a pytest worker that had imported triton:
     SGLang's kernels defined later were interpreted, triton's own stayed compiled, and every SGLang Triton row on
@@ -153,3 +156,12 @@ def test_draws_take_no_constants_from_local_source():
     from hypothesis.internal.conjecture import providers
 
     assert len(providers._get_local_constants().integers) == 0
+
+
+def test_a_test_that_takes_the_device_is_marked_for_the_gpu_runner(request, device):
+    # ci/gpu.sh runs `pytest -m device`: a test handed the device must be among them, or the GPU never runs it
+    assert request.node.get_closest_marker("device") is not None
+
+
+def test_a_test_that_runs_alike_on_any_host_is_left_to_the_cpu_ci(request):
+    assert request.node.get_closest_marker("device") is None
