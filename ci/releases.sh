@@ -15,7 +15,7 @@
 # written to HARNESS_OUT/summary.md. Exit status: the worst of the runs' (0 every row passed or known, 1 a
 # finding, 3 adapter errors only; a release whose environment cannot be built is 2).
 #
-# CI runs `bash ci/releases.sh 0.5.10 -- --backends sglang.triton sglang.gdn --max-examples 2 --seed 1 ...`: the oldest
+# CI runs `bash ci/releases.sh 0.5.10 -- --backends sglang.triton sglang.gdn --max-examples 1 --seed 1 ...`: the oldest
 # release, with the older metadata contract (capture/replay graph hooks, the backend on the batch, server args in
 # a ServerArgs dataclass), so the code behind each older feature cannot rot unseen. The nightly workflow runs
 # the oldest, the newest and main.
