@@ -45,12 +45,23 @@ def leaf_paths(spec: BatchSpec) -> list[tuple[int, list[int]]]:
 
 def path_batch(fb: ForwardBatch, spec: BatchSpec, paths: list[tuple[int, list[int]]]) -> tuple[ForwardBatch, torch.Tensor]:
     """An EXTEND batch whose requests are ``paths`` after their requests' cached prefixes, over the tree batch
-    ``fb``'s pools, and the tree rows its tokens are (``[sum of path lengths]`` int64)."""
+    ``fb``'s pools, and the tree rows its tokens are (``[sum of path lengths]`` int64).
+
+    As a scheduler's extend, each request's row of ``req_to_token`` lists its path's slots after its prefix: the
+    row is rewritten in place (at most one path of a request per batch, :func:`path_rounds`), since the verify's row
+    lists the tree's nodes in draft order. A backend that reads the new tokens' keys back through the row
+    (TorchNative) would otherwise read the tree's nodes, not the path's."""
     dev, D = fb.device, spec.spec.draft_token_num
     req = torch.tensor([i for i, _ in paths], dtype=torch.int64, device=dev)
     tok = torch.tensor([i * D + j for i, path in paths for j in path], dtype=torch.int64, device=dev)
     prefix = [spec.prefix_lens[i] for i, _ in paths]
     extend = [len(path) for _, path in paths]
+    if len({i for i, _ in paths}) != len(paths):
+        raise ValueError("two paths of one request in one batch: they would share its row")
+    rows = fb.req_pool_indices[req].tolist()
+    for row, p, (i, path) in zip(rows, prefix, paths):
+        slots = fb.out_cache_loc[torch.tensor([i * D + j for j in path], dtype=torch.int64, device=dev)]
+        fb.req_to_token[row, p:p + len(path)] = slots.to(fb.req_to_token.dtype)
     seq = torch.tensor([p + e for p, e in zip(prefix, extend)], dtype=torch.int64)
     n, T = len(paths), sum(extend)
     batch = dataclasses.replace(

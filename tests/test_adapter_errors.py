@@ -190,3 +190,66 @@ def test_a_batch_the_strategy_draws_and_the_specification_refuses_is_the_harness
     result = search_row_module.search_row(row, ci, "cpu", max_examples=3, out_dir=tmp_path, seed=1)
     assert not result.ok and result.finding_kind == ADAPTER_ERROR, result
     assert result.failure.reason.startswith("harness error: the strategy drew a batch the specification refuses")
+
+
+NEEDS_SGLANG = pytest.mark.skipif(
+    __import__("backends.sglang.runtime", fromlist=["x"]).unavailable_reason() is not None,
+    reason="needs the SGLang extra (bash ci/install-sglang.sh)")
+EXTEND = BatchSpec(ForwardMode.EXTEND, (5, 0, 3), (4, 2, 1), (MHALayer(0, 4, 2, 32, 32),), dtype="float32", seed=4)
+
+
+@NEEDS_SGLANG
+def test_a_batch_the_adapter_translates_wrong_is_its_error_before_sglang_reads_it(monkeypatch):
+    """The adapter checks the ForwardBatch it hands SGLang against what SGLang's scheduler guarantees
+    (backends/sglang/handover.py). A wrong field there made SGLang's TorchNative answer wrong with nothing raised: an
+    outputs disagreement the harness would have reported as SGLang's bug. With the check it is an adapter error
+    naming the field."""
+    import dataclasses
+
+    from backends.registry import parse
+    from backends.sglang import adapter, handover
+    from properties import PROPERTIES
+
+    composition = parse("sglang.torch_native")
+    assert PROPERTIES["outputs"].run(composition, EXTEND, "cpu").ok
+    translate = adapter.SglangBackend.translate
+
+    def misplaced(self, fb, *args, **kwargs):  # the first two new tokens' write slots swapped
+        slots = fb.out_cache_loc.clone()
+        slots[[0, 1]] = slots[[1, 0]]
+        return translate(self, dataclasses.replace(fb, out_cache_loc=slots), *args, **kwargs)
+
+    monkeypatch.setattr(adapter.SglangBackend, "translate", misplaced)
+    ours = PROPERTIES["outputs"].run(composition, EXTEND, "cpu")
+    assert not ours.ok and ours.details.get("adapter_error", "").startswith("backends/sglang/handover.py"), str(ours)
+    assert "out_cache_loc is [" in ours.reason and "the scheduler's would be [" in ours.reason, ours.reason
+    monkeypatch.setattr(handover, "check", lambda *a: None)  # without the check: a wrong answer, blamed on SGLang
+    blind = PROPERTIES["outputs"].run(composition, EXTEND, "cpu")
+    assert not blind.ok and "adapter_error" not in blind.details and "relative L2 error" in blind.reason, str(blind)
+
+
+@NEEDS_SGLANG
+@pytest.mark.parametrize("field, change, says", [
+    ("seq_lens_cpu", lambda t: t + 1, "seq_lens_cpu is [10, 3, 5]"),
+    ("seq_lens_sum", lambda n: n + 1, "seq_lens_sum is 16"),
+    ("out_cache_loc", lambda t: t.flip(0), "out_cache_loc is"),
+    ("positions", lambda t: t + 1, "positions is [6, 7, 8, 9, 1, 2, 4]"),
+    ("extend_prefix_lens_cpu", lambda x: [0, 0, 0], "extend_prefix_lens_cpu is [0, 0, 0]"),
+    ("req_pool_indices", lambda t: t * 0, "reach row 0 (padding)"),
+])
+def test_each_guarantee_of_the_scheduler_is_checked(field, change, says):
+    from backends.registry import parse
+    from backends.sglang import handover
+    from batch.forward_batch import ModelRunner
+    from engine.materialize import materialize
+
+    case = materialize(EXTEND, "cpu")
+    fb = case.forward_batch
+    backend = parse("sglang.torch_native").build(EXTEND, ModelRunner.of(fb, EXTEND.layers))
+    backend.init_forward_metadata(fb)
+    sfb = next(iter(backend.batches.values()))
+    table = backend.sgl_runner.req_to_token_pool.req_to_token
+    assert handover.violations(sfb, table) == []
+    setattr(sfb, field, change(getattr(sfb, field)))
+    wrong = handover.violations(sfb, table)
+    assert any(says in w for w in wrong), wrong

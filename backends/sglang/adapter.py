@@ -24,7 +24,7 @@ from typing import ClassVar
 import torch
 
 from backends.base import DRAFTING_MODES, AttentionBackend, Capabilities, EngineBrokeInvariant, PlannedMetadata
-from backends.sglang import compat, runtime
+from backends.sglang import compat, handover, runtime
 from batch.spec import ForwardMode
 from batch.tbo_split import TboSplit, slice_spec_info
 
@@ -405,10 +405,12 @@ class SglangBackend(_SglangObject):
             self.radix[layer.layer_id] = block
         return block
 
-    def translate(self, fb, graph: bool = False):
+    def translate(self, fb, graph: bool = False, static: bool = False):
         """The harness batch as SGLang's ForwardBatch (the same tensors where the layouts agree). ``graph``: the
         graph runner's static batch, translated as SGLang's graph runners build theirs (int64 ``seq_lens``
-        viewing the static buffer, the runner's own write slots)."""
+        viewing the static buffer, the runner's own write slots). Any other batch must be one SGLang's scheduler
+        builds (``handover``), unless ``static``: a graph runner's own batch planned eagerly (a prefill graph's
+        capture batch, on dummy request rows as SGLang's runner captures)."""
         sgl = self.sgl
         mode = getattr(sgl.ForwardMode, _SGLANG_MODE[fb.forward_mode])
         T = fb.extend_num_tokens
@@ -445,6 +447,8 @@ class SglangBackend(_SglangObject):
         if fb.forward_mode.is_draft_extend():
             out.spec_info = self._draft_extend_input(fb, out)
             out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
+        if not (graph or static):  # before any SGLang code reads it: a batch its scheduler never builds is the adapter's error
+            handover.check(out, getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None))
         return out
 
     def _verify_input(self, fb, out):
@@ -494,11 +498,12 @@ class SglangBackend(_SglangObject):
     def init_forward_metadata(self, forward_batch) -> None:
         self._plan(forward_batch, lambda sfb: self.inner.init_forward_metadata(sfb))
 
-    def _plan(self, forward_batch, plan):
+    def _plan(self, forward_batch, plan, static: bool = False):
         """SGLang's view of ``forward_batch``, the linear states pushed into its pools, then ``plan(sfb)`` under the
-        backend's forward context; returns what it returns (None for an empty idle batch, which is not planned)."""
+        backend's forward context; returns what it returns (None for an empty idle batch, which is not planned).
+        ``static``: a graph runner's own batch (``translate``)."""
         self._ensure_built(forward_batch)
-        sfb = self.translate(forward_batch)
+        sfb = self.translate(forward_batch, static=static)
         self.batches = {id(forward_batch): sfb}
         self.planned_graph = False
         if self.states is not None:
@@ -560,7 +565,7 @@ class SglangBackend(_SglangObject):
             self.prefill_graph, self.inner = True, None
         return self._plan(forward_batch, lambda sfb: (
             self.inner.init_forward_metadata_for_breakable_cuda_graph_capture(sfb) if self._captures_prefill_metadata()
-            else self.inner.init_forward_metadata(sfb)))
+            else self.inner.init_forward_metadata(sfb)), static=True)
 
     def prepare_forward_metadata_for_prefill_replay(self, captured, forward_batch) -> None:
         """How SGLang's prefill runner plans a replay (``_prepare_forward_metadata_for_replay``, :1257-1318): the
@@ -568,11 +573,11 @@ class SglangBackend(_SglangObject):
         batch too), else the eager plan."""
         if self.inner is None or not self.prefill_graph:
             raise RuntimeError("a prefill graph replay before its capture built the backend for the graph")
-        if not self._captures_prefill_metadata():
-            self.init_forward_metadata(forward_batch)
+        if not self._captures_prefill_metadata():  # the live requests over the runner's padded token buffers
+            self._plan(forward_batch, lambda sfb: self.inner.init_forward_metadata(sfb), static=True)
             return
         self._plan(forward_batch, lambda sfb: self.inner.prepare_forward_metadata_for_breakable_cuda_graph_replay(
-            captured, sfb, static_forward_batch=sfb))
+            captured, sfb, static_forward_batch=sfb), static=True)
 
     def prefill_graph_max_requests(self) -> int | None:
         """The most requests a replay of the prefill graph takes, as SGLang's prefill runner votes

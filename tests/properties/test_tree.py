@@ -28,12 +28,19 @@ def test_leaf_paths_cover_every_node_once_per_leaf():
 def test_path_batches_read_the_trees_rows():
     case = materialize(SPEC)
     fb = case.forward_batch
-    batch, tok = path_batch(fb, SPEC, leaf_paths(SPEC)[:2])
-    assert tok.tolist() == [0, 2, 0, 1, 3]
-    assert batch.extend_seq_lens_cpu == [2, 3] and batch.extend_prefix_lens_cpu == [6, 6]
-    assert batch.positions.tolist() == [6, 7, 6, 7, 8]  # prefix + depth, the tree's positions
+    paths = leaf_paths(SPEC)
+    batch, tok = path_batch(fb, SPEC, [paths[1], paths[3]])  # request 0's [0, 1, 3], request 1's [0, 1, 2, 3]
+    assert tok.tolist() == [0, 1, 3, 5, 6, 7, 8]
+    assert batch.extend_seq_lens_cpu == [3, 4] and batch.extend_prefix_lens_cpu == [6, 11]
+    assert batch.positions.tolist() == [6, 7, 8, 11, 12, 13, 14]  # prefix + depth, the tree's positions
     assert torch.equal(batch.out_cache_loc, fb.out_cache_loc[tok])
-    assert batch.req_pool_indices.tolist() == [fb.req_pool_indices[0].item()] * 2  # one cached prefix, shared
+    # As a scheduler's extend: each request's row lists its path's slots after its prefix (the verify's listed the
+    # tree's nodes in draft order: request 0's node 2 where the path has node 3)
+    rows = batch.req_pool_indices.tolist()
+    assert fb.req_to_token[rows[0], 6:9].tolist() == fb.out_cache_loc[[0, 1, 3]].tolist()
+    assert fb.req_to_token[rows[1], 11:15].tolist() == fb.out_cache_loc[[5, 6, 7, 8]].tolist()
+    with pytest.raises(ValueError, match="two paths of one request"):
+        path_batch(fb, SPEC, paths[:2])
 
 
 def test_a_correct_backend_passes_on_trees_with_a_window(device):

@@ -1,0 +1,100 @@
+"""What SGLang's scheduler guarantees of every eager ForwardBatch, checked on the batch the adapter hands over.
+
+SGLang's backends trust their batch: a ForwardBatch whose host and device lengths disagree, whose ``extend_start_loc``
+is not the running sum of its extends, or whose write slots are not the request table's, is one the scheduler never
+builds (``ScheduleBatch`` -> ``ModelWorkerBatch`` -> ``ForwardBatch.init_new``). Handed such a batch, a backend
+crashes inside its own code or answers wrong, and the harness would report the engine's bug where the adapter's
+translation was at fault. So the adapter checks its translation before any SGLang code reads it, and a violation is
+raised from the adapter's frame: an adapter error (``properties/blame.py``), never a finding.
+
+Written from the scheduler's side (``managers/schedule_batch.py`` prepare_for_extend / prepare_for_decode and
+``model_executor/forward_batch_info.py`` init_new), not from any backend's reading of the fields. Graph runners'
+static batches are not checked here: their padded rows follow the runners' own fill rules, which the graph
+properties check.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BrokenHandover(RuntimeError):
+    """The adapter translated a batch into a ForwardBatch that SGLang's scheduler never builds."""
+
+
+def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
+    """Every way ``sfb`` breaks the scheduler's guarantees (empty when none). ``req_to_token``: the request table
+    the batch's ``req_pool_indices`` index (None: its slots are not checked)."""
+    mode = sfb.forward_mode
+    bs = int(sfb.batch_size)
+    wrong: list[str] = []
+
+    def same(what: str, got, want) -> None:
+        if got != want:
+            wrong.append(f"{what} is {_short(got)}, the scheduler's would be {_short(want)}")
+
+    seq = sfb.seq_lens.tolist()
+    seq_cpu = [int(x) for x in sfb.seq_lens_cpu.tolist()] if sfb.seq_lens_cpu is not None else None
+    same("len(req_pool_indices)", int(sfb.req_pool_indices.numel()), bs)
+    same("len(seq_lens)", len(seq), bs)
+    draft = getattr(getattr(sfb, "spec_info", None), "draft_token_num", None)
+    widened = mode.is_target_verify() and type(getattr(sfb, "spec_info", None)).__name__ == "DFlashVerifyInput"
+    if seq_cpu is not None:
+        # DFlash's verify widens the host lengths by its block; the device lengths stay the committed prefix
+        # (speculative/dflash_worker_v2.py, verify)
+        same("seq_lens_cpu", seq_cpu, [s + draft for s in seq] if widened else seq)
+        same("seq_lens_sum", int(sfb.seq_lens_sum), sum(seq_cpu))
+    tokens = int(sfb.out_cache_loc.numel())
+    if sfb.positions is not None:
+        same("len(positions)", int(sfb.positions.numel()), tokens)
+
+    starts: list[int] | None = None  # each request's first new position
+    if mode.is_target_verify():
+        if draft is not None:
+            same("len(out_cache_loc)", tokens, bs * int(draft))
+    elif mode.is_extend(include_draft_extend_v2=True):
+        prefix, extend = sfb.extend_prefix_lens.tolist(), sfb.extend_seq_lens.tolist()
+        same("extend_prefix_lens_cpu", list(sfb.extend_prefix_lens_cpu), prefix)
+        same("extend_seq_lens_cpu", list(sfb.extend_seq_lens_cpu), extend)
+        same("extend_prefix_lens + extend_seq_lens", [p + e for p, e in zip(prefix, extend)], seq)
+        same("extend_start_loc", sfb.extend_start_loc.tolist(), [sum(extend[:i]) for i in range(len(extend))])
+        same("extend_num_tokens", int(sfb.extend_num_tokens), sum(extend))
+        same("len(out_cache_loc)", tokens, sum(extend))
+        if sfb.positions is not None and not wrong:
+            same("positions", sfb.positions.tolist(), [p + i for p, e in zip(prefix, extend) for i in range(e)])
+        starts = prefix
+    elif mode.is_decode():
+        same("len(out_cache_loc)", tokens, bs)
+        if sfb.positions is not None and not wrong:
+            same("positions", sfb.positions.tolist(), [s - 1 for s in seq])
+        starts = [s - 1 for s in seq]
+
+    if req_to_token is not None and starts is not None and not wrong:
+        rows = sfb.req_pool_indices.tolist()
+        table = req_to_token[rows].tolist() if rows else []
+        if any(r <= 0 or r >= req_to_token.shape[0] for r in rows):
+            wrong.append(f"req_pool_indices {_short(rows)} reach row 0 (padding) or past the table's "
+                         f"{req_to_token.shape[0]} rows")
+        else:
+            written = [slot for r, start, end in zip(table, starts, seq) for slot in r[start:end]]
+            same("out_cache_loc", sfb.out_cache_loc.tolist(), written)
+            for i, (r, end) in enumerate(zip(table, seq)):
+                kept = r[:end]
+                if any(slot <= 0 for slot in kept) or len(set(kept)) != len(kept):
+                    wrong.append(f"request {i}'s slots req_to_token[{rows[i]}, :{end}] = {_short(kept)} are not "
+                                 f"distinct real slots (slot 0 is padding)")
+    return wrong
+
+
+def check(sfb, req_to_token: torch.Tensor | None) -> None:
+    """Raise :class:`BrokenHandover` naming every violation, if any."""
+    wrong = violations(sfb, req_to_token)
+    if wrong:
+        raise BrokenHandover(f"the adapter's {sfb.forward_mode.name.lower()} ForwardBatch is not one SGLang's "
+                             f"scheduler builds: {'; '.join(wrong)}")
+
+
+def _short(x, keep: int = 12) -> str:
+    if isinstance(x, list) and len(x) > keep:
+        return f"[{', '.join(map(str, x[:keep]))}, ... ({len(x)} in all)]"
+    return str(x)
