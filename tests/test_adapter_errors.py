@@ -253,3 +253,25 @@ def test_each_guarantee_of_the_scheduler_is_checked(field, change, says):
     setattr(sfb, field, change(getattr(sfb, field)))
     wrong = handover.violations(sfb, table)
     assert any(says in w for w in wrong), wrong
+
+
+@NEEDS_SGLANG
+def test_a_draft_decode_batch_is_checked_as_eagle_prepares_it():
+    """EAGLE's draft decode: topk branches a request from its committed length, a window of write slots per branch
+    (not the request table's): positions repeat each length topk times, and the slots are whole windows."""
+    from types import SimpleNamespace
+
+    from backends.sglang import handover, runtime
+
+    sgl = runtime.load()
+    seq = torch.tensor([7, 3], dtype=torch.int32)
+
+    def draft(positions, slots):
+        return SimpleNamespace(forward_mode=sgl.ForwardMode.DECODE, batch_size=2, req_pool_indices=torch.tensor([1, 2]),
+                               seq_lens=seq, seq_lens_cpu=seq, seq_lens_sum=10, positions=torch.tensor(positions),
+                               out_cache_loc=torch.arange(1, slots + 1), spec_info=SimpleNamespace(num_tokens_per_req=2))
+
+    assert handover.violations(draft([7, 7, 3, 3], 2 * 2 * 3), None) == []  # topk 2, 3 steps
+    assert handover.violations(draft([7, 3, 7, 3], 12), None) == [
+        "positions is [7, 3, 7, 3], the scheduler's would be [7, 7, 3, 3]"]
+    assert "not a draft window of 2 requests x topk 2" in handover.violations(draft([7, 7, 3, 3], 10), None)[0]

@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import torch
 
-from backends.sglang import compat, runtime
+from backends.sglang import compat, handover, runtime
 
 
 def draft_out_cache_loc(fb, topk: int, num_steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,6 +105,8 @@ class SglangMultiStepDraft:
         info.capture_hidden_mode = sgl.CaptureHiddenMode.LAST
         sfb.spec_info = info
         sfb.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
+        if not graph:  # before SGLang reads it: a batch its scheduler never builds is the adapter's error
+            handover.check(sfb, None)
         self.sfb, self.loc, self.step0_positions = sfb, loc, positions
         # The write slots step by step, as draft_forward slices them: [num_steps, B * topk]
         self.per_step_loc = torch.empty(S, fb.batch_size * K, dtype=torch.int64, device=fb.device)

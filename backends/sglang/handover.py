@@ -7,10 +7,12 @@ crashes inside its own code or answers wrong, and the harness would report the e
 translation was at fault. So the adapter checks its translation before any SGLang code reads it, and a violation is
 raised from the adapter's frame: an adapter error (``properties/blame.py``), never a finding.
 
-Written from the scheduler's side (``managers/schedule_batch.py`` prepare_for_extend / prepare_for_decode and
-``model_executor/forward_batch_info.py`` init_new), not from any backend's reading of the fields. Graph runners'
-static batches are not checked here: their padded rows follow the runners' own fill rules, which the graph
-properties check.
+Written from the scheduler's side, not from any backend's reading of the fields: the request table's row holds the
+prefix's slots then the extend's write slots (``mem_cache/allocation.py:97-104`` in 0.5.23), positions are
+``prefix + i`` for an extend and ``seq_lens - 1`` for a decode (``ForwardBatch.init_new``,
+``model_executor/forward_batch_info.py:1228``), host lists mirror the device tensors. Graph runners' static
+batches are not checked here: their padded rows follow the runners' own fill rules, which the graph properties
+check.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
         same("seq_lens_cpu", seq_cpu, [s + draft for s in seq] if widened else seq)
         same("seq_lens_sum", int(sfb.seq_lens_sum), sum(seq_cpu))
     tokens = int(sfb.out_cache_loc.numel())
+    draft_topk = getattr(getattr(sfb, "spec_info", None), "num_tokens_per_req", None) if mode.is_decode() else None
     if sfb.positions is not None:
-        same("len(positions)", int(sfb.positions.numel()), tokens)
+        same("len(positions)", int(sfb.positions.numel()), tokens if draft_topk is None else bs * draft_topk)
 
     starts: list[int] | None = None  # each request's first new position
     if mode.is_target_verify():
@@ -63,6 +66,14 @@ def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
         if sfb.positions is not None and not wrong:
             same("positions", sfb.positions.tolist(), [p + i for p, e in zip(prefix, extend) for i in range(e)])
         starts = prefix
+    elif mode.is_decode() and draft_topk is not None:
+        # EAGLE's draft decode (prepare_for_draft): topk branches a request, each from the committed length, writing
+        # a window of steps a branch into slots past the request table's (eagle_info.py, assign_draft_cache_locs)
+        if bs and tokens % (bs * draft_topk):
+            wrong.append(f"len(out_cache_loc) is {tokens}, not a draft window of {bs} requests x topk {draft_topk} "
+                         f"x steps")
+        if sfb.positions is not None:
+            same("positions", sfb.positions.tolist(), [s for s in seq for _ in range(draft_topk)])
     elif mode.is_decode():
         same("len(out_cache_loc)", tokens, bs)
         if sfb.positions is not None and not wrong:
