@@ -20,8 +20,9 @@ if not torch.cuda.is_available():
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if _workers > 1:
     _threads = max(1, (os.cpu_count() or 1) // _workers)
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "OMP_NUM_THREADS" not in os.environ:  # a setting of the user's own (perhaps OpenMP's "4,2") is theirs
+        os.environ["OMP_NUM_THREADS"] = str(_threads)
+        torch.set_num_threads(_threads)
 
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402

@@ -235,7 +235,10 @@ def test_a_batch_the_adapter_translates_wrong_is_its_error_before_sglang_reads_i
     ("out_cache_loc", lambda t: t.flip(0), "out_cache_loc is"),
     ("positions", lambda t: t + 1, "positions is [6, 7, 8, 9, 1, 2, 4]"),
     ("extend_prefix_lens_cpu", lambda x: [0, 0, 0], "extend_prefix_lens_cpu is [0, 0, 0]"),
-    ("req_pool_indices", lambda t: t * 0, "reach row 0 (padding)"),
+    ("req_pool_indices", lambda t: t * 0, "reach row 0 (the harness's padding row)"),
+    ("req_pool_indices", lambda t: t + 1000, "past the table's"),  # bounds first: no IndexError (a GPU's assert)
+    ("extend_start_loc", lambda t: t + 1, "extend_start_loc is [1, 5, 7]"),
+    ("extend_num_tokens", lambda n: n - 1, "extend_num_tokens is 6"),
 ])
 def test_each_guarantee_of_the_scheduler_is_checked(field, change, says):
     from backends.registry import parse
@@ -275,3 +278,44 @@ def test_a_draft_decode_batch_is_checked_as_eagle_prepares_it():
     assert handover.violations(draft([7, 3, 7, 3], 12), None) == [
         "positions is [7, 3, 7, 3], the scheduler's would be [7, 7, 3, 3]"]
     assert "not a draft window of 2 requests x topk 2" in handover.violations(draft([7, 7, 3, 3], 10), None)[0]
+
+
+@NEEDS_SGLANG
+def test_a_decode_batchs_positions_and_a_request_rows_slots_are_checked():
+    from backends.registry import parse
+    from backends.sglang import handover
+    from batch.forward_batch import ModelRunner
+    from engine.materialize import materialize
+
+    spec = BatchSpec(ForwardMode.DECODE, (5, 2), (1, 1), (MHALayer(0, 4, 2, 32, 32),), dtype="float32", seed=4)
+    fb = materialize(spec, "cpu").forward_batch
+    backend = parse("sglang.torch_native").build(spec, ModelRunner.of(fb, spec.layers))
+    backend.init_forward_metadata(fb)
+    sfb = next(iter(backend.batches.values()))
+    table = backend.sgl_runner.req_to_token_pool.req_to_token
+    assert handover.violations(sfb, table) == []
+    sfb.positions = sfb.positions + 1
+    assert handover.violations(sfb, table) == ["positions is [6, 3], the scheduler's would be [5, 2]"]
+    sfb.positions = sfb.positions - 1
+    twice = table.clone()  # request 0 lists one slot twice
+    row = int(sfb.req_pool_indices[0])
+    twice[row, 1] = twice[row, 0]
+    assert any("are not distinct real slots" in w for w in handover.violations(sfb, twice))
+
+
+@NEEDS_SGLANG
+def test_each_harness_batch_is_checked_once_at_its_first_translation(monkeypatch):
+    """A later plan of the same batch would read tensors SGLang's code may have written in place since."""
+    from backends.registry import parse
+    from backends.sglang import handover
+    from batch.forward_batch import ModelRunner
+    from engine.materialize import materialize
+
+    checked = []
+    real = handover.check
+    monkeypatch.setattr(handover, "check", lambda *a: checked.append(a[0]) or real(*a))
+    fb = materialize(EXTEND, "cpu").forward_batch
+    for _ in range(2):
+        backend = parse("sglang.torch_native").build(EXTEND, ModelRunner.of(fb, EXTEND.layers))
+        backend.init_forward_metadata(fb)
+    assert len(checked) == 1

@@ -410,7 +410,8 @@ class SglangBackend(_SglangObject):
         graph runner's static batch, translated as SGLang's graph runners build theirs (int64 ``seq_lens``
         viewing the static buffer, the runner's own write slots). Any other batch must be one SGLang's scheduler
         builds (``handover``), unless ``static``: a graph runner's own batch planned eagerly (a prefill graph's
-        capture batch, on dummy request rows as SGLang's runner captures)."""
+        capture batch, on dummy request rows as SGLang's runner captures, and its replays' batches over the padded
+        token buffers)."""
         sgl = self.sgl
         mode = getattr(sgl.ForwardMode, _SGLANG_MODE[fb.forward_mode])
         T = fb.extend_num_tokens
@@ -428,6 +429,7 @@ class SglangBackend(_SglangObject):
         out.global_num_token_non_padded_cpu = T if fb.num_token_non_padded is None else fb.num_token_non_padded
         if graph:  # as SGLang's replay view (decode_cuda_graph_runner.py:216, build_replay_fb_view)
             out.num_padding = fb.num_padding
+        chosen = out.out_cache_loc  # the adapter's write slots (SGLang's KV-index translator may rebind them)
         compat.bind_kv_indices(self.sgl_runner, out, graph)
         compat.attach_pools(out, self.sgl_runner)
         # A verify batch carries no extend_* fields, as SGLang's own ForwardBatch.init_new builds it (decode and
@@ -447,8 +449,10 @@ class SglangBackend(_SglangObject):
         if fb.forward_mode.is_draft_extend():
             out.spec_info = self._draft_extend_input(fb, out)
             out.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
-        if not (graph or static):  # before any SGLang code reads it: a batch its scheduler never builds is the adapter's error
-            handover.check(out, getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None))
+        if not (graph or static) and handover.first_handover(fb):
+            # before any SGLang backend plans over it: a batch its scheduler never builds is the adapter's error
+            handover.check(out, getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None),
+                           chosen)
         return out
 
     def _verify_input(self, fb, out):

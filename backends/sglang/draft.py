@@ -105,8 +105,8 @@ class SglangMultiStepDraft:
         info.capture_hidden_mode = sgl.CaptureHiddenMode.LAST
         sfb.spec_info = info
         sfb.spec_algorithm = sgl.SpeculativeAlgorithm.EAGLE
-        if not graph:  # before SGLang reads it: a batch its scheduler never builds is the adapter's error
-            handover.check(sfb, None)
+        if not graph and handover.first_handover(fb, "draft"):  # a batch prepare_for_draft never builds: the adapter's error
+            handover.check(sfb, None, loc)
         self.sfb, self.loc, self.step0_positions = sfb, loc, positions
         # The write slots step by step, as draft_forward slices them: [num_steps, B * topk]
         self.per_step_loc = torch.empty(S, fb.batch_size * K, dtype=torch.int64, device=fb.device)

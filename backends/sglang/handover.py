@@ -4,8 +4,10 @@ SGLang's backends trust their batch: a ForwardBatch whose host and device length
 is not the running sum of its extends, or whose write slots are not the request table's, is one the scheduler never
 builds (``ScheduleBatch`` -> ``ModelWorkerBatch`` -> ``ForwardBatch.init_new``). Handed such a batch, a backend
 crashes inside its own code or answers wrong, and the harness would report the engine's bug where the adapter's
-translation was at fault. So the adapter checks its translation before any SGLang code reads it, and a violation is
-raised from the adapter's frame: an adapter error (``properties/blame.py``), never a finding.
+translation was at fault. So the adapter checks its translation before any SGLang backend plans or runs over it,
+once per harness batch, and a violation is raised from the project's code: an adapter error
+(``properties/blame.py``), never a finding. The write slots checked are the ones the adapter chose, not what SGLang's
+KV-index translator (0.5.22 on) rebinds them to: a fault there is SGLang's.
 
 Written from the scheduler's side, not from any backend's reading of the fields: the request table's row holds the
 prefix's slots then the extend's write slots (``mem_cache/allocation.py:97-104`` in 0.5.23), positions are
@@ -17,6 +19,8 @@ check.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -24,10 +28,12 @@ class BrokenHandover(RuntimeError):
     """The adapter translated a batch into a ForwardBatch that SGLang's scheduler never builds."""
 
 
-def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
+def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None) -> list[str]:
     """Every way ``sfb`` breaks the scheduler's guarantees (empty when none). ``req_to_token``: the request table
-    the batch's ``req_pool_indices`` index (None: its slots are not checked)."""
+    the batch's ``req_pool_indices`` index (None: its slots are not checked). ``out_cache_loc``: the write slots the
+    adapter chose (default: the batch's own)."""
     mode = sfb.forward_mode
+    loc = sfb.out_cache_loc if out_cache_loc is None else out_cache_loc
     bs = int(sfb.batch_size)
     wrong: list[str] = []
 
@@ -40,13 +46,14 @@ def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
     same("len(req_pool_indices)", int(sfb.req_pool_indices.numel()), bs)
     same("len(seq_lens)", len(seq), bs)
     draft = getattr(getattr(sfb, "spec_info", None), "draft_token_num", None)
-    widened = mode.is_target_verify() and type(getattr(sfb, "spec_info", None)).__name__ == "DFlashVerifyInput"
+    algorithm = getattr(sfb, "spec_algorithm", None)
+    widened = mode.is_target_verify() and bool(getattr(algorithm, "is_dflash", lambda: False)())
     if seq_cpu is not None:
-        # DFlash's verify widens the host lengths by its block; the device lengths stay the committed prefix
-        # (speculative/dflash_worker_v2.py, verify)
+        # DFlash's verify widens the host lengths by its block, the device lengths stay the committed prefix: the
+        # adapter's reading of speculative/dflash_worker_v2.py (SGLang bounds the host lengths from above)
         same("seq_lens_cpu", seq_cpu, [s + draft for s in seq] if widened else seq)
         same("seq_lens_sum", int(sfb.seq_lens_sum), sum(seq_cpu))
-    tokens = int(sfb.out_cache_loc.numel())
+    tokens = int(loc.numel())
     draft_topk = getattr(getattr(sfb, "spec_info", None), "num_tokens_per_req", None) if mode.is_decode() else None
     if sfb.positions is not None:
         same("len(positions)", int(sfb.positions.numel()), tokens if draft_topk is None else bs * draft_topk)
@@ -82,13 +89,15 @@ def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
 
     if req_to_token is not None and starts is not None and not wrong:
         rows = sfb.req_pool_indices.tolist()
-        table = req_to_token[rows].tolist() if rows else []
+        # Bounds first: an index past the table raises on a CPU and is a device-side assert on a GPU, which the
+        # blame rules give the engine (an asynchronous device error)
         if any(r <= 0 or r >= req_to_token.shape[0] for r in rows):
-            wrong.append(f"req_pool_indices {_short(rows)} reach row 0 (padding) or past the table's "
-                         f"{req_to_token.shape[0]} rows")
+            wrong.append(f"req_pool_indices {_short(rows)} reach row 0 (the harness's padding row) or past the "
+                         f"table's {req_to_token.shape[0]} rows")
         else:
+            table = req_to_token[rows, :max(seq, default=0)].tolist() if rows else []
             written = [slot for r, start, end in zip(table, starts, seq) for slot in r[start:end]]
-            same("out_cache_loc", sfb.out_cache_loc.tolist(), written)
+            same("out_cache_loc", loc.tolist(), written)
             for i, (r, end) in enumerate(zip(table, seq)):
                 kept = r[:end]
                 if any(slot <= 0 for slot in kept) or len(set(kept)) != len(kept):
@@ -97,9 +106,24 @@ def violations(sfb, req_to_token: torch.Tensor | None) -> list[str]:
     return wrong
 
 
-def check(sfb, req_to_token: torch.Tensor | None) -> None:
+# The harness batches already checked: each once, at its first translation, before SGLang has seen any of its
+# tensors (a later plan of the same batch would read them after SGLang's code may have written them in place)
+_checked: dict[str, weakref.WeakValueDictionary] = {}
+
+
+def first_handover(fb, as_what: str = "batch") -> bool:
+    """Whether the harness batch ``fb`` is translated ``as_what`` (the batch itself, or the draft decode
+    ``prepare_for_draft`` builds from it) for the first time; it is now counted."""
+    seen = _checked.setdefault(as_what, weakref.WeakValueDictionary())
+    if seen.get(id(fb)) is fb:
+        return False
+    seen[id(fb)] = fb
+    return True
+
+
+def check(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None) -> None:
     """Raise :class:`BrokenHandover` naming every violation, if any."""
-    wrong = violations(sfb, req_to_token)
+    wrong = violations(sfb, req_to_token, out_cache_loc)
     if wrong:
         raise BrokenHandover(f"the adapter's {sfb.forward_mode.name.lower()} ForwardBatch is not one SGLang's "
                              f"scheduler builds: {'; '.join(wrong)}")
