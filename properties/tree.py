@@ -47,21 +47,22 @@ def path_batch(fb: ForwardBatch, spec: BatchSpec, paths: list[tuple[int, list[in
     """An EXTEND batch whose requests are ``paths`` after their requests' cached prefixes, over the tree batch
     ``fb``'s pools, and the tree rows its tokens are (``[sum of path lengths]`` int64).
 
-    As a scheduler's extend, each request's row of ``req_to_token`` lists its path's slots after its prefix: the
-    row is rewritten in place (at most one path of a request per batch, :func:`path_rounds`), since the verify's row
-    lists the tree's nodes in draft order. A backend that reads the new tokens' keys back through the row
-    (TorchNative) would otherwise read the tree's nodes, not the path's."""
+    As a scheduler's extend, each path writes its tokens at the slots its request's row lists after the prefix
+    (``req_to_token[row, prefix + depth]``), not at its nodes' own: the verify's row lists the tree's nodes in draft
+    order, so a backend that reads the new tokens' keys back through the row (TorchNative) would read the tree's
+    nodes, not the path's. Those slots sit at their columns' page offsets (the verify's row is laid out as pages),
+    so the batch holds at any page size. The tree's outputs are computed before: overwriting its cached keys there
+    loses nothing. At most one path of a request per batch (:func:`path_rounds`): two would write the same slots."""
     dev, D = fb.device, spec.spec.draft_token_num
     req = torch.tensor([i for i, _ in paths], dtype=torch.int64, device=dev)
     tok = torch.tensor([i * D + j for i, path in paths for j in path], dtype=torch.int64, device=dev)
     prefix = [spec.prefix_lens[i] for i, _ in paths]
     extend = [len(path) for _, path in paths]
     if len({i for i, _ in paths}) != len(paths):
-        raise ValueError("two paths of one request in one batch: they would share its row")
+        raise ValueError("two paths of one request in one batch: they would write the same slots")
     rows = fb.req_pool_indices[req].tolist()
-    for row, p, (i, path) in zip(rows, prefix, paths):
-        slots = fb.out_cache_loc[torch.tensor([i * D + j for j in path], dtype=torch.int64, device=dev)]
-        fb.req_to_token[row, p:p + len(path)] = slots.to(fb.req_to_token.dtype)
+    slots = torch.cat([fb.req_to_token[row, p:p + e] for row, p, e in zip(rows, prefix, extend)]).to(
+        fb.out_cache_loc.dtype)
     seq = torch.tensor([p + e for p, e in zip(prefix, extend)], dtype=torch.int64)
     n, T = len(paths), sum(extend)
     batch = dataclasses.replace(
@@ -71,7 +72,7 @@ def path_batch(fb: ForwardBatch, spec: BatchSpec, paths: list[tuple[int, list[in
         extend_prefix_lens=torch.tensor(prefix, dtype=torch.int32, device=dev),
         extend_start_loc=torch.tensor([sum(extend[:k]) for k in range(n)], dtype=torch.int32, device=dev),
         extend_seq_lens_cpu=extend, extend_prefix_lens_cpu=prefix, extend_num_tokens=T,
-        positions=fb.positions[tok], mrope_positions=None, out_cache_loc=fb.out_cache_loc[tok],
+        positions=fb.positions[tok], mrope_positions=None, out_cache_loc=slots,
         state_slots=fb.state_slots[req], spec_info=None, num_token_non_padded=T,
         tbo_split_seq_index=None, tbo_split_token_index=None, tbo_children=None)
     return batch, tok

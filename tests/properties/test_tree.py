@@ -29,16 +29,18 @@ def test_path_batches_read_the_trees_rows():
     case = materialize(SPEC)
     fb = case.forward_batch
     paths = leaf_paths(SPEC)
+    before = fb.req_to_token.clone()
     batch, tok = path_batch(fb, SPEC, [paths[1], paths[3]])  # request 0's [0, 1, 3], request 1's [0, 1, 2, 3]
     assert tok.tolist() == [0, 1, 3, 5, 6, 7, 8]
     assert batch.extend_seq_lens_cpu == [3, 4] and batch.extend_prefix_lens_cpu == [6, 11]
     assert batch.positions.tolist() == [6, 7, 8, 11, 12, 13, 14]  # prefix + depth, the tree's positions
-    assert torch.equal(batch.out_cache_loc, fb.out_cache_loc[tok])
-    # As a scheduler's extend: each request's row lists its path's slots after its prefix (the verify's listed the
-    # tree's nodes in draft order: request 0's node 2 where the path has node 3)
+    # As a scheduler's extend: each path writes at the slots its request's row lists after the prefix (the verify's
+    # row lists the tree's nodes in draft order: request 0's node 2 where the path has node 3), and the row is kept
     rows = batch.req_pool_indices.tolist()
-    assert fb.req_to_token[rows[0], 6:9].tolist() == fb.out_cache_loc[[0, 1, 3]].tolist()
-    assert fb.req_to_token[rows[1], 11:15].tolist() == fb.out_cache_loc[[5, 6, 7, 8]].tolist()
+    assert batch.out_cache_loc.tolist() == fb.req_to_token[rows[0], 6:9].tolist() + \
+        fb.req_to_token[rows[1], 11:15].tolist()
+    assert batch.out_cache_loc[2] != fb.out_cache_loc[3]  # not node 3's own slot
+    assert torch.equal(fb.req_to_token, before)
     with pytest.raises(ValueError, match="two paths of one request"):
         path_batch(fb, SPEC, paths[:2])
 
