@@ -319,3 +319,23 @@ def test_each_harness_batch_is_checked_once_at_its_first_translation(monkeypatch
         backend = parse("sglang.torch_native").build(EXTEND, ModelRunner.of(fb, EXTEND.layers))
         backend.init_forward_metadata(fb)
     assert len(checked) == 1
+
+
+@NEEDS_SGLANG
+def test_a_write_slot_at_another_offset_in_its_page_than_its_position_is_caught():
+    import dataclasses
+
+    from backends.registry import parse
+    from backends.sglang import handover
+    from batch.forward_batch import ModelRunner
+    from engine.materialize import materialize
+
+    spec = dataclasses.replace(EXTEND, page_size=4)
+    fb = materialize(spec, "cpu").forward_batch
+    backend = parse("sglang.torch_native").build(spec, ModelRunner.of(fb, spec.layers))
+    backend.init_forward_metadata(fb)
+    sfb = next(iter(backend.batches.values()))
+    assert backend.sgl_runner.page_size == 4
+    assert handover.violations(sfb, None, page_size=4) == []
+    wrong = handover.violations(sfb, None, out_cache_loc=sfb.out_cache_loc + 1, page_size=4)
+    assert wrong and "at another offset in their page than their position's (page size 4)" in wrong[0], wrong

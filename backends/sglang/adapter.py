@@ -452,7 +452,7 @@ class SglangBackend(_SglangObject):
         if not (graph or static) and handover.first_handover(fb):
             # before any SGLang backend plans over it: a batch its scheduler never builds is the adapter's error
             handover.check(out, getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None),
-                           chosen)
+                           chosen, getattr(self.sgl_runner, "page_size", 1))
         return out
 
     def _verify_input(self, fb, out):

@@ -28,10 +28,13 @@ class BrokenHandover(RuntimeError):
     """The adapter translated a batch into a ForwardBatch that SGLang's scheduler never builds."""
 
 
-def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None) -> list[str]:
+def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None,
+               page_size: int = 1) -> list[str]:
     """Every way ``sfb`` breaks the scheduler's guarantees (empty when none). ``req_to_token``: the request table
     the batch's ``req_pool_indices`` index (None: its slots are not checked). ``out_cache_loc``: the write slots the
-    adapter chose (default: the batch's own)."""
+    adapter chose (default: the batch's own). ``page_size``: the pool's; a paged allocator puts each token at its
+    position's offset in a page (``mem_cache/allocator/paged.py:41-133`` in 0.5.23: from the last slot, or a free
+    page at the position's offset)."""
     mode = sfb.forward_mode
     loc = sfb.out_cache_loc if out_cache_loc is None else out_cache_loc
     bs = int(sfb.batch_size)
@@ -87,6 +90,14 @@ def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tens
             same("positions", sfb.positions.tolist(), [s - 1 for s in seq])
         starts = [s - 1 for s in seq]
 
+    if page_size > 1 and starts is not None and sfb.positions is not None and not wrong:
+        off = [(i, s, p) for i, (s, p) in enumerate(zip(loc.tolist(), sfb.positions.tolist()))
+               if s % page_size != p % page_size]
+        if off:
+            i, s, p = off[0]
+            wrong.append(f"{len(off)} write slot(s) at another offset in their page than their position's "
+                         f"(page size {page_size}): token {i} at slot {s}, position {p}")
+
     if req_to_token is not None and starts is not None and not wrong:
         rows = sfb.req_pool_indices.tolist()
         # Bounds first: an index past the table raises on a CPU and is a device-side assert on a GPU, which the
@@ -121,9 +132,10 @@ def first_handover(fb, as_what: str = "batch") -> bool:
     return True
 
 
-def check(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None) -> None:
+def check(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None,
+          page_size: int = 1) -> None:
     """Raise :class:`BrokenHandover` naming every violation, if any."""
-    wrong = violations(sfb, req_to_token, out_cache_loc)
+    wrong = violations(sfb, req_to_token, out_cache_loc, page_size)
     if wrong:
         raise BrokenHandover(f"the adapter's {sfb.forward_mode.name.lower()} ForwardBatch is not one SGLang's "
                              f"scheduler builds: {'; '.join(wrong)}")
