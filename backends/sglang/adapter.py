@@ -1066,18 +1066,9 @@ class SglangKda(_LinearChild):
         norm and projection the identity. Its ``forward`` is then the model's, whatever the release: 0.5.10 applies
         the gate and the step size's sigmoid in the model before the backend's extend (models/kimi_linear.py), later
         releases hand the backend both raw, the gate unflattened to ``[1, T, H, K]`` for an extend."""
-        s = layer.spec
-        H, K = s.num_heads, s.head_k_dim
-        with _building("KimiDeltaAttention"), torch.no_grad():
-            block = sgl.KimiDeltaAttention.__new__(sgl.KimiDeltaAttention)
-            torch.nn.Module.__init__(block)  # no __init__: it would build TP-sharded projections and load nothing
-            block.layer_idx, block.num_heads, block.head_dim = s.layer_id, H, K
-            block.num_k_heads = block.num_v_heads = H
-            block.head_k_dim, block.head_v_dim = K, s.head_v_dim
-            block.do_fuse_qkvbfg = False
-            block.forward_qkvbfg = lambda projected: projected
-            block.o_norm, block.o_proj = _Ungated(), _Identity()
-            _kda_parameters(sgl, block, layer)
+        H = layer.spec.num_heads
+        block = _bare_kda_layer(sgl, sgl.KimiDeltaAttention, layer, num_heads=H, num_k_heads=H, num_v_heads=H)
+        block.forward_qkvbfg = lambda projected: projected
         return block
 
     @staticmethod
@@ -1085,6 +1076,24 @@ class SglangKda(_LinearChild):
         """Kimi Linear's call: ``KimiDeltaAttention.forward(hidden_states, positions, forward_batch, zero_allocator)``
         (its ``forward_qkvbfg`` hands ``projected`` over)."""
         return block(hidden_states=projected, positions=None, forward_batch=sfb, zero_allocator=None)
+
+
+def _bare_kda_layer(sgl, cls, layer, **fields):
+    """A KDA layer module of SGLang's class ``cls`` without its ``__init__`` (it would build TP-sharded projections
+    and load nothing): the harness layer's head dims and ``fields``, unfused projections (the caller sets
+    ``forward_qkvbfg``), its output norm and projection the identity, and :func:`_kda_parameters`."""
+    s = layer.spec
+    with _building(cls.__name__), torch.no_grad():
+        block = cls.__new__(cls)
+        torch.nn.Module.__init__(block)
+        block.layer_idx, block.head_dim = s.layer_id, s.head_k_dim
+        block.head_k_dim, block.head_v_dim = s.head_k_dim, s.head_v_dim
+        for name, value in fields.items():
+            setattr(block, name, value)
+        block.do_fuse_qkvbfg = False
+        block.o_norm, block.o_proj = _Ungated(), _Identity()
+        _kda_parameters(sgl, block, layer)
+    return block
 
 
 def _kda_parameters(sgl, block, layer) -> None:
@@ -1120,19 +1129,10 @@ class SglangKdaGlm5(SglangKda):
         """SGLang's own ``Glm5NextLinearAttention`` for a harness KDA layer, built as :meth:`SglangKda.build_layer`
         builds Kimi Linear's: no ``__init__``, the drawn parameters, its projections a stand-in (here taking the batch
         too, as GLM's do), its output norm and projection the identity."""
-        s = layer.spec
-        H, K = s.num_heads, s.head_k_dim
-        with _building("Glm5NextLinearAttention"), torch.no_grad():
-            block = sgl.Glm5NextLinearAttention.__new__(sgl.Glm5NextLinearAttention)
-            torch.nn.Module.__init__(block)
-            block.layer_idx, block.head_dim, block.local_num_heads = s.layer_id, K, H
-            block.head_k_dim, block.head_v_dim = K, s.head_v_dim
-            block.do_fuse_qkvbfg = False
-            # Its forward reads the hidden states' rows before projecting them: the stand-in is handed q|k|v as the
-            # hidden states and answers the call's projections (call_layer)
-            block.forward_qkvbfg = lambda hidden_states, forward_batch: block.harness_projected
-            block.o_norm, block.o_proj = _Ungated(), _Identity()
-            _kda_parameters(sgl, block, layer)
+        block = _bare_kda_layer(sgl, sgl.Glm5NextLinearAttention, layer, local_num_heads=layer.spec.num_heads)
+        # Its forward reads the hidden states' rows before projecting them: the stand-in is handed q|k|v as the
+        # hidden states and answers the call's projections (call_layer)
+        block.forward_qkvbfg = lambda hidden_states, forward_batch: block.harness_projected
         return block
 
     @staticmethod

@@ -186,3 +186,20 @@ def test_linear_pools_and_mla_cache_shapes():
     assert fb.mamba_pool.conv_states[1].shape[1:] == (2 * 2 * 16 + 4 * 16, 3)
     assert 0 not in fb.state_slots.tolist() and fb.req_to_state_slot[0] == 0
     assert case.inputs[1].tensors["mixed_qkv"].shape == (5, 2 * 2 * 16 + 4 * 16)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.DRAFT_EXTEND,
+                                  ForwardMode.TARGET_VERIFY])
+@given(data=st.data())
+def test_paged_write_slots_sit_at_their_columns_page_offsets(mode, data):
+    # As SGLang's paged allocator places tokens (mem_cache/allocator/paged.py): the adapter's handover check asks it
+    # of every batch, and tree_branch writes a path's tokens at its verify row's columns, which it asks of a tree
+    spec = data.draw(batch_specs(CI, mode, frozenset({"mha"}), page_sizes=(4, 16), tree=mode.is_target_verify()))
+    fb = materialize(spec, "cpu").forward_batch
+    P, new = spec.page_size, spec.extend_lens
+    for i, (prefix, row) in enumerate(zip(spec.prefix_lens, fb.req_pool_indices.tolist())):
+        width = spec.spec.draft_token_num if mode.is_target_verify() else new[i]
+        cols = fb.req_to_token[row, prefix:prefix + width].tolist()
+        assert all(s % P == (prefix + j) % P for j, s in enumerate(cols)), (i, prefix, cols)
+    if not mode.is_target_verify():  # tokens at their positions' offsets
+        assert all(s % P == p % P for s, p in zip(fb.out_cache_loc.tolist(), fb.positions.tolist()))
