@@ -39,10 +39,12 @@ What it covers today (anything else is refused with one line, exit 2):
     the draft tree's custom mask and retrieve links, as the harness handed them; ``DFlashVerifyInput``: the block,
     the batch's host lengths widened by it) or
     ``EagleDraftExtendInput``; the reference places each draft token at the cached length plus its depth;
+* the ``outputs`` property of a lightning layer under SGLang's hybrid wrapper over one of those leaves
+  (harness/export_lightning.py);
 * the ``conformance`` property of any SGLang composition, class-level ones included.
 
-The other kinds named by issue 27 (metadata invariants, graph replay, TBO splits, linear attention, MLA, the draft
-loop) are not exported yet.
+The other kinds named by issue 27 (metadata invariants, graph replay, TBO splits, other linear attention, MLA, the
+draft loop) are not exported yet.
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ from pathlib import Path
 import torch
 
 from backends.sglang.runtime import SERVER_ALGORITHMS
+from harness import export_lightning
 from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
@@ -87,9 +90,14 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
         if "sglang." not in composition or composition.startswith("graph("):
             return f"export covers the conformance of SGLang's own classes, not {composition}"
         return None
+    full = export_lightning.full_leaf(composition)
+    if full is not None:
+        return export_lightning.exportable_reason(full, [l.split(".", 1)[1] for l in DENSE_LEAVES], prop, mode,
+                                                  kv_cache_dtype, KV_CACHE_DTYPES)
     if composition not in DENSE_LEAVES:
-        return (f"export covers the plain dense SGLang leaves ({', '.join(DENSE_LEAVES)}), not {composition} "
-                f"(wrappers, MLA and linear attention are not exported yet)")
+        return (f"export covers the plain dense SGLang leaves ({', '.join(DENSE_LEAVES)}) and lightning under SGLang's "
+                f"hybrid wrapper over one, not {composition} (other wrappers, MLA and other linear attention are not "
+                f"exported yet)")
     if prop not in PROPERTIES:
         return f"export covers the {', '.join(PROPERTIES)} property, not {prop}"
     if mode not in MODES:
@@ -145,10 +153,28 @@ def speculative_inputs(sfb) -> tuple[dict | None, dict[str, torch.Tensor]]:
 
 
 @dataclass
+class LinearCall:
+    """What SGLang was handed for one lightning layer of one batch (a linear layer: no KV cache, a state per
+    request in SGLang's mamba pool)."""
+
+    layer_id: int
+    q: torch.Tensor  # [T, H, D], as the model hands it (float32)
+    k: torch.Tensor  # [T, H, D]
+    v: torch.Tensor  # [T, H, D]
+    layer: dict  # RadixAttention's arguments, the model's layer count, the hybrid's full-attention layers
+    states: torch.Tensor  # [B, H, K, V]: each request's state at its slot before the layer, as SGLang holds it
+    spec: dict | None = None
+    spec_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
 class Recorder:
-    """Listens at ``SglangBackend._run`` (the adapter's call into SGLang) and keeps each layer's first call."""
+    """Listens at ``SglangBackend._run`` (the adapter's call into SGLang) and keeps each layer's first call; the
+    layer whose call has begun and not returned is ``running`` (after a crash: the layer SGLang crashed in)."""
 
     calls: dict[int, LayerCall] = field(default_factory=dict)
+    linear_calls: dict[int, LinearCall] = field(default_factory=dict)
+    running: int | None = None
 
     @contextmanager
     def listening(self, prefix_lens: list[int], new_lens: list[int]):
@@ -184,10 +210,34 @@ class Recorder:
                      "sliding_window_size": int(radix.sliding_window_size)},
                     slots, [kbuf[c].cpu().clone() for c in cached], [vbuf[c].cpu().clone() for c in cached],
                     None if scales[0] is None else (float(scales[0]), float(scales[1])), *speculative_inputs(sfb))
-            return original(backend, q, k, v, layer, forward_batch, save_kv_cache, via)
+            if layer.layer_id not in recorder.linear_calls and layer.kind == "lightning":
+                recorder.linear_calls[layer.layer_id] = _linear_call(backend, q, k, v, layer, forward_batch, via)
+            recorder.running = layer.layer_id
+            out = original(backend, q, k, v, layer, forward_batch, save_kv_cache, via)
+            recorder.running = None
+            return out
 
         with mock.patch.object(SglangBackend, "_run", _run):
             yield self
+
+
+def _linear_call(backend, q, k, v, layer, forward_batch, via) -> LinearCall:
+    """A lightning layer's call, read before SGLang runs it: its q, k, v, its RadixAttention, and each request's
+    state where SGLang's pool holds it (the slot its request row maps to)."""
+    sfb = backend.batches[id(forward_batch)]
+    runner = backend.sgl_runner
+    pool = runner.req_to_token_pool
+    rows = sfb.req_pool_indices[:sfb.batch_size]
+    slots = pool.req_index_to_mamba_index_mapping[rows].long()
+    radix = backend._layer(layer)
+    wrapper = via or backend.inner
+    return LinearCall(
+        layer.layer_id, q.detach().cpu().clone(), k.detach().cpu().clone(), v.detach().cpu().clone(),
+        {"num_heads": radix.tp_q_head_num, "head_dim": radix.head_dim, "scaling": float(radix.scaling),
+         "num_hidden_layers": int(runner.model_config.hf_config.num_hidden_layers),
+         "layerwise_decay": bool(getattr(runner.model_config.hf_config, "lightning_layerwise_decay", True)),
+         "full_attn_layers": [int(i) for i in wrapper.full_attn_layers]},
+        pool.mamba2_layer_cache(layer.layer_id).temporal[slots].detach().cpu().clone(), *speculative_inputs(sfb))
 
 
 @dataclass
@@ -277,6 +327,8 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
         raise UsageError(f"cannot replay {case.composition} here to record SGLang's inputs: {why}")
     if case.property == "conformance":
         return _build_conformance(case, composition, device, case_path)
+    if export_lightning.full_leaf(case.composition) is not None:
+        return _build_lightning(case, composition, device, case_path)
     return _build_outputs(case, composition, device, case_path, crossed if case.property == REFUSAL else None)
 
 
@@ -396,6 +448,108 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
     )
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, bool(failed),
                   f"layer {layer_id}: {measured_text}")
+
+
+def _build_lightning(case, composition, device: str, case_path: Path | None) -> Export:
+    """A lightning hybrid's case (harness/export_lightning.py): replay it recording what SGLang's hybrid was handed
+    for its lightning layers; render the file for the layer that failed (the worst against its bound, or the one
+    SGLang crashed in)."""
+    from properties.blame import adapter_frame, crash_reason
+    from properties.run import run_case
+    from properties.tolerances import layer_bound, widen_for_cancellation
+    from properties.verdict import compare, token_starts
+
+    spec = case.spec
+    recorder = Recorder()
+    crashed = None
+    with recorder.listening(list(spec.prefix_lens), list(spec.extend_lens)):
+        try:
+            run = run_case(composition, spec, device)
+        except Exception as e:  # noqa: BLE001 - a crash in SGLang is what the file must show; one of ours is not
+            if adapter_frame(e, composition) is not None:
+                raise
+            crashed, run = crash_reason(e), None
+    layers = {layer.layer_id: layer for layer in spec.layers}
+    if crashed is not None:
+        layer_id = recorder.running
+        if layer_id is None or layer_id not in recorder.linear_calls:
+            raise UsageError(f"cannot export {case.composition} {case.property}: SGLang crashed outside a lightning "
+                             f"layer ({crashed})")
+        measured = {layer_id: (float("inf"), crashed)}
+    else:
+        measured = {}
+        starts = token_starts(spec)
+        slots = run.case.forward_batch.state_slots.tolist()
+        pool = run.case.forward_batch.mamba_pool
+        for layer_id, call in recorder.linear_calls.items():
+            i = [l.layer_id for l in spec.layers].index(layer_id)
+            out, ref = run.execution.outputs[i], run.reference.outputs[i]
+            bound = widen_for_cancellation(layer_bound(composition, spec, layers[layer_id], device), ref,
+                                           run.reference.magnitudes.get(layer_id))
+            found = [(compare(out, ref, bound, starts, f"layer {layer_id}:"), bound)]
+            state_bound = layer_bound(composition, spec, layers[layer_id], device)
+            expected = run.reference.linear_states[layer_id]
+            for r, slot in enumerate(slots):
+                if spec.mode.is_target_verify():
+                    actual, exp = pool.intermediate_ssm_states[layer_id][slot, :spec.extend_lens[r]], expected.ssm_steps[r]
+                    what = "ssm steps"
+                else:
+                    actual, exp, what = pool.ssm_states[layer_id][slot], expected.ssm[r], "ssm state"
+                found.append((compare(actual, exp, state_bound, label=f"layer {layer_id} request {r} {what}:"),
+                              state_bound))
+            worst, worst_bound = max(found, key=lambda f: max(f[0].ratios().values()))
+            text = (f"{worst.where}: rel_l2 {worst.rel_l2:.3g} (bound {worst_bound.rel_l2:.3g}), element "
+                    f"{worst.element_error:.3g} (bound {worst.element_bound:.3g})")
+            measured[layer_id] = (max(worst.ratios().values()), text, bound, state_bound, worst)
+        if not measured:
+            raise UsageError(f"cannot export {case.composition} {case.property}: no lightning layer reached SGLang")
+    layer_id = max(measured, key=lambda i: measured[i][0])
+    call = recorder.linear_calls[layer_id]
+    if crashed is not None:
+        headline, measured_text = crashed, f"the replay {crashed}"
+        bound = state_bound = layer_bound(composition, spec, layers[layer_id], device)
+    else:
+        _, measured_text, bound, state_bound, worst = measured[layer_id]
+        bad = [w for w, value, limit in (("relative L2 error", worst.rel_l2, worst.rel_l2_bound),
+                                         ("element error", worst.element_error, worst.element_bound))
+               if value > limit]
+        headline = (f"{bad[0]} out of bounds at {worst.where}" if bad else
+                    f"within bounds on this engine (worst at {measured[layer_id][0]:.2f} of a bound)")
+    full = export_lightning.full_leaf(case.composition)
+    tensors = {"q": call.q, "k": call.k, "v": call.v, "states": call.states, **call.spec_tensors}
+    inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
+    header = _header(case, device, case_path, headline, export_lightning.server_configuration(full, spec, call),
+                        f"on lightning layer {layer_id}, {measured_text}",
+                        f"SGLang {export_lightning.KIT_SINCE} or newer, whose wheel ships the lightning unit-test kit this file builds "
+                        f"with")
+    verify = spec.mode.is_target_verify()
+    text = header + export_lightning.LIGHTNING.substitute(
+        kit_since=export_lightning.KIT_SINCE, full=full, mode_upper=SGLANG_MODE.get(spec.mode.value, spec.mode.value.upper()),
+        dtype=spec.dtype, page_size=spec.page_size, prefix_lens=list(spec.prefix_lens),
+        new_lens=list(spec.extend_lens), layer=repr(call.layer), layer_id=layer_id,
+        kv_cache_dtype=spec.kv_cache_dtype, rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
+        state_rel_l2_bound=repr(state_bound.rel_l2), state_element_factor=repr(state_bound.element),
+        bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
+        state_bound_reason=textwrap.fill(state_bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
+        data=("TENSORS = {\n" + "\n".join(_tensor_source(k, t) for k, t in tensors.items()) + "\n}" if inline else
+              "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
+        speculative=(string.Template(speculative_template(spec)).substitute(
+            spec=json.dumps(call.spec), algorithm=SERVER_ALGORITHMS[spec.spec.algorithm]) if call.spec else ""),
+        speculative_runner=(string.Template(SPECULATIVE_RUNNER).substitute(
+            algorithm=SERVER_ALGORITHMS[spec.spec.algorithm]) if call.spec else ""),
+        use_speculative=USE_SPECULATIVE if call.spec else "",
+        forward_batch_names="CaptureHiddenMode, ForwardMode" if call.spec else "ForwardMode",
+        speculative_imports=(f"from sglang.srt.speculative.{speculative_import(spec)}\n"
+                             "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
+                             if call.spec else ""),
+        draft_tokens=(spec.extend_lens[0] if verify else "None"),
+        # Under Triton's CPU interpreter, seg_la's cast of q and its output to the fp8 cache dtype goes through the
+        # interpreter's faulty cast, which the harness corrects (the dense exports' correction, copied in the same way)
+        interpreter_cast=(INTERPRETER_CAST + _shim_source("_fp8_downcaster") + INSTALL_CAST
+                          if spec.kv_cache_dtype == "fp8_e4m3" and device == "cpu" else ""))
+    return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline,
+                     crashed is not None or "out of bounds" in headline, f"lightning layer {layer_id}: {measured_text}")
+
 
 
 def _class_at(obj) -> tuple[str, str]:

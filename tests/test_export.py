@@ -232,6 +232,87 @@ def test_speculative_cases_export_to_files_that_fail_where_the_bug_lives(tmp_pat
     assert re.search(r"AssertionError: relative L2 error 0\.0112 > bound 2\.35e-06", output), output[-3000:]
 
 
+# SGLang with the fixes the lightning triage pages propose: an idle linear layer answered by the interface it used
+# (sglang-hybrid-idle-lightning.md), and no cast of a lightning layer's q and output to the KV cache's dtype, which
+# a linear layer has no cache of (sglang-lightning-fp8-decode.md).
+FIXING_PLUGIN = '''
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+    from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend
+
+    if getattr(HybridLinearAttnBackend.forward, "fixed", False):
+        return
+    forward, init = HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__
+
+    def fixed_forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True,
+                      mixed_qkv=None, a=None, b=None, **kwargs):
+        if forward_batch.forward_mode.is_idle() and mixed_qkv is None:
+            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        return forward(self, q, k, v, layer, forward_batch, save_kv_cache, mixed_qkv, a, b, **kwargs)
+
+    def fixed_init(self, model_runner):
+        init(self, model_runner)
+        self.kv_cache_dtype_str = "auto"
+
+    fixed_forward.fixed = True
+    HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = fixed_forward, fixed_init
+'''
+
+
+@needs_kit
+def test_lightning_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(tmp_path, monkeypatch):
+    """The three lightning ledger entries live in 0.5.23, exported (SGLang's HybridLinearAttnBackend over the
+    full-attention backend and LightningAttentionBackend, built with SGLang's lightning kit) and run in a fresh
+    process without this project, each failing with the harness's figure:
+    - sglang-lightning-fp8-decode: a decode over an fp8 cache rounds q and the output to e4m3 (relative L2 0.0468);
+    - sglang-hybrid-idle-lightning: an idle batch crashes in the hybrid's forward on ``mixed_qkv``;
+    - sglang-lightning-single-token-verify: a verify of one draft token leaves no per-step state (all zeros).
+    With the fixes the triage pages propose (a plugin), the first two pass; the verify's batch with two draft tokens
+    per request, which takes SGLang's verify path, passes."""
+    from harness.export import run_exported
+
+    cases = ROOT / "docs/findings/cases"
+    verify_case = cases / "sglang-lightning-single-token-verify.json"
+
+    def two_drafts(batch):
+        batch["extend_lens"] = [2]
+        batch["spec"].update(parents=[[-1, 0]], draft_token_num=2, spec_steps=1)
+
+    sources = {"test_fp8_decode.py": cases / "sglang-lightning-fp8-decode.json",
+               "test_idle.py": cases / "sglang-hybrid-idle-lightning.json",
+               "test_verify_one.py": verify_case,
+               "test_verify_two.py": _variant(verify_case, tmp_path / "two.json", two_drafts)}
+    folder = tmp_path / "export"
+    for name, source in sources.items():
+        assert main(["export", str(source), "--out", str(folder / name)]) == 0
+        _imports_nothing_of_ours(folder / name)
+    fp8 = " ".join((folder / "test_fp8_decode.py").read_text().split())  # the header's lines joined
+    assert "--kv-cache-dtype fp8_e4m3" in fp8 and "full attention at layers [0, 1];" in fp8 and "LAYER_ID = 2" in fp8
+    assert "Triage: docs/findings/sglang-hybrid-idle-lightning.md" in (folder / "test_idle.py").read_text()
+    assert "--speculative-eagle-topk 1" in (folder / "test_verify_one.py").read_text()
+
+    status, output = run_exported([folder / name for name in sources], extra=["-rA", "--tb=short"])
+    assert status == 1, output[-3000:]
+    assert re.search(r"AssertionError: lightning layer 2 outputs: relative L2 error 0\.0468 > bound", output), \
+        output[-3000:]
+    assert "AttributeError: 'NoneType' object has no attribute 'new_empty'" in output, output[-3000:]
+    assert re.search(r"AssertionError: request 0 state after each draft token: relative L2 error 1 > bound", output), \
+        output[-3000:]
+    assert re.search(r"^PASSED test_verify_two.py::", output, flags=re.M), output[-3000:]
+
+    plugin = tmp_path / "plugin"
+    plugin.mkdir()
+    (plugin / "harness_fixing.py").write_text(FIXING_PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", str(plugin))
+    fixed = [folder / "test_fp8_decode.py", folder / "test_idle.py"]
+    status, output = run_exported(fixed, extra=["-rA", "-p", "harness_fixing"])
+    assert status == 0, output[-3000:]
+
+
 @needs_kit
 @pytest.mark.parametrize("status, says, code", [(1, "fails on its own, as the harness's replay did", 0),
                                                (0, "passes on its own, NOT as the harness's replay did", 1)])
