@@ -353,6 +353,21 @@ def _header(case, device: str, case_path: Path | None, headline: str, server: st
         measured=textwrap.fill(measured, 110, subsequent_indent="    "), needs=needs, device=device)
 
 
+def _speculative_fields(spec, recorded: dict | None) -> dict[str, str]:
+    """The template fields that make a file's batch speculative (its spec info rebuilt with SGLang's own input
+    class from what SGLang was handed, ``recorded``), all empty for a batch without spec info."""
+    if not recorded:
+        return {"speculative": "", "speculative_runner": "", "use_speculative": "", "speculative_imports": "",
+                "forward_batch_names": "ForwardMode"}
+    algorithm = SERVER_ALGORITHMS[spec.spec.algorithm]
+    return {"speculative": string.Template(speculative_template(spec)).substitute(spec=json.dumps(recorded),
+                                                                                   algorithm=algorithm),
+            "speculative_runner": string.Template(SPECULATIVE_RUNNER).substitute(algorithm=algorithm),
+            "use_speculative": USE_SPECULATIVE, "forward_batch_names": "CaptureHiddenMode, ForwardMode",
+            "speculative_imports": (f"from sglang.srt.speculative.{speculative_import(spec)}\n"
+                                    "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n")}
+
+
 def _build_outputs(case, composition, device: str, case_path: Path | None, crossed: str | None) -> Export:
     """An outputs case, or (``crossed``: the limit its batch crosses) a refuse_or_correct one: its file also passes
     when SGLang raises, and its failure leads with the refusal property's words."""
@@ -424,16 +439,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
         window_note=("and within its sliding window W: a key at position j only from a query at a position p with "
                      "j >= p - W" if window >= 0 else "no sliding window"),
         parents=json.dumps([list(p) for p in spec.spec.parents]) if spec.mode.drafts_tree() else "None",
-        speculative=(string.Template(speculative_template(spec)).substitute(
-            spec=json.dumps(call.spec), algorithm=SERVER_ALGORITHMS[spec.spec.algorithm])
-            if call.spec else ""),
-        speculative_runner=(string.Template(SPECULATIVE_RUNNER).substitute(
-            algorithm=SERVER_ALGORITHMS[spec.spec.algorithm]) if call.spec else ""),
-        use_speculative=USE_SPECULATIVE if call.spec else "",
-        forward_batch_names="CaptureHiddenMode, ForwardMode" if call.spec else "ForwardMode",
-        speculative_imports=(f"from sglang.srt.speculative.{speculative_import(spec)}\n"
-                             "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
-                             if call.spec else ""),
+        **_speculative_fields(spec, call.spec),
         data=("TENSORS = {\n" + data_source + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
         answered=repr(answered), crossed=repr(crossed), run_layer=REFUSED_OR_RUN if crossed else RUN,
@@ -533,15 +539,7 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
         state_bound_reason=textwrap.fill(state_bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
         data=("TENSORS = {\n" + "\n".join(_tensor_source(k, t) for k, t in tensors.items()) + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
-        speculative=(string.Template(speculative_template(spec)).substitute(
-            spec=json.dumps(call.spec), algorithm=SERVER_ALGORITHMS[spec.spec.algorithm]) if call.spec else ""),
-        speculative_runner=(string.Template(SPECULATIVE_RUNNER).substitute(
-            algorithm=SERVER_ALGORITHMS[spec.spec.algorithm]) if call.spec else ""),
-        use_speculative=USE_SPECULATIVE if call.spec else "",
-        forward_batch_names="CaptureHiddenMode, ForwardMode" if call.spec else "ForwardMode",
-        speculative_imports=(f"from sglang.srt.speculative.{speculative_import(spec)}\n"
-                             "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n"
-                             if call.spec else ""),
+        **_speculative_fields(spec, call.spec),
         draft_tokens=(spec.extend_lens[0] if verify else "None"),
         # Under Triton's CPU interpreter, seg_la's cast of q and its output to the fp8 cache dtype goes through the
         # interpreter's faulty cast, which the harness corrects (the dense exports' correction, copied in the same way)
