@@ -3,8 +3,8 @@
 #
 # Usage, from the project root, after ci/setup.sh (it uses .venv's harness to build the environments):
 #   bash ci/releases.sh VERSION... [-- HARNESS-RUN-ARGUMENTS]
-#   bash ci/releases.sh --build-only VERSION...   (builds the environments and runs nothing: .ci/run builds
-#                                                  0.5.10's while the tests run, since pip mostly waits)
+#   bash ci/releases.sh --build-only VERSION...   (builds the environments and runs nothing: .ci/run builds and runs
+#                                                  0.5.10 while the tests run, filling their idle moments)
 #   VERSION: a release (0.5.10 or newer), "newest" (the newest on the package index) or the path of an SGLang
 #   source checkout (its environment is named after the checkout's commit). Each gets an environment under HARNESS_ENVS (default ~/.cache/attn-harness/envs), built once with
 #   ci/install-sglang.sh (the release's own pins), the environments `harness bisect` uses too.
