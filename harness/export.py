@@ -39,17 +39,22 @@ What it covers today (anything else is refused with one line, exit 2):
     the draft tree's custom mask and retrieve links, as the harness handed them; ``DFlashVerifyInput``: the block,
     the batch's host lengths widened by it) or
     ``EagleDraftExtendInput``; the reference places each draft token at the cached length plus its depth;
+* the ``outputs`` property of two-batch overlap over one of those leaves (``tbo(sglang.X)``) in EXTEND, DECODE or
+  MIXED: the file builds ``TboAttnBackend`` over the leaf, splits the batch with SGLang's own splitter and runs each
+  half under its child backend; the recorder joins the two halves' q, k, v in order;
 * the ``outputs`` property of a lightning layer under SGLang's hybrid wrapper over one of those leaves
   (harness/export_lightning.py);
+* a case that crashed inside SGLang: the file runs into the same crash (the layer SGLang crashed in);
 * the ``conformance`` property of any SGLang composition, class-level ones included.
 
-The other kinds named by issue 27 (metadata invariants, graph replay, TBO splits, other linear attention, MLA, the
-draft loop) are not exported yet.
+The other kinds named by issue 27 (metadata invariants, graph replay, the TBO split property and TBO over other
+compositions, other linear attention, MLA, the draft loop) are not exported yet.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import string
 import subprocess
@@ -73,6 +78,8 @@ OUTPUT_PROPERTIES = ("outputs", "refuse_or_correct")
 PROPERTIES = (*OUTPUT_PROPERTIES, "conformance")
 REFUSAL = "refuse_or_correct"
 MODES = ("extend", "decode", "mixed", "target_verify", "draft_extend")
+# Two-batch overlap over a dense leaf: the batches its file splits with SGLang's own splitter
+TBO_MODES = ("extend", "decode", "mixed")
 # "auto": the cache in the model's dtype; fp8_e4m3: --kv-cache-dtype fp8_e4m3, with the layer's checkpoint scales
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 # Up to this many tensor elements the data is written into the file itself; above, into one .pt beside it.
@@ -82,6 +89,14 @@ KIT_SINCE = "0.5.14"
 # Where a server reaches each leaf: the flag that selects it.
 SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--attention-backend triton",
                "flashinfer": "--attention-backend flashinfer", "flex_attention": "--attention-backend flex_attention"}
+
+
+def dense_leaf(composition: str) -> tuple[str | None, bool]:
+    """A dense leaf's SGLang name and whether it runs under two-batch overlap (``tbo(sglang.X)``), or (None, False)
+    for any other composition."""
+    tbo = composition.startswith("tbo(") and composition.endswith(")")
+    leaf = DENSE_LEAVES.get(composition[4:-1] if tbo else composition)
+    return (leaf, tbo) if leaf else (None, False)
 
 
 def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
@@ -94,10 +109,14 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
     if full is not None:
         return export_lightning.exportable_reason(full, [l.split(".", 1)[1] for l in DENSE_LEAVES], prop, mode,
                                                   kv_cache_dtype, KV_CACHE_DTYPES)
-    if composition not in DENSE_LEAVES:
-        return (f"export covers the plain dense SGLang leaves ({', '.join(DENSE_LEAVES)}) and lightning under SGLang's "
-                f"hybrid wrapper over one, not {composition} (other wrappers, MLA and other linear attention are not "
-                f"exported yet)")
+    leaf, tbo = dense_leaf(composition)
+    if leaf is None:
+        return (f"export covers the dense SGLang leaves ({', '.join(DENSE_LEAVES)}), two-batch overlap over one, and "
+                f"lightning under SGLang's hybrid wrapper over one, not {composition} (other wrappers, MLA and other "
+                f"linear attention are not exported yet)")
+    if tbo and (prop != "outputs" or mode not in TBO_MODES):
+        return (f"export covers the outputs property of two-batch overlap in {', '.join(TBO_MODES)} batches, not {prop} "
+                f"in {mode}")
     if prop not in PROPERTIES:
         return f"export covers the {', '.join(PROPERTIES)} property, not {prop}"
     if mode not in MODES:
@@ -122,6 +141,7 @@ class LayerCall:
     kv_scales: tuple[float, float] | None  # the layer's k_scale, v_scale (an fp8 cache), as the adapter set them
     spec: dict | None = None  # a speculative batch's SGLang inputs (speculative_inputs), None for any other
     spec_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    halves: list = field(default_factory=list)  # the TBO halves whose calls q, k, v hold, in order (or the backend)
 
 
 def speculative_inputs(sfb) -> tuple[dict | None, dict[str, torch.Tensor]]:
@@ -186,30 +206,19 @@ class Recorder:
         recorder = self
 
         def _run(backend, q, k, v, layer, forward_batch, save_kv_cache, via=None):
-            if layer.layer_id not in recorder.calls and layer.kind == "mha":
-                sfb = backend.batches[id(forward_batch)]
-                runner = backend.sgl_runner
-                rows = sfb.req_pool_indices[:sfb.batch_size].tolist()
-                table = runner.req_to_token_pool.req_to_token
-                # Each request's cached tokens' slots from its request row, then its new tokens' write slots (a
-                # verify's seq_lens count only the cached tokens)
-                out_loc = sfb.out_cache_loc.tolist()
-                starts = [sum(new_lens[:i]) for i in range(len(new_lens))]
-                slots = [table[r, :p].tolist() + out_loc[s:s + n]
-                         for r, p, s, n in zip(rows, prefix_lens, starts, new_lens)]
-                pool = runner.token_to_kv_pool
-                kbuf, vbuf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
-                cached = [torch.tensor(s[:p], dtype=torch.int64, device=kbuf.device) for s, p in zip(slots, prefix_lens)]
-                radix = backend._layer(layer)
-                scales = getattr(radix, "k_scale_float", None), getattr(radix, "v_scale_float", None)
-                recorder.calls[layer.layer_id] = LayerCall(
-                    layer.layer_id, q.detach().cpu().clone(), k.detach().cpu().clone(), v.detach().cpu().clone(),
-                    {"num_heads": radix.tp_q_head_num, "num_kv_heads": radix.tp_k_head_num,
-                     "head_dim": radix.head_dim, "v_head_dim": radix.v_head_dim, "scaling": float(radix.scaling),
-                     "logit_cap": float(radix.logit_cap or 0.0),
-                     "sliding_window_size": int(radix.sliding_window_size)},
-                    slots, [kbuf[c].cpu().clone() for c in cached], [vbuf[c].cpu().clone() for c in cached],
-                    None if scales[0] is None else (float(scales[0]), float(scales[1])), *speculative_inputs(sfb))
+            if layer.kind == "mha":
+                tbo = getattr(backend, "parent", None)  # a TBO half: SGLang gets the batch's tokens in two calls
+                call = recorder.calls.get(layer.layer_id)
+                if call is None:
+                    # The slots and cached K/V of the whole batch (a half's own batch holds its requests only)
+                    sfb = (next(iter(tbo.primary.batches.values())) if tbo is not None
+                           else backend.batches[id(forward_batch)])
+                    recorder.calls[layer.layer_id] = _layer_call(backend, sfb, q, k, v, layer, prefix_lens, new_lens)
+                    recorder.calls[layer.layer_id].halves.append(backend)
+                elif tbo is not None and not any(h is backend for h in call.halves):  # the other half, in order
+                    call.halves.append(backend)
+                    call.q, call.k, call.v = (torch.cat([mine, new.detach().cpu()])
+                                              for mine, new in ((call.q, q), (call.k, k), (call.v, v)))
             if layer.layer_id not in recorder.linear_calls and layer.kind == "lightning":
                 recorder.linear_calls[layer.layer_id] = _linear_call(backend, q, k, v, layer, forward_batch, via)
             recorder.running = layer.layer_id
@@ -219,6 +228,31 @@ class Recorder:
 
         with mock.patch.object(SglangBackend, "_run", _run):
             yield self
+
+
+def _layer_call(backend, sfb, q, k, v, layer, prefix_lens: list[int], new_lens: list[int]) -> LayerCall:
+    """An MHA layer's call, read before SGLang runs it: its q, k, v, its RadixAttention, each request's KV slots (the
+    cached ones from its request row, the new ones from ``sfb.out_cache_loc``) and its cached K/V from the pool."""
+    runner = backend.sgl_runner
+    rows = sfb.req_pool_indices[:sfb.batch_size].tolist()
+    table = runner.req_to_token_pool.req_to_token
+    # Each request's cached tokens' slots from its request row, then its new tokens' write slots (a verify's seq_lens
+    # count only the cached tokens)
+    out_loc = sfb.out_cache_loc.tolist()
+    starts = [sum(new_lens[:i]) for i in range(len(new_lens))]
+    slots = [table[r, :p].tolist() + out_loc[s:s + n] for r, p, s, n in zip(rows, prefix_lens, starts, new_lens)]
+    pool = runner.token_to_kv_pool
+    kbuf, vbuf = pool.get_key_buffer(layer.layer_id), pool.get_value_buffer(layer.layer_id)
+    cached = [torch.tensor(s[:p], dtype=torch.int64, device=kbuf.device) for s, p in zip(slots, prefix_lens)]
+    radix = backend._layer(layer)
+    scales = getattr(radix, "k_scale_float", None), getattr(radix, "v_scale_float", None)
+    return LayerCall(
+        layer.layer_id, q.detach().cpu().clone(), k.detach().cpu().clone(), v.detach().cpu().clone(),
+        {"num_heads": radix.tp_q_head_num, "num_kv_heads": radix.tp_k_head_num, "head_dim": radix.head_dim,
+         "v_head_dim": radix.v_head_dim, "scaling": float(radix.scaling), "logit_cap": float(radix.logit_cap or 0.0),
+         "sliding_window_size": int(radix.sliding_window_size)},
+        slots, [kbuf[c].cpu().clone() for c in cached], [vbuf[c].cpu().clone() for c in cached],
+        None if scales[0] is None else (float(scales[0]), float(scales[1])), *speculative_inputs(sfb))
 
 
 def _linear_call(backend, q, k, v, layer, forward_batch, via) -> LinearCall:
@@ -266,8 +300,9 @@ def _compact_slots(slots: list[list[int]], page_size: int) -> list[list[int]]:
     return out
 
 
-def _server_configuration(name: str, spec, radix: dict, kv_scales: tuple[float, float] | None) -> str:
-    parts = [f"python -m sglang.launch_server {SERVER_FLAG[name]}"]
+def _server_configuration(name: str, spec, radix: dict, kv_scales: tuple[float, float] | None,
+                          tbo: bool = False) -> str:
+    parts = [f"python -m sglang.launch_server {SERVER_FLAG[name]}"] + (["--enable-two-batch-overlap"] if tbo else [])
     if spec.page_size > 1:
         parts.append(f"--page-size {spec.page_size}")
     if spec.kv_cache_dtype != "auto":
@@ -379,18 +414,27 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
     spec = case.spec
     recorder = Recorder()
     prefix_lens = list(spec.prefix_lens)  # the cached tokens of each request (a decode's too)
+    crashed, measured = None, {}
     with recorder.listening(prefix_lens, list(spec.extend_lens)):
         try:
             run = run_case(composition, spec, device)
-        except Exception as e:  # noqa: BLE001 - a refusal case may be refused here: nothing wrong to hand over
-            if crossed is None or adapter_frame(e, composition) is not None:
+        except Exception as e:  # noqa: BLE001 - a crash in SGLang is what the file must show; one of ours is not
+            if adapter_frame(e, composition) is not None:
                 raise
-            raise UsageError(f"cannot export {case.composition} {case.property}: SGLang refused the batch here "
-                             f"({crossed}), which passes: {crash_reason(e).removeprefix('crashed: ')}") from e
+            if crossed is not None:  # a refusal case refused here: nothing wrong to hand over
+                raise UsageError(f"cannot export {case.composition} {case.property}: SGLang refused the batch here "
+                                 f"({crossed}), which passes: {crash_reason(e).removeprefix('crashed: ')}") from e
+            crashed, run = crash_reason(e), None
+    if crashed is not None:  # the file runs into the same crash, in the layer SGLang crashed in
+        layer_id = recorder.running
+        if layer_id not in recorder.calls:
+            raise UsageError(f"cannot export {case.composition} {case.property}: SGLang crashed outside an attention "
+                             f"layer ({crashed})")
+        layer = next(l for l in spec.layers if l.layer_id == layer_id)
+        measured = {layer_id: (math.inf, None, layer_bound(composition, spec, layer, device))}
     # The layer to hand over: the one furthest out of (or nearest to) its bound, as the property measured it
     starts = token_starts(spec)
-    measured = {}
-    for layer, out, ref in zip(spec.layers, run.execution.outputs, run.reference.outputs):
+    for layer, out, ref in zip(spec.layers, *((run.execution.outputs, run.reference.outputs) if run else ((), ()))):
         if layer.kind != "mha" or layer.layer_id not in recorder.calls:
             continue
         bound = widen_for_cancellation(layer_bound(composition, spec, layer, device), ref,
@@ -403,7 +447,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
     layer_id = max(measured, key=lambda i: measured[i][0])
     _, comparison, bound = measured[layer_id]
     call = recorder.calls[layer_id]
-    name = DENSE_LEAVES[case.composition]
+    name, tbo = dense_leaf(case.composition)
     slots = _compact_slots(call.slots, spec.page_size)
     seq_lens = [len(s) for s in slots]
     new_lens = [n - p for n, p in zip(seq_lens, prefix_lens)]
@@ -415,18 +459,21 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
     inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
     window = call.radix["sliding_window_size"]
     data_source = "\n".join(_tensor_source(k, t) for k, t in tensors.items()) if inline else None
-    failed = [w for w, (value, limit) in (("relative L2 error", (comparison.rel_l2, bound.rel_l2)),
-                                          ("element error", (comparison.element_error, comparison.element_bound)))
-              if value > limit]
-    headline = (f"{failed[0]} out of bounds at layer {layer_id}: {comparison.where}" if failed
-                else f"within bounds on this engine (worst at {max(comparison.ratios().values()):.2f} of a bound)")
-    measured_text = (f"rel_l2 {comparison.rel_l2:.3g} (bound {bound.rel_l2:.3g}), element "
-                     f"{comparison.element_error:.3g} (bound {comparison.element_bound:.3g}) at "
-                     f"{comparison.where or 'nowhere'}")
+    if crashed is not None:
+        failed, headline, measured_text = [crashed], crashed, f"the replay {crashed}"
+    else:
+        failed = [w for w, (value, limit) in (("relative L2 error", (comparison.rel_l2, bound.rel_l2)),
+                                              ("element error", (comparison.element_error, comparison.element_bound)))
+                  if value > limit]
+        headline = (f"{failed[0]} out of bounds at layer {layer_id}: {comparison.where}" if failed
+                    else f"within bounds on this engine (worst at {max(comparison.ratios().values()):.2f} of a bound)")
+        measured_text = (f"rel_l2 {comparison.rel_l2:.3g} (bound {bound.rel_l2:.3g}), element "
+                         f"{comparison.element_error:.3g} (bound {comparison.element_bound:.3g}) at "
+                         f"{comparison.where or 'nowhere'}")
     # The refusal property's words for an answer it did not refuse (properties/refusal.py)
     answered = f"answered without refusing ({crossed}); outputs vs float64 reference: " if crossed else ""
     header = _header(case, device, case_path, answered + headline,
-                     _server_configuration(name, spec, call.radix, call.kv_scales),
+                     _server_configuration(name, spec, call.radix, call.kv_scales, tbo),
                      f"on the layer below, {measured_text}",
                      f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds "
                      f"with")
@@ -443,6 +490,8 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
         data=("TENSORS = {\n" + data_source + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
         answered=repr(answered), crossed=repr(crossed), run_layer=REFUSED_OR_RUN if crossed else RUN,
+        run_layer_def=TBO_RUN_LAYER if tbo else RUN_LAYER,
+        make_backend="tbo_backend(runner)" if tbo else "ATTENTION_BACKENDS[BACKEND](runner)",
         test_name="test_refused_or_matches_float64_attention" if crossed else "test_outputs_match_float64_attention",
         kv_cache_dtype=spec.kv_cache_dtype, kv_scales=repr(call.kv_scales or (1.0, 1.0)),
         fp8_cache=FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
@@ -844,16 +893,7 @@ SCORE_FACTOR = $score_factor
 
 $data
 $speculative$fp8_cache$interpreter_cast
-
-def run_layer(backend, layer, forward_batch, q, k, v):
-    """The layer over the batch as a model's forward runs it: SGLang's backend plans the batch, then RadixAttention
-    runs under SGLang's forward context (which hands it to the backend). Returns o [T, Hq, Dv] in float64."""
-    T = q.shape[0]
-    with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=backend)):
-        backend.init_forward_metadata(forward_batch)
-        out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
-    return out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
-
+$run_layer_def
 
 def as_stored(x, scale):
     """New keys or values as the KV cache gives them back, in float64: themselves in an auto cache; in an fp8 one,
@@ -919,7 +959,7 @@ def $test_name():
                                  context_len=max_context_len, sliding_window_size=case.sliding_window_size)
     runner = kit.MockModelRunner(case=case, model_config=config, dtype=DTYPE, device=DEVICE,
                                  max_context_len=max_context_len, head_dim=RADIX["head_dim"])
-$use_fp8_cache$speculative_runner    backend = ATTENTION_BACKENDS[BACKEND](runner)
+$use_fp8_cache$speculative_runner    backend = $make_backend
     layer = RadixAttention(num_heads=RADIX["num_heads"], head_dim=RADIX["head_dim"], scaling=RADIX["scaling"],
                            num_kv_heads=RADIX["num_kv_heads"], layer_id=0, logit_cap=RADIX["logit_cap"],
                            v_head_dim=RADIX["v_head_dim"], sliding_window_size=RADIX["sliding_window_size"])
@@ -967,6 +1007,58 @@ $run_layer
     assert element <= element_bound, f"{ANSWERED}element error {element:.3g} > bound {element_bound:.3g} at {where}: {out[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
 ''')
 
+# How the file plans the batch and runs its layer: under the backend, or split in two halves under two-batch overlap.
+RUN_LAYER = '''
+def run_layer(backend, layer, forward_batch, q, k, v):
+    """The layer over the batch as a model's forward runs it: SGLang's backend plans the batch, then RadixAttention
+    runs under SGLang's forward context (which hands it to the backend). Returns o [T, Hq, Dv] in float64."""
+    T = q.shape[0]
+    with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=backend)):
+        backend.init_forward_metadata(forward_batch)
+        out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
+    return out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
+'''
+TBO_RUN_LAYER = '''
+def tbo_backend(runner):
+    """What --enable-two-batch-overlap builds: SGLang's TboAttnBackend over the backend, a primary and one child
+    per half of a split batch."""
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
+    def make():
+        return ATTENTION_BACKENDS[BACKEND](runner)
+
+    return TboAttnBackend(primary=make(), children=[make(), make()])
+
+
+def run_layer(backend, layer, forward_batch, q, k, v):
+    """The layer over the batch as a two-batch-overlap server runs it: SGLang's own splitter cuts the batch
+    (compute_split_seq_index, then TboForwardBatchPreparer.prepare: each half a child ForwardBatch), TboAttnBackend
+    plans the whole and each half, then each half's layer runs on the half's tokens under the forward context of its
+    child backend (batch_overlap/operations.py); a batch SGLang does not split runs whole. Returns o [T, Hq, Dv] in
+    float64, the halves' rows in order."""
+    from sglang.srt.batch_overlap import two_batch_overlap as tbo
+
+    T = q.shape[0]
+    forward_batch.tbo_split_seq_index = tbo.compute_split_seq_index(
+        forward_mode=forward_batch.forward_mode, num_tokens=T,
+        extend_lens=forward_batch.extend_seq_lens_cpu if forward_batch.forward_mode.is_extend() else None,
+        token_num_per_seq=tbo.get_token_num_per_seq(forward_batch.forward_mode, forward_batch.spec_info))
+    with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=backend)):
+        tbo.TboForwardBatchPreparer.prepare(forward_batch)
+        backend.init_forward_metadata(forward_batch)
+        if not forward_batch.tbo_children:
+            out = layer(q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1), forward_batch)
+    if forward_batch.tbo_children:
+        outs, start = [], 0
+        for half, child in zip(forward_batch.tbo_children, backend.children):
+            n = half.input_ids.shape[0]
+            with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=child)):
+                outs.append(layer(q[start:start + n].reshape(n, -1), k[start:start + n].reshape(n, -1),
+                                  v[start:start + n].reshape(n, -1), half))
+            start += n
+        out = torch.cat(outs)
+    return out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()
+'''
 # How the file runs its layer: an outputs case runs it; a refusal case also takes SGLang's raising as a right answer.
 RUN = """    out = run_layer(backend, layer, forward_batch, q, k, v)
 """

@@ -264,19 +264,23 @@ def pytest_runtest_setup(item):
 
 
 @needs_kit
-def test_lightning_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(tmp_path, monkeypatch):
-    """The three lightning ledger entries live in 0.5.23, exported (SGLang's HybridLinearAttnBackend over the
-    full-attention backend and LightningAttentionBackend, built with SGLang's lightning kit) and run in a fresh
-    process without this project, each failing with the harness's figure:
+def test_wrapped_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(tmp_path, monkeypatch):
+    """Ledger entries of SGLang's wrappers live in 0.5.23, exported and run in one fresh process without this project,
+    each failing as the harness's replay did.
+    Lightning under SGLang's HybridLinearAttnBackend (built with SGLang's lightning kit):
     - sglang-lightning-fp8-decode: a decode over an fp8 cache rounds q and the output to e4m3 (relative L2 0.0468);
     - sglang-hybrid-idle-lightning: an idle batch crashes in the hybrid's forward on ``mixed_qkv``;
     - sglang-lightning-single-token-verify: a verify of one draft token leaves no per-step state (all zeros).
     With the fixes the triage pages propose (a plugin), the first two pass; the verify's batch with two draft tokens
-    per request, which takes SGLang's verify path, passes."""
+    per request, which takes SGLang's verify path, passes.
+    Two-batch overlap (TboAttnBackend over TorchNative, the batch split by SGLang's own splitter):
+    - sglang-tbo-mixed-two-chunk: a MIXED batch's halves disagree with their tokens, and TorchNative crashes on the
+      second half; the same batch as EXTEND, which SGLang splits with its two-chunk bookkeeping, passes."""
     from harness.export import run_exported
 
     cases = ROOT / "docs/findings/cases"
     verify_case = cases / "sglang-lightning-single-token-verify.json"
+    tbo_case = cases / "sglang-tbo-mixed-two-chunk.json"
 
     def two_drafts(batch):
         batch["extend_lens"] = [2]
@@ -285,7 +289,10 @@ def test_lightning_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixe
     sources = {"test_fp8_decode.py": cases / "sglang-lightning-fp8-decode.json",
                "test_idle.py": cases / "sglang-hybrid-idle-lightning.json",
                "test_verify_one.py": verify_case,
-               "test_verify_two.py": _variant(verify_case, tmp_path / "two.json", two_drafts)}
+               "test_verify_two.py": _variant(verify_case, tmp_path / "two.json", two_drafts),
+               "test_tbo_mixed.py": tbo_case,
+               "test_tbo_extend.py": _variant(tbo_case, tmp_path / "extend.json",
+                                              lambda batch: batch.update(mode="extend"))}
     folder = tmp_path / "export"
     for name, source in sources.items():
         assert main(["export", str(source), "--out", str(folder / name)]) == 0
@@ -294,6 +301,8 @@ def test_lightning_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixe
     assert "--kv-cache-dtype fp8_e4m3" in fp8 and "full attention at layers [0, 1];" in fp8 and "LAYER_ID = 2" in fp8
     assert "Triage: docs/findings/sglang-hybrid-idle-lightning.md" in (folder / "test_idle.py").read_text()
     assert "--speculative-eagle-topk 1" in (folder / "test_verify_one.py").read_text()
+    tbo = (folder / "test_tbo_mixed.py").read_text()
+    assert "--enable-two-batch-overlap" in tbo and "TboAttnBackend(primary=make()" in tbo
 
     status, output = run_exported([folder / name for name in sources], extra=["-rA", "--tb=short"])
     assert status == 1, output[-3000:]
@@ -303,6 +312,9 @@ def test_lightning_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixe
     assert re.search(r"AssertionError: request 0 state after each draft token: relative L2 error 1 > bound", output), \
         output[-3000:]
     assert re.search(r"^PASSED test_verify_two.py::", output, flags=re.M), output[-3000:]
+    assert re.search(r"^FAILED test_tbo_mixed.py::.* - RuntimeError: The expanded size of the tensor \(5\) must match "
+                     r"the existing size \(3\)", output, flags=re.M), output[-3000:]
+    assert re.search(r"^PASSED test_tbo_extend.py::", output, flags=re.M), output[-3000:]
 
     plugin = tmp_path / "plugin"
     plugin.mkdir()

@@ -1298,6 +1298,7 @@ class _TboChild(SglangBackend):
 
     def __init__(self, parent: "SglangTbo", index: int) -> None:  # noqa: D107 - shares the parent's runner
         self.model_runner, self.sgl, self.sgl_runner = parent.model_runner, parent.sgl, parent.primary.sgl_runner
+        self.parent = parent  # whose whole batch this half is of (harness export reads it)
         self.states = parent.primary.states
         self.inner = parent.inner.children[index]
         self.radix = parent.primary.radix  # the model's layer objects are the same for both halves
