@@ -56,6 +56,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import string
 import subprocess
 import sys
@@ -515,6 +516,13 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
     from properties.verdict import compare, token_starts
 
     spec = case.spec
+    # The file runs one lightning layer: a case that failed at a full-attention layer would pass there
+    failed_at = re.match(r"layer (\d+)", (case.verdict or {}).get("where") or "")
+    kinds = {layer.layer_id: layer.kind for layer in spec.layers}
+    if failed_at and kinds.get(int(failed_at.group(1))) not in (None, "lightning"):
+        raise UsageError(f"cannot export {case.composition} {case.property}: the case failed at its "
+                         f"{kinds[int(failed_at.group(1))]} layer {failed_at.group(1)}, and the export of a lightning "
+                         f"hybrid covers its lightning layers")
     recorder = Recorder()
     crashed = None
     with recorder.listening(list(spec.prefix_lens), list(spec.extend_lens)):

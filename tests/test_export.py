@@ -434,6 +434,17 @@ def test_a_case_of_a_kind_export_does_not_cover_is_one_line_and_exit_2(capsys):
     assert len(err.splitlines()) == 1 and err.startswith("error: cannot export") and "not exported yet" in err
 
 
+def test_a_lightning_hybrid_case_that_failed_at_a_full_attention_layer_is_one_line_and_exit_2(tmp_path, capsys):
+    """Its file would run the lightning layer only, which passes: refused before anything runs, naming the layer."""
+    case = json.loads((ROOT / "docs/findings/cases/sglang-lightning-fp8-decode.json").read_text())
+    case["verdict"]["where"] = "layer 1: request 0, token 0, head 0"
+    (tmp_path / "case.json").write_text(json.dumps(case))
+    assert main(["export", str(tmp_path / "case.json"), "--out", str(tmp_path / "test_x.py")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "failed at its mha layer 1" in err, err
+    assert not (tmp_path / "test_x.py").exists()
+
+
 def test_export_refuses_an_out_path_that_is_not_python(tmp_path, capsys):
     assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out",
                  str(tmp_path / "repro.txt")]) == 2
