@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash ci/setup.sh
-exec .venv/bin/python -m pytest -n "${HARNESS_WORKERS:-2}" --dist worksteal "$@"
+exec .venv/bin/python -m pytest -n "${HARNESS_WORKERS:-2}" "$@"
