@@ -159,8 +159,11 @@ def test_a_hybrids_simplest_batch_runs_its_linear_layer(linear):
     """Hypothesis draws the simplest batch first, and a row with one example (a slow row in CI) draws nothing else:
     a hybrid's must hold the layer the hybrid wrapper exists for. Before, it was one full-attention layer, and the
     ci main job's Granite graph row never reached its known prefill-graph bug."""
-    from hypothesis import find
+    from hypothesis import Phase, find, settings
 
+    # What a one-example row draws: the first generated example, with no database to replay and no shrinking. (find
+    # keeps the smallest example it meets by Hypothesis's own order, not the first: asked to shrink, it could end at
+    # a one-MHA-layer batch, whose choice sequence is shorter than a KDA layer's; seen in a fresh-clone CI run.)
     simplest = find(batch_specs(PROFILES["ci"], ForwardMode.EXTEND, frozenset({"mha", linear}), hybrid=True),
-                    lambda spec: True)
+                    lambda spec: True, settings=settings(database=None, max_examples=1, phases=[Phase.generate]))
     assert [layer.kind for layer in simplest.layers] == [linear]
