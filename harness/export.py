@@ -108,8 +108,8 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
         return None
     full = export_lightning.full_leaf(composition)
     if full is not None:
-        return export_lightning.exportable_reason(full, [l.split(".", 1)[1] for l in DENSE_LEAVES], prop, mode,
-                                                  kv_cache_dtype, KV_CACHE_DTYPES)
+        return export_lightning.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
+                                                  KV_CACHE_DTYPES)
     leaf, tbo = dense_leaf(composition)
     if leaf is None:
         return (f"export covers the dense SGLang leaves ({', '.join(DENSE_LEAVES)}), two-batch overlap over one, and "
@@ -404,28 +404,36 @@ def _speculative_fields(spec, recorded: dict | None) -> dict[str, str]:
                                     "from sglang.srt.speculative.spec_info import SpeculativeAlgorithm\n")}
 
 
+def _replay(case, composition, device: str, recorder: Recorder, crossed: str | None = None):
+    """Replay ``case`` under ``recorder``: ``(run, None)``, or ``(None, crash reason)`` when it crashed inside SGLang
+    (what the file must show). A crash in the project's code raises: an adapter error is never handed over as
+    SGLang's. A refusal case (``crossed``) that SGLang refused here is refused: nothing wrong to hand over."""
+    from properties.blame import adapter_frame, crash_reason
+    from properties.run import run_case
+
+    with recorder.listening(list(case.spec.prefix_lens), list(case.spec.extend_lens)):
+        try:
+            return run_case(composition, case.spec, device), None
+        except Exception as e:  # noqa: BLE001 - classified below
+            if adapter_frame(e, composition) is not None:
+                raise
+            if crossed is not None:
+                raise UsageError(f"cannot export {case.composition} {case.property}: SGLang refused the batch here "
+                                 f"({crossed}), which passes: {crash_reason(e).removeprefix('crashed: ')}") from e
+            return None, crash_reason(e)
+
+
 def _build_outputs(case, composition, device: str, case_path: Path | None, crossed: str | None) -> Export:
     """An outputs case, or (``crossed``: the limit its batch crosses) a refuse_or_correct one: its file also passes
     when SGLang raises, and its failure leads with the refusal property's words."""
-    from properties.blame import adapter_frame, crash_reason
-    from properties.run import run_case
     from properties.tolerances import layer_bound, widen_for_cancellation
     from properties.verdict import compare, token_starts
 
     spec = case.spec
     recorder = Recorder()
     prefix_lens = list(spec.prefix_lens)  # the cached tokens of each request (a decode's too)
-    crashed, measured = None, {}
-    with recorder.listening(prefix_lens, list(spec.extend_lens)):
-        try:
-            run = run_case(composition, spec, device)
-        except Exception as e:  # noqa: BLE001 - a crash in SGLang is what the file must show; one of ours is not
-            if adapter_frame(e, composition) is not None:
-                raise
-            if crossed is not None:  # a refusal case refused here: nothing wrong to hand over
-                raise UsageError(f"cannot export {case.composition} {case.property}: SGLang refused the batch here "
-                                 f"({crossed}), which passes: {crash_reason(e).removeprefix('crashed: ')}") from e
-            crashed, run = crash_reason(e), None
+    measured = {}
+    run, crashed = _replay(case, composition, device, recorder, crossed)
     if crashed is not None:  # the file runs into the same crash, in the layer SGLang crashed in
         layer_id = recorder.running
         if layer_id not in recorder.calls:
@@ -479,7 +487,8 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
                      f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds "
                      f"with")
     text = header + OUTPUTS.substitute(
-        kit_since=KIT_SINCE, backend=name, mode_upper=SGLANG_MODE[spec.mode.value], dtype=spec.dtype,
+        kit_import=KIT_IMPORT.substitute(module="dense_attention", kit="attention unit-test kit", since=KIT_SINCE),
+        backend=name, mode_upper=SGLANG_MODE[spec.mode.value], dtype=spec.dtype,
         page_size=spec.page_size, prefix_lens=prefix_lens, new_lens=new_lens, slots=json.dumps(slots),
         radix=json.dumps(call.radix), layer_id=layer_id, rel_l2_bound=repr(bound.rel_l2),
         element_factor=repr(bound.element), score_factor=repr(bound.score),
@@ -510,10 +519,9 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
     """A lightning hybrid's case (harness/export_lightning.py): replay it recording what SGLang's hybrid was handed
     for its lightning layers; render the file for the layer that failed (the worst against its bound, or the one
     SGLang crashed in)."""
-    from properties.blame import adapter_frame, crash_reason
-    from properties.run import run_case
+    from properties.outputs import linear_state_comparisons
     from properties.tolerances import layer_bound, widen_for_cancellation
-    from properties.verdict import compare, token_starts
+    from properties.verdict import Worst, compare, token_starts
 
     spec = case.spec
     # The file runs one lightning layer: a case that failed at a full-attention layer would pass there
@@ -524,14 +532,7 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
                          f"{kinds[int(failed_at.group(1))]} layer {failed_at.group(1)}, and the export of a lightning "
                          f"hybrid covers its lightning layers")
     recorder = Recorder()
-    crashed = None
-    with recorder.listening(list(spec.prefix_lens), list(spec.extend_lens)):
-        try:
-            run = run_case(composition, spec, device)
-        except Exception as e:  # noqa: BLE001 - a crash in SGLang is what the file must show; one of ours is not
-            if adapter_frame(e, composition) is not None:
-                raise
-            crashed, run = crash_reason(e), None
+    run, crashed = _replay(case, composition, device, recorder)
     layers = {layer.layer_id: layer for layer in spec.layers}
     if crashed is not None:
         layer_id = recorder.running
@@ -542,25 +543,17 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
     else:
         measured = {}
         starts = token_starts(spec)
-        slots = run.case.forward_batch.state_slots.tolist()
-        pool = run.case.forward_batch.mamba_pool
-        for layer_id, call in recorder.linear_calls.items():
+        for layer_id in recorder.linear_calls:
             i = [l.layer_id for l in spec.layers].index(layer_id)
             out, ref = run.execution.outputs[i], run.reference.outputs[i]
             bound = widen_for_cancellation(layer_bound(composition, spec, layers[layer_id], device), ref,
                                            run.reference.magnitudes.get(layer_id))
-            found = [(compare(out, ref, bound, starts, f"layer {layer_id}:"), bound)]
+            found = Worst()
+            found.add(compare(out, ref, bound, starts, f"layer {layer_id}:"), bound)
+            # Its states, as the outputs property compares them (properties/outputs.py)
+            linear_state_comparisons(run, composition, device, found, [layers[layer_id]])
             state_bound = layer_bound(composition, spec, layers[layer_id], device)
-            expected = run.reference.linear_states[layer_id]
-            for r, slot in enumerate(slots):
-                if spec.mode.is_target_verify():
-                    actual, exp = pool.intermediate_ssm_states[layer_id][slot, :spec.extend_lens[r]], expected.ssm_steps[r]
-                    what = "ssm steps"
-                else:
-                    actual, exp, what = pool.ssm_states[layer_id][slot], expected.ssm[r], "ssm state"
-                found.append((compare(actual, exp, state_bound, label=f"layer {layer_id} request {r} {what}:"),
-                              state_bound))
-            worst, worst_bound = max(found, key=lambda f: max(f[0].ratios().values()))
+            worst, worst_bound = max(found.items, key=lambda f: max(f[0].ratios().values()))
             text = (f"{worst.where}: rel_l2 {worst.rel_l2:.3g} (bound {worst_bound.rel_l2:.3g}), element "
                     f"{worst.element_error:.3g} (bound {worst.element_bound:.3g})")
             measured[layer_id] = (max(worst.ratios().values()), text, bound, state_bound, worst)
@@ -587,7 +580,9 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
                         f"with")
     verify = spec.mode.is_target_verify()
     text = header + export_lightning.LIGHTNING.substitute(
-        kit_since=export_lightning.KIT_SINCE, full=full, mode_upper=SGLANG_MODE.get(spec.mode.value, spec.mode.value.upper()),
+        kit_import=KIT_IMPORT.substitute(module="lightning_attention", kit="lightning unit-test kit",
+                                         since=export_lightning.KIT_SINCE),
+        full=full, mode_upper=SGLANG_MODE.get(spec.mode.value, spec.mode.value.upper()),
         dtype=spec.dtype, page_size=spec.page_size, prefix_lens=list(spec.prefix_lens),
         new_lens=list(spec.extend_lens), layer=repr(call.layer), layer_id=layer_id,
         kv_cache_dtype=spec.kv_cache_dtype, rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
@@ -863,13 +858,17 @@ if _ABSENT:
 
 ''')
 
-OUTPUTS = string.Template('''try:
-    from sglang.test.kits.attention_unittest.attention_methods import dense_attention as kit
+# The file's import of one module of SGLang's attention unit-test kit: a release without it skips the file, saying
+# so; SGLang failing to import fails it.
+KIT_IMPORT = string.Template('''try:
+    from sglang.test.kits.attention_unittest.attention_methods import $module as kit
 except ModuleNotFoundError as e:
     if not (e.name or "").startswith("sglang.test"):
         raise  # SGLang itself failed to import: not a missing kit
-    pytest.skip(f"needs SGLang's attention unit-test kit (sglang $kit_since or newer): {e}", allow_module_level=True)
-from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    pytest.skip(f"needs SGLang's $kit (sglang $since or newer): {e}", allow_module_level=True)
+''')
+
+OUTPUTS = string.Template('''${kit_import}from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.model_executor.forward_batch_info import $forward_batch_names
 $speculative_imports

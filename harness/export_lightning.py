@@ -73,13 +73,8 @@ def server_configuration(full: str, spec, call) -> str:
     return f"{' '.join(parts)}, {model}; {STEP[spec.mode.value]}"
 
 
-LIGHTNING = string.Template('''try:
-    from sglang.test.kits.attention_unittest.attention_methods import lightning_attention as kit
-except ModuleNotFoundError as e:
-    if not (e.name or "").startswith("sglang.test"):
-        raise  # SGLang itself failed to import: not a missing kit
-    pytest.skip(f"needs SGLang's lightning unit-test kit (sglang $kit_since or newer): {e}", allow_module_level=True)
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+# $kit_import: the import of the kit's lightning_attention module as ``kit`` (harness/export.py, KIT_IMPORT)
+LIGHTNING = string.Template('''${kit_import}from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend

@@ -12,11 +12,12 @@ from properties.verdict import Verdict, Worst, compare, compare_outputs
 NAME = "outputs"
 
 
-def linear_state_comparisons(run: Run, composition: Composition, device: str, worst: Worst) -> None:
-    """Pool states at each request's slot vs the reference (per draft position in TARGET_VERIFY)."""
+def linear_state_comparisons(run: Run, composition: Composition, device: str, worst: Worst, layers=None) -> None:
+    """Pool states at each request's slot vs the reference (per draft position in TARGET_VERIFY), of ``layers`` (by
+    default every layer of the batch; only the recurrent ones have states)."""
     spec, pool = run.case.spec, run.case.forward_batch.mamba_pool
     slots = run.case.forward_batch.state_slots.tolist()
-    for layer in spec.layers:
+    for layer in spec.layers if layers is None else layers:
         if not is_recurrent(layer):
             continue
         expected = run.reference.linear_states[layer.layer_id]
