@@ -445,6 +445,22 @@ def test_a_lightning_hybrid_case_that_failed_at_a_full_attention_layer_is_one_li
     assert not (tmp_path / "test_x.py").exists()
 
 
+@needs_kit
+def test_a_crash_of_the_projects_own_code_in_the_replay_is_never_handed_over_as_sglangs(tmp_path, monkeypatch):
+    """The idle lightning case crashes inside SGLang, and its file shows that crash; a crash of the harness's own code
+    during the same replay (here the recorder's) is the harness's error: it propagates, and no file is written."""
+    import harness.export as export
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the recorder broke")
+
+    monkeypatch.setattr(export, "_linear_call", broken)
+    with pytest.raises(RuntimeError, match="the recorder broke"):
+        main(["export", str(ROOT / "docs/findings/cases/sglang-hybrid-idle-lightning.json"), "--out",
+              str(tmp_path / "test_idle.py")])
+    assert not (tmp_path / "test_idle.py").exists()
+
+
 def test_export_refuses_an_out_path_that_is_not_python(tmp_path, capsys):
     assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out",
                  str(tmp_path / "repro.txt")]) == 2
