@@ -77,6 +77,8 @@ class RowOutcome:
     known: dict[str, int] = field(default_factory=dict)  # ledger id -> cases that failed as it describes
     # ledger id -> draws rejected, not run, after the row met that entry: batches with what its bug needs
     steered: dict[str, int] = field(default_factory=dict)
+    # The search ended early: its last draws were all steered off (search_row.SteeredOut)
+    steered_out: bool = False
     # A case left a sticky CUDA error (a known failure's included): the search of this row stopped there, and
     # the rows after it need a fresh process
     context_poisoned: bool = False
@@ -115,6 +117,7 @@ class RowOutcome:
         assert self.ok, "a row with a finding is not searched again"
         self.cases += later.cases
         self.seconds += later.seconds
+        self.steered_out = self.steered_out or later.steered_out
         for mine, theirs in ((self.known, later.known), (self.steered, later.steered),
                              (self.near_misses_known, later.near_misses_known)):
             for key, n in theirs.items():
@@ -140,6 +143,8 @@ class RowOutcome:
             known = "".join(f", {n} known failure(s) {k}" + (f" (then {self.steered[k]} of its batches not run)"
                                                                 if self.steered.get(k) else "")
                             for k, n in self.known.items())
+            if self.steered_out:
+                known += ", search ended: its last draws all had what those bugs need"
             return f"ok ({self.cases} cases{err}{known})"
         return f"FAILED: {self.headline()}"
 
@@ -164,7 +169,7 @@ class RowOutcome:
                 "num_tokens": None if spec is None else spec.num_tokens,
                 "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
                 "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known),
-                "steered": dict(self.steered)}
+                "steered": dict(self.steered), "steered_out": self.steered_out}
 
 
 def failure_at(failure: Verdict | str | None) -> dict | None:

@@ -39,6 +39,13 @@ class ContextPoisoned(BaseException):
     so Hypothesis stops at once (neither more examples nor shrinking)."""
 
 
+class SteeredOut(BaseException):
+    """Raised from the test once ``STEERED_OUT_DRAWS`` draws in a row were all steered off (``steered_off``): what is
+    left of the row's batches is, as far as the search can tell, the known bugs it met. Hypothesis would go on drawing
+    to its own limit (ten times the examples, at least 1,000 draws: a second or more on a CPU for a row of SGLang's
+    torch_native refusals, whose every overreach is one of its two known bugs); the row ends with the cases it ran."""
+
+
 class AdapterFailed(BaseException):
     """Raised from the test when the harness's own code failed around the engine's classes: no shrinking (the
     adapter, not the batch, is at fault) and no more examples (each would fail the same way)."""
@@ -99,6 +106,9 @@ def row_budget(row: Row, profile: Profile, device: str, max_examples: int | None
         return (1 if max_examples is None else max_examples), 0
     return max_examples, shrink_seconds
 
+
+# Draws in a row, each with what a known bug this row met needs, after which the row's search ends (``SteeredOut``)
+STEERED_OUT_DRAWS = 50
 
 # What one case's verdict means for the search (``record_case``)
 PASSED, KNOWN, ADAPTER, FAILED, POISONED = "passed", "known", "adapter", "failed", "poisoned"
@@ -179,6 +189,9 @@ def settle(e: BaseException, row: Row, profile: Profile, device: str, result: Ro
     """Put the search's ending ``e`` (raised by Hypothesis's run of the row's test) into ``result``; re-raise what is
     not an ending of the search (Ctrl-C, a bug). Returns whether the search was stopped (Hypothesis's notes, written
     for a search that ran to its end, then mislead)."""
+    if isinstance(e, SteeredOut):
+        result.steered_out = True
+        return True
     if isinstance(e, AdapterFailed):
         spec, verdict = failures[-1]
         result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
@@ -245,6 +258,7 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     pending = pending or out_dir / "pending" / f"{safe_name(row.id)}.json"
     failures: list[tuple[BatchSpec, Verdict]] = []
     steer_off: list = []  # ledger entries this row has met: later draws with what their bugs need are rejected
+    steered_in_a_row = 0
     start = time.perf_counter()
 
     def shrink_time_spent() -> bool:
@@ -254,10 +268,15 @@ def search_row(row: Row, profile: Profile, device: str, *, database=None, max_ex
     @hypothesis_settings(profile, database=database, max_examples=max_examples, shrink=shrink_seconds != 0)
     @given(row_strategy(row, profile))
     def probe(spec: BatchSpec) -> None:
+        nonlocal steered_in_a_row
         if shrink_time_spent():
             raise ShrinkBudgetSpent
         if steered_off(spec, steer_off, failures, result, row.property.before):
+            steered_in_a_row += 1
+            if steered_in_a_row >= STEERED_OUT_DRAWS:
+                raise SteeredOut
             reject()  # Hypothesis draws another
+        steered_in_a_row = 0
         CaseFile(str(row.composition), row.property.name, spec, device, profile.name).write(pending)
         verdict = row.property.run(row.composition, spec, device)
         raise_for(record_case(row, profile, device, spec, verdict, result, failures, steer_off, out_dir, start),

@@ -56,6 +56,25 @@ def test_after_a_known_failure_its_batches_are_not_run(tmp_path, monkeypatch):
     assert result.record()["steered"] == result.steered
 
 
+@dataclasses.dataclass(frozen=True)
+class EveryBatch(Entry):
+    """A stand-in entry whose bug any batch could show."""
+
+    def could_show(self, spec) -> bool:
+        return True
+
+
+def test_a_row_whose_draws_are_all_a_known_bugs_ends_after_a_run_of_them(tmp_path, monkeypatch):
+    prop = WrongFromThreeTokens()
+    result = search(prop, EveryBatch(), tmp_path, monkeypatch)
+    # every draw after the known failure is steered off: the search ends after STEERED_OUT_DRAWS of them, not at
+    # Hypothesis's own limit of 1,000 draws
+    assert result.ok and result.known == {"three-tokens": 1} and prop.seen[-1] >= 3
+    assert result.steered == {"three-tokens": search_row_module.STEERED_OUT_DRAWS} and result.steered_out
+    assert result.summary().endswith("search ended: its last draws all had what those bugs need)")
+    assert result.record()["steered_out"] is True
+
+
 def test_an_entry_without_a_batch_form_is_not_steered_from(tmp_path, monkeypatch):
     prop = WrongFromThreeTokens()
     result = search(prop, Entry(steerable=False), tmp_path, monkeypatch)
