@@ -544,7 +544,7 @@ def test_sglang_builds_its_short_conv_hybrid_for_an_lfm2_model(device):
         0: "Lfm2ShortConv", 1: "RadixAttention", 2: "Lfm2ShortConv"}
     if hasattr(hybrid, "conv_state_metadata"):
         assert type(hybrid.linear_attn_backend).__name__ == "ShortConvAttnBackend"
-    for name in ("outputs", "cache", "dispatch"):
+    for name in ("outputs", "cache"):  # (dispatch: the matrix's rows of this composition; routing is not the batch's)
         assert PROPERTIES[name].run(composition, extend, device).ok, name
 
 
@@ -566,7 +566,7 @@ def test_sglang_builds_its_kda_hybrid_for_a_kimi_linear_model(device, lower_boun
     assert {i: type(r).__name__ for i, r in run.execution.backend.radix.items()} == {
         0: "KimiDeltaAttention", 1: "RadixAttention", 2: "KimiDeltaAttention"}
     assert run.execution.backend.radix[0].attn.lower_bound == lower_bound
-    for name in ("outputs", "cache", "dispatch"):
+    for name in ("outputs", "cache"):  # (dispatch: the matrix's rows of this composition; routing is not the batch's)
         assert PROPERTIES[name].run(composition, extend, device).ok, name
 
 
@@ -585,7 +585,7 @@ def test_sglang_builds_its_mamba2_hybrid_for_a_nemotron_h_model(device):
     assert type(hybrid.linear_attn_backend).__name__ == "Mamba2AttnBackend"
     assert {i: type(r).__name__ for i, r in run.execution.backend.radix.items()} == {
         0: "NemotronHMambaDecoderLayer", 1: "RadixAttention", 2: "NemotronHMambaDecoderLayer"}
-    for name in ("outputs", "cache", "dispatch"):
+    for name in ("outputs", "cache"):  # (dispatch: the matrix's rows of this composition; routing is not the batch's)
         assert PROPERTIES[name].run(composition, extend, device).ok, name
     # Nemotron-H's MTP draft has no mamba layer: SGLang wraps no draft worker in its hybrid, so none is drawn
     assert not parse("hybrid(sglang.triton,sglang.mamba2)").support().hybrid_draft_worker
