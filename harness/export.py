@@ -45,10 +45,13 @@ What it covers today (anything else is refused with one line, exit 2):
 * the ``outputs`` property of a lightning layer under SGLang's hybrid wrapper over one of those leaves
   (harness/export_lightning.py);
 * a case that crashed inside SGLang: the file runs into the same crash (the layer SGLang crashed in);
+* the ``metadata`` property of ``sglang.triton`` (an eager plan of an EXTEND, MIXED or DECODE batch) and its
+  ``graph_metadata`` property (a decode graph's plan at a padded replay): harness/export_metadata.py;
 * the ``conformance`` property of any SGLang composition, class-level ones included.
 
-The other kinds named by issue 27 (metadata invariants, graph replay, the TBO split property and TBO over other
-compositions, other linear attention, MLA, the draft loop) are not exported yet.
+The other kinds named by issue 27 (other backends' plans and those of speculative batches, graph replay's outputs,
+the TBO split property and TBO over other compositions, other linear attention, MLA, the draft loop) are not exported
+yet.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from pathlib import Path
 import torch
 
 from backends.sglang.runtime import SERVER_ALGORITHMS
-from harness import export_lightning
+from harness import export_lightning, export_metadata
 from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
@@ -106,6 +109,9 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
         if "sglang." not in composition or composition.startswith("graph("):
             return f"export covers the conformance of SGLang's own classes, not {composition}"
         return None
+    if prop in export_metadata.PROPERTIES:
+        inner = composition[6:-1] if export_metadata.graph_property(composition, prop) else composition
+        return export_metadata.exportable_reason(DENSE_LEAVES.get(inner), prop, mode, kv_cache_dtype, DENSE_LEAVES)
     full = export_lightning.full_leaf(composition)
     if full is not None:
         return export_lightning.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
@@ -196,6 +202,10 @@ class Recorder:
     calls: dict[int, LayerCall] = field(default_factory=dict)
     linear_calls: dict[int, LinearCall] = field(default_factory=dict)
     running: int | None = None
+    # Each plan SGLang's backend was asked for (eager, or a graph's capture and replays): its ForwardBatch's fields as
+    # handed, and the request rows it reads; and the harness's view of each batch whose plan it checked
+    plans: list[dict] = field(default_factory=list)
+    checked: list[dict] = field(default_factory=list)
 
     @contextmanager
     def listening(self, prefix_lens: list[int], new_lens: list[int]):
@@ -227,8 +237,68 @@ class Recorder:
             recorder.running = None
             return out
 
-        with mock.patch.object(SglangBackend, "_run", _run):
+        import properties.metadata
+        from backends.sglang import compat
+
+        plan, out_graph, check_plan = SglangBackend._plan, compat.plan_out_graph, properties.metadata.check_plan
+
+        def _plan(backend, forward_batch, planner, static=False):
+            def recorded(sfb):
+                recorder.plans.append(_plan_fields(sfb, "static" if static else "eager",
+                                                   backend.sgl_runner.req_to_token_pool.req_to_token))
+                return planner(sfb)
+            return plan(backend, forward_batch, recorded, static)
+
+        def plan_out_graph(backend, sfb, in_capture):
+            # (SGLang's backend keeps the request pool's table it plans from)
+            recorder.plans.append(_plan_fields(sfb, "capture" if in_capture else "replay", backend.req_to_token))
+            return out_graph(backend, sfb, in_capture)
+
+        def checking(meta, fb):
+            recorder.checked.append(_checked_fields(fb))
+            return check_plan(meta, fb)
+
+        with mock.patch.object(SglangBackend, "_run", _run), mock.patch.object(SglangBackend, "_plan", _plan), \
+                mock.patch.object(compat, "plan_out_graph", plan_out_graph), \
+                mock.patch.object(properties.metadata, "check_plan", checking):
             yield self
+
+
+# The fields of SGLang's ForwardBatch a plan file rebuilds (tensors with their dtype), and the harness batch's fields
+# properties.metadata.check_plan reads
+PLAN_TENSORS = ("req_pool_indices", "seq_lens", "out_cache_loc", "positions", "extend_prefix_lens", "extend_seq_lens",
+                "extend_start_loc")
+CHECKED_FIELDS = ("batch_size", "extend_num_tokens", "num_padding", "extend_seq_lens_cpu", "extend_prefix_lens_cpu",
+                  "page_size", "seq_lens_cpu", "req_pool_indices")
+
+
+def _as_list(x):
+    return x.tolist() if isinstance(x, torch.Tensor) else (list(x) if isinstance(x, (list, tuple)) else x)
+
+
+def _plan_fields(sfb, stage: str, table: torch.Tensor) -> dict:
+    """SGLang's ForwardBatch ``sfb`` as handed to a plan (read before it: a plan may write into it), with each request
+    row it names as far as the batch reads it (its seq_len, or the longest read of that row)."""
+    fields = {"stage": stage, "forward_mode": sfb.forward_mode.name, "batch_size": int(sfb.batch_size),
+              "num_tokens": int(sfb.input_ids.shape[0]), "seq_lens_sum": int(sfb.seq_lens_sum),
+              "seq_lens_cpu": _as_list(sfb.seq_lens_cpu), "num_padding": getattr(sfb, "num_padding", None),
+              "extend_prefix_lens_cpu": _as_list(getattr(sfb, "extend_prefix_lens_cpu", None)),
+              "extend_seq_lens_cpu": _as_list(getattr(sfb, "extend_seq_lens_cpu", None)), "dtypes": {}}
+    for name in PLAN_TENSORS:
+        t = getattr(sfb, name, None)
+        if isinstance(t, torch.Tensor):
+            fields[name] = t.tolist()
+            fields["dtypes"][name] = str(t.dtype).removeprefix("torch.")
+    reads: dict[int, int] = {}
+    for row, n in zip(fields["req_pool_indices"], fields["seq_lens"]):
+        reads[int(row)] = max(reads.get(int(row), 0), int(n))
+    fields["rows"] = {row: table[row, :n].tolist() for row, n in sorted(reads.items())}
+    return fields
+
+
+def _checked_fields(fb) -> dict:
+    """The harness's view of a batch whose plan properties.metadata.check_plan judged: what it reads of it."""
+    return {name: _as_list(getattr(fb, name, None)) for name in CHECKED_FIELDS}
 
 
 def _layer_call(backend, sfb, q, k, v, layer, prefix_lens: list[int], new_lens: list[int]) -> LayerCall:
@@ -286,17 +356,18 @@ class Export:
     summary: str  # what it measured there, one line
 
 
-def _compact_slots(slots: list[list[int]], page_size: int) -> list[list[int]]:
+def _compact_slots(slots: list[list[int]], page_size: int, padding: bool = False) -> list[list[int]]:
     """The same slot layout with the pages renumbered 1, 2, ... in order of first use (page 0 stays SGLang's
     padding page), so it fits the pool SGLang's kit allocates; offsets inside a page and which positions share a
-    page are kept."""
-    pages: dict[int, int] = {}
+    page are kept. ``padding``: the layout uses page 0 itself (a graph's padded rows), which stays page 0."""
+    pages: dict[int, int] = {0: 0} if padding else {}
+    first = 0 if padding else 1
     out = []
     for row in slots:
         new_row = []
         for slot in row:
             page, offset = divmod(slot, page_size)
-            new_row.append(pages.setdefault(page, len(pages) + 1) * page_size + offset)
+            new_row.append(pages.setdefault(page, len(pages) + first) * page_size + offset)
         out.append(new_row)
     return out
 
@@ -365,6 +436,8 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
         return _build_conformance(case, composition, device, case_path)
     if export_lightning.full_leaf(case.composition) is not None:
         return _build_lightning(case, composition, device, case_path)
+    if case.property in export_metadata.PROPERTIES:
+        return _build_metadata(case, composition, device, case_path)
     return _build_outputs(case, composition, device, case_path, crossed if case.property == REFUSAL else None)
 
 
@@ -513,6 +586,70 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
     )
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, bool(failed),
                   f"layer {layer_id}: {measured_text}")
+
+
+def _build_metadata(case, composition, device: str, case_path: Path | None) -> Export:
+    """A plan case (harness/export_metadata.py): the property replayed under the recorder, which keeps what SGLang's
+    backend was handed at each plan and the harness's view of the batch whose plan it judged; the file rebuilds the
+    one and checks against the other."""
+    from properties import PROPERTIES as CHECKS
+
+    spec = case.spec
+    graph = export_metadata.graph_property(case.composition, case.property)
+    recorder = Recorder()
+    with recorder.listening(list(spec.prefix_lens), list(spec.extend_lens)):
+        verdict = CHECKS[case.property].run(composition, spec, device)
+    if verdict.details.get("adapter_error"):  # the harness's own code: never handed over as SGLang's
+        raise UsageError(f"cannot export {case.composition} {case.property}: the harness's own code failed in the "
+                         f"replay ({verdict.reason[:200]})")
+    stages = ("capture", "replay") if graph else ("eager",)
+    plans = [next((p for p in reversed(recorder.plans) if p["stage"] == stage), None) for stage in stages]
+    if any(p is None for p in plans) or not recorder.checked:
+        raise UsageError(f"cannot export {case.composition} {case.property}: the replay made no "
+                         f"{' and '.join(stages)} plan to hand over ({verdict.reason[:200]})")
+    checked = recorder.checked[-1]
+    if graph:
+        plans[0]["rows"] = {**plans[0]["rows"], **plans[1]["rows"]}  # the pool as it stands at the replay
+    # One renumbering of the pages for every slot the file names: the rows' and each plan's write slots
+    rows = {row: slots for p in plans for row, slots in p["rows"].items()}
+    lists = list(rows.values()) + [p["out_cache_loc"] for p in plans]
+    renumbered = _compact_slots(lists, spec.page_size, padding=True)
+    rows = dict(zip(rows, renumbered[:len(rows)]))
+    for p, loc in zip(plans, renumbered[len(rows):]):
+        p["out_cache_loc"] = loc
+        del p["rows"], p["stage"]
+    layer = next(layer for layer in spec.layers if layer.kind == "mha")
+    radix = {"num_heads": layer.num_q_heads, "num_kv_heads": layer.num_kv_heads, "head_dim": layer.head_dim,
+             "sliding_window_size": -1 if getattr(layer, "sliding_window", None) is None else layer.sliding_window}
+    where = (f"at replay at {checked['batch_size']} x 1 ({checked['num_padding'] or 0} padded row(s)): " if graph
+             else "")
+    leaf = DENSE_LEAVES[case.composition[6:-1] if graph else case.composition]
+    header = _header(case, device, case_path, verdict.reason, export_metadata.server_configuration(
+        leaf, spec, graph, checked["batch_size"]), f"{'fails' if not verdict.ok else 'passes'}: {verdict.reason}",
+        f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds with")
+    import inspect
+
+    import properties.metadata as checks
+    source = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in (
+        checks._indptr_problem, checks._sizes_problem, checks.check_plan))
+    text = header + export_metadata.METADATA.substitute(
+        kit_import=KIT_IMPORT.substitute(module="dense_attention", kit="attention unit-test kit", since=KIT_SINCE),
+        backend=leaf, dtype=spec.dtype, page_size=spec.page_size, radix=repr(radix), graph=graph,
+        rows=_literal(rows), plans=_literal(plans), expected=_literal(checked), where=repr(where),
+        plans_note=("at the graph's capture (its static batch, every row padding) and at the replay (the real "
+                    "requests, then the padding)" if graph else "the eager batch"),
+        check_source=source)
+    return Export(text, {}, True, not verdict.ok, verdict.reason)
+
+
+def _literal(value) -> str:
+    """``value`` (ints, strings, None, lists and dicts of them) as a Python literal, a key or an item a line where it
+    is a dict or a list of dicts (the file stays readable)."""
+    if isinstance(value, dict) and value:
+        return "{\n" + "".join(f"    {k!r}: {v!r},\n" for k, v in value.items()) + "}"
+    if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        return "[\n" + "".join(f"    {v!r},\n" for v in value) + "]"
+    return repr(value)
 
 
 def _build_lightning(case, composition, device: str, case_path: Path | None) -> Export:
@@ -802,6 +939,8 @@ Run: python -m pytest -q THIS_FILE (needs torch and $needs).
 On a CPU, SGLang's Triton kernels run under Triton's interpreter.
 Fails while the bug is there; passes once it is fixed. Written by `harness export`; it imports nothing from it.
 """
+
+from __future__ import annotations  # (the harness's checks copied in keep their annotations, never evaluated)
 
 import importlib.abc
 import importlib.machinery

@@ -377,6 +377,12 @@ EXPORTED_MUTANTS = {
     "sglang_triton_lacks_update_verify": (
         "conformance", r"AssertionError: TritonAttnBackend serves target_verify but leaves "
                        r"update_verify_buffers_to_fill_after_draft to AttentionBackend"),
+    # plans: an eager extend's, and a decode graph's at a padded replay, each judged by the harness's check_plan
+    "sglang_triton_extend_prefix_from_new_lens": (
+        "metadata", r"AssertionError: TritonAttnBackend: request \d+: kv_indices hold .*expected its req_to_token slots"),
+    "sglang_triton_replay_pads_real_rows": (
+        "graph_metadata", r"AssertionError: at replay at \d+ x 1 \(\d+ padded row\(s\)\): TritonAttnBackend: "
+                          r"request \d+: kv_indices hold .*expected its req_to_token slots"),
     # a class-level leaf: the file runs the harness's class check, copied in
     "sglang_trtllm_mla_one_arg_mha_chunk": (
         "conformance", r"AssertionError: TRTLLMMLABackend.init_mha_chunk_metadata\(forward_batch\) does not take "
@@ -388,7 +394,8 @@ EXPORTED_MUTANTS = {
 def test_mutant_cases_fail_under_their_fault_and_pass_without_it(tmp_path):
     """`harness mutants --engine sglang` finds faults patched into SGLang's real classes (the dropped soft-cap of
     its MHA decode branch; a Triton verify planned from DFlash's widened host lengths; a Triton backend without its
-    verify-buffer refresh; TRT-LLM MLA's one-argument
+    verify-buffer refresh; a Triton extend planned by its new-token counts (metadata); a Triton decode graph's replay
+    that pads its real rows too (graph_metadata); TRT-LLM MLA's one-argument
     init_mha_chunk_metadata, read at class level); each exported case passes on its own (the real SGLang has no such
     fault) and fails with its fault patched in. The files run together, one fresh interpreter without the faults and
     one with each file's own, so SGLang is imported twice, not twice per file."""

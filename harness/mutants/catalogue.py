@@ -765,6 +765,27 @@ def sglang_triton_verify_plans_from_host_lengths():
     return _replace(TritonAttnBackend, "init_forward_metadata", plan_from_host)
 
 
+def sglang_triton_extend_prefix_from_new_lens():
+    from backends.sglang.runtime import load
+    load()
+    from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+    planned = TritonAttnBackend.init_forward_metadata
+
+    def plan_by_new_lens(self, forward_batch):
+        mode = forward_batch.forward_mode
+        if mode.name not in ("EXTEND", "MIXED"):  # a prefill (or mixed) batch, not a verify or a draft extend
+            return planned(self, forward_batch)
+        prefix, prefix_cpu = forward_batch.extend_prefix_lens, forward_batch.extend_prefix_lens_cpu
+        # each request's cached keys counted by its new tokens (the two length fields mixed up)
+        forward_batch.extend_prefix_lens = forward_batch.extend_seq_lens
+        forward_batch.extend_prefix_lens_cpu = list(forward_batch.extend_seq_lens_cpu)
+        try:
+            return planned(self, forward_batch)
+        finally:
+            forward_batch.extend_prefix_lens, forward_batch.extend_prefix_lens_cpu = prefix, prefix_cpu
+    return _replace(TritonAttnBackend, "init_forward_metadata", plan_by_new_lens)
+
+
 def sglang_linear_replay_pads_into_last_state():
     from backends.sglang.runtime import load
     load()
@@ -1061,6 +1082,11 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "widens the host lengths by the verify block, so each request reads its block's slots twice, as cached "
            "keys and as new ones",
            ("sglang.triton",), ("outputs",), modes=("target_verify",), engine="sglang"),
+    Mutant("sglang_triton_extend_prefix_from_new_lens", "SGLang's TritonAttnBackend plans an extend's cached keys "
+           "from each request's new-token count (extend_seq_lens) instead of its cached length (extend_prefix_lens): "
+           "its kv_indices list the first new-token-count slots of each request row; a prefill over a cached "
+           "prefix (a radix-cache hit, a chunked prefill's later chunk) attends to the wrong keys",
+           ("sglang.triton",), ("metadata",), modes=("extend",), engine="sglang"),
     Mutant("sglang_kda_safe_gate_dropped", "SGLang's KDAKernelDispatcher hands its extend kernel no lower_bound; a "
            "safe-gate model's (Ling V3, Kimi K3) prefill decays its state by the standard gate -exp(A) softplus(a + "
            "dt_bias) instead of lower_bound * sigmoid(exp(A) (a + dt_bias))",
