@@ -83,17 +83,8 @@ REFUSAL_ENTRIES = {
 
 # A stand-in for an SGLang that refuses what its CPU backends cannot compute: their forward raises on a soft-capped,
 # windowed or KV-scaled layer (the limits the ledger entries above cross), before computing anything.
-REFUSING_PLUGIN = '''
-import pytest
-
-REFUSING = {files!r}  # the files that run where SGLang refuses those layers; the others, on SGLang as it is
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    if item.path.name not in REFUSING:
-        yield
-        return
+REFUSING_PATCH = '''
+def patch():
     from sglang.srt.layers.attention.torch_flex_backend import TorchFlexAttnBackend
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -102,15 +93,33 @@ def pytest_runtest_call(item):
         def refusing(self, q, k, v, layer, *args, _forward=forward, **kwargs):
             scales = (getattr(layer, "k_scale_float", None), getattr(layer, "v_scale_float", None))
             if layer.logit_cap or layer.sliding_window_size >= 0 or any(s not in (None, 1.0) for s in scales):
-                raise NotImplementedError(f"{{type(self).__name__}} cannot compute this layer")
+                raise NotImplementedError(f"{type(self).__name__} cannot compute this layer")
             return _forward(self, q, k, v, layer, *args, **kwargs)
 
         cls.forward = refusing
+    return lambda: [setattr(cls, "forward", forward) for cls, forward in saved]
+'''
+
+# A pytest plugin: the tests of FILES run on SGLang patched by ``patch()`` (which returns how to undo it), restored
+# after each; the other files' tests run on SGLang as it is, in the same process.
+PATCHING_PLUGIN = '''
+import pytest
+
+FILES = {files!r}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    if item.path.name not in FILES:
+        yield
+        return
+    undo = patch()
     try:
         yield
     finally:
-        for cls, forward in saved:
-            cls.forward = forward
+        undo()
+
+{patch}
 '''
 
 
@@ -142,7 +151,8 @@ def test_refusal_cases_export_to_files_that_fail_on_their_own_and_pass_when_refu
     broken.write_text(text.replace("kit.forward_context(", "kit.no_such_forward_context(", 1))
     plugin = tmp_path / "plugin"
     plugin.mkdir()
-    (plugin / "harness_refusing.py").write_text(REFUSING_PLUGIN.format(files=sorted(p.name for p in refused.values())))
+    (plugin / "harness_refusing.py").write_text(PATCHING_PLUGIN.format(files=sorted(p.name for p in refused.values()),
+                                                                      patch=REFUSING_PATCH))
     monkeypatch.setenv("PYTHONPATH", str(plugin))
     status, output = run_exported([*files.values(), *refused.values(), broken], extra=["-rA", "-p", "harness_refusing"])
     assert status == 1, output[-3000:]
@@ -242,17 +252,8 @@ def test_speculative_cases_export_to_files_that_fail_where_the_bug_lives(tmp_pat
 # SGLang with the fixes the lightning triage pages propose: an idle linear layer answered by the interface it used
 # (sglang-hybrid-idle-lightning.md), and no cast of a lightning layer's q and output to the KV cache's dtype, which
 # a linear layer has no cache of (sglang-lightning-fp8-decode.md).
-FIXING_PLUGIN = '''
-import pytest
-
-FIXED = {files!r}  # the files that run on SGLang with the fixes; the others, on SGLang as it is
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    if item.path.name not in FIXED:
-        yield
-        return
+FIXING_PATCH = '''
+def patch():
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
     from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend
 
@@ -269,10 +270,10 @@ def pytest_runtest_call(item):
         self.kv_cache_dtype_str = "auto"
 
     HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = fixed_forward, fixed_init
-    try:
-        yield
-    finally:
+
+    def undo():
         HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = forward, init
+    return undo
 '''
 
 
@@ -325,7 +326,7 @@ def test_wrapped_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(
             path.with_suffix(".pt").write_bytes((folder / name).with_suffix(".pt").read_bytes())
     plugin = tmp_path / "plugin"
     plugin.mkdir()
-    (plugin / "harness_fixing.py").write_text(FIXING_PLUGIN.format(files=[p.name for p in fixed]))
+    (plugin / "harness_fixing.py").write_text(PATCHING_PLUGIN.format(files=[p.name for p in fixed], patch=FIXING_PATCH))
     monkeypatch.setenv("PYTHONPATH", str(plugin))
     status, output = run_exported([*(folder / name for name in sources), *fixed],
                                   extra=["-rA", "--tb=short", "-p", "harness_fixing"])
