@@ -139,6 +139,11 @@ def _build(spec: BatchSpec, device: torch.device) -> Case:
     # req_to_token row 0 is reserved for padded rows (CUDA-graph padding), like slot 0 of the pools.
     max_reqs = 1 + B + SPARE_REQ_ROWS
     req_to_token = draw.ints(1, num_slots, max_reqs, spec.context_len).to(torch.int32)  # garbage by default
+    # ... but row 0 is SGLang's padding row, zeros (its pool is allocated with torch.zeros, and row 0 is never a
+    # request's from 0.5.12 on): a padded row reads and writes slot 0, the pools' padding slot, which the graph
+    # properties poison. Garbage there had padded rows read real tokens' keys, finite, so a padded row leaking into
+    # a real one could pass unseen.
+    req_to_token[0] = 0
     req_pool_indices = (draw.perm(max_reqs - 1) + 1)[:B].to(torch.int64)
     # Token j of request i sits at offset j % ps of the request's (j // ps)-th page, its pages taken in turn
     # from page_order: all requests' tokens at once, flattened request by request.
