@@ -103,6 +103,12 @@ def dense_leaf(composition: str) -> tuple[str | None, bool]:
     return (leaf, tbo) if leaf else (None, False)
 
 
+def _plan_leaf(composition: str, prop: str) -> str | None:
+    """The dense leaf's SGLang name of a plan case (``graph(sglang.X)`` for graph_metadata), or None."""
+    graph = export_metadata.graph_property(composition, prop)
+    return DENSE_LEAVES.get(composition[6:-1] if graph else composition)
+
+
 def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
     """Why a case of this kind cannot be exported (yet), or None."""
     if prop == "conformance":
@@ -110,8 +116,7 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
             return f"export covers the conformance of SGLang's own classes, not {composition}"
         return None
     if prop in export_metadata.PROPERTIES:
-        inner = composition[6:-1] if export_metadata.graph_property(composition, prop) else composition
-        return export_metadata.exportable_reason(DENSE_LEAVES.get(inner), prop, mode, kv_cache_dtype, DENSE_LEAVES)
+        return export_metadata.exportable_reason(_plan_leaf(composition, prop), prop, mode, kv_cache_dtype)
     full = export_lightning.full_leaf(composition)
     if full is not None:
         return export_lightning.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
@@ -580,7 +585,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
         fp8_cache=FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
         fp8_note=FP8_NOTE if spec.kv_cache_dtype == "fp8_e4m3" else "",
         # Under Triton's CPU interpreter, SGLang's Triton kernels cast to fp8 through the interpreter's faulty cast
-        interpreter_cast=(INTERPRETER_CAST + _shim_source("_fp8_downcaster") + INSTALL_CAST
+        interpreter_cast=(INTERPRETER_CAST + _source_of("_fp8_downcaster", module="backends.sglang.interpreter_shims") + INSTALL_CAST
                           if spec.kv_cache_dtype == "fp8_e4m3" and name == "triton" and device == "cpu" else ""),
         use_fp8_cache=USE_FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
     )
@@ -623,15 +628,11 @@ def _build_metadata(case, composition, device: str, case_path: Path | None) -> E
              "sliding_window_size": -1 if getattr(layer, "sliding_window", None) is None else layer.sliding_window}
     where = (f"at replay at {checked['batch_size']} x 1 ({checked['num_padding'] or 0} padded row(s)): " if graph
              else "")
-    leaf = DENSE_LEAVES[case.composition[6:-1] if graph else case.composition]
+    leaf = _plan_leaf(case.composition, case.property)
     header = _header(case, device, case_path, verdict.reason, export_metadata.server_configuration(
         leaf, spec, graph, checked["batch_size"]), f"{'fails' if not verdict.ok else 'passes'}: {verdict.reason}",
         f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds with")
-    import inspect
-
-    import properties.metadata as checks
-    source = "\n\n".join(textwrap.dedent(inspect.getsource(f)) for f in (
-        checks._indptr_problem, checks._sizes_problem, checks.check_plan))
+    source = _source_of("_indptr_problem", "_sizes_problem", "check_plan", module="properties.metadata")
     text = header + export_metadata.METADATA.substitute(
         kit_import=KIT_IMPORT.substitute(module="dense_attention", kit="attention unit-test kit", since=KIT_SINCE),
         backend=leaf, dtype=spec.dtype, page_size=spec.page_size, radix=repr(radix), graph=graph,
@@ -732,7 +733,7 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
         draft_tokens=(spec.extend_lens[0] if verify else "None"),
         # Under Triton's CPU interpreter, seg_la's cast of q and its output to the fp8 cache dtype goes through the
         # interpreter's faulty cast, which the harness corrects (the dense exports' correction, copied in the same way)
-        interpreter_cast=(INTERPRETER_CAST + _shim_source("_fp8_downcaster") + INSTALL_CAST
+        interpreter_cast=(INTERPRETER_CAST + _source_of("_fp8_downcaster", module="backends.sglang.interpreter_shims") + INSTALL_CAST
                           if spec.kv_cache_dtype == "fp8_e4m3" and device == "cpu" else ""))
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline,
                      crashed is not None or "out of bounds" in headline, f"lightning layer {layer_id}: {measured_text}")
@@ -851,24 +852,16 @@ def _conformance_header(case, device: str, case_path: Path | None, composition, 
                    "SGLang (any release with these classes); no GPU and no kernel: it reads classes and sources")
 
 
-def _shim_source(name: str) -> str:
-    """The source of a function of the adapter's interpreter shims (backends/sglang/interpreter_shims.py), to be
-    copied into an exported file, so the file corrects Triton's interpreter as the harness does."""
+def _source_of(*names: str, module: str = "properties.conformance") -> str:
+    """The source of functions of ``module`` (by default properties/conformance.py; the module itself: its package
+    exports a function of its name), to be copied into an exported file (which must not import this project), so the
+    file runs the harness's own checks and corrections (backends/sglang/interpreter_shims.py's for Triton's
+    interpreter, properties/metadata.py's plan check), not a copy that could drift."""
     import importlib
     import inspect
 
-    return textwrap.dedent(inspect.getsource(getattr(importlib.import_module("backends.sglang.interpreter_shims"),
-                                                     name)))
-
-
-def _source_of(*names: str) -> str:
-    """The source of functions of properties/conformance.py, to be copied into an exported file (which must not
-    import this project), so the file runs the harness's own checks, not a copy that could drift."""
-    import importlib
-    import inspect
-
-    module = importlib.import_module("properties.conformance")  # the module: the package exports a function of its name
-    return "\n\n".join(textwrap.dedent(inspect.getsource(getattr(module, n))) for n in names)
+    found = importlib.import_module(module)
+    return "\n\n".join(textwrap.dedent(inspect.getsource(getattr(found, n))) for n in names)
 
 
 def _class_at_class(cls: type) -> tuple[str, str]:

@@ -35,7 +35,7 @@ def graph_property(composition: str, prop: str) -> bool:
     return prop == "graph_metadata" and composition.startswith("graph(") and composition.endswith(")")
 
 
-def exportable_reason(leaf: str | None, prop: str, mode: str, kv_cache_dtype: str, dense_leaves) -> str | None:
+def exportable_reason(leaf: str | None, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
     """Why a plan case of SGLang's ``leaf`` cannot be exported (yet), or None."""
     if leaf is None:
         return (f"export covers the plans of a dense SGLang leaf ({', '.join(f'sglang.{x}' for x in PLANNERS)}) and "
@@ -147,6 +147,7 @@ def test_plan_satisfies_the_metadata_invariants():
     last = PLANS[-1]
     mode = ForwardMode[last["forward_mode"]]
     real = EXPECTED["batch_size"] - (EXPECTED["num_padding"] or 0)
+    # The kit sizes its request rows and its KV pool by max_context_len: long enough for every row and every slot
     longest = max([len(slots) for slots in ROWS.values()] + [max(s for slots in ROWS.values() for s in slots) + 1])
     max_context_len = -(-longest // PAGE_SIZE) * PAGE_SIZE
     case = kit.DenseAttentionCase(name="harness_export", backend=BACKEND, forward_mode=mode,

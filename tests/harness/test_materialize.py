@@ -54,6 +54,8 @@ def test_slots_are_paged_shuffled_and_never_zero(spec):
     assert case.forward_batch.out_cache_loc.tolist() == [s for i, sl in enumerate(case.token_slots)
                                                          for s in sl[spec.prefix_lens[i]:].tolist()]
     assert 0 not in case.forward_batch.req_pool_indices.tolist()  # row 0 is padding
+    # ... and, as SGLang's zero-allocated pool, points at slot 0 only: a graph's padded rows read the padding slot
+    assert not case.forward_batch.req_to_token[0].any()
 
 
 @given(batch_specs(CI, ForwardMode.EXTEND, frozenset({"mha"})))
