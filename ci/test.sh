@@ -10,4 +10,5 @@ bash ci/setup.sh
 # 2 cores (CI's machine): the suite took 580 s with 2 workers, 525 s with 3.
 cores=$(nproc 2>/dev/null || echo 2)
 workers=$(( cores + 1 > 8 ? 8 : cores + 1 ))
-exec .venv/bin/python -m pytest -n "${HARNESS_WORKERS:-$workers}" "$@"
+# --dist loadgroup: tests that share a module-scoped setup (test_export.py's two fresh interpreters) go to one worker.
+exec .venv/bin/python -m pytest -n "${HARNESS_WORKERS:-$workers}" --dist loadgroup "$@"
