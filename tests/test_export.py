@@ -88,15 +88,17 @@ def fixing():
 '''
 
 
-# A pytest plugin: each file's tests run with SGLang patched as PATCHES says (a patch function below, or the name of a
-# harness mutant whose fault goes in), undone after each; written after a line ``PATCHES = {file: patch}``.
+# A pytest plugin: each listed file's tests run with SGLang patched as PATCHES says (a stand-in patch below, or the
+# name of a harness mutant whose fault goes in), undone after each; the other files' tests run on SGLang as it is.
+# Written after a line ``PATCHES = {file: patch}``.
+STAND_IN_PATCHES = ("refusing", "fixing")
 PATCHING_PLUGIN = '''
 import pytest
 
 
 def _apply(patch):
     """Patches SGLang; returns how to undo it."""
-    if patch in ("refusing", "fixing"):
+    if patch in ("refusing", "fixing"):  # written without the project: SGLang alone
         return globals()[patch]()
     from harness.mutants.catalogue import MUTANTS
 
@@ -107,7 +109,8 @@ def _apply(patch):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    item.stash[KEY] = _apply(PATCHES[item.path.name])
+    patch = PATCHES.get(item.path.name)
+    item.stash[KEY] = None if patch is None else _apply(patch)
 
 
 @pytest.hookimpl(trylast=True)
@@ -122,15 +125,16 @@ KEY = pytest.StashKey()
 
 
 class RoundTrip:
-    """The module's exported files and what their two fresh interpreters reported. Every file runs as it is in one
-    interpreter with this project off ``sys.path``; copies of some run in a second one, with SGLang patched while each
-    copy's tests run (made to refuse, fixed as a triage page proposes, or carrying a mutant's fault). One SGLang import
-    each (about 8 s of CPU on CI's machine), not one or two per test: the tests below share this module's two runs
-    (``xdist_group``: ci/test.sh keeps them on one pytest worker)."""
+    """The module's exported files and what their two fresh interpreters reported. The files as they are, and copies
+    of some with SGLang made to refuse or fixed as a triage page proposes, run in one interpreter with this project off
+    ``sys.path``; copies carrying a harness mutant's fault run in a second one, which needs the project for the faults.
+    One SGLang import each (about 8 s of CPU on CI's machine), not one or two per test: the tests below share this
+    module's two runs (``xdist_group``: ci/test.sh keeps them on one pytest worker). Each file's failure is read from
+    its own line of pytest's summary, which CI=true keeps whole."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.files, self.patches = folder, [], {}
-        self.clean = self.patched = ""
+        self.clean = self.faulted = ""
 
     def export(self, source: Path | str, name: str) -> Path:
         out = self.folder / name
@@ -140,7 +144,7 @@ class RoundTrip:
         return out
 
     def copy(self, original: Path, name: str, patch: str) -> Path:
-        """A copy of ``original`` whose tests run with SGLang patched by ``patch`` (a patch function of PATCHES or a
+        """A copy of ``original`` whose tests run with SGLang patched by ``patch`` ("refusing", "fixing" or a harness
         mutant's name); the tensors of a large case, beside its file, go with it."""
         path = self.folder / name
         path.write_text(original.read_text())
@@ -149,29 +153,42 @@ class RoundTrip:
         self.patches[name] = patch
         return path
 
+    def _faults(self) -> set[str]:
+        return {name for name, patch in self.patches.items() if patch not in STAND_IN_PATCHES}
+
+    def _plugin(self, folder: str, patches: dict[str, str]) -> Path:
+        plugin = self.folder.parent / folder
+        plugin.mkdir()
+        (plugin / "harness_patching.py").write_text(f"PATCHES = {patches!r}\n" + PATCHING_PLUGIN)
+        return plugin
+
     def run(self) -> None:
         from harness.export import run_exported
 
-        status, self.clean = run_exported(self.files, extra=["-rA", "--tb=short"])
+        faults = self._faults()
+        stand_ins = {name: patch for name, patch in self.patches.items() if name not in faults}
+        plugin = self._plugin("plugin", stand_ins)
+        with pytest.MonkeyPatch.context() as mp:  # run_exported keeps PYTHONPATH's other folders: the plugin's
+            mp.setenv("PYTHONPATH", str(plugin))
+            mp.setenv("CI", "true")
+            status, self.clean = run_exported([*self.files, *(self.folder / name for name in sorted(stand_ins))],
+                                              extra=["-rA", "--tb=short", "-p", "harness_patching"])
         assert status in (0, 1), self.clean[-3000:]  # tests passed or failed: none interrupted, no usage error
-        plugin = self.folder.parent / "plugin"
-        plugin.mkdir()
-        (plugin / "harness_patching.py").write_text(f"PATCHES = {self.patches!r}\n" + PATCHING_PLUGIN)
-        # The faults' patches are the harness's mutants: this run has the project on its path (the first has not)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)])}
+        plugin = self._plugin("fault-plugin", {name: self.patches[name] for name in faults})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin), str(ROOT)]), "CI": "true"}
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "--tb=short", "-p", "no:cacheprovider",
-                               "-p", "harness_patching", "--rootdir", str(self.folder), *sorted(self.patches)],
+                               "-p", "harness_patching", "--rootdir", str(self.folder), *sorted(faults)],
                               cwd=self.folder, env=env, capture_output=True, text=True, timeout=1800)
-        self.patched = proc.stdout + proc.stderr
-        assert proc.returncode in (0, 1), self.patched[-3000:]
-
-    def outcomes(self, name: str) -> set[str]:
-        """What the tests of file ``name`` ended as (PASSED, FAILED, ERROR), in whichever run had it."""
-        output = self.patched if name in self.patches else self.clean
-        return set(re.findall(rf"^(PASSED|FAILED|ERROR) {re.escape(name)}(?:::| )", output, flags=re.M))
+        self.faulted = proc.stdout + proc.stderr
+        assert proc.returncode in (0, 1), self.faulted[-3000:]
 
     def output(self, name: str) -> str:
-        return self.patched if name in self.patches else self.clean
+        return self.faulted if name in self._faults() else self.clean
+
+    def outcomes(self, name: str) -> set[str]:
+        """What the tests of file ``name`` ended as (PASSED, FAILED, ERROR: a collection error's line may end at the
+        file's name)."""
+        return set(re.findall(rf"^(PASSED|FAILED|ERROR) {re.escape(name)}(?=::|\s|$)", self.output(name), flags=re.M))
 
     def failed(self, name: str, only: bool = False) -> None:
         """Some test of file ``name`` failed (``only``: every one), none errored."""
@@ -181,6 +198,11 @@ class RoundTrip:
 
     def passed(self, name: str) -> None:
         assert self.outcomes(name) == {"PASSED"}, f"{name}: {sorted(self.outcomes(name))}\n{self.output(name)[-3000:]}"
+
+    def says(self, name: str, pattern: str) -> None:
+        """A test of file ``name`` failed with a message that matches ``pattern`` (its line in pytest's summary)."""
+        assert re.search(rf"^FAILED {re.escape(name)}::\S+ - .*?{pattern}", self.output(name), flags=re.M), \
+            f"{name}: no failure saying {pattern!r}\n{self.output(name)[-3000:]}"
 
 
 PREPARERS = []
@@ -226,11 +248,12 @@ def test_ledger_cases_export_to_files_that_fail_on_their_own(trip):
     assert "Triage: docs/findings/sglang-triton-swa-decode.md" in text and "--attention-backend triton" in text
     assert "sliding window 1" in text and not swa.with_suffix(".pt").exists()  # small: the tensors are inline
     trip.failed(swa.name, only=True)
-    assert re.search(r"AssertionError: relative L2 error 1\.\d+ > bound 2\.36e-06", trip.clean), trip.clean[-3000:]
+    trip.says(swa.name, r"AssertionError: relative L2 error 1\.\d+ > bound 2\.36e-06")
     trip.failed("test_block_m.py")
     failed = set(re.findall(r"^FAILED test_block_m.py::\S+\[(\w+\.\w+)\]", trip.clean, flags=re.M))
     assert failed == {"HybridLinearAttnBackend.extend_attention_block_m"}, trip.clean[-3000:]
-    assert "which its child TritonAttnBackend has: SGLang's hasattr-guarded call skips it" in trip.clean
+    trip.says("test_block_m.py",
+              re.escape("which its child TritonAttnBackend has: SGLang's hasattr-guarded call skips it"))
 
 
 # Ledger entries of refuse_or_correct (a batch past a limit the backend declares: refused or right), each with what
@@ -276,12 +299,12 @@ def test_refusal_cases_export_to_files_that_fail_on_their_own_and_pass_when_refu
     assert "--kv-cache-dtype fp8_e4m3" in files["sglang-torch-native-ignores-kv-scales"].read_text()
     for entry, says in REFUSAL_ENTRIES.items():
         trip.failed(files[entry].name, only=True)
-        assert re.search(rf"AssertionError: {says}", trip.clean), f"{entry}: {trip.clean[-3000:]}"
+        trip.says(files[entry].name, rf"AssertionError: {says}")
         trip.passed(files[entry].name.replace("test_", "test_refused_", 1))
     assert len(re.findall(r"^refused \(.+ not supported\): NotImplementedError: \w+ cannot compute this layer",
-                          trip.patched, flags=re.M)) == len(REFUSAL_ENTRIES), trip.patched[-3000:]
+                          trip.clean, flags=re.M)) == len(REFUSAL_ENTRIES), trip.clean[-3000:]
     trip.failed("test_broken_file.py", only=True)
-    assert "has no attribute 'no_such_forward_context'" in trip.patched, trip.patched[-3000:]
+    trip.says("test_broken_file.py", "has no attribute 'no_such_forward_context'")
 
 
 def _variant(case: Path, out: Path, change) -> Path:
@@ -315,7 +338,7 @@ def test_fp8_cache_case_exports_to_a_file_that_fails_where_triton_computes_in_e4
     assert "KV_CACHE_DTYPE = \"fp8_e4m3\"" in text and "dtype=torch.float8_e4m3fn" in text
     assert "def _fp8_downcaster" in text  # the harness's interpreter cast, copied in
     trip.failed("test_fp8_gqa.py", only=True)
-    assert re.search(r"AssertionError: relative L2 error 0\.0113 > bound 2\.36e-06", trip.clean), trip.clean[-3000:]
+    trip.says("test_fp8_gqa.py", r"AssertionError: relative L2 error 0\.0113 > bound 2\.36e-06")
     trip.passed("test_fp8_mha.py")
 
 
@@ -331,8 +354,8 @@ def _speculative_files(trip: RoundTrip) -> None:
     trip.export(verify_case, "test_verify_tree.py")
     trip.export(_variant(verify_case, trip.folder.parent / "chain.json", _as_chain), "test_verify_chain.py")
     trip.export(draft_case, "test_draft_extend_fp8.py")
-    trip.export(_variant(draft_case, trip.folder.parent / "auto.json", lambda batch: batch.update(kv_cache_dtype="auto")),
-                "test_draft_extend_auto.py")
+    auto = _variant(draft_case, trip.folder.parent / "auto.json", lambda batch: batch.update(kv_cache_dtype="auto"))
+    trip.export(auto, "test_draft_extend_auto.py")
 
 
 @needs_kit
@@ -351,9 +374,9 @@ def test_speculative_cases_export_to_files_that_fail_where_the_bug_lives(trip):
         trip.failed(name, only=True)
     for name in ("test_verify_chain.py", "test_draft_extend_auto.py"):
         trip.passed(name)
-    assert re.search(r"AssertionError: relative L2 error 0\.415 > bound 2\.41e-06 \(worst element at request 0, "
-                     r"token 2, head 0", trip.clean), trip.clean[-3000:]
-    assert re.search(r"AssertionError: relative L2 error 0\.0112 > bound 2\.35e-06", trip.clean), trip.clean[-3000:]
+    trip.says("test_verify_tree.py", r"AssertionError: relative L2 error 0\.415 > bound 2\.41e-06 \(worst element at "
+                                     r"request 0, token 2, head 0")
+    trip.says("test_draft_extend_fp8.py", r"AssertionError: relative L2 error 0\.0112 > bound 2\.35e-06")
 
 
 def _two_drafts(batch):
@@ -399,14 +422,13 @@ def test_wrapped_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(
 
     for name in ("test_fp8_decode.py", "test_idle.py", "test_verify_one.py", "test_tbo_mixed.py"):
         trip.failed(name, only=True)
-    assert re.search(r"AssertionError: lightning layer 2 outputs: relative L2 error 0\.0468 > bound", trip.clean), \
-        trip.clean[-3000:]
-    assert "AttributeError: 'NoneType' object has no attribute 'new_empty'" in trip.clean, trip.clean[-3000:]
-    assert re.search(r"AssertionError: request 0 state after each draft token: relative L2 error 1 > bound",
-                     trip.clean), trip.clean[-3000:]
+    trip.says("test_fp8_decode.py", r"AssertionError: lightning layer 2 outputs: relative L2 error 0\.0468 > bound")
+    trip.says("test_idle.py", "AttributeError: 'NoneType' object has no attribute 'new_empty'")
+    trip.says("test_verify_one.py",
+              r"AssertionError: request 0 state after each draft token: relative L2 error 1 > bound")
     trip.passed("test_verify_two.py")
-    assert re.search(r"^FAILED test_tbo_mixed.py::.* - RuntimeError: The expanded size of the tensor \(5\) must match "
-                     r"the existing size \(3\)", trip.clean, flags=re.M), trip.clean[-3000:]
+    trip.says("test_tbo_mixed.py",
+              r"RuntimeError: The expanded size of the tensor \(5\) must match the existing size \(3\)")
     trip.passed("test_tbo_extend.py")
     for name in ("test_fixed_fp8_decode.py", "test_fixed_idle.py"):
         trip.passed(name)
@@ -455,11 +477,11 @@ def test_mutant_cases_fail_under_their_fault_and_pass_without_it(trip):
     verify-buffer refresh; a Triton extend planned by its new-token counts (metadata); a Triton decode graph's replay
     that pads its real rows too (graph_metadata); TRT-LLM MLA's one-argument init_mha_chunk_metadata, read at class
     level); each exported case passes on its own (the real SGLang has no such fault) and fails with its fault
-    patched in (its copy, in the patched run)."""
+    patched in (its copy, in the second interpreter, which has the project for the faults)."""
     for name, (_, says) in EXPORTED_MUTANTS.items():
         trip.passed(f"test_{name}.py")
         trip.failed(f"test_faulted_{name}.py", only=True)
-        assert re.search(says, trip.patched), f"{name}: {trip.patched[-3000:]}"
+        trip.says(f"test_faulted_{name}.py", says)
 
 
 @needs_kit
