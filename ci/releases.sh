@@ -10,6 +10,8 @@
 #   ci/install-sglang.sh (the release's own pins), the environments `harness bisect` uses too.
 #   The arguments after -- go to `harness run` (default: the main job, `--profile ci` over every SGLang
 #   composition that runs on this machine).
+# HARNESS_RUN_TIMEOUT (seconds), if set, limits each release's run: past it the run gets SIGTERM (it stops as under
+# Ctrl-C and writes its report), SIGKILL 30 s later, and its status is timeout's (124; 137 if it had to be killed).
 # Each release's report lands in HARNESS_OUT/VERSION (default harness-out/releases); the table (from each
 # report.json: rows, unavailable, cases, findings, adapter errors, known, at risk) is printed at the end and
 # written to HARNESS_OUT/summary.md. Exit status: the worst of the runs' (0 every row passed or known, 1 a
@@ -58,10 +60,16 @@ EOF
   if [ "$build_only" -eq 1 ]; then echo "== $name: built"; continue; fi
   echo "== $name: harness run ${run_args[*]}"
   status=0
-  TRITON_INTERPRET=${TRITON_INTERPRET:-1} "$env/bin/python" -m harness run "${run_args[@]}" --out "$OUT/$name" \
-    > "$OUT/$name.log" 2>&1 || status=$?
+  limit=()  # HARNESS_RUN_TIMEOUT: SIGTERM (the run stops as under Ctrl-C and writes what it checked), SIGKILL 30 s on
+  [ -z "${HARNESS_RUN_TIMEOUT:-}" ] || limit=(timeout --kill-after=30 "$HARNESS_RUN_TIMEOUT")
+  TRITON_INTERPRET=${TRITON_INTERPRET:-1} "${limit[@]}" "$env/bin/python" -m harness run "${run_args[@]}" \
+    --out "$OUT/$name" > "$OUT/$name.log" 2>&1 || status=$?
   grep -a -E "^[0-9]+ passed, " "$OUT/$name.log" | tail -n 1 || true
   echo "   exit status $status (log: $OUT/$name.log)"
+  if [ ${#limit[@]} -gt 0 ] && { [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; }; then
+    echo "   the run ran past HARNESS_RUN_TIMEOUT=${HARNESS_RUN_TIMEOUT}s (a hang?); its log ends:"
+    tail -n 20 "$OUT/$name.log" | sed 's/^/   | /'
+  fi
   [ -f "$OUT/$name/report.json" ] && reports+=("$OUT/$name")
   if [ "$status" -eq 1 ]; then worst=1; elif [ "$status" -ne 0 ] && [ "$worst" -eq 0 ]; then worst=$status; fi
 done
