@@ -106,7 +106,7 @@ def dense_leaf(composition: str) -> tuple[str | None, bool]:
 def _plan_leaf(composition: str, prop: str) -> str | None:
     """The dense leaf's SGLang name of a plan case (``graph(sglang.X)`` for graph_metadata), or None."""
     graph = export_metadata.graph_property(composition, prop)
-    return DENSE_LEAVES.get(composition[6:-1] if graph else composition)
+    return DENSE_LEAVES.get(composition.removeprefix("graph(").removesuffix(")") if graph else composition)
 
 
 def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
@@ -585,7 +585,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
         fp8_cache=FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
         fp8_note=FP8_NOTE if spec.kv_cache_dtype == "fp8_e4m3" else "",
         # Under Triton's CPU interpreter, SGLang's Triton kernels cast to fp8 through the interpreter's faulty cast
-        interpreter_cast=(INTERPRETER_CAST + _source_of("_fp8_downcaster", module="backends.sglang.interpreter_shims") + INSTALL_CAST
+        interpreter_cast=(_interpreter_cast()
                           if spec.kv_cache_dtype == "fp8_e4m3" and name == "triton" and device == "cpu" else ""),
         use_fp8_cache=USE_FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
     )
@@ -733,8 +733,7 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
         draft_tokens=(spec.extend_lens[0] if verify else "None"),
         # Under Triton's CPU interpreter, seg_la's cast of q and its output to the fp8 cache dtype goes through the
         # interpreter's faulty cast, which the harness corrects (the dense exports' correction, copied in the same way)
-        interpreter_cast=(INTERPRETER_CAST + _source_of("_fp8_downcaster", module="backends.sglang.interpreter_shims") + INSTALL_CAST
-                          if spec.kv_cache_dtype == "fp8_e4m3" and device == "cpu" else ""))
+        interpreter_cast=(_interpreter_cast() if spec.kv_cache_dtype == "fp8_e4m3" and device == "cpu" else ""))
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline,
                      crashed is not None or "out of bounds" in headline, f"lightning layer {layer_id}: {measured_text}")
 
@@ -862,6 +861,11 @@ def _source_of(*names: str, module: str = "properties.conformance") -> str:
 
     found = importlib.import_module(module)
     return "\n\n".join(textwrap.dedent(inspect.getsource(getattr(found, n))) for n in names)
+
+
+def _interpreter_cast() -> str:
+    """The file's correction of Triton's interpreted fp8 cast: the adapter's own shim, copied in, and its install."""
+    return INTERPRETER_CAST + _source_of("_fp8_downcaster", module="backends.sglang.interpreter_shims") + INSTALL_CAST
 
 
 def _class_at_class(cls: type) -> tuple[str, str]:

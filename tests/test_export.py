@@ -90,7 +90,7 @@ def fixing():
 
 # A pytest plugin: each listed file's tests run with SGLang patched as PATCHES says (a stand-in patch below, or the
 # name of a harness mutant whose fault goes in), undone after each; the other files' tests run on SGLang as it is.
-# Written after a line ``PATCHES = {file: patch}``.
+# Written after the lines ``PATCHES = {file: patch}`` and ``STAND_INS = STAND_IN_PATCHES``.
 STAND_IN_PATCHES = ("refusing", "fixing")
 PATCHING_PLUGIN = '''
 import pytest
@@ -98,7 +98,7 @@ import pytest
 
 def _apply(patch):
     """Patches SGLang; returns how to undo it."""
-    if patch in ("refusing", "fixing"):  # written without the project: SGLang alone
+    if patch in STAND_INS:  # written without the project: SGLang alone
         return globals()[patch]()
     from harness.mutants.catalogue import MUTANTS
 
@@ -128,9 +128,9 @@ class RoundTrip:
     """The module's exported files and what their two fresh interpreters reported. The files as they are, and copies
     of some with SGLang made to refuse or fixed as a triage page proposes, run in one interpreter with this project off
     ``sys.path``; copies carrying a harness mutant's fault run in a second one, which needs the project for the faults.
-    One SGLang import each (about 8 s of CPU on CI's machine), not one or two per test: the tests below share this
-    module's two runs (``xdist_group``: ci/test.sh keeps them on one pytest worker). Each file's failure is read from
-    its own line of pytest's summary, which CI=true keeps whole."""
+    One SGLang import each (7 s of CPU here, `python -c "import sglang.srt.layers.attention.triton_backend"`), not
+    one or two per test: the tests below share this module's two runs (``xdist_group``: ci/test.sh keeps them on one
+    pytest worker). Each file's failure is read from its own line of pytest's summary, which CI=true keeps whole."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.files, self.patches = folder, [], {}
@@ -159,7 +159,8 @@ class RoundTrip:
     def _plugin(self, folder: str, patches: dict[str, str]) -> Path:
         plugin = self.folder.parent / folder
         plugin.mkdir()
-        (plugin / "harness_patching.py").write_text(f"PATCHES = {patches!r}\n" + PATCHING_PLUGIN)
+        (plugin / "harness_patching.py").write_text(f"PATCHES = {patches!r}\nSTAND_INS = {STAND_IN_PATCHES!r}\n"
+                                                    + PATCHING_PLUGIN)
         return plugin
 
     def run(self) -> None:
@@ -218,9 +219,7 @@ pytestmark = pytest.mark.xdist_group("export")
 
 
 @pytest.fixture(scope="module")
-def trip(tmp_path_factory) -> RoundTrip:
-    if _sglang_kit_missing() is not None:
-        pytest.skip(str(_sglang_kit_missing()))
+def trip(tmp_path_factory) -> RoundTrip:  # (its tests carry needs_kit: skipped, they never ask for it)
     trip = RoundTrip(tmp_path_factory.mktemp("round-trip") / "export")
     trip.folder.mkdir()
     for prepare in PREPARERS:
