@@ -105,34 +105,3 @@ def test_input_checks():
     with pytest.raises(ValueError, match="head_dim"):
         decode_attention_fwd(t["q"][..., :32], t["k_buffer"], t["v_buffer"], t["o"], t["kv_indptr"],
                              t["kv_indices"], sm_scale=1.0)
-
-
-def test_the_interpreters_device_calls_compute_the_same_without_repatching(monkeypatch):
-    """backends/interpreter.py skip_repatching_in_device_calls: a device function called inside an interpreted
-    kernel runs under the launch's patched triton.language; the outputs must be bit for bit those of Triton's own
-    repatching at every call, with fewer patchings (the kernel calls soft_cap and round_like_gpu in every program)."""
-    import os
-
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("Triton runs compiled here, not in its interpreter")
-    from triton.runtime import interpreter as tri
-
-    from backends import interpreter
-
-    interpreter.skip_repatching_in_device_calls()
-    patchings = []
-    real_builtin = tri._patch_builtin
-    monkeypatch.setattr(tri, "_patch_builtin", lambda *a: patchings.append(1) or real_builtin(*a))
-    case = DecodeCase(kv_lens=(1, 17, 40), head_dim=64, v_head_dim=64, dtype=torch.bfloat16, seed=3)
-
-    def run() -> tuple[torch.Tensor, int]:
-        patchings.clear()
-        t = make_decode_inputs(case)
-        return run_decode(t, sm_scale=0.125, logit_cap=30.0).clone(), len(patchings)
-
-    with monkeypatch.context() as m:  # Triton's own: the language patched again at each device call
-        m.setitem(interpreter._device_calls, "skip", False)
-        slow, slow_patchings = run()
-    fast, fast_patchings = run()
-    assert torch.equal(slow, fast)
-    assert fast_patchings < slow_patchings / 4, (fast_patchings, slow_patchings)
