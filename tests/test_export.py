@@ -218,6 +218,15 @@ def prepares(fn):
 pytestmark = pytest.mark.xdist_group("export")
 
 
+def test_under_loadgroup_this_modules_tests_share_one_worker(request):
+    """The grouping the shared interpreters rely on: pytest-xdist marks a grouped test by suffixing its id, and a
+    pytest that does not take the suffix (9.2, which keeps the id elsewhere) lets each worker build its own
+    RoundTrip (three SGLang imports for one; seen on CI as a slower run, not as a failure)."""
+    if not getattr(request.config.option, "loadgroup", False):
+        pytest.skip("not a worker of --dist loadgroup (ci/test.sh runs the suite so)")
+    assert request.node.nodeid.endswith("@export"), request.node.nodeid
+
+
 @pytest.fixture(scope="module")
 def trip(tmp_path_factory) -> RoundTrip:  # (its tests carry needs_kit: skipped, they never ask for it)
     trip = RoundTrip(tmp_path_factory.mktemp("round-trip") / "export")
