@@ -170,8 +170,16 @@ def skip_repatching_in_device_calls() -> None:
         return
     language = [m for m in (getattr(tri, "tl", None), getattr(getattr(tri, "tl", None), "core", None)) if m]
 
+    seen: dict[tuple, frozenset] = {}  # per module namespace, while it holds as many names (a module's own import
+    # of a language module binds a new name; asked at every device call, the scan cost 4 of a run's 9 s in here)
+
     def langs(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in language))
+        names = fn.__globals__
+        key = (getattr(fn, "__module__", None), id(names), len(names))
+        found = seen.get(key)
+        if found is None:
+            found = seen[key] = frozenset(id(v) for v in names.values() if any(v is m for m in language))
+        return found
 
     def patch_lang(fn):
         if _device_calls["skip"] and _device_calls["grid"] and langs(fn) <= _device_calls["patched"]:

@@ -243,6 +243,7 @@ def test_a_paged_draft_tree_gives_each_branch_its_own_pages_after_a_copy_of_the_
 def test_sglangs_draft_loop_reads_the_paged_tree_layout_and_no_other(device, monkeypatch):
     """SGLang's draft index kernel reads each branch's slots from its paged region: the same batch laid out flat
     (branch j's slots right after the previous branch's, as with pages of one token) is read wrong."""
+    import backends.draft as draft_loop
     import batch.spec as batch_spec
 
     comp = _sglang_triton(device)
@@ -250,6 +251,6 @@ def test_sglangs_draft_loop_reads_the_paged_tree_layout_and_no_other(device, mon
     assert PROPERTIES["outputs"].run(comp, spec, device).ok
     flat = lambda p, page, topk, steps, j: (p + j * steps, 0)  # noqa: E731
     monkeypatch.setattr(batch_spec, "draft_region", flat)
-    monkeypatch.setattr("backends.draft.draft_region", flat)
+    monkeypatch.setattr(draft_loop, "draft_region", flat)
     assert PROPERTIES["outputs"].run(parse("torch_native"), spec, device).ok  # ours reads whatever layout it is given
     assert not PROPERTIES["outputs"].run(comp, spec, device).ok
