@@ -170,16 +170,8 @@ def skip_repatching_in_device_calls() -> None:
         return
     language = [m for m in (getattr(tri, "tl", None), getattr(getattr(tri, "tl", None), "core", None)) if m]
 
-    seen: dict[tuple, frozenset] = {}  # per module namespace, while it holds as many names (a module's own import
-    # of a language module binds a new name; asked at every device call, the scan cost 4 of a run's 9 s in here)
-
     def langs(fn) -> frozenset:
-        names = fn.__globals__
-        key = (getattr(fn, "__module__", None), id(names), len(names))
-        found = seen.get(key)
-        if found is None:
-            found = seen[key] = frozenset(id(v) for v in names.values() if any(v is m for m in language))
-        return found
+        return frozenset(id(v) for v in fn.__globals__.values() if any(v is m for m in language))
 
     def patch_lang(fn):
         if _device_calls["skip"] and _device_calls["grid"] and langs(fn) <= _device_calls["patched"]:
@@ -205,16 +197,18 @@ def skip_repatching_in_device_calls() -> None:
 def skip_discarded_overflow_checks() -> None:
     """Skip the integer-overflow check of each ``+``, ``-`` and ``*`` where its verdict would be thrown away.
 
-    Every int32 (and narrower) add, sub and mul inside a kernel calls ``binary_op_sanitize_overflow_impl``
-    (``triton/language/semantic.py``, triton 3.6-3.8), which redoes the operation in int64, compares it with the
-    type's bounds and hands the condition to ``device_assert``. ``device_assert`` returns at once unless the
-    builder's ``options.debug`` is set, and the interpreter's options never set it (``InterpreterOptions()``), so
-    the five interpreted operations of the check are computed and discarded: a third of a ci-profile run over
-    SGLang's Triton, KDA and Mamba-2 rows (``harness run --profile ci --seed 7 --backends sglang.kda sglang.mamba2
-    sglang.triton --modes extend decode --properties outputs --max-examples 2``: 25.7 CPU-s, 17.4 with this and
-    ``look_up_numpy_dtypes``, every row's worst error the same to the last bit). Under ``debug`` the check runs as
-    before. Compiled kernels never see this (their builder is not the interpreter's). Idempotent; a no-op where the
-    interpreter's layout differs."""
+    Every integer add, sub and mul narrower than 64 bits (signed or unsigned) inside a kernel calls
+    ``binary_op_sanitize_overflow_impl`` (``triton/language/semantic.py``, triton 3.8.0), which casts both operands to
+    int64, redoes the operation, compares it with the type's two bounds, ands the comparisons and hands the condition
+    to ``device_assert``. ``device_assert`` returns at once unless the builder's ``options.debug`` is set, and the
+    interpreter's options never set it (``InterpreterOptions()``): six interpreted operations computed and discarded
+    per integer operation. With ``look_up_numpy_dtypes``, a third of a ci-profile run over SGLang's Triton, KDA and
+    Mamba-2 rows (``harness run --profile ci --seed 7 --backends sglang.kda sglang.mamba2 sglang.triton --modes extend
+    decode --properties outputs --max-examples 2``: 24.2 CPU-s, 17.6 with both; every row's worst error the same to
+    the last bit). Under ``debug`` the check runs as before. The method is replaced on Triton's semantic class, so a
+    kernel compiled in this process (none is: the switch is on, and ``triton.jit`` interprets every kernel defined
+    after it) would skip it too, which changes nothing there either: without ``debug`` the compiled check is dead code
+    too. Idempotent; a no-op where the interpreter's layout differs."""
     try:
         from triton.language import semantic
     except ImportError:
@@ -238,10 +232,11 @@ def look_up_numpy_dtypes() -> None:
     """Answer the interpreter's ``_get_np_dtype`` from one table built once.
 
     Triton's interpreter maps a Triton type to the numpy dtype that stores it at every operation's cast, bitcast and
-    result (``triton/runtime/interpreter.py``, triton 3.6-3.8), and builds its 18-entry dictionary afresh at each call,
-    hashing every key: about a tenth of the run ``skip_discarded_overflow_checks`` names. The table here is that
-    dictionary, built by calling the interpreter's own function on each key; a type missing from it goes to the
-    interpreter's function, which raises as before. Idempotent; a no-op where the interpreter's layout differs."""
+    result (``triton/runtime/interpreter.py``, triton 3.8.0), and builds its 18-entry dictionary afresh at each call,
+    hashing every key (the other part of the figure ``skip_discarded_overflow_checks`` gives). The table here is that
+    dictionary, built by calling the interpreter's own function on each key; a type missing from it, or one that
+    cannot be hashed, goes to the interpreter's function, which answers or raises as before. Idempotent; a no-op
+    where the interpreter's layout differs."""
     try:
         import triton.language as tl
         from triton.runtime import interpreter
@@ -265,7 +260,10 @@ def look_up_numpy_dtypes() -> None:
         element = tt_dtype.element_ty if isinstance(tt_dtype, block_type) else tt_dtype
         if isinstance(element, pointer_type):
             return pointer
-        found = table.get(element)
+        try:
+            found = table.get(element)
+        except TypeError:  # unhashable (a tuple type): Triton's own function says what it makes of it
+            found = None
         return found if found is not None else real(tt_dtype)
 
     get_np_dtype.table, get_np_dtype.real = table, real

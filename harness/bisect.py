@@ -85,7 +85,7 @@ def build_env(version: str, envs: Path, log, name: str | None = None) -> Path:
     py = env / "bin" / "python"
     steps = [[sys.executable, "-m", "venv", "--clear", str(env)],
              [str(py), "-m", "pip", "install", "-q", f"torch=={torch_version}"],
-             [str(py), "-m", "pip", "install", "-q", "-c", str(pin), "hypothesis>=6.100", "pytest>=8",
+             [str(py), "-m", "pip", "install", "-q", "-c", str(pin), "hypothesis>=6.100", "pytest>=8,<9.2",
               "pytest-xdist>=3", "numpy", "matplotlib"],
              [str(py), "-m", "pip", "install", "-q", "--no-deps", "-e", str(PROJECT)],
              ["bash", str(PROJECT / "ci" / "install-sglang.sh"), version]]

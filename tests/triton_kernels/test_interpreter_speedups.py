@@ -90,7 +90,7 @@ def test_overflow_checks_are_skipped_only_where_their_verdict_is_discarded(monke
 
 def test_the_numpy_dtype_table_answers_as_the_interpreters_own_function():
     """look_up_numpy_dtypes: the same numpy dtype for every Triton type (scalars, pointers, blocks of each), and a
-    type the interpreter does not know raises from the interpreter's own function, as before."""
+    type the interpreter does not know, or cannot hash, raises from the interpreter's own function, as before."""
     interpreter.look_up_numpy_dtypes()
     fast = tri._get_np_dtype
     real = fast.real
@@ -103,4 +103,7 @@ def test_the_numpy_dtype_table_answers_as_the_interpreters_own_function():
     assert len(fast.table) == len(scalars)
     with pytest.raises(KeyError) as raised:
         fast(tl.void)
-    assert raised.traceback[-1].frame.code.path != interpreter.__file__  # raised by Triton, as before
+    assert raised.traceback[-1].frame.code.raw is real.__code__  # raised by Triton's own function, as before
+    with pytest.raises(TypeError) as raised:  # a type that cannot be hashed, as Triton's own function meets it
+        fast(tl.tuple_type([tl.int32, tl.int32]))
+    assert raised.traceback[-1].frame.code.raw is real.__code__
