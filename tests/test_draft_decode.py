@@ -243,6 +243,9 @@ def test_a_paged_draft_tree_gives_each_branch_its_own_pages_after_a_copy_of_the_
 def test_sglangs_draft_loop_reads_the_paged_tree_layout_and_no_other(device, monkeypatch):
     """SGLang's draft index kernel reads each branch's slots from its paged region: the same batch laid out flat
     (branch j's slots right after the previous branch's, as with pages of one token) is read wrong."""
+    # backends.draft first: imported for the first time while batch.spec is patched below, its
+    # `from batch.spec import draft_region` would bind the flat layout, which the undo then restores for good (a later
+    # torch_native draft_decode row in the same process planned branch 1 one slot off: a false finding)
     import backends.draft as draft_loop
     import batch.spec as batch_spec
 
