@@ -43,15 +43,16 @@ What it covers today (anything else is refused with one line, exit 2):
   MIXED: the file builds ``TboAttnBackend`` over the leaf, splits the batch with SGLang's own splitter and runs each
   half under its child backend; the recorder joins the two halves' q, k, v in order;
 * the ``outputs`` property of a lightning layer under SGLang's hybrid wrapper over one of those leaves
-  (harness/export_lightning.py);
+  (harness/export_lightning.py), and of a KDA layer so (harness/export_kda.py; on a CPU its file also installs the
+  harness's corrections of Triton's interpreter for the fla kernels, copied in);
 * a case that crashed inside SGLang: the file runs into the same crash (the layer SGLang crashed in);
 * the ``metadata`` property of ``sglang.triton`` (an eager plan of an EXTEND, MIXED or DECODE batch) and its
   ``graph_metadata`` property (a decode graph's plan at a padded replay): harness/export_metadata.py;
 * the ``conformance`` property of any SGLang composition, class-level ones included.
 
 The other kinds named by issue 27 (other backends' plans and those of speculative batches, graph replay's outputs,
-the TBO split property and TBO over other compositions, other linear attention, MLA, the draft loop) are not exported
-yet.
+the TBO split property and TBO over other compositions, GDN, Mamba-2 and short-convolution layers, MLA, the draft
+loop) are not exported yet.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ from pathlib import Path
 import torch
 
 from backends.sglang.runtime import SERVER_ALGORITHMS
-from harness import export_lightning, export_metadata
+from harness import export_kda, export_lightning, export_metadata
 from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
@@ -117,15 +118,18 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
         return None
     if prop in export_metadata.PROPERTIES:
         return export_metadata.exportable_reason(_plan_leaf(composition, prop), prop, mode, kv_cache_dtype)
-    full = export_lightning.full_leaf(composition)
-    if full is not None:
+    kind, full = _linear_kind(composition)
+    if kind is export_lightning:
         return export_lightning.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
                                                   KV_CACHE_DTYPES)
+    if kind is export_kda:
+        return export_kda.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
+                                            KV_CACHE_DTYPES)
     leaf, tbo = dense_leaf(composition)
     if leaf is None:
         return (f"export covers the dense SGLang leaves ({', '.join(DENSE_LEAVES)}), two-batch overlap over one, and "
-                f"lightning under SGLang's hybrid wrapper over one, not {composition} (other wrappers, MLA and other "
-                f"linear attention are not exported yet)")
+                f"lightning or KDA under SGLang's hybrid wrapper over one, not {composition} (other wrappers, MLA and "
+                f"other linear attention are not exported yet)")
     if tbo and (prop != "outputs" or mode not in TBO_MODES):
         return (f"export covers the outputs property of two-batch overlap in {', '.join(TBO_MODES)} batches, not {prop} "
                 f"in {mode}")
@@ -205,8 +209,9 @@ class Recorder:
     layer whose call has begun and not returned is ``running`` (after a crash: the layer SGLang crashed in)."""
 
     calls: dict[int, LayerCall] = field(default_factory=dict)
-    linear_calls: dict[int, LinearCall] = field(default_factory=dict)
+    linear_calls: dict = field(default_factory=dict)  # layer id -> LinearCall (lightning) or export_kda.KdaCall
     running: int | None = None
+    kda_backend: tuple | None = None  # (adapter, wrapper it runs under) of the KDA layer running
     # Each plan SGLang's backend was asked for (eager, or a graph's capture and replays): its ForwardBatch's fields as
     # handed, and the request rows it reads; and the harness's view of each batch whose plan it checked
     plans: list[dict] = field(default_factory=list)
@@ -242,6 +247,24 @@ class Recorder:
             recorder.running = None
             return out
 
+        from backends.sglang.adapter import SglangKda
+
+        run_kda, call_kda = SglangBackend._run_kda, SglangKda.call_layer
+
+        def _run_kda(backend, layer, forward_batch, mixed_qkv, a, b, via=None):
+            # The call into SGLang is the leaf's call_layer, under this backend: it records with this backend's pool
+            recorder.running, recorder.kda_backend = layer.layer_id, (backend, via)
+            out = run_kda(backend, layer, forward_batch, mixed_qkv, a, b, via)
+            recorder.running = recorder.kda_backend = None
+            return out
+
+        def call_layer(block, projected, sfb):
+            backend, via = recorder.kda_backend
+            if block.attn.layer_id not in recorder.linear_calls:
+                pool, full_layers = backend.sgl_runner.req_to_token_pool, (via or backend.inner).full_attn_layers
+                recorder.linear_calls[block.attn.layer_id] = export_kda.record(block, projected, sfb, pool, full_layers)
+            return call_kda(block, projected, sfb)
+
         import properties.metadata
         from backends.sglang import compat
 
@@ -264,6 +287,8 @@ class Recorder:
             return check_plan(meta, fb)
 
         with mock.patch.object(SglangBackend, "_run", _run), mock.patch.object(SglangBackend, "_plan", _plan), \
+                mock.patch.object(SglangBackend, "_run_kda", _run_kda), \
+                mock.patch.object(SglangKda, "call_layer", staticmethod(call_layer)), \
                 mock.patch.object(compat, "plan_out_graph", plan_out_graph), \
                 mock.patch.object(properties.metadata, "check_plan", checking):
             yield self
@@ -439,8 +464,9 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
         raise UsageError(f"cannot replay {case.composition} here to record SGLang's inputs: {why}")
     if case.property == "conformance":
         return _build_conformance(case, composition, device, case_path)
-    if export_lightning.full_leaf(case.composition) is not None:
-        return _build_lightning(case, composition, device, case_path)
+    kind, _ = _linear_kind(case.composition)
+    if kind is not None:
+        return _build_linear(case, composition, device, case_path, kind)
     if case.property in export_metadata.PROPERTIES:
         return _build_metadata(case, composition, device, case_path)
     return _build_outputs(case, composition, device, case_path, crossed if case.property == REFUSAL else None)
@@ -653,29 +679,61 @@ def _literal(value) -> str:
     return repr(value)
 
 
-def _build_lightning(case, composition, device: str, case_path: Path | None) -> Export:
-    """A lightning hybrid's case (harness/export_lightning.py): replay it recording what SGLang's hybrid was handed
-    for its lightning layers; render the file for the layer that failed (the worst against its bound, or the one
-    SGLang crashed in)."""
+def _linear_kind(composition: str):
+    """The export module of a linear hybrid's composition (harness/export_lightning.py, harness/export_kda.py) and
+    its full-attention leaf, or (None, None)."""
+    for kind in (export_lightning, export_kda):
+        full = kind.full_leaf(composition)
+        if full is not None:
+            return kind, full
+    return None, None
+
+
+def _lightning_fields(spec, call, device: str) -> tuple[dict, dict]:
+    """A lightning file's own template fields and tensors."""
+    verify = spec.mode.is_target_verify()
+    return ({"layer": repr(call.layer), "kv_cache_dtype": spec.kv_cache_dtype, **_speculative_fields(spec, call.spec),
+             "draft_tokens": spec.extend_lens[0] if verify else "None",
+             # Under Triton's CPU interpreter, seg_la's cast of q and its output to the fp8 cache dtype goes through
+             # the interpreter's faulty cast, which the harness corrects (the dense exports' correction, copied in the
+             # same way)
+             "interpreter_cast": (_interpreter_cast() if spec.kv_cache_dtype == "fp8_e4m3" and device == "cpu"
+                                  else "")},
+            {"q": call.q, "k": call.k, "v": call.v, "states": call.states, **call.spec_tensors})
+
+
+def _kda_fields(spec, call, device: str) -> tuple[dict, dict]:
+    """A KDA file's own template fields and tensors; on a CPU, the interpreter's corrections the fla kernels need."""
+    return ({**export_kda.fields(call, spec), "interpreter": _kda_interpreter() if device == "cpu" else ""},
+            export_kda.tensors(call))
+
+
+LINEAR_FIELDS = {"lightning": _lightning_fields, "kda": _kda_fields}
+
+
+def _build_linear(case, composition, device: str, case_path: Path | None, kind) -> Export:
+    """A linear hybrid's case (``kind``: harness/export_lightning.py or harness/export_kda.py): replay it recording
+    what SGLang's hybrid was handed for its layers of that kind; render the file for the layer that failed (the worst
+    against its bound, or the one SGLang crashed in)."""
     from properties.outputs import linear_state_comparisons
     from properties.tolerances import layer_bound, widen_for_cancellation
     from properties.verdict import Worst, compare, token_starts
 
-    spec = case.spec
-    # The file runs one lightning layer: a case that failed at a full-attention layer would pass there
+    spec, name = case.spec, kind.LAYER_KIND
+    # The file runs one linear layer: a case that failed at a layer of another kind would pass there
     failed_at = re.match(r"layer (\d+)", (case.verdict or {}).get("where") or "")
     kinds = {layer.layer_id: layer.kind for layer in spec.layers}
-    if failed_at and kinds.get(int(failed_at.group(1))) not in (None, "lightning"):
+    if failed_at and kinds.get(int(failed_at.group(1))) not in (None, name):
         raise UsageError(f"cannot export {case.composition} {case.property}: the case failed at its "
-                         f"{kinds[int(failed_at.group(1))]} layer {failed_at.group(1)}, and the export of a lightning "
-                         f"hybrid covers its lightning layers")
+                         f"{kinds[int(failed_at.group(1))]} layer {failed_at.group(1)}, and the export of a {name} "
+                         f"hybrid covers its {name} layers")
     recorder = Recorder()
     run, crashed = _replay(case, composition, device, recorder)
     layers = {layer.layer_id: layer for layer in spec.layers}
     if crashed is not None:
         layer_id = recorder.running
         if layer_id is None or layer_id not in recorder.linear_calls:
-            raise UsageError(f"cannot export {case.composition} {case.property}: SGLang crashed outside a lightning "
+            raise UsageError(f"cannot export {case.composition} {case.property}: SGLang crashed outside a {name} "
                              f"layer ({crashed})")
         measured = {layer_id: (float("inf"), crashed)}
     else:
@@ -696,7 +754,7 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
                     f"{worst.element_error:.3g} (bound {worst.element_bound:.3g})")
             measured[layer_id] = (max(worst.ratios().values()), text, bound, state_bound, worst)
         if not measured:
-            raise UsageError(f"cannot export {case.composition} {case.property}: no lightning layer reached SGLang")
+            raise UsageError(f"cannot export {case.composition} {case.property}: no {name} layer reached SGLang")
     layer_id = max(measured, key=lambda i: measured[i][0])
     call = recorder.linear_calls[layer_id]
     if crashed is not None:
@@ -709,34 +767,26 @@ def _build_lightning(case, composition, device: str, case_path: Path | None) -> 
                if value > limit]
         headline = (f"{bad[0]} out of bounds at {worst.where}" if bad else
                     f"within bounds on this engine (worst at {measured[layer_id][0]:.2f} of a bound)")
-    full = export_lightning.full_leaf(case.composition)
-    tensors = {"q": call.q, "k": call.k, "v": call.v, "states": call.states, **call.spec_tensors}
+    full = kind.full_leaf(case.composition)
+    own, tensors = LINEAR_FIELDS[name](spec, call, device)
     inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
-    header = _header(case, device, case_path, headline, export_lightning.server_configuration(full, spec, call),
-                        f"on lightning layer {layer_id}, {measured_text}",
-                        f"SGLang {export_lightning.KIT_SINCE} or newer, whose wheel ships the lightning unit-test kit this file builds "
-                        f"with")
-    verify = spec.mode.is_target_verify()
-    text = header + export_lightning.LIGHTNING.substitute(
-        kit_import=KIT_IMPORT.substitute(module="lightning_attention", kit="lightning unit-test kit",
-                                         since=export_lightning.KIT_SINCE),
+    header = _header(case, device, case_path, headline, kind.server_configuration(full, spec, call),
+                     f"on {name} layer {layer_id}, {measured_text}",
+                     f"SGLang {kind.KIT_SINCE} or newer, whose wheel ships the {kind.KIT_NAME} this file builds with")
+    text = header + string.Template(kind.TEMPLATE).substitute(
+        kit_import=KIT_IMPORT.substitute(module=kind.KIT_MODULE, kit=kind.KIT_NAME, since=kind.KIT_SINCE),
         full=full, mode_upper=SGLANG_MODE.get(spec.mode.value, spec.mode.value.upper()),
         dtype=spec.dtype, page_size=spec.page_size, prefix_lens=list(spec.prefix_lens),
-        new_lens=list(spec.extend_lens), layer=repr(call.layer), layer_id=layer_id,
-        kv_cache_dtype=spec.kv_cache_dtype, rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
+        new_lens=list(spec.extend_lens), layer_id=layer_id,
+        rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
         state_rel_l2_bound=repr(state_bound.rel_l2), state_element_factor=repr(state_bound.element),
         bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
         state_bound_reason=textwrap.fill(state_bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
         data=("TENSORS = {\n" + "\n".join(_tensor_source(k, t) for k, t in tensors.items()) + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
-        **_speculative_fields(spec, call.spec),
-        draft_tokens=(spec.extend_lens[0] if verify else "None"),
-        # Under Triton's CPU interpreter, seg_la's cast of q and its output to the fp8 cache dtype goes through the
-        # interpreter's faulty cast, which the harness corrects (the dense exports' correction, copied in the same way)
-        interpreter_cast=(_interpreter_cast() if spec.kv_cache_dtype == "fp8_e4m3" and device == "cpu" else ""))
+        check=LINEAR_CHECK, **own)
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline,
-                     crashed is not None or "out of bounds" in headline, f"lightning layer {layer_id}: {measured_text}")
-
+                  crashed is not None or "out of bounds" in headline, f"{name} layer {layer_id}: {measured_text}")
 
 
 def _class_at(obj) -> tuple[str, str]:
@@ -860,12 +910,21 @@ def _source_of(*names: str, module: str = "properties.conformance") -> str:
     import inspect
 
     found = importlib.import_module(module)
-    return "\n\n".join(textwrap.dedent(inspect.getsource(getattr(found, n))) for n in names)
+    # (a Triton jit function's source is its Python function's, decorator included)
+    return "\n\n".join(textwrap.dedent(inspect.getsource(getattr(getattr(found, n), "fn", getattr(found, n))))
+                       for n in names)
 
 
 def _interpreter_cast() -> str:
     """The file's correction of Triton's interpreted fp8 cast: the adapter's own shim, copied in, and its install."""
     return INTERPRETER_CAST + _source_of("_fp8_downcaster", module="backends.sglang.interpreter_shims") + INSTALL_CAST
+
+
+def _kda_interpreter() -> str:
+    """A KDA file's corrections of Triton's CPU interpreter: the adapter's own shims, copied in, and their install."""
+    return KDA_INTERPRETER + _source_of("exp", "exp2", "log", "log2", "_mask_values", "_as_bool", "_torch_dtypes",
+                                       "_as_torch", "_as_handle", "_bf16_cast", "_bf16_dot",
+                                       module="backends.sglang.interpreter_shims") + KDA_INSTALL
 
 
 def _class_at_class(cls: type) -> tuple[str, str]:
@@ -1374,6 +1433,85 @@ INSTALL_CAST = """
 from triton.runtime import interpreter  # noqa: E402
 
 interpreter.InterpreterBuilder.create_fp_to_fp = _fp8_downcaster(interpreter.InterpreterBuilder.create_fp_to_fp)
+"""
+# A linear-attention file's check of its outputs and states (harness/export_lightning.py, harness/export_kda.py)
+LINEAR_CHECK = '''def check(actual, expected, rel_l2_bound, element_factor, what):
+    """``actual`` within the bounds of the float64 ``expected``: relative L2, and each element within
+    element_factor * max |expected|."""
+    actual = actual.double().cpu()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite value"
+    if expected.numel() == 0:
+        return
+    diff = (actual - expected).abs()
+    rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected).clamp_min(1e-300)).item()
+    worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    allowed = element_factor * expected.abs().max().item()
+    assert rel_l2 <= rel_l2_bound, f"{what}: relative L2 error {rel_l2:.3g} > bound {rel_l2_bound:.3g} (worst element at {worst}: {actual[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
+    assert diff[worst].item() <= allowed, f"{what}: element error {diff[worst].item():.3g} > bound {allowed:.3g} at {worst}: {actual[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
+'''
+# A KDA file's corrections of Triton's CPU interpreter for the fla kernels SGLang vendors, as the harness makes them
+# (backends/sglang/interpreter_shims.py, shims 1, 2, 3, 4, 8 and 9; their functions are copied in after this text)
+KDA_INTERPRETER = """
+# On a CPU SGLang's fla kernels (its KDA prefill and recurrent step) and its causal conv run under Triton's interpreter,
+# which the harness corrects where it cannot run them as a GPU does (backends/sglang/interpreter_shims.py); so does
+# this file, with the harness's functions, copied in:
+# - fla binds exp/exp2/log/log2 as module-level aliases of triton.language's functions at import (fla/op.py), which
+#   the interpreter cannot swap: they become jit functions that call triton.language when interpreted;
+# - fla enters torch.<device>.device(index) around each call, absent for a CPU: a null context;
+# - triton.autotune benchmarks its configurations, which needs a GPU: the first one is kept;
+# - a load/store mask built from a scalar comparison & a tensor (the causal conv's update kernel) reaches the
+#   interpreter's C++ helper in a numpy type it refuses: cast to bool;
+# - the interpreter keeps bfloat16 values as their uint16 bits, and tl.dot multiplies those bits as integers, and casts
+#   between bfloat16 and float16 convert the integer (the KDA chunk kernels cast blocks to bfloat16 before their dots:
+#   NaN past 16 tokens): such dots take the float32 values, such casts go through torch;
+# - libdevice.exp (fla's KDA gate) is a declaration whose body the interpreter runs as Python: it would return None.
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402 - the copied functions read it as a global
+
+
+"""
+KDA_INSTALL = """
+
+
+def _correct_the_interpreter():
+    import contextlib
+    import importlib
+    import pkgutil
+
+    from triton.language.extra import libdevice
+    from triton.runtime import autotuner, interpreter
+
+    fla = importlib.import_module("sglang.kernels.ops.attention.fla")
+    for info in pkgutil.walk_packages(fla.__path__, fla.__name__ + "."):  # every module that may copy an alias
+        importlib.import_module(info.name)
+    op = importlib.import_module("sglang.kernels.ops.attention.fla.op")
+    stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
+    aliases = {id(getattr(op, name)): name for name in stand_ins}
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and module_name.startswith("sglang."):
+            for name in stand_ins:
+                if aliases.get(id(getattr(module, name, None))) == name:
+                    setattr(module, name, stand_ins[name])
+    importlib.import_module("sglang.kernels.ops.attention.fla.utils").custom_device_ctx = \\
+        lambda index: contextlib.nullcontext()
+    run = autotuner.Autotuner.run
+
+    def first_config(self, *args, **kwargs):
+        self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    autotuner.Autotuner.run = first_config
+    builder = interpreter.InterpreterBuilder
+    masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
+    builder.create_masked_load = lambda self, ptrs, mask, *rest: masked_load(self, ptrs, _as_bool(mask), *rest)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *rest: masked_store(self, ptrs, value,
+                                                                                      _as_bool(mask), *rest)
+    libdevice.exp = exp
+    builder.cast_impl = _bf16_cast(builder.cast_impl)
+    builder.create_dot = _bf16_dot(builder.create_dot)
+
+
+_correct_the_interpreter()
 """
 # Why an fp8 cache widens no bound: properties/tolerances.py's reasoning, in its words
 FP8_NOTE = """

@@ -24,9 +24,11 @@ import string
 
 from backends.sglang.runtime import SERVER_ALGORITHMS
 
+LAYER_KIND = "lightning"
 # hybrid(sglang.X,sglang.lightning): X is the full-attention leaf
 COMPOSITION = re.compile(r"^hybrid\(sglang\.(\w+),sglang\.lightning\)$")
 MODES = ("extend", "mixed", "decode", "target_verify", "idle")
+KIT_MODULE, KIT_NAME = "lightning_attention", "lightning unit-test kit"
 # The first SGLang release checked to run these files (the lightning kit's runner with these arguments)
 KIT_SINCE = "0.5.22"
 STEP = {"extend": "a prefill (extend) step", "mixed": "a mixed prefill+decode step (--enable-mixed-chunk)",
@@ -73,8 +75,9 @@ def server_configuration(full: str, spec, call) -> str:
     return f"{' '.join(parts)}, {model}; {STEP[spec.mode.value]}"
 
 
-# $kit_import: the import of the kit's lightning_attention module as ``kit`` (harness/export.py, KIT_IMPORT)
-LIGHTNING = string.Template('''${kit_import}from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+# The file's template (a string.Template's text; harness/export.py fills it). $kit_import: the import of the kit's
+# lightning_attention module as ``kit`` (harness/export.py, KIT_IMPORT); $check: harness/export.py's LINEAR_CHECK
+TEMPLATE = '''${kit_import}from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend
@@ -153,20 +156,7 @@ def reference(q, k, v, state):
     return torch.stack(outputs), torch.stack(states)
 
 
-def check(actual, expected, rel_l2_bound, element_factor, what):
-    """``actual`` within the bounds of the float64 ``expected``: relative L2, and each element within
-    element_factor * max |expected|."""
-    actual = actual.double().cpu()
-    assert torch.isfinite(actual).all(), f"{what}: non-finite value"
-    if expected.numel() == 0:
-        return
-    diff = (actual - expected).abs()
-    rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected).clamp_min(1e-300)).item()
-    worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
-    allowed = element_factor * expected.abs().max().item()
-    assert rel_l2 <= rel_l2_bound, f"{what}: relative L2 error {rel_l2:.3g} > bound {rel_l2_bound:.3g} (worst element at {worst}: {actual[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
-    assert diff[worst].item() <= allowed, f"{what}: element error {diff[worst].item():.3g} > bound {allowed:.3g} at {worst}: {actual[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
-
+$check
 
 def build_backend(runner):
     """What a Bailing/Ling server builds (attention_registry.py, attn_backend_wrapper): the full-attention backend
@@ -237,4 +227,4 @@ $use_speculative    cache = runner.req_to_token_pool.mamba2_layer_cache(LAYER_ID
         else:
             check(cache.temporal[slots[r]], steps[r][-1] if NEW_LENS[r] else TENSORS["states"][r].double(),
                   STATE_REL_L2_BOUND, STATE_ELEMENT_FACTOR, f"request {r} state after the batch")
-''')
+'''

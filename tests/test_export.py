@@ -60,15 +60,20 @@ def refusing():
     return lambda: [setattr(cls, "forward", forward) for cls, forward in saved]
 '''
 
-# SGLang with the fixes the lightning triage pages propose: an idle linear layer answered by the interface it used
-# (sglang-hybrid-idle-lightning.md), and no cast of a lightning layer's q and output to the KV cache's dtype, which
-# a linear layer has no cache of (sglang-lightning-fp8-decode.md).
+# SGLang with the fixes the triage pages propose: an idle linear layer answered by the interface it used
+# (sglang-hybrid-idle-lightning.md), no cast of a lightning layer's q and output to the KV cache's dtype, which
+# a linear layer has no cache of (sglang-lightning-fp8-decode.md), and KDA's prefill on its token-parallel
+# intra-chunk path, which has no clamped exponent (sglang-kda-fused-intra-clamp.md).
 FIXING = '''
 def fixing():
+    from sglang.kernels.ops.attention.fla import kda
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
     from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend
 
-    forward, init = HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__
+    forward, init, intra = HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__, kda.chunk_kda_fwd_intra
+
+    def token_parallel_intra(*args, **kwargs):
+        return intra(*args, **{**kwargs, "fuse_diagonal": False, "fuse_recompute": False})
 
     def fixed_forward(self, q=None, k=None, v=None, layer=None, forward_batch=None, save_kv_cache=True,
                       mixed_qkv=None, a=None, b=None, **kwargs):
@@ -81,9 +86,11 @@ def fixing():
         self.kv_cache_dtype_str = "auto"
 
     HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = fixed_forward, fixed_init
+    kda.chunk_kda_fwd_intra = token_parallel_intra
 
     def undo():
         HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = forward, init
+        kda.chunk_kda_fwd_intra = intra
     return undo
 '''
 
@@ -442,6 +449,38 @@ def test_wrapped_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(
         trip.passed(name)
 
 
+def _kda_mode(mode: str, prefix_lens: list[int], extend_lens: list[int]):
+    return lambda batch: batch.update(mode=mode, prefix_lens=prefix_lens, extend_lens=extend_lens)
+
+
+@prepares
+def _kda_files(trip: RoundTrip) -> None:
+    clamp = ROOT / "docs/findings/cases/sglang-kda-fused-intra-clamp.json"
+    exported = trip.export(clamp, "test_kda_clamp.py")
+    trip.copy(exported, "test_fixed_kda_clamp.py", "fixing")
+    for mode, prefix_lens, extend_lens in (("mixed", [3, 7], [4, 1]), ("decode", [5, 9], [1, 1])):
+        trip.export(_variant(clamp, trip.folder.parent / f"kda-{mode}.json", _kda_mode(mode, prefix_lens, extend_lens)),
+                    f"test_kda_{mode}.py")
+
+
+@needs_kit
+def test_kda_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(trip):
+    """A KDA layer under SGLang's HybridLinearAttnBackend (built with SGLang's KDA kit), exported and run in a fresh
+    process without this project: sglang-kda-fused-intra-clamp (open upstream, sgl-project/sglang#39971) fails as the
+    harness's replay did, at the same token (relative L2 0.67, token 14 of 18); with the intra-chunk path the triage
+    page measured correct, it passes. The same layers in a mixed batch whose requests carry their conv and recurrent
+    states, and in a decode step (SGLang's recurrent step and conv update), pass: the file loads the states SGLang's
+    pool held and checks them after the batch (a file that dropped them fails: the KDA mutants below)."""
+    text = " ".join((trip.folder / "test_kda_clamp.py").read_text().split())
+    assert "KDA layer 0 with 2 heads, key dim 16, value dim 16, a conv of width 4, the standard forget gate" in text
+    assert "Triage: docs/findings/sglang-kda-fused-intra-clamp.md" in text
+    trip.failed("test_kda_clamp.py", only=True)
+    trip.says("test_kda_clamp.py", r"AssertionError: KDA layer 0 outputs: relative L2 error 0\.67 > bound 0\.0156 "
+                                   r"\(worst element at \(14, 0, 2\)")
+    for name in ("test_fixed_kda_clamp.py", "test_kda_mixed.py", "test_kda_decode.py"):
+        trip.passed(name)
+
+
 # Mutants of SGLang's real classes whose cases export: the property that kills each, and what its exported file
 # asserts when the fault is patched back in.
 EXPORTED_MUTANTS = {
@@ -457,6 +496,11 @@ EXPORTED_MUTANTS = {
     "sglang_triton_replay_pads_real_rows": (
         "graph_metadata", r"AssertionError: at replay at \d+ x 1 \(\d+ padded row\(s\)\): TritonAttnBackend: "
                           r"request \d+: kv_indices hold .*expected its req_to_token slots"),
+    # KDA's extend handed no safe-gate bound: the file builds the layer with its lower_bound, which the fault drops
+    "sglang_kda_safe_gate_dropped": ("outputs", r"AssertionError: KDA layer \d+ outputs: (relative L2|element) error"),
+    # its prefix's conv window ignored: the file loads each request's conv state into SGLang's pool
+    "sglang_kda_prefix_conv_window_dropped": (
+        "outputs", r"AssertionError: KDA layer \d+ outputs: (relative L2|element) error"),
     # a class-level leaf: the file runs the harness's class check, copied in
     "sglang_trtllm_mla_one_arg_mha_chunk": (
         "conformance", r"AssertionError: TRTLLMMLABackend.init_mha_chunk_metadata\(forward_batch\) does not take "
@@ -483,8 +527,8 @@ def test_mutant_cases_fail_under_their_fault_and_pass_without_it(trip):
     """`harness mutants --engine sglang` finds faults patched into SGLang's real classes (the dropped soft-cap of
     its MHA decode branch; a Triton verify planned from DFlash's widened host lengths; a Triton backend without its
     verify-buffer refresh; a Triton extend planned by its new-token counts (metadata); a Triton decode graph's replay
-    that pads its real rows too (graph_metadata); TRT-LLM MLA's one-argument init_mha_chunk_metadata, read at class
-    level); each exported case passes on its own (the real SGLang has no such fault) and fails with its fault
+    that pads its real rows too (graph_metadata); KDA's extend without its safe gate's bound, and without its prefix's
+    conv window; TRT-LLM MLA's one-argument init_mha_chunk_metadata, read at class level); each exported case passes on its own (the real SGLang has no such fault) and fails with its fault
     patched in (its copy, in the second interpreter, which has the project for the faults)."""
     for name, (_, says) in EXPORTED_MUTANTS.items():
         trip.passed(f"test_{name}.py")
