@@ -452,15 +452,27 @@ class PlannedMetadata:
     # kv_includes_new_tokens)
     key_lens: torch.Tensor | None = None  # [B]
     key_indptr: torch.Tensor | None = None  # [B+1]
+    # A sliding-window layer's own key lists, where a backend plans them apart from the full layers' (SGLang's Triton
+    # window_kv_*, FlashInfer's window wrapper): token slots, per request the last keys of the range kv_indices
+    # covers; window_kv_offsets where each request's list starts in that range; window the layers' window
+    window_kv_indptr: torch.Tensor | None = None  # [B+1]
+    window_kv_indices: torch.Tensor | None = None  # [window_kv_indptr[-1]]
+    window_kv_offsets: torch.Tensor | None = None  # [B]
+    window: int | None = None
+    # The fields of the engine's plan this form does not read (the metadata property lists them, never skips silently)
+    unread: tuple[str, ...] = ()
 
     def cut_to_indptrs(self) -> "PlannedMetadata":
         """A graph's plan, whose buffers are sized for the largest capture, cut to what its kernels read: the
-        ``kv_indices`` its ``kv_indptr`` ends at, the ``custom_mask`` its ``mask_indptr`` ends at."""
+        ``kv_indices`` its ``kv_indptr`` ends at, the ``custom_mask`` its ``mask_indptr`` ends at, the window's list
+        where its indptr ends."""
         out = self
         if out.kv_indptr is not None and out.kv_indices is not None:
             out = replace(out, kv_indices=out.kv_indices[:int(out.kv_indptr[-1])])
         if out.custom_mask is not None and out.mask_indptr is not None:
             out = replace(out, custom_mask=out.custom_mask[:int(out.mask_indptr[-1])])
+        if out.window_kv_indptr is not None and out.window_kv_indices is not None:
+            out = replace(out, window_kv_indices=out.window_kv_indices[:int(out.window_kv_indptr[-1])])
         return out
 
 

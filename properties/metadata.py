@@ -1,7 +1,9 @@
 """Invariants of every leaf backend's planned metadata (DESIGN.md section 5), checked without knowing
 the backend: indptrs start at 0 and do not decrease, they end at the right totals, indices are exactly
 the requests' ``req_to_token`` slots (or pages), last-page lengths agree with the lengths, masks have the
-verify length, state slots are the batch's."""
+verify length, state slots are the batch's, a sliding-window layer's own key lists are the last keys of each
+request's range (at least the window's worth). The fields of an engine's plan that no invariant reads are listed in
+the verdict."""
 
 from __future__ import annotations
 
@@ -57,6 +59,36 @@ def _sizes_problem(name: str, indptr: torch.Tensor, sizes: list[int], real: int,
     steps = indptr.to("cpu", torch.int64).diff().tolist()
     if steps[:real] != sizes[:real]:
         return f"{name} steps {steps[:8]}..., expected {what}{sizes[:8]}..."
+    return None
+
+
+def _window_problem(meta: PlannedMetadata, fb: ForwardBatch, keys: list[int], real: int) -> str | None:
+    """A sliding-window layer's own key lists (token slots): a valid indptr over them; each real request's list the
+    last keys of the range its full list covers (``keys``), at least the window's worth of them, min(keys, window): a
+    window query reads its window's keys, and the first query of a batch reads window keys before it, at most all;
+    where a backend says where each list starts (``window_kv_offsets``), that is where it starts."""
+    B = fb.batch_size
+    if meta.window_kv_indices is None:
+        return "window_kv_indptr planned without window_kv_indices"
+    problem = _indptr_problem("window_kv_indptr", meta.window_kv_indptr, meta.window_kv_indices.numel(), B)
+    if problem:
+        return problem
+    indptr = meta.window_kv_indptr.tolist()
+    indices = meta.window_kv_indices.to("cpu", torch.int64)
+    offsets = None if meta.window_kv_offsets is None else meta.window_kv_offsets.to("cpu", torch.int64).tolist()
+    for i in range(real):
+        n, got = keys[i], indices[indptr[i]:indptr[i + 1]]
+        least = min(n, meta.window)
+        if not least <= got.numel() <= n:
+            return (f"request {i}: {got.numel()} window keys, expected at least min({n} keys, window {meta.window}) "
+                    f"= {least} and at most {n}")
+        expected = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)[n - got.numel():n]
+        if not torch.equal(got, expected):
+            return (f"request {i}: window_kv_indices hold {got.tolist()[:8]}..., expected the last {got.numel()} of "
+                    f"its {n} keys' slots {expected.tolist()[:8]}...")
+        if offsets is not None and offsets[i] != n - got.numel():
+            return (f"request {i}: window_kv_offsets {offsets[i]}, expected {n - got.numel()} (its window's "
+                    f"{got.numel()} keys end its {n})")
     return None
 
 
@@ -125,6 +157,10 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
         if not torch.equal(got[:expected.numel()], expected):
             first = int(torch.nonzero(got[:expected.numel()] != expected)[0])
             return f"custom_mask differs from the draft trees at flat entry {first}"
+    if meta.window_kv_indptr is not None:
+        problem = _window_problem(meta, fb, keys, real)
+        if problem:
+            return problem
     chunk = meta.chunk or {}
     if "qo_indptr" in chunk:
         problem = _indptr_problem("mha chunk qo_indptr", chunk["qo_indptr"], T, B)
@@ -190,8 +226,12 @@ def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) 
                 return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
         return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant")
     leaves = planned_leaves(*planned(composition, spec, device))
+    unread = []
     for backend, fb in leaves:
-        problem = check_plan(backend.planned_metadata(), fb)
+        plan = backend.planned_metadata()
+        problem = check_plan(plan, fb)
         if problem:
             return Verdict(NAME, False, f"{type(backend).__name__}: {problem}")
-    return Verdict(NAME, True, f"{len(leaves)} plan(s) satisfy every invariant")
+        unread += [f"{type(backend).__name__}.{name}" for name in plan.unread]
+    return Verdict(NAME, True, f"{len(leaves)} plan(s) satisfy every invariant" +
+                   (f"; fields no invariant reads: {', '.join(unread)}" if unread else ""))

@@ -169,15 +169,24 @@ def _window_inside_extend(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 def _draft_extend_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A draft extend whose worst element is in a sliding-window layer: SGLang 0.5.22's Triton draft-extend graph
-    builds no window KV list (docs/findings/sglang-triton-draft-extend-graph-window.md). Compiled on a GPU, the
-    kernel is handed that list as None and fails to compile at its window branch's index load (CompilationError:
-    'NoneType' object has no attribute 'type'; an H200, 0.5.14), before any output exists."""
+    """A draft extend whose worst element is in a sliding-window layer, or whose plan has no window list: SGLang
+    0.5.22's Triton draft-extend graph builds no window KV list
+    (docs/findings/sglang-triton-draft-extend-graph-window.md). Compiled on a GPU, the kernel is handed that list as
+    None and fails to compile at its window branch's index load (CompilationError: 'NoneType' object has no attribute
+    'type'; an H200, 0.5.14), before any output exists."""
     if spec.mode is not ForwardMode.DRAFT_EXTEND:
         return False
     if "CompilationError" in verdict.reason and "SLIDING_WINDOW_SIZE" in verdict.reason:
         return any(getattr(layer, "sliding_window", None) is not None for layer in spec.layers)
-    return getattr(_failing_layer(spec, verdict), "sliding_window", None) is not None
+    return _window_list_unplanned(spec, verdict) or \
+        getattr(_failing_layer(spec, verdict), "sliding_window", None) is not None
+
+
+def _window_list_unplanned(spec: BatchSpec, verdict: Verdict) -> bool:
+    """The plan of a batch with sliding-window layers has a window indptr but no window list (the metadata properties'
+    words, properties/metadata.py): the same missing list the outputs of a window layer show."""
+    return "window_kv_indptr planned without window_kv_indices" in verdict.reason and \
+        any(getattr(layer, "sliding_window", None) is not None for layer in spec.layers)
 
 
 def _tree_not_chain(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -211,11 +220,11 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 def _draft_decode_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A draft loop whose worst element is in a sliding-window layer: up to 0.5.22 SGLang's Triton draft steps plan
-    no window KV list (docs/findings/sglang-triton-draft-decode-window.md), so a window layer reads an empty or stale
-    one."""
-    return spec.mode is ForwardMode.DRAFT_DECODE and \
-        getattr(_failing_layer(spec, verdict), "sliding_window", None) is not None
+    """A draft loop whose worst element is in a sliding-window layer, or whose step plans have no window list: up to
+    0.5.22 SGLang's Triton draft steps plan no window KV list (docs/findings/sglang-triton-draft-decode-window.md), so
+    a window layer reads an empty or stale one."""
+    window_layer = getattr(_failing_layer(spec, verdict), "sliding_window", None) is not None
+    return spec.mode is ForwardMode.DRAFT_DECODE and (window_layer or _window_list_unplanned(spec, verdict))
 
 
 def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:

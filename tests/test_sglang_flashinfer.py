@@ -242,3 +242,27 @@ def test_an_mla_dflash_verify_replay_is_read_from_the_host_indptrs_sglang_rebuil
     assert plan.kv_indptr.tolist() == [0, 3, 5] and plan.kv_indices.tolist() == [4, 5, 6, 8, 9]
     leaf.inner._build_fast_verify_plan_kwargs = lambda **kwargs: None  # an EAGLE verify: the wrapper's own plan
     assert leaf.planned_metadata().kv_indptr.tolist() == [0, 3, 6]
+
+
+def test_a_window_models_window_wrapper_is_read_beside_the_full_one():
+    """With a sliding window SGLang plans two wrappers, the first for window layers (_get_wrapper_idx): its lists are
+    read as the plan's window lists, checked as the window invariant checks them (properties/metadata.py); without a
+    window, or with one wrapper, the plan is the full wrapper's alone."""
+    from backends.sglang.flashinfer import graph_plan, with_window
+    from batch.spec import ForwardMode
+    from properties.metadata import check_plan
+
+    window, full = _wrapper([0, 3, 5], [8, 3, 1, 2, 9], qo=[0, 1, 2]), _wrapper([0, 4, 6], [7, 8, 3, 1, 4, 2])
+    fb = SimpleNamespace(batch_size=2, extend_num_tokens=2, num_padding=0, extend_seq_lens_cpu=[1, 1],
+                         extend_prefix_lens_cpu=[3, 1], state_slots=None, page_size=1, forward_mode=ForwardMode.DECODE,
+                         req_to_token=torch.tensor([[7, 8, 3, 1], [4, 2, 0, 0]]), req_pool_indices=torch.tensor([0, 1]),
+                         seq_lens_cpu=torch.tensor([4, 2]), spec_info=None)
+    backend = SimpleNamespace(decode_cuda_graph_metadata={2: [window, full]})
+    plan = graph_plan(backend, SimpleNamespace(forward_mode=_Mode("DECODE"), batch_size=2), window=3)
+    assert plan.window == 3 and plan.window_kv_indices.tolist() == [8, 3, 1, 2, 9]
+    # request 1's window list holds a slot of another row: named by the same check as Triton's
+    assert check_plan(plan, fb) == ("request 1: window_kv_indices hold [2, 9]..., expected the last 2 of its 2 keys' "
+                                    "slots [4, 2]...")
+    window._paged_kv_indices_buf = torch.tensor([8, 3, 1, 4, 2])
+    assert check_plan(graph_plan(backend, SimpleNamespace(forward_mode=_Mode("DECODE"), batch_size=2), 3), fb) is None
+    assert with_window(plan, [full], 3) is plan and with_window(plan, [window, full], None) is plan

@@ -763,10 +763,15 @@ class SglangBackend(_SglangObject):
         sfb = next(iter(self.batches.values()))
         mode = sfb.forward_mode
         if meta is not None and hasattr(meta, "kv_indptr"):
+            # A sliding-window layer reads its own lists (window_kv_*) where the backend has a window; without one
+            # they are unplanned and no layer reads them
+            window = getattr(planner, "sliding_window_size", None) or 0
+            windowed = {name: getattr(meta, name, None) if window > 0 else None for name in TRITON_WINDOW_FIELDS}
             plan = PlannedMetadata(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
                                    kv_indices=meta.kv_indices, kv_includes_new_tokens=mode.is_decode_or_idle(),
                                    custom_mask=getattr(meta, "custom_mask", None),
-                                   mask_indptr=getattr(meta, "mask_indptr", None))
+                                   mask_indptr=getattr(meta, "mask_indptr", None), **windowed,
+                                   window=window or None, unread=unread_fields(meta, TRITON_READ))
             # A graph's buffers are sized for its largest capture; a DFlash verify's kv_indices from the host lengths
             # its worker widened by the block (seq_lens_sum, triton_backend.py: "over-allocate is safe"). Either is
             # read as far as its kv_indptr says.
@@ -780,6 +785,18 @@ class SglangBackend(_SglangObject):
             return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree,
                                         graph=self.planned_graph)
         return PlannedMetadata()
+
+
+# Triton's ForwardMetadata (triton_backend.py): the fields its inspectable form reads (the window's under a window)
+TRITON_WINDOW_FIELDS = ("window_kv_indptr", "window_kv_indices", "window_kv_offsets")
+TRITON_READ = frozenset({"qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr", *TRITON_WINDOW_FIELDS})
+
+
+def unread_fields(meta, read) -> tuple[str, ...]:
+    """The tensor fields of an engine's plan object that its inspectable form does not read: the metadata property
+    lists them (scratch buffers such as Triton's attn_logits among them), so what no invariant checks is said."""
+    fields = vars(meta) if hasattr(meta, "__dict__") else {}
+    return tuple(sorted(name for name, value in fields.items() if isinstance(value, torch.Tensor) and name not in read))
 
 
 def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True, graph: bool = False) -> PlannedMetadata:

@@ -26,6 +26,8 @@ up-projections (``w_kc``, ``w_vc``: the model's ``kv_b_proj``) are the model's, 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from backends.base import Capabilities, PlannedMetadata
@@ -94,7 +96,7 @@ def graph_wrappers(backend, sfb) -> list | None:
     return None
 
 
-def graph_plan(backend, sfb) -> PlannedMetadata | None:
+def graph_plan(backend, sfb, window: int | None = None) -> PlannedMetadata | None:
     """The plan a replayed graph of ``sfb`` runs with (None: none captured for its size and mode): its full-attention
     wrapper's, over every key (graphs plan paged wrappers only). An MLA decode replay plans from host indptrs
     (``fast_mla_decode_plan``, handed ``fast_decode_kwargs`` by ``_apply_cuda_graph_metadata``) and refills only the
@@ -119,7 +121,17 @@ def graph_plan(backend, sfb) -> PlannedMetadata | None:
         return PlannedMetadata(qo_indptr=host["qo_indptr_cpu"], kv_indptr=kv_indptr,
                                kv_indices=wrappers[-1]._kv_indices_buf[:int(kv_indptr[-1])],
                                kv_includes_new_tokens=True)
-    return wrapper_plan(wrappers[-1], kv_includes_new_tokens=True)
+    return with_window(wrapper_plan(wrappers[-1], kv_includes_new_tokens=True), wrappers, window)
+
+
+def with_window(plan: PlannedMetadata, wrappers, window: int | None) -> PlannedMetadata:
+    """``plan`` (the full-attention wrapper's) with the sliding-window wrapper's key lists, where the model has a
+    ``window`` (the runner's sliding_window_size) and SGLang plans two wrappers (``_get_wrapper_idx``: the first for
+    window layers): the window layers read those, each request's last keys of the same range."""
+    if len(wrappers) < 2 or not window or window <= 0:
+        return plan
+    own = wrapper_plan(wrappers[0], kv_includes_new_tokens=plan.kv_includes_new_tokens)
+    return replace(plan, window_kv_indptr=own.kv_indptr, window_kv_indices=own.kv_indices, window=window)
 
 
 class SglangFlashInfer(SglangBackend):
@@ -154,16 +166,19 @@ class SglangFlashInfer(SglangBackend):
         """The plan of the wrapper full-attention layers run: FlashInfer's decode wrapper, or its paged prefill
         wrapper (over the prefix when the new tokens go through the ragged wrapper, else over every key).
         With a sliding window SGLang plans two wrappers; the second is the full-attention one
-        (``_get_wrapper_idx``)."""
-        plan = graph_plan(self.inner, next(iter(self.batches.values()))) if self.planned_graph else None
+        (``_get_wrapper_idx``), the first the window layers' (:func:`with_window`)."""
+        window = self.sgl_runner.sliding_window_size
+        plan = graph_plan(self.inner, next(iter(self.batches.values())), window) if self.planned_graph else None
         if plan is not None:
             return plan
         meta = getattr(self.inner, "forward_metadata", None)
         if meta is None:
             return PlannedMetadata()
         if hasattr(meta, "decode_wrappers"):
-            return wrapper_plan(meta.decode_wrappers[-1], kv_includes_new_tokens=True)
-        return wrapper_plan(meta.prefill_wrappers[-1], kv_includes_new_tokens=not meta.use_ragged)
+            return with_window(wrapper_plan(meta.decode_wrappers[-1], kv_includes_new_tokens=True),
+                               meta.decode_wrappers, window)
+        return with_window(wrapper_plan(meta.prefill_wrappers[-1], kv_includes_new_tokens=not meta.use_ragged),
+                           meta.prefill_wrappers, window)
 
 
 def _mla_radix(backend, layer, absorbed: bool):

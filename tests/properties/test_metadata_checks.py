@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from backends.registry import parse
@@ -32,3 +33,38 @@ def test_a_verify_plans_mask_offsets_are_checked(device):
     shifted = meta.qo_indptr.clone()
     shifted[1] += 1  # a boundary moved by one token: the totals still agree
     assert check_plan(dataclasses.replace(meta, qo_indptr=shifted), fb).startswith("qo_indptr steps")
+
+
+# Two requests with more keys than a window of 6 and one with fewer; a full layer beside the window layer (SGLang has
+# one window per model, and plans one window list for its window layers)
+WINDOWED = BatchSpec(ForwardMode.DECODE, (11, 3, 9), (1, 1, 1),
+                     (MHALayer(0, 4, 2, 32, 32, sliding_window=6), MHALayer(1, 4, 2, 32, 32)), seed=5)
+
+
+@pytest.mark.skipif(parse("sglang.triton").unavailable_reason("cpu") is not None,
+                    reason=str(parse("sglang.triton").unavailable_reason("cpu")))
+def test_a_window_layers_own_key_lists_are_checked():
+    """SGLang's Triton plans a sliding-window layer's keys apart (window_kv_indptr/indices): each request's list must
+    be the last keys of its range, at least the window's worth; a list from the row's start, one cut short, one
+    planned without its indices, and wrong offsets are each named."""
+    (backend, fb), = planned_leaves(*planned(parse("sglang.triton"), WINDOWED, "cpu"))
+    meta = backend.planned_metadata()
+    assert meta.window == 6 and meta.window_kv_indptr is not None and check_plan(meta, fb) is None
+    lens = meta.window_kv_indptr.diff().tolist()
+    assert lens == [6, 4, 6], lens  # min(keys, window): decode's keys include the new token
+    assert "attn_logits" in meta.unread and "num_kv_splits" in meta.unread  # said, not silently skipped
+    row = fb.req_to_token[fb.req_pool_indices[0]].to("cpu", torch.int64)
+    from_start = meta.window_kv_indices.clone()
+    from_start[:6] = row[:6].to(from_start.device)  # request 0's first six slots, not its last six
+    problem = check_plan(dataclasses.replace(meta, window_kv_indices=from_start), fb)
+    assert problem.startswith("request 0: window_kv_indices hold") and "expected the last 6 of its 12 keys" in problem
+    short = meta.window_kv_indptr.clone()
+    short[1:] -= 1  # request 0's list one key short of the window (the rest shifted with it)
+    problem = check_plan(dataclasses.replace(meta, window_kv_indptr=short, window_kv_indices=meta.window_kv_indices[1:]),
+                         fb)
+    assert problem == "request 0: 5 window keys, expected at least min(12 keys, window 6) = 6 and at most 12"
+    assert check_plan(dataclasses.replace(meta, window_kv_indices=None), fb) == \
+        "window_kv_indptr planned without window_kv_indices"
+    offsets = torch.tensor([6, 0, 3])  # each list's start in its range: 12 - 6, 4 - 4, 10 - 6 (the last one wrong)
+    problem = check_plan(dataclasses.replace(meta, window_kv_offsets=offsets), fb)
+    assert problem == "request 2: window_kv_offsets 3, expected 4 (its window's 6 keys end its 10)"
