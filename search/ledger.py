@@ -85,12 +85,24 @@ def _spec_window_unplanned(spec: BatchSpec, verdict: Verdict) -> bool:
     """A speculative batch on FlashInfer whose window was planned out (docs/findings/sglang-flashinfer-spec-window-
     unplanned.md), failing at a token its window does not hold all of: a tree-mask verify (EAGLE's, frozen-KV MTP's,
     n-gram's verify input) or a graphed draft extend is handed no start index for its request's trimmed keys, so any
-    token, the first too, is wrong once its request's prefix and its offset pass the window."""
+    token, the first too, is wrong once its request's prefix and its offset pass the window. Its plan shows the same:
+    a trimmed request's window list is not the last keys of its range (:func:`_window_list_not_last`)."""
+    if spec.spec is not None and spec.spec.algorithm != "dflash" and _window_list_not_last(spec, verdict):
+        return True
     found = _failing_window_token(spec, verdict)
     if found is None or spec.spec.algorithm == "dflash":
         return False
     request, offset, window = found
     return spec.prefix_lens[request] + offset > window
+
+
+def _window_list_not_last(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A plan's window list of a request trimmed to fewer keys than its range holds, not those last keys (the metadata
+    properties' words, properties/metadata.py), in a batch with a sliding-window layer."""
+    found = re.search(r"request \d+: window_kv_indices hold .* expected the last (\d+) of its (\d+) keys",
+                      verdict.reason)
+    return found is not None and int(found.group(1)) < int(found.group(2)) and \
+        any(getattr(layer, "sliding_window", None) is not None for layer in spec.layers)
 
 
 def _dflash_verify_window_by_request(spec: BatchSpec, verdict: Verdict) -> bool:
