@@ -719,7 +719,18 @@ def _build_linear(case, composition, device: str, case_path: Path | None, kind) 
     from properties.tolerances import layer_bound, widen_for_cancellation
     from properties.verdict import Worst, compare, token_starts
 
+    from backends.sglang.features import version_key
+    from search.ledger import engine_version
+
     spec, name = case.spec, kind.LAYER_KIND
+    installed = engine_version()
+    if installed is not None and version_key(installed) < version_key(kind.KIT_SINCE):
+        # The kits of older releases build their runners and hand their layers the gates otherwise (0.5.16's KDA kit
+        # has no resolve_linear_attn_backends, and its model sigmoids beta before the layer): a file written here
+        # would fail on its own imports or inputs, not by the case's mechanism
+        raise UsageError(f"cannot export {case.composition} {case.property} on SGLang {installed}: the file builds "
+                         f"with the {kind.KIT_NAME} as SGLang {kind.KIT_SINCE} and later ship it (export it on such a "
+                         f"release, where the bug lives there)")
     # The file runs one linear layer: a case that failed at a layer of another kind would pass there
     failed_at = re.match(r"layer (\d+)", (case.verdict or {}).get("where") or "")
     kinds = {layer.layer_id: layer.kind for layer in spec.layers}

@@ -90,7 +90,7 @@ def record(block, projected, sfb, pool, full_attn_layers) -> KdaCall:
         conv.detach().cpu().clone(), attn.A_log.detach().reshape(-1).cpu().clone(),
         attn.dt_bias.detach().reshape(-1).cpu().clone(),
         {"num_heads": attn.num_v_heads, "head_k_dim": attn.head_k_dim, "head_v_dim": attn.head_v_dim,
-         "activation": attn.activation, "lower_bound": attn.lower_bound,
+         "activation": attn.activation, "lower_bound": getattr(attn, "lower_bound", None),
          "full_attn_layers": [int(i) for i in full_attn_layers]},
         cache.conv[0][slots].detach().cpu().clone(), cache.temporal[slots].detach().cpu().clone())
 

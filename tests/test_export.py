@@ -572,6 +572,21 @@ def test_a_lightning_hybrid_case_that_failed_at_a_full_attention_layer_is_one_li
 
 
 @needs_kit
+def test_a_kda_case_on_a_release_before_its_files_kit_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    """0.5.16's KDA kit builds its runner otherwise and its model hands the layer beta already through the sigmoid: a
+    file written there would fail on its imports, not by the case's mechanism. Refused before anything is replayed."""
+    import search.ledger
+
+    monkeypatch.setattr(search.ledger, "engine_version", lambda: "0.5.16")
+    assert main(["export", str(ROOT / "docs/findings/cases/sglang-kda-chunk-mixed-exp-bases.json"), "--out",
+                 str(tmp_path / "test_x.py")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "on SGLang 0.5.16: the file builds with the KDA unit-test kit as SGLang " \
+        "0.5.22 and later ship it" in err, err
+    assert not (tmp_path / "test_x.py").exists()
+
+
+@needs_kit
 def test_a_crash_of_the_projects_own_code_in_the_replay_is_never_handed_over_as_sglangs(tmp_path, monkeypatch):
     """The idle lightning case crashes inside SGLang, and its file shows that crash; a crash of the harness's own code
     during the same replay (here the recorder's) is the harness's error: it propagates, and no file is written."""
