@@ -658,7 +658,8 @@ def _build_metadata(case, composition, device: str, case_path: Path | None) -> E
     header = _header(case, device, case_path, verdict.reason, export_metadata.server_configuration(
         leaf, spec, graph, checked["batch_size"]), f"{'fails' if not verdict.ok else 'passes'}: {verdict.reason}",
         f"SGLang {KIT_SINCE} or newer, whose wheel ships the attention unit-test kit this file builds with")
-    source = _source_of("_indptr_problem", "_sizes_problem", "check_plan", module="properties.metadata")
+    source = _source_of("_indptr_problem", "_sizes_problem", "_window_problem", "check_plan",
+                        module="properties.metadata")
     text = header + export_metadata.METADATA.substitute(
         kit_import=KIT_IMPORT.substitute(module="dense_attention", kit="attention unit-test kit", since=KIT_SINCE),
         backend=leaf, dtype=spec.dtype, page_size=spec.page_size, radix=repr(radix), graph=graph,

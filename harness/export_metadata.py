@@ -90,20 +90,25 @@ WHERE = $where  # where the harness's verdict says the plan was made
 $check_source
 
 
-def plan_of(meta, mode):
+def plan_of(meta, mode, window):
     """The backend's forward_metadata as the harness's adapter reads it (backends/sglang/adapter.py
     planned_metadata): token-level indptrs and slots; a decode plan lists the new token's key too (SGLang writes it
-    before the kernel reads). A graph's buffers are sized for its largest capture: read as far as kv_indptr says."""
+    before the kernel reads); with a sliding ``window``, its layers' own lists. A graph's buffers are sized for its
+    largest capture: read as far as kv_indptr says."""
+    windowed = {name: getattr(meta, name, None) if window else None
+                for name in ("window_kv_indptr", "window_kv_indices", "window_kv_offsets")}
     plan = types.SimpleNamespace(qo_indptr=getattr(meta, "qo_indptr", None), kv_indptr=meta.kv_indptr,
                            kv_indices=meta.kv_indices, kv_last_page_len=None, kv_indices_are_pages=False,
                            kv_includes_new_tokens=mode.is_decode_or_idle(),
                            custom_mask=getattr(meta, "custom_mask", None),
                            mask_indptr=getattr(meta, "mask_indptr", None), state_slots=None, chunk={},
-                           key_lens=None, key_indptr=None)
+                           key_lens=None, key_indptr=None, window=window or None, **windowed)
     if GRAPH:
         plan.kv_indices = plan.kv_indices[:int(plan.kv_indptr[-1])]
         if plan.custom_mask is not None and plan.mask_indptr is not None:
             plan.custom_mask = plan.custom_mask[:int(plan.mask_indptr[-1])]
+        if plan.window_kv_indptr is not None and plan.window_kv_indices is not None:
+            plan.window_kv_indices = plan.window_kv_indices[:int(plan.window_kv_indptr[-1])]
     return plan
 
 
@@ -186,7 +191,7 @@ def test_plan_satisfies_the_metadata_invariants():
                                req_pool_indices=torch.tensor(EXPECTED["req_pool_indices"]), req_to_token=table,
                                forward_mode=mode, spec_info=None, state_slots=None,
                                seq_lens_cpu=torch.tensor(EXPECTED["seq_lens_cpu"]))
-    problem = check_plan(plan_of(meta, mode), expected)
+    problem = check_plan(plan_of(meta, mode, getattr(backend, "sliding_window_size", None) or 0), expected)
     assert problem is None, f"{WHERE}{type(backend).__name__}: {problem}"
     if GRAPH:
         try:  # SGLang's own check of a replayed plan, where the kit has it

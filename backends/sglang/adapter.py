@@ -792,6 +792,11 @@ TRITON_WINDOW_FIELDS = ("window_kv_indptr", "window_kv_indices", "window_kv_offs
 TRITON_READ = frozenset({"qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr", *TRITON_WINDOW_FIELDS})
 
 
+# FlashAttention's FlashAttentionMetadata (flashattention_backend.py): the fields its inspectable form reads (its
+# sliding-window tables, swa_page_table and pa_swa_*, are among those listed as unread)
+FLASH_ATTENTION_READ = frozenset({"cache_seqlens_int32", "cu_seqlens_q", "cu_seqlens_k", "page_table"})
+
+
 def unread_fields(meta, read) -> tuple[str, ...]:
     """The tensor fields of an engine's plan object that its inspectable form does not read: the metadata property
     lists them (scratch buffers such as Triton's attn_logits among them), so what no invariant checks is said."""
@@ -816,7 +821,8 @@ def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True,
     return PlannedMetadata(qo_indptr=meta.cu_seqlens_q, kv_indptr=indptr,
                            kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
                            kv_indices_are_pages=page_size > 1, kv_includes_new_tokens=includes_new_tokens,
-                           key_lens=meta.cache_seqlens_int32, key_indptr=None if graph else meta.cu_seqlens_k)
+                           key_lens=meta.cache_seqlens_int32, key_indptr=None if graph else meta.cu_seqlens_k,
+                           unread=unread_fields(meta, FLASH_ATTENTION_READ))
 
 
 class SglangTorchNative(SglangBackend):
