@@ -119,12 +119,8 @@ def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: st
     if prop in export_metadata.PROPERTIES:
         return export_metadata.exportable_reason(_plan_leaf(composition, prop), prop, mode, kv_cache_dtype)
     kind, full = _linear_kind(composition)
-    if kind is export_lightning:
-        return export_lightning.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
-                                                  KV_CACHE_DTYPES)
-    if kind is export_kda:
-        return export_kda.exportable_reason(full, list(DENSE_LEAVES.values()), prop, mode, kv_cache_dtype,
-                                            KV_CACHE_DTYPES)
+    if kind is not None:
+        return _linear_exportable_reason(kind, full, prop, mode, kv_cache_dtype)
     leaf, tbo = dense_leaf(composition)
     if leaf is None:
         return (f"export covers the dense SGLang leaves ({', '.join(DENSE_LEAVES)}), two-batch overlap over one, and "
@@ -682,12 +678,26 @@ def _literal(value) -> str:
 
 def _linear_kind(composition: str):
     """The export module of a linear hybrid's composition (harness/export_lightning.py, harness/export_kda.py) and
-    its full-attention leaf, or (None, None)."""
+    its full-attention leaf's SGLang name, or (None, None)."""
     for kind in (export_lightning, export_kda):
-        full = kind.full_leaf(composition)
-        if full is not None:
-            return kind, full
+        m = kind.COMPOSITION.match(composition)
+        if m:
+            return kind, m.group(1)
     return None, None
+
+
+def _linear_exportable_reason(kind, full: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
+    """Why a linear hybrid's case of this kind cannot be exported, or None."""
+    if full not in DENSE_LEAVES.values():
+        return (f"export covers a {kind.NAME} hybrid over a dense leaf ({', '.join(DENSE_LEAVES.values())}), not "
+                f"sglang.{full}")
+    if prop != "outputs":
+        return f"export covers the outputs property of a {kind.NAME} hybrid, not {prop}"
+    if mode not in kind.MODES:
+        return f"export covers {', '.join(kind.MODES)} batches of a {kind.NAME} hybrid, not {mode}{kind.MODES_NOTE}"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        return f"export covers a KV cache of {' or '.join(KV_CACHE_DTYPES)}, not {kv_cache_dtype}"
+    return None
 
 
 def _lightning_fields(spec, call, device: str) -> tuple[dict, dict]:
@@ -779,7 +789,7 @@ def _build_linear(case, composition, device: str, case_path: Path | None, kind) 
                if value > limit]
         headline = (f"{bad[0]} out of bounds at {worst.where}" if bad else
                     f"within bounds on this engine (worst at {measured[layer_id][0]:.2f} of a bound)")
-    full = kind.full_leaf(case.composition)
+    _, full = _linear_kind(case.composition)
     own, tensors = LINEAR_FIELDS[name](spec, call, device)
     inline = sum(t.numel() for t in tensors.values()) <= INLINE_ELEMENTS
     header = _header(case, device, case_path, headline, kind.server_configuration(full, spec, call),
@@ -790,10 +800,11 @@ def _build_linear(case, composition, device: str, case_path: Path | None, kind) 
         full=full, mode_upper=SGLANG_MODE.get(spec.mode.value, spec.mode.value.upper()),
         dtype=spec.dtype, page_size=spec.page_size, prefix_lens=list(spec.prefix_lens),
         new_lens=list(spec.extend_lens), layer_id=layer_id,
-        rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
-        state_rel_l2_bound=repr(state_bound.rel_l2), state_element_factor=repr(state_bound.element),
-        bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
-        state_bound_reason=textwrap.fill(state_bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
+        bounds=LINEAR_BOUNDS.substitute(
+            states=kind.STATES, rel_l2_bound=repr(bound.rel_l2), element_factor=repr(bound.element),
+            state_rel_l2_bound=repr(state_bound.rel_l2), state_element_factor=repr(state_bound.element),
+            bound_reason=textwrap.fill(bound.reason, 106, initial_indent="# ", subsequent_indent="# "),
+            state_bound_reason=textwrap.fill(state_bound.reason, 106, initial_indent="# ", subsequent_indent="# ")),
         data=("TENSORS = {\n" + "\n".join(_tensor_source(k, t) for k, t in tensors.items()) + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
         check=LINEAR_CHECK, **own)
@@ -1446,6 +1457,16 @@ from triton.runtime import interpreter  # noqa: E402
 
 interpreter.InterpreterBuilder.create_fp_to_fp = _fp8_downcaster(interpreter.InterpreterBuilder.create_fp_to_fp)
 """
+# A linear-attention file's bounds and their reasons (harness/export_lightning.py, harness/export_kda.py)
+LINEAR_BOUNDS = string.Template('''# The output bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
+$bound_reason
+# The element bound is ELEMENT_FACTOR times the largest |output| of the layer's float64 reference.
+REL_L2_BOUND = $rel_l2_bound
+ELEMENT_FACTOR = $element_factor
+# $states, against the same float64 reference:
+$state_bound_reason
+STATE_REL_L2_BOUND = $state_rel_l2_bound
+STATE_ELEMENT_FACTOR = $state_element_factor''')
 # A linear-attention file's check of its outputs and states (harness/export_lightning.py, harness/export_kda.py)
 LINEAR_CHECK = '''def check(actual, expected, rel_l2_bound, element_factor, what):
     """``actual`` within the bounds of the float64 ``expected``: relative L2, and each element within

@@ -27,6 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+# What the file checks besides the outputs (its bounds block, harness/export.py LINEAR_BOUNDS)
+STATES = "Each request's recurrent and conv states after the batch"
+NAME = "KDA"  # in the refusal lines of export
+MODES_NOTE = " (a verify's per-token states are not exported yet)"  # why the other modes are refused
 LAYER_KIND = "kda"
 # hybrid(sglang.X,sglang.kda): X is the full-attention leaf
 COMPOSITION = re.compile(r"^hybrid\(sglang\.(\w+),sglang\.kda\)$")
@@ -36,25 +40,6 @@ KIT_MODULE, KIT_NAME = "kda_attention", "KDA unit-test kit"
 KIT_SINCE = "0.5.22"
 STEP = {"extend": "a prefill (extend) step", "mixed": "a mixed prefill+decode step (--enable-mixed-chunk)",
         "decode": "a decode step"}
-
-
-def full_leaf(composition: str) -> str | None:
-    """The full-attention leaf's SGLang name of a KDA hybrid composition, or None for any other."""
-    m = COMPOSITION.match(composition)
-    return m.group(1) if m else None
-
-
-def exportable_reason(full: str, dense_leaves, prop: str, mode: str, kv_cache_dtype: str, kv_dtypes) -> str | None:
-    if full not in dense_leaves:
-        return f"export covers a KDA hybrid over a dense leaf ({', '.join(dense_leaves)}), not sglang.{full}"
-    if prop != "outputs":
-        return f"export covers the outputs property of a KDA hybrid, not {prop}"
-    if mode not in MODES:
-        return (f"export covers {', '.join(MODES)} batches of a KDA hybrid, not {mode} (a verify's per-token states "
-                f"are not exported yet)")
-    if kv_cache_dtype not in kv_dtypes:
-        return f"export covers a KV cache of {' or '.join(kv_dtypes)}, not {kv_cache_dtype}"
-    return None
 
 
 @dataclass
@@ -149,15 +134,7 @@ LAYER = $layer
 LAYER_ID = $layer_id
 CONV_WIDTH = $conv_width
 KV_CACHE_DTYPE = "$kv_cache_dtype"  # SGLang's --kv-cache-dtype (the full-attention layers' cache; a KDA layer has none)
-# The output bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
-$bound_reason
-# The element bound is ELEMENT_FACTOR times the largest |output| of the layer's float64 reference.
-REL_L2_BOUND = $rel_l2_bound
-ELEMENT_FACTOR = $element_factor
-# Each request's recurrent and conv states after the batch, against the same float64 layer:
-$state_bound_reason
-STATE_REL_L2_BOUND = $state_rel_l2_bound
-STATE_ELEMENT_FACTOR = $state_element_factor
+$bounds
 
 # mixed_qkv [T, 2HK + HV] (q heads, k heads, v heads, before the conv), a [T, HK], b [T, H] as Kimi Linear's layer
 # hands them over; the layer's conv_weight [2HK + HV, W], A_log [H], dt_bias [HK]; each request's states in SGLang's

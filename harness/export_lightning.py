@@ -20,10 +20,13 @@ harness/export.py replays the case, records and renders, as for every other kind
 from __future__ import annotations
 
 import re
-import string
 
 from backends.sglang.runtime import SERVER_ALGORITHMS
 
+# What the file checks besides the outputs (its bounds block, harness/export.py LINEAR_BOUNDS)
+STATES = "Each request's state after the batch (a verify: after each draft token)"
+NAME = "lightning"  # in the refusal lines of export
+MODES_NOTE = ""  # why the other modes are refused
 LAYER_KIND = "lightning"
 # hybrid(sglang.X,sglang.lightning): X is the full-attention leaf
 COMPOSITION = re.compile(r"^hybrid\(sglang\.(\w+),sglang\.lightning\)$")
@@ -35,24 +38,6 @@ STEP = {"extend": "a prefill (extend) step", "mixed": "a mixed prefill+decode st
         "decode": "a decode step", "target_verify": "the target model's verify of an EAGLE draft chain",
         "idle": "an idle step (a data-parallel attention rank without requests while the others run: "
                 "--enable-dp-attention)"}
-
-
-def full_leaf(composition: str) -> str | None:
-    """The full-attention leaf's SGLang name of a lightning hybrid composition, or None for any other."""
-    m = COMPOSITION.match(composition)
-    return m.group(1) if m else None
-
-
-def exportable_reason(full: str, dense_leaves, prop: str, mode: str, kv_cache_dtype: str, kv_dtypes) -> str | None:
-    if full not in dense_leaves:
-        return f"export covers a lightning hybrid over a dense leaf ({', '.join(dense_leaves)}), not sglang.{full}"
-    if prop != "outputs":
-        return f"export covers the outputs property of a lightning hybrid, not {prop}"
-    if mode not in MODES:
-        return f"export covers {', '.join(MODES)} batches of a lightning hybrid, not {mode}"
-    if kv_cache_dtype not in kv_dtypes:
-        return f"export covers a KV cache of {' or '.join(kv_dtypes)}, not {kv_cache_dtype}"
-    return None
 
 
 def server_configuration(full: str, spec, call) -> str:
@@ -104,15 +89,7 @@ LAYER = $layer
 LAYER_ID = $layer_id
 KV_CACHE_DTYPE = "$kv_cache_dtype"  # SGLang's --kv-cache-dtype (a linear layer keeps no KV cache)
 DRAFT_TOKENS = $draft_tokens  # a verify's draft tokens per request (--speculative-num-draft-tokens)
-# The output bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
-$bound_reason
-# The element bound is ELEMENT_FACTOR times the largest |output| of the layer's float64 reference.
-REL_L2_BOUND = $rel_l2_bound
-ELEMENT_FACTOR = $element_factor
-# Each request's state after the batch (a verify: after each draft token), against the same recurrence:
-$state_bound_reason
-STATE_REL_L2_BOUND = $state_rel_l2_bound
-STATE_ELEMENT_FACTOR = $state_element_factor
+$bounds
 
 # q, k, v [T, H, D] as the model handed them; states [B, H, K, V]: each request's state in SGLang's pool before
 # the layer (key-major, as LightningAttentionBackend keeps it)
