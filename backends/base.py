@@ -471,9 +471,13 @@ class PlannedMetadata:
             out = replace(out, kv_indices=out.kv_indices[:int(out.kv_indptr[-1])])
         if out.custom_mask is not None and out.mask_indptr is not None:
             out = replace(out, custom_mask=out.custom_mask[:int(out.mask_indptr[-1])])
-        if out.window_kv_indptr is not None and out.window_kv_indices is not None:
-            out = replace(out, window_kv_indices=out.window_kv_indices[:int(out.window_kv_indptr[-1])])
-        return out
+        return out.cut_window()
+
+    def cut_window(self) -> "PlannedMetadata":
+        """The window lists cut to where their indptr ends (a buffer a kernel reads as far as its indptr says)."""
+        if self.window_kv_indptr is None or self.window_kv_indices is None:
+            return self
+        return replace(self, window_kv_indices=self.window_kv_indices[:int(self.window_kv_indptr[-1])])
 
 
 class AttentionBackend:

@@ -646,8 +646,10 @@ def _build_metadata(case, composition, device: str, case_path: Path | None) -> E
         p["out_cache_loc"] = loc
         del p["rows"], p["stage"]
     layer = next(layer for layer in spec.layers if layer.kind == "mha")
+    # The model's one window (SGLang plans window lists for it whichever layer has it), not the first layer's
+    window = next((l.sliding_window for l in spec.layers if getattr(l, "sliding_window", None) is not None), None)
     radix = {"num_heads": layer.num_q_heads, "num_kv_heads": layer.num_kv_heads, "head_dim": layer.head_dim,
-             "sliding_window_size": -1 if getattr(layer, "sliding_window", None) is None else layer.sliding_window}
+             "sliding_window_size": -1 if window is None else window}
     where = (f"at replay at {checked['batch_size']} x 1 ({checked['num_padding'] or 0} padded row(s)): " if graph
              else "")
     leaf = _plan_leaf(case.composition, case.property)
@@ -740,8 +742,8 @@ def _build_linear(case, composition, device: str, case_path: Path | None, kind) 
         # has no resolve_linear_attn_backends, and its model sigmoids beta before the layer): a file written here
         # would fail on its own imports or inputs, not by the case's mechanism
         raise UsageError(f"cannot export {case.composition} {case.property} on SGLang {installed}: the file builds "
-                         f"with the {kind.KIT_NAME} as SGLang {kind.KIT_SINCE} and later ship it (export it on such a "
-                         f"release, where the bug lives there)")
+                         f"with the {kind.KIT_NAME} as SGLang {kind.KIT_SINCE} and later ship it (export on such a "
+                         f"release where the bug still lives)")
     # The file runs one linear layer: a case that failed at a layer of another kind would pass there
     failed_at = re.match(r"layer (\d+)", (case.verdict or {}).get("where") or "")
     kinds = {layer.layer_id: layer.kind for layer in spec.layers}
@@ -946,8 +948,8 @@ def _interpreter_cast() -> str:
 def _kda_interpreter() -> str:
     """A KDA file's corrections of Triton's CPU interpreter: the adapter's own shims, copied in, and their install."""
     return KDA_INTERPRETER + _source_of("exp", "exp2", "log", "log2", "_mask_values", "_as_bool", "_torch_dtypes",
-                                       "_as_torch", "_as_handle", "_bf16_cast", "_bf16_dot",
-                                       module="backends.sglang.interpreter_shims") + KDA_INSTALL
+                                       "_as_torch", "_as_handle", "_bf16_cast", "_bf16_dot", "correct_fla",
+                                       "correct_arithmetic", module="backends.sglang.interpreter_shims") + KDA_INSTALL
 
 
 def _class_at_class(cls: type) -> tuple[str, str]:
@@ -1458,7 +1460,8 @@ from triton.runtime import interpreter  # noqa: E402
 interpreter.InterpreterBuilder.create_fp_to_fp = _fp8_downcaster(interpreter.InterpreterBuilder.create_fp_to_fp)
 """
 # A linear-attention file's bounds and their reasons (harness/export_lightning.py, harness/export_kda.py)
-LINEAR_BOUNDS = string.Template('''# The output bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
+LINEAR_BOUNDS = string.Template(
+    '''# The output bound, as the harness derives it (its properties/tolerances.py), for this layer on this device:
 $bound_reason
 # The element bound is ELEMENT_FACTOR times the largest |output| of the layer's float64 reference.
 REL_L2_BOUND = $rel_l2_bound
@@ -1479,8 +1482,11 @@ LINEAR_CHECK = '''def check(actual, expected, rel_l2_bound, element_factor, what
     rel_l2 = (torch.linalg.vector_norm(diff) / torch.linalg.vector_norm(expected).clamp_min(1e-300)).item()
     worst = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     allowed = element_factor * expected.abs().max().item()
-    assert rel_l2 <= rel_l2_bound, f"{what}: relative L2 error {rel_l2:.3g} > bound {rel_l2_bound:.3g} (worst element at {worst}: {actual[worst].item():.6g} vs float64 {expected[worst].item():.6g})"
-    assert diff[worst].item() <= allowed, f"{what}: element error {diff[worst].item():.3g} > bound {allowed:.3g} at {worst}: {actual[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
+    at = f"{actual[worst].item():.6g} vs float64 {expected[worst].item():.6g}"
+    assert rel_l2 <= rel_l2_bound, \\
+        f"{what}: relative L2 error {rel_l2:.3g} > bound {rel_l2_bound:.3g} (worst element at {worst}: {at})"
+    assert diff[worst].item() <= allowed, \\
+        f"{what}: element error {diff[worst].item():.3g} > bound {allowed:.3g} at {worst}: {at}"
 '''
 # A KDA file's corrections of Triton's CPU interpreter for the fla kernels SGLang vendors, as the harness makes them
 # (backends/sglang/interpreter_shims.py, shims 1, 2, 3, 4, 8 and 9; their functions are copied in after this text)
@@ -1507,41 +1513,21 @@ KDA_INSTALL = """
 
 
 def _correct_the_interpreter():
-    import contextlib
     import importlib
     import pkgutil
 
-    from triton.language.extra import libdevice
-    from triton.runtime import autotuner, interpreter
+    from triton.runtime import interpreter
 
     fla = importlib.import_module("sglang.kernels.ops.attention.fla")
     for info in pkgutil.walk_packages(fla.__path__, fla.__name__ + "."):  # every module that may copy an alias
         importlib.import_module(info.name)
-    op = importlib.import_module("sglang.kernels.ops.attention.fla.op")
-    stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
-    aliases = {id(getattr(op, name)): name for name in stand_ins}
-    for module_name, module in list(sys.modules.items()):
-        if module is not None and module_name.startswith("sglang."):
-            for name in stand_ins:
-                if aliases.get(id(getattr(module, name, None))) == name:
-                    setattr(module, name, stand_ins[name])
-    importlib.import_module("sglang.kernels.ops.attention.fla.utils").custom_device_ctx = \\
-        lambda index: contextlib.nullcontext()
-    run = autotuner.Autotuner.run
-
-    def first_config(self, *args, **kwargs):
-        self.configs = self.configs[:1]
-        return run(self, *args, **kwargs)
-
-    autotuner.Autotuner.run = first_config
+    correct_fla(fla.__name__)
+    correct_arithmetic()
     builder = interpreter.InterpreterBuilder
     masked_load, masked_store = builder.create_masked_load, builder.create_masked_store
     builder.create_masked_load = lambda self, ptrs, mask, *rest: masked_load(self, ptrs, _as_bool(mask), *rest)
     builder.create_masked_store = lambda self, ptrs, value, mask, *rest: masked_store(self, ptrs, value,
                                                                                       _as_bool(mask), *rest)
-    libdevice.exp = exp
-    builder.cast_impl = _bf16_cast(builder.cast_impl)
-    builder.create_dot = _bf16_dot(builder.create_dot)
 
 
 _correct_the_interpreter()

@@ -64,12 +64,16 @@ def _sizes_problem(name: str, indptr: torch.Tensor, sizes: list[int], real: int,
 
 def _window_problem(meta: PlannedMetadata, fb: ForwardBatch, keys: list[int], real: int) -> str | None:
     """A sliding-window layer's own key lists (token slots): a valid indptr over them; each real request's list the
-    last keys of the range its full list covers (``keys``), at least the window's worth of them, min(keys, window): a
-    window query reads its window's keys, and the first query of a batch reads window keys before it, at most all;
-    where a backend says where each list starts (``window_kv_offsets``), that is where it starts."""
+    last keys of the range its full list covers (``keys``), at least min(keys, window) of them and at most all;
+    where a backend says where each list starts (``window_kv_offsets``), that is where it starts. The lower bound is
+    the weakest every backend's contract meets: it takes no side on whether a window query reads W keys or W + 1
+    (its own among them), which SGLang's Triton decode and FlashInfer answer differently; the outputs properties
+    settle that against the reference (the ledger's sglang-triton-swa-decode-one-key-short)."""
     B = fb.batch_size
     if meta.window_kv_indices is None:
         return "window_kv_indptr planned without window_kv_indices"
+    if meta.window is None:
+        return "window lists planned without the window they are for"
     problem = _indptr_problem("window_kv_indptr", meta.window_kv_indptr, meta.window_kv_indices.numel(), B)
     if problem:
         return problem
@@ -82,10 +86,13 @@ def _window_problem(meta: PlannedMetadata, fb: ForwardBatch, keys: list[int], re
         if not least <= got.numel() <= n:
             return (f"request {i}: {got.numel()} window keys, expected at least min({n} keys, window {meta.window}) "
                     f"= {least} and at most {n}")
-        expected = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)[n - got.numel():n]
+        row = fb.req_to_token[fb.req_pool_indices[i]].to("cpu", torch.int64)
+        expected = row[n - got.numel():n]
         if not torch.equal(got, expected):
-            return (f"request {i}: window_kv_indices hold {got.tolist()[:8]}..., expected the last {got.numel()} of "
-                    f"its {n} keys' slots {expected.tolist()[:8]}...")
+            # (a list that is the range's first keys, not its last, is named so: a plan handed no start index)
+            first = " (its first ones)" if got.numel() < n and torch.equal(got, row[:got.numel()]) else ""
+            return (f"request {i}: window_kv_indices hold {got.tolist()[:8]}...{first}, expected the last "
+                    f"{got.numel()} of its {n} keys' slots {expected.tolist()[:8]}...")
         if offsets is not None and offsets[i] != n - got.numel():
             return (f"request {i}: window_kv_offsets {offsets[i]}, expected {n - got.numel()} (its window's "
                     f"{got.numel()} keys end its {n})")

@@ -196,12 +196,9 @@ class SglangMultiStepDraft:
                     # from seq_lens_sum, "over-estimate is safe"); under a draft window its kernels read less of it,
                     # as far as kv_indptr says
                     plan = plan.cut_to_indptrs()
-                if plan.window_kv_indptr is not None and plan.window_kv_indices is not None:
-                    # A step's window list is its row of the container's window rail, as wide as every branch's whole
-                    # window (_fill_window_rail: bs x window); its kernels read it as far as its indptr says
-                    plan = dataclasses.replace(
-                        plan, window_kv_indices=plan.window_kv_indices[:int(plan.window_kv_indptr[-1])])
-                plans.append(plan)
+                # A step's window list is its row of the container's window rail, as wide as every branch's whole
+                # window (_fill_window_rail: bs x window); its kernels read it as far as its indptr says
+                plans.append(plan.cut_window())
         finally:
             leaf.inner, leaf.batches, leaf.planned_graph = saved
         return plans

@@ -206,6 +206,45 @@ def _bf16_dot(dot):
     return create_dot
 
 
+def correct_fla(package: str) -> None:
+    """Shims 1 and 2 for the fla kernels vendored at ``package`` (exported KDA files copy this function in): every
+    loaded module's copies of fla's exp/log aliases become the jit stand-ins, and fla's device context a null one."""
+    import contextlib
+    import importlib
+    import sys
+
+    op = importlib.import_module(package + ".op")
+    stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
+    aliases = {id(getattr(op, name)): name for name in stand_ins}
+    for module_name, module in list(sys.modules.items()):  # op itself and every module that copied an alias
+        if module is None or not module_name.startswith("sglang."):
+            continue
+        for name in stand_ins:
+            if aliases.get(id(getattr(module, name, None))) == name:
+                setattr(module, name, stand_ins[name])
+    importlib.import_module(package + ".utils").custom_device_ctx = lambda index: contextlib.nullcontext()
+
+
+def correct_arithmetic() -> None:
+    """Shims 3, 8 and 9 (exported KDA files copy this function in): autotuning keeps its first configuration,
+    bfloat16 dots and casts go through float32 and torch, libdevice's exp is the jit stand-in."""
+    from triton.language.extra import libdevice
+    from triton.runtime import autotuner, interpreter
+
+    run = autotuner.Autotuner.run
+
+    def first_config(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    autotuner.Autotuner.run = first_config
+    libdevice.exp = exp  # shim 9: looked up on the module at each call
+    builder = interpreter.InterpreterBuilder
+    builder.cast_impl = _bf16_cast(builder.cast_impl)
+    builder.create_dot = _bf16_dot(builder.create_dot)
+
+
 def apply() -> None:
     """Install the shims (idempotent). Call after ``import sglang``, before any fla kernel runs."""
     global _APPLIED
@@ -217,19 +256,7 @@ def apply() -> None:
 
     fla = features.chosen("fla_kernels_path")  # where the release vendors them (none: no GDN row on the CPU)
     if fla is not None:
-        package = "sglang.kernels.ops.attention.fla" if fla == "fla_kernels" else "sglang.srt.layers.attention.fla"
-        op = importlib.import_module(package + ".op")
-        fla_utils = importlib.import_module(package + ".utils")
-
-        stand_ins = {"exp": exp, "exp2": exp2, "log": log, "log2": log2}
-        aliases = {id(getattr(op, name)): name for name in stand_ins}
-        for module_name, module in list(sys.modules.items()):  # op itself and every module that copied an alias
-            if module is None or not module_name.startswith("sglang."):
-                continue
-            for name in stand_ins:
-                if aliases.get(id(getattr(module, name, None))) == name:
-                    setattr(module, name, stand_ins[name])
-        fla_utils.custom_device_ctx = lambda index: contextlib.nullcontext()
+        correct_fla("sglang.kernels.ops.attention.fla" if fla == "fla_kernels" else "sglang.srt.layers.attention.fla")
     if features.has("mamba2_model"):
         mixer = importlib.import_module("sglang.srt.layers.attention.mamba.mamba")
         for package in ("sglang.kernels.ops.mamba", "sglang.srt.layers.attention.mamba"):  # 0.5.22 on; before
@@ -246,14 +273,7 @@ def apply() -> None:
                 setattr(mixer, name, kernel)
         if not hasattr(torch.cpu, "device"):
             torch.cpu.device = lambda index: contextlib.nullcontext()
-    run = autotuner.Autotuner.run
-
-    def first_config(self, *args, **kwargs):
-        if len(self.configs) > 1:
-            self.configs = self.configs[:1]
-        return run(self, *args, **kwargs)
-
-    autotuner.Autotuner.run = first_config
+    correct_arithmetic()
 
     from triton.runtime import interpreter
 
@@ -272,11 +292,6 @@ def apply() -> None:
 
     builder.create_masked_load, builder.create_masked_store = load, store
     builder.create_fp_to_fp = _fp8_downcaster(builder.create_fp_to_fp)
-    from triton.language.extra import libdevice
-
-    libdevice.exp = exp  # shim 9: looked up on the module at each call
-    builder.cast_impl = _bf16_cast(builder.cast_impl)
-    builder.create_dot = _bf16_dot(builder.create_dot)
 
     executor = interpreter.GridExecutor
     init_args = executor._init_args_hst

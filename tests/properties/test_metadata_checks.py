@@ -57,11 +57,12 @@ def test_a_window_layers_own_key_lists_are_checked():
     from_start = meta.window_kv_indices.clone()
     from_start[:6] = row[:6].to(from_start.device)  # request 0's first six slots, not its last six
     problem = check_plan(dataclasses.replace(meta, window_kv_indices=from_start), fb)
-    assert problem.startswith("request 0: window_kv_indices hold") and "expected the last 6 of its 12 keys" in problem
+    assert problem.startswith("request 0: window_kv_indices hold") and "(its first ones), expected the last 6 of its " \
+        "12 keys" in problem
     short = meta.window_kv_indptr.clone()
     short[1:] -= 1  # request 0's list one key short of the window (the rest shifted with it)
-    problem = check_plan(dataclasses.replace(meta, window_kv_indptr=short, window_kv_indices=meta.window_kv_indices[1:]),
-                         fb)
+    problem = check_plan(
+        dataclasses.replace(meta, window_kv_indptr=short, window_kv_indices=meta.window_kv_indices[1:]), fb)
     assert problem == "request 0: 5 window keys, expected at least min(12 keys, window 6) = 6 and at most 12"
     assert check_plan(dataclasses.replace(meta, window_kv_indices=None), fb) == \
         "window_kv_indptr planned without window_kv_indices"
