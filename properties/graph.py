@@ -164,7 +164,7 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
     kit checks the plan after replay initialisation too, runner_modes/metadata_invariants.py.) Only the plans are
     made (``GraphRunner.capture_plan``, ``replay_plan``), no layer runs: a plan-level composition
     (``Support.plan_only``) is checked too."""
-    from properties.metadata import check_plan, draft_step_batch, planned_leaves
+    from properties.metadata import check_plan, draft_step_batch, planned_leaves, unread_note
 
     case = materialize(spec, device)
     fb = case.forward_batch
@@ -180,16 +180,20 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
                 return Verdict(GRAPH_METADATA, False, f"at replay {runner.captured} ({padded} padded row(s)): "
                                                       f"draft step {step}: {problem}", where=f"draft step {step}")
         return Verdict(GRAPH_METADATA, True, f"{len(plans)} draft step plan(s) of a replay {runner.captured} "
-                                             f"({padded} padded row(s)) satisfy every invariant")
+                                             f"({padded} padded row(s)) satisfy every invariant" +
+                       unread_note(("draft step", plan) for plan in plans))
     runner = _graph_runner(composition, spec, case, ModelRunner.of(fb, spec.layers))
     runner.capture_plan()
     runner.replay_plan(fb, case.inputs)
     leaves = _replay_leaves(runner.backend, runner.fb)
     padded = runner.bs - spec.batch_size
+    named = []
     for backend, planned_fb in leaves:
-        problem = check_plan(backend.planned_metadata(), planned_fb)
+        plan = backend.planned_metadata()
+        problem = check_plan(plan, planned_fb)
         if problem:
             return Verdict(GRAPH_METADATA, False, f"at replay {runner.captured} ({padded} padded row(s)): "
                                                   f"{type(backend).__name__}: {problem}")
+        named.append((type(backend).__name__, plan))
     return Verdict(GRAPH_METADATA, True, f"{len(leaves)} plan(s) of a replay {runner.captured} ({padded} padded "
-                                         f"row(s)) satisfy every invariant")
+                                         f"row(s)) satisfy every invariant" + unread_note(named))

@@ -223,6 +223,13 @@ def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_reques
                            spec_info=None)
 
 
+def unread_note(named_plans) -> str:
+    """What a passing verdict adds about ``(owner, plan)`` pairs: the fields of the engine's plans no invariant read
+    (``PlannedMetadata.unread``), each named once, so that what is not checked is said."""
+    names = sorted({f"{owner}.{name}" for owner, plan in named_plans for name in plan.unread})
+    return f"; fields no invariant reads: {', '.join(names)}" if names else ""
+
+
 def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     if spec.mode.is_draft_decode():  # the draft loop: every step's plan, each a decode of every branch
         run = run_case(composition, spec, device)
@@ -231,14 +238,14 @@ def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) 
             problem = check_plan(plan, draft_step_batch(spec, run.case.forward_batch, step))
             if problem:
                 return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
-        return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant")
+        return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant" +
+                       unread_note(("draft step", plan) for plan in plans))
     leaves = planned_leaves(*planned(composition, spec, device))
-    unread = []
+    named = []
     for backend, fb in leaves:
         plan = backend.planned_metadata()
         problem = check_plan(plan, fb)
         if problem:
             return Verdict(NAME, False, f"{type(backend).__name__}: {problem}")
-        unread += [f"{type(backend).__name__}.{name}" for name in plan.unread]
-    return Verdict(NAME, True, f"{len(leaves)} plan(s) satisfy every invariant" +
-                   (f"; fields no invariant reads: {', '.join(unread)}" if unread else ""))
+        named.append((type(backend).__name__, plan))
+    return Verdict(NAME, True, f"{len(leaves)} plan(s) satisfy every invariant" + unread_note(named))

@@ -69,3 +69,18 @@ def test_a_window_layers_own_key_lists_are_checked():
     offsets = torch.tensor([6, 0, 3])  # each list's start in its range: 12 - 6, 4 - 4, 10 - 6 (the last one wrong)
     problem = check_plan(dataclasses.replace(meta, window_kv_offsets=offsets), fb)
     assert problem == "request 2: window_kv_offsets 3, expected 4 (its window's 6 keys end its 10)"
+
+
+@pytest.mark.skipif(parse("sglang.triton").unavailable_reason("cpu") is not None,
+                    reason=str(parse("sglang.triton").unavailable_reason("cpu")))
+def test_a_passing_plan_verdict_names_the_fields_no_invariant_reads():
+    """Eager and at a graph's replay, a passing verdict names the tensor fields of SGLang's plan that no invariant
+    reads (Triton's split counts and scratch buffers), once each: what is not checked is said, not skipped."""
+    from properties import PROPERTIES
+
+    for prop, composition in (("metadata", "sglang.triton"), ("graph_metadata", "graph(sglang.triton)")):
+        verdict = PROPERTIES[prop].run(parse(composition), WINDOWED, "cpu")
+        assert verdict.ok, verdict.reason
+        named = verdict.reason.split("; fields no invariant reads: ")[1].split(", ")
+        assert "SglangTriton.num_kv_splits" in named and "SglangTriton.window_num_kv_splits" in named, verdict.reason
+        assert len(named) == len(set(named)) and not any("window_kv_indices" in n for n in named), verdict.reason
