@@ -809,7 +809,8 @@ def _build_linear(case, composition, device: str, case_path: Path | None, kind) 
             state_bound_reason=textwrap.fill(state_bound.reason, 106, initial_indent="# ", subsequent_indent="# ")),
         data=("TENSORS = {\n" + "\n".join(_tensor_source(k, t) for k, t in tensors.items()) + "\n}" if inline else
               "TENSORS = torch.load(Path(__file__).with_suffix('.pt'))  # the tensors, beside this file"),
-        check=LINEAR_CHECK, **own)
+        check=LINEAR_CHECK, build_backend=LINEAR_BUILD.substitute(server=kind.SERVER, linear=kind.BACKEND_CLASS),
+        **own)
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline,
                   crashed is not None or "out of bounds" in headline, f"{name} layer {layer_id}: {measured_text}")
 
@@ -1470,6 +1471,13 @@ ELEMENT_FACTOR = $element_factor
 $state_bound_reason
 STATE_REL_L2_BOUND = $state_rel_l2_bound
 STATE_ELEMENT_FACTOR = $state_element_factor''')
+# A linear-attention file's backend: the hybrid as the server builds it (harness/export_lightning.py, export_kda.py)
+LINEAR_BUILD = string.Template('''def build_backend(runner):
+    """What $server builds (attention_registry.py, attn_backend_wrapper): the full-attention backend it names, the
+    linear backend ($linear), and SGLang's hybrid wrapper over them, routing by the full-attention layers."""
+    full = ATTENTION_BACKENDS[FULL_BACKEND](runner)
+    runner.linear_attn_backends = resolve_linear_attn_backends()
+    return HybridLinearAttnBackend(full, $linear(runner), LAYER["full_attn_layers"])''')
 # A linear-attention file's check of its outputs and states (harness/export_lightning.py, harness/export_kda.py)
 LINEAR_CHECK = '''def check(actual, expected, rel_l2_bound, element_factor, what):
     """``actual`` within the bounds of the float64 ``expected``: relative L2, and each element within

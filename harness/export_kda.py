@@ -31,6 +31,8 @@ import torch
 STATES = "Each request's recurrent and conv states after the batch"
 NAME = "KDA"  # in the refusal lines of export
 MODES_NOTE = " (a verify's per-token states are not exported yet)"  # why the other modes are refused
+# Who builds the hybrid, and its linear child (harness/export.py LINEAR_BUILD)
+SERVER, BACKEND_CLASS = "a Kimi Linear server", "KDAAttnBackend"
 LAYER_KIND = "kda"
 # hybrid(sglang.X,sglang.kda): X is the full-attention leaf
 COMPOSITION = re.compile(r"^hybrid\(sglang\.(\w+),sglang\.kda\)$")
@@ -173,12 +175,7 @@ def reference(mixed_qkv, a, b, conv_state, ssm_state):
 
 $check
 
-def build_backend(runner):
-    """What a Kimi Linear server builds (attention_registry.py, attn_backend_wrapper): the full-attention backend it
-    names, the KDA backend, and SGLang's hybrid wrapper over them, routing by the full-attention layers."""
-    full = ATTENTION_BACKENDS[FULL_BACKEND](runner)
-    runner.linear_attn_backends = resolve_linear_attn_backends()
-    return HybridLinearAttnBackend(full, KDAAttnBackend(runner), LAYER["full_attn_layers"])
+$build_backend
 
 
 def test_kda_outputs_and_states_match_float64():

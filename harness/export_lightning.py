@@ -27,6 +27,8 @@ from backends.sglang.runtime import SERVER_ALGORITHMS
 STATES = "Each request's state after the batch (a verify: after each draft token)"
 NAME = "lightning"  # in the refusal lines of export
 MODES_NOTE = ""  # why the other modes are refused
+# Who builds the hybrid, and its linear child (harness/export.py LINEAR_BUILD)
+SERVER, BACKEND_CLASS = "a Bailing/Ling server", "LightningAttentionBackend"
 LAYER_KIND = "lightning"
 # hybrid(sglang.X,sglang.lightning): X is the full-attention leaf
 COMPOSITION = re.compile(r"^hybrid\(sglang\.(\w+),sglang\.lightning\)$")
@@ -135,12 +137,7 @@ def reference(q, k, v, state):
 
 $check
 
-def build_backend(runner):
-    """What a Bailing/Ling server builds (attention_registry.py, attn_backend_wrapper): the full-attention backend
-    it names, the lightning backend, and SGLang's hybrid wrapper over them, routing by the full-attention layers."""
-    full = ATTENTION_BACKENDS[FULL_BACKEND](runner)
-    runner.linear_attn_backends = resolve_linear_attn_backends()
-    return HybridLinearAttnBackend(full, LightningAttentionBackend(runner), LAYER["full_attn_layers"])
+$build_backend
 
 
 def test_lightning_outputs_and_states_match_float64():

@@ -72,8 +72,8 @@ def _window_problem(meta: PlannedMetadata, fb: ForwardBatch, keys: list[int], re
     B = fb.batch_size
     if meta.window_kv_indices is None:
         return "window_kv_indptr planned without window_kv_indices"
-    if meta.window is None:
-        return "window lists planned without the window they are for"
+    if meta.window is None:  # the reader's fault, not the engine's: an adapter error, never a finding
+        raise ValueError("a PlannedMetadata with window lists but no window: the harness's plan reader is wrong")
     problem = _indptr_problem("window_kv_indptr", meta.window_kv_indptr, meta.window_kv_indices.numel(), B)
     if problem:
         return problem

@@ -69,6 +69,13 @@ def test_a_window_layers_own_key_lists_are_checked():
     offsets = torch.tensor([6, 0, 3])  # each list's start in its range: 12 - 6, 4 - 4, 10 - 6 (the last one wrong)
     problem = check_plan(dataclasses.replace(meta, window_kv_offsets=offsets), fb)
     assert problem == "request 2: window_kv_offsets 3, expected 4 (its window's 6 keys end its 10)"
+    # lists without the window they are for can only come from the harness's own reader: an adapter error, never a
+    # finding against SGLang
+    from properties.blame import adapter_frame
+
+    with pytest.raises(ValueError, match="the harness's plan reader is wrong") as raised:
+        check_plan(dataclasses.replace(meta, window=None), fb)
+    assert adapter_frame(raised.value, parse("sglang.triton")) is not None
 
 
 @pytest.mark.skipif(parse("sglang.triton").unavailable_reason("cpu") is not None,
