@@ -352,7 +352,8 @@ def _split_hides_support_triton(spec: BatchSpec, verdict: Verdict) -> bool:
 # member it lists is one of these and the entry's own member is among them.
 VERIFY_BUFFERS = {"get_verify_buffers_to_fill_after_draft", "update_verify_buffers_to_fill_after_draft"}
 TBO_PROBED = {"init_mha_chunk_metadata", "update_mamba_state_after_mtp_verify"}
-OLDER_HIDDEN = TBO_HIDDEN | HYBRID_HIDDEN | VERIFY_BUFFERS | TBO_PROBED | {"forward", "needs_cpu_seq_lens"}
+INDEXER = {"get_indexer_metadata"}  # a sparse (NSA/DSA) child's; docs/findings/sglang-hybrid-hides-indexer-metadata.md
+OLDER_HIDDEN = TBO_HIDDEN | HYBRID_HIDDEN | VERIFY_BUFFERS | TBO_PROBED | INDEXER | {"forward", "needs_cpu_seq_lens"}
 
 
 def _hides_among_older(verdict: Verdict, own: set[str], known: set[str] = OLDER_HIDDEN) -> bool:
@@ -364,6 +365,11 @@ def _wrappers_hide_verify_buffers(spec: BatchSpec, verdict: Verdict) -> bool:
     """Conformance failed on members wrappers are known to hide, one of the verify-buffer pair among them (a child
     may override only update_..., as AiterAttnBackend does, read at class level)."""
     return _hides_among_older(verdict, VERIFY_BUFFERS)
+
+
+def _hybrid_hides_indexer_metadata(spec: BatchSpec, verdict: Verdict) -> bool:
+    """Conformance failed on members wrappers are known to hide, the sparse child's indexer metadata among them."""
+    return _hides_among_older(verdict, INDEXER)
 
 
 # What SGLang's three wrappers (TboAttnBackend, HybridLinearAttnBackend, HybridAttnBackend) leave to the base class
@@ -518,6 +524,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "layer_kv_scaled": _layer_kv_scaled,
     "window_cuts_keys": _window_cuts_keys,
     "wrappers_hide_verify_buffers": _wrappers_hide_verify_buffers,
+    "hybrid_hides_indexer_metadata": _hybrid_hides_indexer_metadata,
     "hybrid_lacks_mha_chunk": _hybrid_lacks_mha_chunk,
     "tbo_hides_forward": _tbo_hides_forward,
     "tbo_lacks_probed_members": _tbo_lacks_probed_members,

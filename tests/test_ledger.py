@@ -432,3 +432,20 @@ def test_a_crash_in_the_batch_replan_runs_first_is_judged_by_that_batch():
     assert found is not None and found.id == "sglang-tbo-mixed-two-chunk"
     # The same crash in the drawn batch itself is not that bug: the drawn batch is no two-chunk cut
     assert ledger.match("tbo(sglang.flashinfer)", "mixed", "replan", spec, Verdict("replan", False, crash), "cuda") is None
+
+
+def test_a_hidden_indexer_is_known_only_under_the_hybrid_over_a_sparse_backend():
+    # docs/findings/sglang-hybrid-hides-indexer-metadata.md: live up to 0.5.19, so read the entry, not the release
+    entry = next(e for e in ENTRIES if e.id == "sglang-hybrid-hides-indexer-metadata")
+    hides = lambda *members: Verdict("conformance", False, "hidden", details={"hidden": list(members)})  # noqa: E731
+    condition = ledger.CONDITIONS[entry.condition]
+    spec = CaseFile.read(entry.case_path).spec
+    assert condition(spec, hides("get_indexer_metadata"))
+    assert condition(spec, hides("get_indexer_metadata", "update_verify_buffers_to_fill_after_draft"))
+    assert not condition(spec, hides("get_indexer_metadata", "forward_extend"))  # a member nobody triaged
+    assert not condition(spec, hides("support_triton"))
+    assert entry.covers("hybrid(sglang.nsa,sglang.kda)", "extend", "conformance")
+    assert entry.covers("hybrid(sglang.dsa,sglang.gdn)", "extend", "conformance")
+    assert not entry.covers("hybrid(sglang.qsa,sglang.gdn)", "extend", "conformance")
+    assert not entry.covers("tbo(sglang.dsa)", "extend", "conformance")
+    assert not entry.applies_to("0.5.20") and entry.applies_to("0.5.19")
