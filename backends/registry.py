@@ -41,7 +41,7 @@ LEAVES: dict[str, str] = {
     "sglang.fa3": "backends.sglang.plans:SglangFa3",
     "sglang.fa4": "backends.sglang.plans:SglangFa4",
     # SGLang's backends whose kernels do not run here: their classes only (backends/sglang/classes.py)
-    "sglang.trtllm_mha": "backends.sglang.classes:SglangTrtllmMha",
+    "sglang.trtllm_mha": "backends.sglang.flashinfer:SglangTrtllmMha",
     "sglang.trtllm_mla": "backends.sglang.classes:SglangTrtllmMla",
     "sglang.cutedsl_mla": "backends.sglang.classes:SglangCutedslMla",
     "sglang.cutlass_mla": "backends.sglang.classes:SglangCutlassMla",

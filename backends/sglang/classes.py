@@ -54,12 +54,6 @@ def registered_classes(name: str) -> list[type]:
     return [getattr(importlib.import_module(module), cls) for module, cls in features.importable_classes(name)]
 
 
-class SglangTrtllmMha(SglangClassOnly):
-    sglang_name = "trtllm_mha"
-    capabilities = _capabilities("mha", "TRT-LLM's MHA kernels (flashinfer.decode.trtllm_*) run on Blackwell only",
-                                 sglang_name)
-
-
 class SglangTrtllmMla(SglangClassOnly):
     sglang_name = "trtllm_mla"
     capabilities = _capabilities("mla", "TRT-LLM's MLA kernels run on Blackwell only", sglang_name)

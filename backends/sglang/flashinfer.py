@@ -26,6 +26,7 @@ up-projections (``w_kc``, ``w_vc``: the model's ``kv_b_proj``) are the model's, 
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import replace
 
 import torch
@@ -34,6 +35,7 @@ from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
 from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend
+from backends.sglang.classes import registered_classes
 from batch.spec import ForwardMode
 
 FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
@@ -179,6 +181,88 @@ class SglangFlashInfer(SglangBackend):
                                meta.decode_wrappers, window)
         return with_window(wrapper_plan(meta.prefill_wrappers[-1], kv_includes_new_tokens=not meta.use_ragged),
                            meta.prefill_wrappers, window)
+
+
+# The compute capabilities whose TRT-LLM MHA kernels SGLang calls through FlashInfer (trtllm_mha_backend.py, 0.5.23):
+# XQA decode and fmha_v2 prefill on SM90 and SM120 (``is_xqa_impl``, ``use_fmha_v2``), TRT-LLM-gen on SM100/SM103.
+TRTLLM_MHA_ARCHS = (9, 10, 12)
+TRTLLM_MHA_CLASS_ONLY = ("its kernels (FlashInfer's TRT-LLM MHA: XQA decode and fmha_v2 prefill on Hopper, TRT-LLM-gen "
+                         "on Blackwell) need FlashInfer and an SM90, SM100 or SM120 GPU")
+
+
+def trtllm_mha_unrunnable() -> str | None:
+    """Why SGLang's TRT-LLM MHA backend cannot be built and run here (None: it can). Read without initializing CUDA
+    in this process (the sweep forks its workers after the matrix is read): the GPU's compute capability from NVML,
+    which FlashInfer itself requires."""
+    if importlib.util.find_spec("flashinfer") is None:
+        return f"{TRTLLM_MHA_CLASS_ONLY}; FlashInfer is not installed"
+    if not torch.cuda.is_available():
+        return f"{TRTLLM_MHA_CLASS_ONLY}; no CUDA GPU is visible"
+    try:
+        major, minor = _compute_capability()
+    except Exception as e:  # noqa: BLE001 - any failure leaves the capability unknown, said as such
+        return f"{TRTLLM_MHA_CLASS_ONLY}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
+    if major not in TRTLLM_MHA_ARCHS:
+        return f"{TRTLLM_MHA_CLASS_ONLY}; this GPU is SM{major}{minor}"
+    return None
+
+
+def _compute_capability() -> tuple[int, int]:
+    """The first GPU's compute capability, from NVML (pynvml), else from ``nvidia-smi``: neither initializes CUDA."""
+    try:
+        import pynvml
+    except ImportError:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader", "--id=0"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+        major, minor = out.split(".")
+        return int(major), int(minor)
+    pynvml.nvmlInit()
+    return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0)))
+
+
+class SglangTrtllmMha(SglangBackend):
+    """SGLang's ``TRTLLMHAAttnBackend`` (``--attention-backend trtllm_mha``, the server's default for MHA models on
+    Blackwell): a ``FlashInferAttnBackend`` subclass that plans FlashAttention-style metadata (``TRTLLMMHAMetadata``:
+    ``cache_seqlens_int32``, ``cu_seqlens_q/k``, a page table of pages, read by ``adapter.flash_attention_plan``) and
+    runs FlashInfer's TRT-LLM kernels over SGLang's paged cache. Where those kernels cannot run (no FlashInfer, no GPU
+    of their architectures), the leaf is read at class level, as ``classes.py``'s are."""
+
+    sglang_name = "trtllm_mha"
+    _unrunnable = trtllm_mha_unrunnable()
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mha"}),
+        # It plans decode (draft decode included), target verify and extends (init_forward_metadata,
+        # trtllm_mha_backend.py:1238-1320); mixed batches are extends whose one-token tail it notes
+        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                         ForwardMode.IDLE}),
+        # "Only support topk <= 1 for now" (its __init__): a verify of chains; the server routes topk > 1 elsewhere
+        draft_trees=False,
+        # It never reads layer.logit_cap (no soft-cap reaches its kernels; trtllm_mha_backend.py, 0.5.23): declared, so
+        # its rows draw no soft-capped layer and refuse_or_correct checks that such a model is refused (it is not:
+        # ledger sglang-trtllm-mha-ignores-logit-cap)
+        logit_cap=False,
+        dtypes=FLASHINFER_DTYPES,
+        # The server sets any page size but 16, 32, 64 and 128 to 64 for it (arg_groups/overrides.py:1183, 0.5.23); the
+        # three the GPU profile draws are the ones run on the H200 (harness-out/gpu77.sh to gpu80.sh). An fp8 cache
+        # (which it writes with the layer's scales and folds into its bmm scales) is not declared until it has run.
+        page_sizes=frozenset({16, 32, 64}),
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
+        devices=frozenset({"cuda"}),
+        requires=("sglang", "flashinfer"),
+        engine="sglang",
+        one_shape_per_kind=True,
+        engine_classes=sglang_name,
+    ) if _unrunnable is None else Capabilities(
+        attention_kinds=frozenset({"mha"}), modes=frozenset({ForwardMode.EXTEND}), requires=("sglang",),
+        engine="sglang", one_shape_per_kind=True, class_only=_unrunnable, engine_classes=sglang_name)
+
+    @classmethod
+    def engine_classes(cls) -> list[type]:
+        """The classes its factory returns that import here (read by conformance at class level, and beside the
+        built object where it runs)."""
+        return registered_classes(cls.sglang_name)
 
 
 def _mla_radix(backend, layer, absorbed: bool):
