@@ -281,3 +281,24 @@ def test_a_window_models_window_wrapper_is_read_beside_the_full_one():
     window._paged_kv_indices_buf = torch.tensor([8, 3, 1, 4, 2])
     assert check_plan(graph_plan(backend, SimpleNamespace(forward_mode=_Mode("DECODE"), batch_size=2), 3), fb) is None
     assert with_window(plan, [full], 3) is plan and with_window(plan, [window, full], None) is plan
+
+
+def test_a_wrappers_buffers_no_invariant_reads_are_named():
+    """A FlashInfer wrapper keeps more than its indptrs and indices (workspaces, a verify's custom mask and its indptr,
+    the last-page lengths): the plan read from it lists those tensors as unread, the window wrapper's apart, so the
+    metadata verdict says what it did not check, as Triton's and FlashAttention's do."""
+    from backends.sglang.flashinfer import with_window, wrapper_plan
+    from properties.metadata import unread_note
+
+    full = _wrapper([0, 2], [4, 5], qo=[0, 2])
+    full._custom_mask_buf, full._mask_indptr_buf = torch.ones(4, dtype=torch.uint8), torch.tensor([0, 4])
+    full._float_workspace_buffer, full._workspace_size = torch.empty(16, dtype=torch.uint8), 16  # not a tensor: not named
+    window = _wrapper([0, 1], [5], qo=[0, 2])
+    window._paged_kv_last_page_len_buf = torch.ones(1, dtype=torch.int32)
+    plan = wrapper_plan(full, kv_includes_new_tokens=False)
+    assert plan.unread == ("_custom_mask_buf", "_float_workspace_buffer", "_mask_indptr_buf")
+    both = with_window(plan, [window, full], 1)
+    assert both.unread == ("_custom_mask_buf", "_float_workspace_buffer", "_mask_indptr_buf",
+                           "window wrapper._paged_kv_last_page_len_buf")
+    assert "prefill wrapper._custom_mask_buf" in unread_note([("prefill wrapper", plan)])
+    assert wrapper_plan(_wrapper([0, 1], [5], qo=[0, 1]), kv_includes_new_tokens=True).unread == ()

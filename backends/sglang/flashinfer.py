@@ -34,7 +34,7 @@ import torch
 from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
-from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend
+from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, unread_fields
 from backends.sglang.classes import registered_classes
 from batch.spec import ForwardMode
 
@@ -65,16 +65,24 @@ def wrapper_plan(wrapper, *, kv_includes_new_tokens: bool) -> PlannedMetadata:
     checks skip.
     """
     get = lambda name: getattr(wrapper, name, None)  # noqa: E731
+    unread = unread_fields(wrapper, WRAPPER_READ)
     qo = get("_qo_indptr_buf")
     indptr = get("_paged_kv_indptr_buf")
     indices = get("_kv_indices_buf") if indptr is None else get("_paged_kv_indices_buf")
     if indptr is None:
         indptr = get("_kv_indptr_buf")
     if indptr is None or indices is None:
-        return PlannedMetadata(qo_indptr=qo)
+        return PlannedMetadata(qo_indptr=qo, unread=unread)
     B = indptr.numel() - 1
     return PlannedMetadata(qo_indptr=None if qo is None else qo[:B + 1], kv_indptr=indptr,
-                           kv_indices=indices[:int(indptr[-1])], kv_includes_new_tokens=kv_includes_new_tokens)
+                           kv_indices=indices[:int(indptr[-1])], kv_includes_new_tokens=kv_includes_new_tokens,
+                           unread=unread)
+
+
+# The buffers of a FlashInfer wrapper that wrapper_plan reads; the metadata verdicts name the rest (its workspaces, a
+# verify's custom mask and mask indptr, the last-page lengths, a ragged wrapper's kv indptr, ...): planned, not checked
+WRAPPER_READ = frozenset({"_qo_indptr_buf", "_paged_kv_indptr_buf", "_paged_kv_indices_buf", "_kv_indptr_buf",
+                          "_kv_indices_buf"})
 
 
 def graph_wrappers(backend, sfb) -> list | None:
@@ -133,7 +141,8 @@ def with_window(plan: PlannedMetadata, wrappers, window: int | None) -> PlannedM
     if len(wrappers) < 2 or not window or window <= 0:
         return plan
     own = wrapper_plan(wrappers[0], kv_includes_new_tokens=plan.kv_includes_new_tokens)
-    return replace(plan, window_kv_indptr=own.kv_indptr, window_kv_indices=own.kv_indices, window=window)
+    return replace(plan, window_kv_indptr=own.kv_indptr, window_kv_indices=own.kv_indices, window=window,
+                   unread=tuple(sorted(set(plan.unread) | {f"window wrapper.{name}" for name in own.unread})))
 
 
 class SglangFlashInfer(SglangBackend):
