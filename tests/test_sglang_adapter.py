@@ -4,6 +4,7 @@ where the extra is installed (bash ci/install-sglang.sh) and are listed as unava
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -769,6 +770,22 @@ def test_a_granite_shaped_mamba_layer_hands_its_mixer_over_as_granite_does(devic
         verdict = PROPERTIES["outputs"].run(parse(composition), extend, device)
     assert verdict.ok, str(verdict)
     assert calls and set(calls) == {"HybridLinearAttnBackend"}, calls
+
+
+@pytest.mark.parametrize("block, expected", [
+    # 0.5.21: _forward_mixer(hidden, fb, skip_reduce); seen as an adapter error on every Nemotron-H row there
+    (SimpleNamespace(_forward_mixer=lambda hidden, fb, skip_reduce: ("mixer", skip_reduce),
+                     _forward_mamba=lambda hidden, fb: "mamba"), ("mixer", False)),
+    # 0.5.22 on: _forward_mixer(hidden, fb)
+    (SimpleNamespace(_forward_mixer=lambda hidden, fb: ("mixer",), _forward_mamba=lambda hidden, fb: "mamba"),
+     ("mixer",)),
+    # before 0.5.21: _forward_mamba only
+    (SimpleNamespace(_forward_mamba=lambda hidden, fb: "mamba"), "mamba"),
+], ids=["0.5.21", "0.5.22-on", "older"])
+def test_nemotron_h_hands_its_mixer_over_by_each_releases_call(block, expected):
+    from backends.sglang.adapter import SglangMamba2
+
+    assert SglangMamba2.hand_over(block, "hidden", "fb", None) == expected
 
 
 @needs_sglang

@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from backends.base import DRAFTING_MODES, AttentionBackend, Capabilities, EngineBrokeInvariant, PlannedMetadata
+from backends.base import (DRAFTING_MODES, AttentionBackend, Capabilities, EngineBrokeInvariant, PlannedMetadata,
+                           call_accepting)
 from backends.sglang import compat, handover, runtime
 from batch.spec import ForwardMode
 from batch.tbo_split import TboSplit, slice_spec_info
@@ -1204,10 +1205,13 @@ class SglangMamba2(_LinearChild):
     )
     @staticmethod
     def hand_over(block, hidden_states, sfb, backend):
-        """Nemotron-H's decoder layer's call into its mixer: ``_forward_mixer`` (0.5.22 on), which under a breakable
+        """Nemotron-H's decoder layer's call into its mixer: ``_forward_mixer`` (0.5.21 on), which under a breakable
         prefill graph breaks out of it through the model's split op (models/nemotron_h.py,
-        breakable_nemotron_mamba2_with_output) and otherwise runs ``_forward_mamba``, the only call before it."""
-        return getattr(block, "_forward_mixer", block._forward_mamba)(hidden_states, sfb)
+        breakable_nemotron_mamba2_with_output) and otherwise runs ``_forward_mamba``, the only call before it. 0.5.21's
+        takes ``skip_reduce`` too, the layer's "the next norm sums the tensor-parallel ranks" (its caller passes
+        ``mixer_exit.skips_reduction``): False, the reduction done by the mixer, as with one rank it is."""
+        return call_accepting(getattr(block, "_forward_mixer", block._forward_mamba), hidden_states, sfb,
+                              skip_reduce=False)
 
 
 class SglangMamba2Granite(SglangMamba2):
