@@ -26,24 +26,31 @@ from batch.spec import ForwardMode
 CLASS_ONLY = "its kernels are not adapted to run here; its classes are read, never built"
 
 
-def _capabilities(kind: str, why: str, name: str) -> Capabilities:
+def class_level(kind: str, why: str, name: str) -> Capabilities:
+    """A class-level leaf's declaration: ``why`` its kernels are not run, ``name`` the --attention-backend it reads."""
     return Capabilities(attention_kinds=frozenset({kind}), modes=frozenset({ForwardMode.EXTEND}), requires=("sglang",),
                         engine="sglang", one_shape_per_kind=True, class_only=why, engine_classes=name)
 
 
-class SglangClassOnly(AttentionBackend):
-    """A registered SGLang backend read at class level (module docstring)."""
+class ReadsEngineClasses:
+    """A leaf that names the classes SGLang's factory for its ``sglang_name`` returns: conformance reads them
+    (``properties.conformance``), at class level, or beside the built object where the leaf is built."""
 
     sglang_name: ClassVar[str]
+
+    @classmethod
+    def engine_classes(cls) -> list[type]:
+        return registered_classes(cls.sglang_name)
+
+
+class SglangClassOnly(ReadsEngineClasses, AttentionBackend):
+    """A registered SGLang backend read at class level (module docstring)."""
+
     capabilities: ClassVar[Capabilities]
 
     def __init__(self, model_runner) -> None:
         raise TypeError(f"sglang.{self.sglang_name} is a class-level leaf: only its classes are checked, it is "
                         f"never built ({self.capabilities.class_only})")
-
-    @classmethod
-    def engine_classes(cls) -> list[type]:
-        return registered_classes(cls.sglang_name)
 
 
 def registered_classes(name: str) -> list[type]:
@@ -56,60 +63,60 @@ def registered_classes(name: str) -> list[type]:
 
 class SglangTrtllmMla(SglangClassOnly):
     sglang_name = "trtllm_mla"
-    capabilities = _capabilities("mla", "TRT-LLM's MLA kernels run on Blackwell only", sglang_name)
+    capabilities = class_level("mla", "TRT-LLM's MLA kernels run on Blackwell only", sglang_name)
 
 
 class SglangCutedslMla(SglangClassOnly):
     sglang_name = "cutedsl_mla"
-    capabilities = _capabilities("mla", "its CuTe DSL MLA kernels run on Blackwell only", sglang_name)
+    capabilities = class_level("mla", "its CuTe DSL MLA kernels run on Blackwell only", sglang_name)
 
 
 class SglangCutlassMla(SglangClassOnly):
     sglang_name = "cutlass_mla"  # registered up to the releases that replaced it with cutedsl_mla
-    capabilities = _capabilities("mla", "its CUTLASS MLA kernels (sgl_kernel) run on Blackwell only", sglang_name)
+    capabilities = class_level("mla", "its CUTLASS MLA kernels (sgl_kernel) run on Blackwell only", sglang_name)
 
 
 class SglangFlashMla(SglangClassOnly):
     sglang_name = "flashmla"
-    capabilities = _capabilities("mla", "FlashMLA's kernels need the flash_mla package and a Hopper GPU", sglang_name)
+    capabilities = class_level("mla", "FlashMLA's kernels need the flash_mla package and a Hopper GPU", sglang_name)
 
 
 class SglangDsa(SglangClassOnly):
     sglang_name = "dsa"
-    capabilities = _capabilities("mla", "DeepSeek sparse attention needs its indexer's kernels (deep_gemm, "
-                                        "sgl_kernel) and a model's sparse layers, not adapted yet", sglang_name)
+    capabilities = class_level("mla", "DeepSeek sparse attention needs its indexer's kernels (deep_gemm, "
+                                      "sgl_kernel) and a model's sparse layers, not adapted yet", sglang_name)
 
 
 class SglangNsa(SglangClassOnly):
     sglang_name = "nsa"
-    capabilities = _capabilities("mla", "native sparse attention needs its indexer's kernels and a model's sparse "
-                                        "layers, not adapted yet", sglang_name)
+    capabilities = class_level("mla", "native sparse attention needs its indexer's kernels and a model's sparse "
+                                      "layers, not adapted yet", sglang_name)
 
 
 # Registered backends for other hardware whose classes import on any machine: read at the same level.
 class SglangAiter(SglangClassOnly):
     sglang_name = "aiter"
-    capabilities = _capabilities("mha", "AITER's kernels run on AMD Instinct GPUs (ROCm) only", sglang_name)
+    capabilities = class_level("mha", "AITER's kernels run on AMD Instinct GPUs (ROCm) only", sglang_name)
 
 
 class SglangWave(SglangClassOnly):
     sglang_name = "wave"
-    capabilities = _capabilities("mha", "Wave's kernels run on AMD GPUs (ROCm) only", sglang_name)
+    capabilities = class_level("mha", "Wave's kernels run on AMD GPUs (ROCm) only", sglang_name)
 
 
 class SglangQsa(SglangClassOnly):
     sglang_name = "qsa"
-    capabilities = _capabilities("mha", "Qwen sparse attention needs its indexer's kernels and a model's sparse layers, "
-                                        "not adapted yet", sglang_name)
+    capabilities = class_level("mha", "Qwen sparse attention needs its indexer's kernels and a model's sparse layers, "
+                                      "not adapted yet", sglang_name)
 
 
 class SglangHpcOps(SglangClassOnly):
     sglang_name = "hpc_ops"
-    capabilities = _capabilities("mha", "its kernels come with the hpc_ops package, not on the harness's machines",
-                                 sglang_name)
+    capabilities = class_level("mha", "its kernels come with the hpc_ops package, not on the harness's machines",
+                               sglang_name)
 
 
 class SglangIntelAmx(SglangClassOnly):
     sglang_name = "intel_amx"
-    capabilities = _capabilities("mha", "its kernels are sgl_kernel's CPU ops for Intel AMX (the sglang-kernel CPU "
-                                        "build)", sglang_name)
+    capabilities = class_level("mha", "its kernels are sgl_kernel's CPU ops for Intel AMX (the sglang-kernel CPU "
+                                      "build)", sglang_name)

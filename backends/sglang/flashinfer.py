@@ -35,7 +35,7 @@ from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
 from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, unread_fields
-from backends.sglang.classes import registered_classes
+from backends.sglang.classes import ReadsEngineClasses, class_level
 from batch.spec import ForwardMode
 
 FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
@@ -201,8 +201,7 @@ TRTLLM_MHA_CLASS_ONLY = ("its kernels (FlashInfer's TRT-LLM MHA: XQA decode and 
 
 def trtllm_mha_unrunnable() -> str | None:
     """Why SGLang's TRT-LLM MHA backend cannot be built and run here (None: it can). Read without initializing CUDA
-    in this process (the sweep forks its workers after the matrix is read): the GPU's compute capability from NVML,
-    which FlashInfer itself requires."""
+    in this process (the sweep forks its workers after the matrix is read): the GPU's compute capability from NVML."""
     if importlib.util.find_spec("flashinfer") is None:
         return f"{TRTLLM_MHA_CLASS_ONLY}; FlashInfer is not installed"
     if not torch.cuda.is_available():
@@ -217,21 +216,15 @@ def trtllm_mha_unrunnable() -> str | None:
 
 
 def _compute_capability() -> tuple[int, int]:
-    """The first GPU's compute capability, from NVML (pynvml), else from ``nvidia-smi``: neither initializes CUDA."""
-    try:
-        import pynvml
-    except ImportError:
-        import subprocess
+    """The first GPU's compute capability from NVML, which does not initialize CUDA (pynvml: a FlashInfer dependency,
+    so present wherever the question is asked)."""
+    import pynvml
 
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader", "--id=0"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout.strip()
-        major, minor = out.split(".")
-        return int(major), int(minor)
     pynvml.nvmlInit()
     return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0)))
 
 
-class SglangTrtllmMha(SglangBackend):
+class SglangTrtllmMha(ReadsEngineClasses, SglangBackend):
     """SGLang's ``TRTLLMHAAttnBackend`` (``--attention-backend trtllm_mha``, the server's default for MHA models on
     Blackwell): a ``FlashInferAttnBackend`` subclass that plans FlashAttention-style metadata (``TRTLLMMHAMetadata``:
     ``cache_seqlens_int32``, ``cu_seqlens_q/k``, a page table of pages, read by ``adapter.flash_attention_plan``) and
@@ -263,15 +256,7 @@ class SglangTrtllmMha(SglangBackend):
         engine="sglang",
         one_shape_per_kind=True,
         engine_classes=sglang_name,
-    ) if _unrunnable is None else Capabilities(
-        attention_kinds=frozenset({"mha"}), modes=frozenset({ForwardMode.EXTEND}), requires=("sglang",),
-        engine="sglang", one_shape_per_kind=True, class_only=_unrunnable, engine_classes=sglang_name)
-
-    @classmethod
-    def engine_classes(cls) -> list[type]:
-        """The classes its factory returns that import here (read by conformance at class level, and beside the
-        built object where it runs)."""
-        return registered_classes(cls.sglang_name)
+    ) if _unrunnable is None else class_level("mha", _unrunnable, sglang_name)
 
 
 def _mla_radix(backend, layer, absorbed: bool):

@@ -30,7 +30,7 @@ import torch
 from backends.base import Capabilities
 from batch.spec import ForwardMode
 from backends.sglang.adapter import ADAPTED_MODES, TBO_DRAFT_EXTEND_GAP, SglangBackend
-from backends.sglang.classes import registered_classes
+from backends.sglang.classes import ReadsEngineClasses
 
 
 def kernels_installed() -> bool:
@@ -60,17 +60,11 @@ def asked_as(capability: tuple[int, int]):
             setattr(obj, name, old)
 
 
-class SglangPlanOnly(SglangBackend):
+class SglangPlanOnly(ReadsEngineClasses, SglangBackend):
     """A registered SGLang backend built and planned, never run (module docstring)."""
 
     capabilities: ClassVar[Capabilities]
     device_capability: ClassVar[tuple[int, int]]  # the compute capability its factory is asked as
-
-    @classmethod
-    def engine_classes(cls) -> list[type]:
-        """The classes its factory returns that import here: its conformance reads them as a class-level leaf's
-        (classes.py), then checks the built object."""
-        return registered_classes(cls.sglang_name)
 
     @classmethod
     def engine_backend(cls, sgl, sgl_runner):
