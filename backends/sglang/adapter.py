@@ -1452,10 +1452,17 @@ class SglangTbo(_SglangObject):
         for planner in (self.primary, *self.children):  # the whole batch and each half, into graph buffers
             planner.planned_graph = True
         self.graph_sfb = sfb
+        if in_capture:
+            self.captured_sfb = sfb
 
     def init_forward_metadata_in_graph(self, forward_batch) -> None:
-        with compat.backend_scope(self.sgl, self.inner, self.graph_sfb):
-            compat.plan_in_graph(self.inner, self.graph_sfb)
+        """What the capture records: ``TboAttnBackend``'s in_graph over the capture's batch, whose halves
+        (``prepare_raw``'s slices) are views of the static batch, so a replay's recorded kernels refresh the primary
+        and both halves from the rows loaded for it. Run again at each replay where no graph is recorded (a CPU), it
+        must be over that batch too: SGLang's replay view carries no halves, and a backend that refreshes its plan
+        only in the graph (TRT-LLM MHA's fused metadata kernel) would leave its halves' plans stale."""
+        with compat.backend_scope(self.sgl, self.inner, self.captured_sfb):
+            compat.plan_in_graph(self.inner, self.captured_sfb)
 
     def replay_split(self, forward_batch) -> int | None:
         """The request where ``TboAttnBackend`` cuts a replay of the padded ``forward_batch``: SGLang's own
