@@ -158,14 +158,14 @@ def test_a_crash_in_the_class_level_check_is_an_adapter_error_not_a_finding(monk
     from batch.spec import BatchSpec, ForwardMode, MHALayer
     from properties import PROPERTIES
 
-    composition = parse("sglang.trtllm_mha")
+    composition = parse("sglang.wave")
     if composition.unavailable_reason("cpu"):
         pytest.skip(composition.unavailable_reason("cpu"))
 
     def broken(cls):
         raise AttributeError("the harness's own bug")
 
-    monkeypatch.setattr(leaf_class("sglang.trtllm_mha"), "engine_classes", classmethod(broken))
+    monkeypatch.setattr(leaf_class("sglang.wave"), "engine_classes", classmethod(broken))
     spec = BatchSpec(ForwardMode.EXTEND, (0,), (2,), (MHALayer(0, 2, 1, 16, 16),), seed=1)
     verdict = PROPERTIES["conformance"].run(composition, spec, "cpu")
     assert not verdict.ok and "adapter_error" in verdict.details, verdict.reason

@@ -13,7 +13,7 @@ from search.profiles import PROFILES
 
 pytest.importorskip("sglang")
 
-CLASS_LEAVES = ("sglang.trtllm_mha", "sglang.trtllm_mla", "sglang.cutedsl_mla", "sglang.cutlass_mla", "sglang.flashmla",
+CLASS_LEAVES = ("sglang.trtllm_mla", "sglang.cutedsl_mla", "sglang.cutlass_mla", "sglang.flashmla",
                 "sglang.dsa", "sglang.nsa", "sglang.aiter", "sglang.wave", "sglang.qsa",
                 "sglang.hpc_ops", "sglang.intel_amx")
 
@@ -39,11 +39,11 @@ def test_class_level_leaves_get_a_conformance_row_or_say_why_not():
 
 def test_a_class_level_row_runs_and_passes_on_a_class_that_takes_sglangs_calls(device):
     spec = BatchSpec(ForwardMode.EXTEND, (0,), (3,), (MHALayer(0, 2, 1, 16, 16),), seed=1)
-    composition = parse("sglang.trtllm_mha")
+    composition = parse("sglang.wave")
     if composition.unavailable_reason("cpu"):
         pytest.skip(composition.unavailable_reason("cpu"))
     verdict = PROPERTIES["conformance"].run(composition, spec, device)
-    assert verdict.ok and "TRTLLMHAAttnBackend" in verdict.reason, str(verdict)
+    assert verdict.ok and "WaveAttnBackend" in verdict.reason, str(verdict)
 
 
 def test_the_class_level_check_catches_what_breaks_sglangs_calls():

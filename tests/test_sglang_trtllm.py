@@ -1,7 +1,9 @@
 """SGLang's TRT-LLM MHA backend (backends/sglang/flashinfer.py, ``SglangTrtllmMha``): every property where FlashInfer and
-a GPU of its kernels' architectures are present (run on an H200: harness-out/gpu77.sh to gpu80.sh), its classes
-elsewhere. What a CPU can check of it: which level the leaf takes and why, and that its plan is read by the reader the
-CPU's FlashAttention rows exercise (``flash_attention_plan``), over SGLang's own metadata class."""
+a GPU of its kernels' architectures are present (run on an H200: harness-out/gpu77.sh to gpu80.sh), its planning
+elsewhere (a plan-level leaf: built with FlashInfer's wrapper classes as inert stand-ins, planned eagerly and for
+graphs, its Triton page-table kernels interpreted on a CPU). What a CPU checks of it: which level the leaf takes and
+why, its plans (eager, captured, replayed, under SGLang's TBO) against the invariants, that a wrong plan fails them, and
+that nothing of FlashInfer's can be called through the stand-ins."""
 
 from __future__ import annotations
 
@@ -12,8 +14,11 @@ import torch
 
 from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
-from batch.spec import BatchSpec, ForwardMode, MHALayer
+from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
 from properties import PROPERTIES
+from search.ledger import match
+from search.matrix import matrix
+from search.profiles import PROFILES
 
 pytest.importorskip("sglang")
 
@@ -44,19 +49,130 @@ def test_the_leaf_runs_only_where_flashinfer_and_a_gpu_of_its_kernels_are(monkey
     if expected is None:
         assert why is None
     else:
-        assert why.startswith(fi.TRTLLM_MHA_CLASS_ONLY) and why.endswith(expected), why
+        assert why.startswith(fi.TRTLLM_MHA_KERNELS) and why.endswith(expected), why
 
 
-def test_where_it_cannot_run_its_classes_are_read_and_the_reason_is_said():
+def _plan_level():
     caps = leaf_capabilities("sglang.trtllm_mha")
-    if caps.class_only is None:
+    if caps.plan_only is None:
         pytest.skip("TRT-LLM MHA's kernels can run here: the leaf is built (its GPU rows run)")
-    assert caps.class_only == fi.trtllm_mha_unrunnable()
-    classes = fi.SglangTrtllmMha.engine_classes()
-    assert [c.__name__ for c in classes] == ["TRTLLMHAAttnBackend"]
-    batch = BatchSpec(ForwardMode.EXTEND, (0,), (1,), (MHALayer(0, 4, 2, 64, 64),))
+    why = parse("sglang.trtllm_mha").unavailable_reason("cpu")
+    if why:
+        pytest.skip(why)
+    return caps
+
+
+LAYERS = (MHALayer(0, 4, 2, 64, 64),)
+
+
+def _spec(mode, prefix, extend, page_size=16, **kw) -> BatchSpec:
+    return BatchSpec(mode, tuple(prefix), tuple(extend), LAYERS, page_size=page_size, dtype="bfloat16", seed=3, **kw)
+
+
+def _chain(D: int, B: int) -> SpecInput:
+    return SpecInput(draft_token_num=D, spec_steps=D, topk=1, parents=tuple((-1,) + tuple(range(D - 1))
+                                                                           for _ in range(B)), accept_lens=(1,) * B)
+
+
+def test_where_it_cannot_run_its_planning_runs_and_the_reason_is_said():
+    caps = _plan_level()
+    assert caps.plan_only == fi.trtllm_mha_unrunnable() and caps.plan_only.startswith(fi.TRTLLM_MHA_KERNELS)
+    assert [c.__name__ for c in fi.SglangTrtllmMha.engine_classes()] == ["TRTLLMHAAttnBackend"]
+    m = matrix("cpu", PROFILES["ci"], ["sglang.trtllm_mha", "graph(sglang.trtllm_mha)", "graph(tbo(sglang.trtllm_mha))"])
+    names = {(r.composition.name, r.property.name) for r in m.rows}
+    assert ("sglang.trtllm_mha", "metadata") in names and ("sglang.trtllm_mha", "conformance") in names
+    assert {p for c, p in names if c == "graph"} == {"graph_metadata"}
+    assert {r.mode for r in m.rows if r.composition.name == "graph"} == set(fi.TRTLLM_MHA_GRAPH_MODES)
+    batch = _spec(ForwardMode.EXTEND, (0,), (1,))
     verdict = PROPERTIES["conformance"].run(parse("sglang.trtllm_mha"), batch, "cpu")
     assert verdict.ok, str(verdict)
+
+
+@pytest.mark.parametrize("batch", [
+    _spec(ForwardMode.EXTEND, (0, 5, 17), (7, 3, 1)),
+    _spec(ForwardMode.EXTEND, (0, 40), (9, 30), page_size=32),
+    _spec(ForwardMode.DECODE, (9, 40, 64), (1, 1, 1)),
+    _spec(ForwardMode.MIXED, (4, 7), (3, 1), page_size=64),
+    _spec(ForwardMode.TARGET_VERIFY, (6, 11), (4, 4), spec=_chain(4, 2)),
+], ids=["extend", "extend-page32", "decode", "mixed", "verify"])
+@pytest.mark.parametrize("composition", ["sglang.trtllm_mha", "tbo(sglang.trtllm_mha)"])
+def test_its_eager_plans_satisfy_the_invariants(batch, composition):
+    _plan_level()
+    c = parse(composition)
+    if c.unsupported_reason(batch) or PROPERTIES["metadata"].applies(c, batch.mode):
+        pytest.skip(c.unsupported_reason(batch) or PROPERTIES["metadata"].applies(c, batch.mode))
+    verdict = PROPERTIES["metadata"].run(c, batch, "cpu")
+    known = None if verdict.ok else match(composition, batch.mode.value, "metadata", batch, verdict, "cpu")
+    assert verdict.ok or (known and known.id == "sglang-tbo-mixed-two-chunk"), str(verdict)
+
+
+@pytest.mark.parametrize("batch", [
+    _spec(ForwardMode.DECODE, (1,), (1,)),  # one request in a graph of two: one padded row, and one half of it
+    _spec(ForwardMode.DECODE, (9, 40, 70), (1, 1, 1)),
+    _spec(ForwardMode.TARGET_VERIFY, (6,), (3,), spec=_chain(3, 1)),
+], ids=["decode-padded", "decode", "verify-padded"])
+@pytest.mark.parametrize("composition", ["graph(sglang.trtllm_mha)", "graph(tbo(sglang.trtllm_mha))"])
+def test_its_replayed_graph_plans_satisfy_the_invariants(batch, composition):
+    # Its graphs plan only inside the graph (the fused update_trtllm_mha_graph_metadata kernel): under TBO, a CPU's
+    # replay must run what the capture recorded, both halves included (SglangTbo.init_forward_metadata_in_graph); run
+    # over SGLang's replay view instead, the first half kept the capture's fill-value plan ("key lengths [1],
+    # expected [2]" on the decode-padded batch)
+    _plan_level()
+    verdict = PROPERTIES["graph_metadata"].run(parse(composition), batch, "cpu")
+    assert verdict.ok, str(verdict)
+
+
+@pytest.mark.parametrize("fault, expected", [
+    ("page_table", "kv_indices hold"),  # each request's pages read from the next request's row
+    ("cache_seqlens", "key lengths"),  # one key too few
+])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "replayed"])
+def test_a_wrong_trtllm_plan_fails_the_metadata_properties(monkeypatch, fault, expected, graph):
+    _plan_level()
+    import sglang.srt.layers.attention.trtllm_mha_backend as trt
+
+    def wrong(metadata):
+        if fault == "page_table":
+            metadata.page_table.copy_(metadata.page_table.roll(1, 0))
+        else:
+            metadata.cache_seqlens_int32.sub_(1)
+
+    if graph:
+        planned = trt.TRTLLMHAAttnBackend._apply_cuda_graph_metadata
+
+        def apply(self, *args, **kwargs):
+            planned(self, *args, **kwargs)
+            wrong(self.forward_metadata)
+        monkeypatch.setattr(trt.TRTLLMHAAttnBackend, "_apply_cuda_graph_metadata", apply)
+    else:
+        planned = trt.TRTLLMHAAttnBackend.init_forward_metadata
+
+        def init(self, forward_batch):
+            planned(self, forward_batch)
+            wrong(self.forward_metadata)
+        monkeypatch.setattr(trt.TRTLLMHAAttnBackend, "init_forward_metadata", init)
+    batch = _spec(ForwardMode.DECODE, (9, 40), (1, 1))
+    composition = "graph(sglang.trtllm_mha)" if graph else "sglang.trtllm_mha"
+    verdict = PROPERTIES["graph_metadata" if graph else "metadata"].run(parse(composition), batch, "cpu")
+    assert not verdict.ok and expected in verdict.reason, str(verdict)
+
+
+def test_flashinfers_stand_ins_plan_nothing_and_are_gone_after_the_build():
+    _plan_level()
+    from backends.sglang import runtime
+
+    runtime.load()
+    import sglang.srt.layers.attention.flashinfer_backend as fib
+
+    before = {name: getattr(fib, name, None) for name in fi.FLASHINFER_WRAPPER_CLASSES}
+    with fi.flashinfer_absent():
+        wrapper = fib.BatchDecodeWithPagedKVCacheWrapper(torch.zeros(8, dtype=torch.uint8), "NHD")
+    with pytest.raises(RuntimeError, match="BatchDecodeWithPagedKVCacheWrapper.plan was called"):
+        wrapper.plan
+    assert {name: getattr(fib, name, None) for name in fi.FLASHINFER_WRAPPER_CLASSES} == before
+    # and a layer never reaches a kernel: the plan-level leaf refuses to run one
+    verdict = PROPERTIES["outputs"].applies(parse("sglang.trtllm_mha"), ForwardMode.DECODE)
+    assert verdict and verdict.startswith("only its planning runs"), verdict
 
 
 def test_its_plan_is_read_as_flashattentions_over_sglangs_own_metadata_class():

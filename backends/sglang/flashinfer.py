@@ -26,6 +26,8 @@ up-projections (``w_kc``, ``w_vc``: the model's ``kv_b_proj``) are the model's, 
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import importlib.util
 from dataclasses import replace
 
@@ -35,7 +37,7 @@ from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
 from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, unread_fields
-from backends.sglang.classes import ReadsEngineClasses, class_level
+from backends.sglang.plans import SglangPlanOnly
 from batch.spec import ForwardMode
 
 FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
@@ -195,7 +197,7 @@ class SglangFlashInfer(SglangBackend):
 # The compute capabilities whose TRT-LLM MHA kernels SGLang calls through FlashInfer (trtllm_mha_backend.py, 0.5.23):
 # XQA decode and fmha_v2 prefill on SM90 and SM120 (``is_xqa_impl``, ``use_fmha_v2``), TRT-LLM-gen on SM100/SM103.
 TRTLLM_MHA_ARCHS = (9, 10, 12)
-TRTLLM_MHA_CLASS_ONLY = ("its kernels (FlashInfer's TRT-LLM MHA: XQA decode and fmha_v2 prefill on Hopper, TRT-LLM-gen "
+TRTLLM_MHA_KERNELS = ("its kernels (FlashInfer's TRT-LLM MHA: XQA decode and fmha_v2 prefill on Hopper, TRT-LLM-gen "
                          "on Blackwell) need FlashInfer and an SM90, SM100 or SM120 GPU")
 
 
@@ -203,15 +205,15 @@ def trtllm_mha_unrunnable() -> str | None:
     """Why SGLang's TRT-LLM MHA backend cannot be built and run here (None: it can). Read without initializing CUDA
     in this process (the sweep forks its workers after the matrix is read): the GPU's compute capability from NVML."""
     if importlib.util.find_spec("flashinfer") is None:
-        return f"{TRTLLM_MHA_CLASS_ONLY}; FlashInfer is not installed"
+        return f"{TRTLLM_MHA_KERNELS}; FlashInfer is not installed"
     if not torch.cuda.is_available():
-        return f"{TRTLLM_MHA_CLASS_ONLY}; no CUDA GPU is visible"
+        return f"{TRTLLM_MHA_KERNELS}; no CUDA GPU is visible"
     try:
         major, minor = _compute_capability()
     except Exception as e:  # noqa: BLE001 - any failure leaves the capability unknown, said as such
-        return f"{TRTLLM_MHA_CLASS_ONLY}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
+        return f"{TRTLLM_MHA_KERNELS}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
     if major not in TRTLLM_MHA_ARCHS:
-        return f"{TRTLLM_MHA_CLASS_ONLY}; this GPU is SM{major}{minor}"
+        return f"{TRTLLM_MHA_KERNELS}; this GPU is SM{major}{minor}"
     return None
 
 
@@ -224,21 +226,73 @@ def _compute_capability() -> tuple[int, int]:
     return tuple(pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0)))
 
 
-class SglangTrtllmMha(ReadsEngineClasses, SglangBackend):
-    """SGLang's ``TRTLLMHAAttnBackend`` (``--attention-backend trtllm_mha``, the server's default for MHA models on
-    Blackwell): a ``FlashInferAttnBackend`` subclass that plans FlashAttention-style metadata (``TRTLLMMHAMetadata``:
-    ``cache_seqlens_int32``, ``cu_seqlens_q/k``, a page table of pages, read by ``adapter.flash_attention_plan``) and
-    runs FlashInfer's TRT-LLM kernels over SGLang's paged cache. Where those kernels cannot run (no FlashInfer, no GPU
-    of their architectures), the leaf is read at class level, as ``classes.py``'s are."""
+class _AbsentFlashInferWrapper:
+    """A FlashInfer wrapper class where FlashInfer is not installed: built (FlashInferAttnBackend's constructor makes
+    its wrappers), never planned or run: any attribute read raises, naming what would have run."""
 
-    sglang_name = "trtllm_mha"
-    _unrunnable = trtllm_mha_unrunnable()
-    capabilities = Capabilities(
+    wrapper_class: str
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"FlashInfer's {self.wrapper_class}.{name} was called, but FlashInfer is not installed: "
+                           f"its wrapper here is an inert stand-in for a plan-level leaf, never planned or run")
+
+
+FLASHINFER_WRAPPER_CLASSES = ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
+                              "BatchDecodeWithPagedKVCacheWrapper")
+
+
+def _no_counter_buffer(device, num_q_heads, max_batch_size):
+    """The TRT-LLM-gen kernels' multi-CTA counter workspace, sized by FlashInfer from the GPU's SM count: empty where
+    no such kernel runs (a plan-level leaf's ``_run`` raises before any could)."""
+    return torch.zeros(0, dtype=torch.uint8, device=device)
+
+
+@contextlib.contextmanager
+def flashinfer_absent():
+    """What a subclass of SGLang's FlashInfer backend reads of FlashInfer while it is built, where FlashInfer is not
+    installed (SGLang imports it only ``if is_flashinfer_available()``): the wrapper classes its constructor makes, as
+    inert stand-ins (:class:`_AbsentFlashInferWrapper`), and TRT-LLM MHA's kernel workspace (sized by asking
+    FlashInfer the GPU's SM count, ``make_persistent_multi_ctas_kv_counter_buffer``), empty. Nothing that plans is
+    replaced; everything is restored afterwards."""
+    backend = importlib.import_module("sglang.srt.layers.attention.flashinfer_backend")
+    trtllm = importlib.import_module("sglang.srt.layers.attention.trtllm_mha_backend")
+    patches = [(backend, name, type(name, (_AbsentFlashInferWrapper,), {"wrapper_class": name}))
+               for name in FLASHINFER_WRAPPER_CLASSES if not hasattr(backend, name)]
+    if hasattr(trtllm, "make_persistent_multi_ctas_kv_counter_buffer"):  # 0.5.2x; earlier releases had none
+        patches.append((trtllm, "make_persistent_multi_ctas_kv_counter_buffer", _no_counter_buffer))
+    saved = [(module, name, getattr(module, name, None)) for module, name, _ in patches]
+    try:
+        for module, name, value in patches:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, old in saved:
+            if old is None:
+                delattr(module, name)
+            else:
+                setattr(module, name, old)
+
+
+# What TRT-LLM MHA plans (init_forward_metadata, trtllm_mha_backend.py:1238-1398, 0.5.23): decode (draft decode
+# included), target verify and extends; mixed batches are extends whose one-token tail it notes
+TRTLLM_MHA_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                              ForwardMode.IDLE})
+# Its graphs (init_cuda_graph_state, _build_cuda_graph_metadata, _apply_cuda_graph_metadata: :706-1047): decode and
+# idle over static buffers, target verify where the server speculates; one fused Triton kernel
+# (update_trtllm_mha_graph_metadata) refills them at capture and before each replay
+TRTLLM_MHA_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE})
+
+
+def _trtllm_mha_capabilities(unrunnable: str | None) -> Capabilities:
+    """Where its kernels run, every property; elsewhere its planning (torch and SGLang's Triton page-table kernels,
+    interpreted on a CPU) over FlashInfer's wrapper classes as inert stand-ins: the plan-level leaf."""
+    return Capabilities(
         attention_kinds=frozenset({"mha"}),
-        # It plans decode (draft decode included), target verify and extends (init_forward_metadata,
-        # trtllm_mha_backend.py:1238-1320); mixed batches are extends whose one-token tail it notes
-        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
-                         ForwardMode.IDLE}),
+        modes=TRTLLM_MHA_MODES,
+        cuda_graph_modes=TRTLLM_MHA_GRAPH_MODES,
         # "Only support topk <= 1 for now" (its __init__): a verify of chains; the server routes topk > 1 elsewhere
         draft_trees=False,
         # It never reads layer.logit_cap (no soft-cap reaches its kernels; trtllm_mha_backend.py, 0.5.23): declared, so
@@ -246,17 +300,37 @@ class SglangTrtllmMha(ReadsEngineClasses, SglangBackend):
         # ledger sglang-trtllm-mha-ignores-logit-cap)
         logit_cap=False,
         dtypes=FLASHINFER_DTYPES,
+        cpu_dtypes=FLASHINFER_DTYPES,
         # The server sets any page size but 16, 32, 64 and 128 to 64 for it (arg_groups/overrides.py:1183, 0.5.23); the
         # three the GPU profile draws are the ones run on the H200 (harness-out/gpu77.sh to gpu80.sh). An fp8 cache
         # (which it writes with the layer's scales and folds into its bmm scales) is not declared until it has run.
         page_sizes=frozenset({16, 32, 64}),
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
-        devices=frozenset({"cuda"}),
-        requires=("sglang", "flashinfer"),
+        devices=frozenset({"cuda"}) if unrunnable is None else frozenset({"cpu", "cuda"}),
+        requires=("sglang", "flashinfer") if unrunnable is None else ("sglang",),
+        cpu_needs_env="TRITON_INTERPRET",  # its page tables are built by SGLang's Triton kernels
         engine="sglang",
         one_shape_per_kind=True,
-        engine_classes=sglang_name,
-    ) if _unrunnable is None else class_level("mha", _unrunnable, sglang_name)
+        engine_classes="trtllm_mha",
+        plan_only=unrunnable,
+    )
+
+
+class SglangTrtllmMha(SglangPlanOnly):
+    """SGLang's ``TRTLLMHAAttnBackend`` (``--attention-backend trtllm_mha``, the server's default for MHA models on
+    Blackwell): a ``FlashInferAttnBackend`` subclass that plans FlashAttention-style metadata (``TRTLLMMHAMetadata``:
+    ``cache_seqlens_int32``, ``cu_seqlens_q/k``, a page table of pages, read by ``adapter.flash_attention_plan``) and
+    runs FlashInfer's TRT-LLM kernels over SGLang's paged cache. Where those kernels cannot run (no FlashInfer, no GPU
+    of their architectures), it is a plan-level leaf (plans.py): built with FlashInfer's wrapper classes as inert
+    stand-ins (it plans none of them) and planned, eagerly and for graphs, as on a Blackwell GPU (the platform
+    answers neither SM90 nor SM120 there, so no Hopper fmha_v2 page lists are planned)."""
+
+    sglang_name = "trtllm_mha"
+    capabilities = _trtllm_mha_capabilities(trtllm_mha_unrunnable())
+
+    @classmethod
+    def built_without_kernels(cls):
+        return flashinfer_absent()
 
 
 def _mla_radix(backend, layer, absorbed: bool):

@@ -64,13 +64,17 @@ class SglangPlanOnly(ReadsEngineClasses, SglangBackend):
     """A registered SGLang backend built and planned, never run (module docstring)."""
 
     capabilities: ClassVar[Capabilities]
-    device_capability: ClassVar[tuple[int, int]]  # the compute capability its factory is asked as
+
+    @classmethod
+    def built_without_kernels(cls):
+        """What SGLang's factory needs to build this leaf where its kernels are absent (a context)."""
+        return contextlib.nullcontext()
 
     @classmethod
     def engine_backend(cls, sgl, sgl_runner):
         if not cls.capabilities.plan_only:
             return super().engine_backend(sgl, sgl_runner)
-        with asked_as(cls.device_capability):
+        with cls.built_without_kernels():
             inner = super().engine_backend(sgl, sgl_runner)
         if getattr(inner, "_get_scheduler_metadata", None) is not None:
             inner._get_scheduler_metadata = lambda **kwargs: None  # module docstring: SGLang's own answer
@@ -108,13 +112,21 @@ def _capabilities(name: str, why: str) -> Capabilities:
 
 # SGLang's FlashAttentionBackend: fa3 and fa4 build the same class, fa_impl_ver apart; its plan is read by
 # adapter.flash_attention_plan.
-class SglangFa3(SglangPlanOnly):
+class _FlashAttention(SglangPlanOnly):
+    device_capability: ClassVar[tuple[int, int]]  # the compute capability its factory is asked as
+
+    @classmethod
+    def built_without_kernels(cls):
+        return asked_as(cls.device_capability)
+
+
+class SglangFa3(_FlashAttention):
     sglang_name = "fa3"
     device_capability = (9, 0)  # Hopper, where the server picks it by default
     capabilities = _capabilities("fa3", _WHY)
 
 
-class SglangFa4(SglangPlanOnly):
+class SglangFa4(_FlashAttention):
     sglang_name = "fa4"
     device_capability = (10, 0)  # Blackwell
     capabilities = _capabilities("fa4", _WHY + "; FlashAttention 4's run on Blackwell")
