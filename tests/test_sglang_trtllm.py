@@ -198,3 +198,34 @@ def test_its_plan_is_read_as_flashattentions_over_sglangs_own_metadata_class():
     assert plan.kv_indptr.tolist() == [0, 1, 3] and plan.kv_indices.tolist() == [5, 2, 7]
     assert plan.kv_indices_are_pages and plan.key_lens.tolist() == [3, 20]
     assert "swa_page_table" in plan.unread  # a window model's table: planned, not yet checked, and said so
+
+
+def test_a_tbo_half_refuses_to_run_a_plan_level_leafs_kernels_as_the_leaf_does():
+    # A TBO half borrows its leaf's _run, which reads the leaf's declaration (a missing one was an adapter error on
+    # every tbo(sglang.trtllm_mha) row of the H200, where the leaf is built)
+    _plan_level()
+    from properties.metadata import planned
+
+    batch = _spec(ForwardMode.DECODE, (9, 40), (1, 1))
+    backend, fb = planned(parse("tbo(sglang.trtllm_mha)"), batch, "cpu")
+    half = backend.children[0]
+    assert half.capabilities is backend.primary.capabilities
+    with pytest.raises(RuntimeError, match="plan-level leaf"):
+        half._run(None, None, None, None, fb, True)
+
+
+def test_a_tbo_half_runs_a_built_leafs_kernels_through_the_leafs_run(monkeypatch):
+    # Where the leaf is built (a GPU), its _run (SglangPlanOnly's) hands the half on to SGLang's call
+    _plan_level()
+    from dataclasses import replace
+
+    from backends.sglang.adapter import SglangBackend
+    from properties.metadata import planned
+
+    batch = _spec(ForwardMode.DECODE, (9, 40), (1, 1))
+    backend, fb = planned(parse("tbo(sglang.trtllm_mha)"), batch, "cpu")
+    monkeypatch.setattr(fi.SglangTrtllmMha, "capabilities", replace(fi.SglangTrtllmMha.capabilities, plan_only=None))
+    ran = []
+    monkeypatch.setattr(SglangBackend, "_run", lambda self, *args: ran.append(self) or "ran")
+    half = backend.children[1]
+    assert half._run(None, None, None, None, fb, True) == "ran" and ran == [half]

@@ -1332,6 +1332,13 @@ class _TboChild(SglangBackend):
         self.linear = getattr(parent.primary, "linear", None)  # a hybrid's linear leaf: how its mixer is handed over
         self.batches = {}
         self.leaf = type(parent.primary)  # the wrapped adapter's class: how its layers are called, its plans read
+        self.sglang_name = parent.primary.sglang_name  # the --attention-backend it is (the leaf's messages name it)
+
+    @property
+    def capabilities(self):
+        """The wrapped leaf's declaration: the leaf's methods this half borrows read it (a plan-level leaf's
+        ``_run`` refuses by it)."""
+        return self.parent.primary.capabilities
 
     def init_forward_metadata(self, forward_batch) -> None:
         raise RuntimeError("a TBO child is planned by its wrapper (TboAttnBackend.init_forward_metadata)")

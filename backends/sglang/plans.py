@@ -84,7 +84,8 @@ class SglangPlanOnly(ReadsEngineClasses, SglangBackend):
         if self.capabilities.plan_only:
             raise RuntimeError(f"sglang.{self.sglang_name} is a plan-level leaf, its kernels are not run here: "
                                f"{self.capabilities.plan_only}")
-        return super()._run(q, k, v, layer, forward_batch, save_kv_cache, via)
+        # Named, not super(): a TBO half (adapter._TboChild) runs its leaf's _run as its own
+        return SglangBackend._run(self, q, k, v, layer, forward_batch, save_kv_cache, via)
 
 
 _WHY = "FlashAttention's kernels come with sgl_kernel (the sglang-kernel wheel), not installed here with a CUDA GPU"
