@@ -321,8 +321,11 @@ class SglangBackend(_SglangObject):
                 # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
                 # (layers/quantization/kv_cache.py, process_weights_after_loading). A lightning layer has no KV
                 # cache and keeps k_scale None, as in a bf16 checkpoint served with --kv-cache-dtype fp8_e4m3.
-                radix.k_scale = torch.nn.Parameter(torch.tensor(float(layer.k_scale)), requires_grad=False)
-                radix.v_scale = torch.nn.Parameter(torch.tensor(float(layer.v_scale)), requires_grad=False)
+                # On the model's device, where create_weights makes them (the model is built under its device):
+                # TRT-LLM MHA's fused fp8 cache write takes them as device tensors.
+                dev = self.sgl_runner.device
+                radix.k_scale = torch.nn.Parameter(torch.tensor(float(layer.k_scale), device=dev), requires_grad=False)
+                radix.v_scale = torch.nn.Parameter(torch.tensor(float(layer.v_scale), device=dev), requires_grad=False)
                 radix.k_scale_float, radix.v_scale_float = float(layer.k_scale), float(layer.v_scale)
             self.radix[layer.layer_id] = radix
         return radix
