@@ -8,9 +8,9 @@ import pytest
 from backends.registry import all_compositions, parse
 from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
 from properties import PROPERTIES
-from search.ledger import match
 from search.matrix import matrix
 from search.profiles import PROFILES
+from tests.plan_checks import assert_eager_plan_holds
 
 pytest.importorskip("sglang")
 
@@ -56,14 +56,7 @@ def test_plan_level_leaves_get_only_plan_level_rows_and_say_why():
 @pytest.mark.parametrize("composition", ["sglang.fa3", "tbo(sglang.fa3)"])
 def test_flash_attention_plans_satisfy_the_invariants(batch, composition):
     _available("sglang.fa3")
-    c = parse(composition)
-    if c.unsupported_reason(batch) or PROPERTIES["metadata"].applies(c, batch.mode):
-        pytest.skip(c.unsupported_reason(batch) or PROPERTIES["metadata"].applies(c, batch.mode))
-    verdict = PROPERTIES["metadata"].run(c, batch, "cpu")
-    known = None if verdict.ok else match(composition, batch.mode.value, "metadata", batch, verdict, "cpu")
-    # SGLang's TBO splitter cuts a MIXED batch's tokens two-chunk but its requests plainly: the halves' plans then
-    # disagree with their batches, through FlashAttention's plan as through Triton's (the ledger's entry)
-    assert verdict.ok or (known and known.id == "sglang-tbo-mixed-two-chunk"), str(verdict)
+    assert_eager_plan_holds(composition, batch)
 
 
 @pytest.mark.parametrize("fault, expected", [

@@ -16,9 +16,9 @@ from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
 from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
 from properties import PROPERTIES
-from search.ledger import match
 from search.matrix import matrix
 from search.profiles import PROFILES
+from tests.plan_checks import assert_eager_plan_holds
 
 pytest.importorskip("sglang")
 
@@ -98,12 +98,7 @@ def test_where_it_cannot_run_its_planning_runs_and_the_reason_is_said():
 @pytest.mark.parametrize("composition", ["sglang.trtllm_mha", "tbo(sglang.trtllm_mha)"])
 def test_its_eager_plans_satisfy_the_invariants(batch, composition):
     _plan_level()
-    c = parse(composition)
-    if c.unsupported_reason(batch) or PROPERTIES["metadata"].applies(c, batch.mode):
-        pytest.skip(c.unsupported_reason(batch) or PROPERTIES["metadata"].applies(c, batch.mode))
-    verdict = PROPERTIES["metadata"].run(c, batch, "cpu")
-    known = None if verdict.ok else match(composition, batch.mode.value, "metadata", batch, verdict, "cpu")
-    assert verdict.ok or (known and known.id == "sglang-tbo-mixed-two-chunk"), str(verdict)
+    assert_eager_plan_holds(composition, batch)
 
 
 @pytest.mark.parametrize("batch", [
