@@ -42,7 +42,7 @@ LEAVES: dict[str, str] = {
     "sglang.fa4": "backends.sglang.plans:SglangFa4",
     # SGLang's backends whose kernels do not run here: their classes only (backends/sglang/classes.py)
     "sglang.trtllm_mha": "backends.sglang.flashinfer:SglangTrtllmMha",
-    "sglang.trtllm_mla": "backends.sglang.classes:SglangTrtllmMla",
+    "sglang.trtllm_mla": "backends.sglang.flashinfer:SglangTrtllmMla",
     "sglang.cutedsl_mla": "backends.sglang.classes:SglangCutedslMla",
     "sglang.cutlass_mla": "backends.sglang.classes:SglangCutlassMla",
     "sglang.flashmla": "backends.sglang.classes:SglangFlashMla",
@@ -130,6 +130,11 @@ class Composition:
             decode = split.children[1].name
             caps[decode] = dataclasses.replace(caps[decode], custom_mask=True)
         support = Support.of(list(caps.values()))
+        if self.name == "hybrid" and _class_level_hybrid(self.children[0].name):
+            support = dataclasses.replace(
+                support, modes=frozenset({ForwardMode.EXTEND}),
+                class_only=f"SGLang's hybrid over {self.children[0].name} is read at class level: the adapter builds "
+                           f"it over MHA backends only ({self.children[0].name}: {support.plan_only})")
         if "graph" in self.wrappers():
             support = dataclasses.replace(support, modes=support.modes & self.captured_modes(support))
         if not self.is_leaf and not (self.name == "graph" and self.children[0].is_leaf):
@@ -377,4 +382,15 @@ def all_compositions() -> list[Composition]:
     read += [Composition("tbo", (c,)) for c in read[:len(class_only)]]
     read += [Composition("hybrid", (Composition(n), Composition(lin))) for n in class_only for lin in theirs_linear
              if leaf_capabilities(n).engine == leaf_capabilities(lin).engine]
+    # So is a plan-level MLA leaf under the hybrid (Kimi Linear's layers on Blackwell: TRT-LLM MLA beside KDA): the
+    # adapter builds SGLang's hybrid over MHA leaves only, so these rows are read at class level (Composition.support)
+    read += [Composition("hybrid", (Composition(n), Composition(lin))) for n in theirs_full for lin in theirs_linear
+             if _class_level_hybrid(n) and leaf_capabilities(n).engine == leaf_capabilities(lin).engine]
     return out + theirs + read
+
+
+def _class_level_hybrid(full: str) -> bool:
+    """Whether SGLang's hybrid over the full-attention leaf ``full`` is read at class level though the leaf is built: a
+    plan-level MLA leaf (the adapter builds the hybrid over MHA leaves only)."""
+    caps = leaf_capabilities(full)
+    return caps.engine == "sglang" and bool(caps.plan_only) and caps.attention_kinds == {"mla"}

@@ -17,10 +17,11 @@ SGLang's callers probe for with ``hasattr``) need no batch: the file imports the
 for the composition and runs the same structural check, against the installed SGLang's own base class and
 sources, so it follows any release where those classes exist.
 
-A class-level composition (``sglang.trtllm_mla``, ``tbo(sglang.trtllm_mha)``: backends/sglang/classes.py) is never
+A class-level composition (``sglang.cutedsl_mla``, ``tbo(sglang.wave)``: backends/sglang/classes.py) is never
 built: its file runs the harness's class check itself (``class_call_problems``, copied in from
 properties/conformance.py when the file is written) on the same classes, and the wrapper check on the members the
-harness found hidden.
+harness found hidden. So does a plan-level one (``sglang.trtllm_mla``, ``tbo(sglang.fa3)``: backends/sglang/plans.py),
+whose classes the property reads the same way before it builds them.
 
 What it covers today (anything else is refused with one line, exit 2):
 
@@ -839,7 +840,10 @@ def _composition_server(composition) -> str:
 
 
 def _build_conformance(case, composition, device: str, case_path: Path | None) -> Export:
-    if composition.support().class_only:
+    support = composition.support()
+    # A plan-level composition's classes are read as a class-level one's (properties.conformance), and its file is
+    # that check: what a faulted class breaks shows there, with or without the fault installed while exporting
+    if support.class_only or support.plan_only:
         return _build_class_conformance(case, composition, device, case_path)
     from batch.forward_batch import ModelRunner
     from batch.spec import ForwardMode

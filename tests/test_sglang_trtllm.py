@@ -1,9 +1,10 @@
-"""SGLang's TRT-LLM MHA backend (backends/sglang/flashinfer.py, ``SglangTrtllmMha``): every property where FlashInfer and
-a GPU of its kernels' architectures are present (run on an H200: harness-out/gpu77.sh to gpu80.sh), its planning
+"""SGLang's TRT-LLM MHA backend (backends/sglang/flashinfer.py, ``SglangTrtllmMha``): every property where FlashInfer
+and a GPU of its kernels' architectures are present (run on an H200: harness-out/gpu77.sh to gpu80.sh), its planning
 elsewhere (a plan-level leaf: built with FlashInfer's wrapper classes as inert stand-ins, planned eagerly and for
 graphs, its Triton page-table kernels interpreted on a CPU). What a CPU checks of it: which level the leaf takes and
 why, its plans (eager, captured, replayed, under SGLang's TBO) against the invariants, that a wrong plan fails them, and
-that nothing of FlashInfer's can be called through the stand-ins."""
+that nothing of FlashInfer's can be called through the stand-ins. And SGLang's TRT-LLM MLA backend (``SglangTrtllmMla``),
+a plan-level leaf wherever the harness runs: the same for its eager plans, and its classes read under the hybrid."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
-from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, MHALayer, MLALayer, SpecInput
 from properties import PROPERTIES
 from search.matrix import matrix
 from search.profiles import PROFILES
@@ -78,7 +79,8 @@ def test_where_it_cannot_run_its_planning_runs_and_the_reason_is_said():
     caps = _plan_level()
     assert caps.plan_only == fi.trtllm_mha_unrunnable() and caps.plan_only.startswith(fi.TRTLLM_MHA_KERNELS)
     assert [c.__name__ for c in fi.SglangTrtllmMha.engine_classes()] == ["TRTLLMHAAttnBackend"]
-    m = matrix("cpu", PROFILES["ci"], ["sglang.trtllm_mha", "graph(sglang.trtllm_mha)", "graph(tbo(sglang.trtllm_mha))"])
+    m = matrix("cpu", PROFILES["ci"],
+               ["sglang.trtllm_mha", "graph(sglang.trtllm_mha)", "graph(tbo(sglang.trtllm_mha))"])
     names = {(r.composition.name, r.property.name) for r in m.rows}
     assert ("sglang.trtllm_mha", "metadata") in names and ("sglang.trtllm_mha", "conformance") in names
     assert {p for c, p in names if c == "graph"} == {"graph_metadata"}
@@ -224,3 +226,88 @@ def test_a_tbo_half_runs_a_built_leafs_kernels_through_the_leafs_run(monkeypatch
     monkeypatch.setattr(SglangBackend, "_run", lambda self, *args: ran.append(self) or "ran")
     half = backend.children[1]
     assert half._run(None, None, None, None, fb, True) == "ran" and ran == [half]
+
+
+# ---- TRT-LLM MLA (sglang.trtllm_mla): a plan-level leaf everywhere the harness runs ----
+MLA = (MLALayer(0, 8, 64, 32, 128, 64),)
+
+
+def _mla_spec(mode, prefix, extend, page_size=64, **kw) -> BatchSpec:
+    return BatchSpec(mode, tuple(prefix), tuple(extend), MLA, page_size=page_size, dtype="bfloat16", seed=5, **kw)
+
+
+def _mla_plan_level():
+    why = parse("sglang.trtllm_mla").unavailable_reason("cpu")
+    if why:
+        pytest.skip(why)
+    return leaf_capabilities("sglang.trtllm_mla")
+
+
+def test_trtllm_mla_plans_here_and_says_why_its_kernels_do_not_run():
+    caps = _mla_plan_level()
+    assert caps.plan_only == fi.TRTLLM_MLA_KERNELS and not caps.class_only
+    m = matrix("cpu", PROFILES["ci"], ["sglang.trtllm_mla", "tbo(sglang.trtllm_mla)"])
+    assert {r.property.name for r in m.rows} == {"metadata", "conformance"}
+    assert {r.mode for r in m.rows if r.property.name == "metadata"} == set(fi.FLASHINFER_MODES)
+    # Under SGLang's linear hybrid (Kimi Linear's MLA beside KDA) its classes are read, as a class-level leaf's: the
+    # hybrid's class must reach every member TRT-LLM MLA overrides (its init_mha_chunk_metadata among them)
+    hybrid = parse("hybrid(sglang.trtllm_mla,sglang.kda)")
+    if hybrid.unavailable_reason("cpu") is None:
+        assert hybrid.support().class_only and "read at class level" in hybrid.support().class_only
+        m = matrix("cpu", PROFILES["ci"], [str(hybrid)])
+        assert {(r.property.name, r.mode) for r in m.rows} == {("conformance", ForwardMode.EXTEND)}
+
+
+@pytest.mark.parametrize("batch", [
+    _mla_spec(ForwardMode.EXTEND, (0, 5, 70), (7, 3, 1)),
+    _mla_spec(ForwardMode.DECODE, (9, 40, 130), (1, 1, 1)),
+    _mla_spec(ForwardMode.DECODE, (31, 64), (1, 1), page_size=32),
+    _mla_spec(ForwardMode.MIXED, (4, 7), (3, 1)),
+    _mla_spec(ForwardMode.TARGET_VERIFY, (6, 11), (4, 4), spec=_chain(4, 2)),
+], ids=["extend", "decode", "decode-page32", "mixed", "verify"])
+@pytest.mark.parametrize("composition", ["sglang.trtllm_mla", "tbo(sglang.trtllm_mla)"])
+def test_trtllm_mla_eager_plans_satisfy_the_invariants(batch, composition):
+    _mla_plan_level()
+    assert_eager_plan_holds(composition, batch)
+
+
+@pytest.mark.parametrize("fault, mode, expected", [
+    ("block_kv_indices", ForwardMode.DECODE, "kv_indices hold"),  # each request's pages read from the next one's row
+    ("seq_lens_k", ForwardMode.TARGET_VERIFY, "key lengths"),  # the drafts' keys one short
+    ("cum_seq_lens", ForwardMode.EXTEND, "qo_indptr"),  # the ragged prefill's query rows one off
+])
+def test_a_wrong_trtllm_mla_plan_fails_the_metadata_property(monkeypatch, fault, mode, expected):
+    _mla_plan_level()
+    import sglang.srt.layers.attention.trtllm_mla_backend as trt
+
+    planned = trt.TRTLLMMLABackend.init_forward_metadata
+
+    def init(self, forward_batch):
+        planned(self, forward_batch)
+        if fault == "block_kv_indices":
+            table = self.forward_decode_metadata.block_kv_indices
+            table.copy_(table.roll(1, 0))
+        elif fault == "seq_lens_k":
+            self.forward_decode_metadata.seq_lens_k.sub_(1)
+        else:
+            self.forward_prefill_metadata.cum_seq_lens[1:] += 1
+    monkeypatch.setattr(trt.TRTLLMMLABackend, "init_forward_metadata", init)
+    batch = {ForwardMode.DECODE: _mla_spec(ForwardMode.DECODE, (9, 70), (1, 1)),
+             ForwardMode.TARGET_VERIFY: _mla_spec(ForwardMode.TARGET_VERIFY, (6, 11), (3, 3), spec=_chain(3, 2)),
+             ForwardMode.EXTEND: _mla_spec(ForwardMode.EXTEND, (0, 5), (4, 2))}[mode]
+    verdict = PROPERTIES["metadata"].run(parse("sglang.trtllm_mla"), batch, "cpu")
+    assert not verdict.ok and expected in verdict.reason, str(verdict)
+
+
+def test_flashinfers_mla_stand_ins_are_gone_after_the_build():
+    _mla_plan_level()
+    import sglang.srt.layers.attention.flashinfer_mla_backend as mla
+
+    from properties.metadata import planned
+
+    before = {name: getattr(mla, name, None) for name in fi.FLASHINFER_MLA_WRAPPER_CLASSES}
+    backend, _ = planned(parse("sglang.trtllm_mla"), _mla_spec(ForwardMode.DECODE, (9,), (1,)), "cpu")
+    assert {name: getattr(mla, name, None) for name in fi.FLASHINFER_MLA_WRAPPER_CLASSES} == before
+    assert mla.torch is torch  # the unpinned stand-in only while it was built
+    with pytest.raises(RuntimeError, match="BatchMLAPagedAttentionWrapper.plan was called"):
+        backend.inner.decode_wrapper.plan

@@ -808,6 +808,18 @@ def unread_fields(meta, read) -> tuple[str, ...]:
     return tuple(sorted(name for name, value in fields.items() if isinstance(value, torch.Tensor) and name not in read))
 
 
+def page_table_lists(table: torch.Tensor, key_lens: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A page table (a row of page ids per request, padded past its pages) and each request's key count as one flat
+    list of the pages the kernel reads (the first ``ceil(keys / page_size)`` of each row) and its indptr. A table
+    narrower than a request's pages gives a shorter row, which the invariant reports as such."""
+    lens = key_lens.to("cpu", torch.int64)
+    table = table.to("cpu", torch.int64)
+    rows = [table[i, :int((lens[i] + page_size - 1) // page_size)] for i in range(lens.numel())]
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(torch.tensor([row.numel() for row in rows], dtype=torch.int64), 0)
+    return indptr, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+
+
 def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True, graph: bool = False) -> PlannedMetadata:
     """FlashAttention's plan (``FlashAttentionMetadata``, flashattention_backend.py:75-130) in the inspectable form:
     ``cu_seqlens_q`` over the batch's query rows; per request ``cache_seqlens`` keys read from the cache (its prefix
@@ -816,14 +828,8 @@ def flash_attention_plan(meta, page_size: int, includes_new_tokens: bool = True,
     ``page_table[i, j]`` the j-th page of request i's keys (token slots when pages hold one token). A graph's plan
     (``graph``) keeps ``cu_seqlens_k`` only where its kernel reads it ("metadata.cu_seqlens_k is not needed",
     flashattention_backend.py:3113): the paged kernel reads ``cache_seqlens`` and the page table, which are checked."""
-    lens = meta.cache_seqlens_int32.to("cpu", torch.int64)
-    table = meta.page_table.to("cpu", torch.int64)
-    # A table narrower than a request's pages gives a shorter row, which the invariant reports as such
-    rows = [table[i, :int((lens[i] + page_size - 1) // page_size)] for i in range(lens.numel())]
-    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(torch.tensor([row.numel() for row in rows], dtype=torch.int64), 0)
-    return PlannedMetadata(qo_indptr=meta.cu_seqlens_q, kv_indptr=indptr,
-                           kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
+    indptr, indices = page_table_lists(meta.page_table, meta.cache_seqlens_int32, page_size)
+    return PlannedMetadata(qo_indptr=meta.cu_seqlens_q, kv_indptr=indptr, kv_indices=indices,
                            kv_indices_are_pages=page_size > 1, kv_includes_new_tokens=includes_new_tokens,
                            key_lens=meta.cache_seqlens_int32, key_indptr=None if graph else meta.cu_seqlens_k,
                            unread=unread_fields(meta, FLASH_ATTENTION_READ))

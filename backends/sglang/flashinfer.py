@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import types
 from dataclasses import replace
 
 import torch
@@ -36,8 +37,8 @@ import torch
 from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
-from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, unread_fields
-from backends.sglang.plans import SglangPlanOnly
+from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, page_table_lists, unread_fields
+from backends.sglang.plans import SglangPlanOnly, asked_as
 from batch.spec import ForwardMode
 
 FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
@@ -242,6 +243,7 @@ class _AbsentFlashInferWrapper:
 
 FLASHINFER_WRAPPER_CLASSES = ("BatchPrefillWithRaggedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper",
                               "BatchDecodeWithPagedKVCacheWrapper")
+FLASHINFER_MLA_WRAPPER_CLASSES = ("BatchMLAPagedAttentionWrapper", "BatchPrefillWithRaggedKVCacheWrapper")
 
 
 def _no_counter_buffer(device, num_q_heads, max_batch_size):
@@ -250,19 +252,53 @@ def _no_counter_buffer(device, num_q_heads, max_batch_size):
     return torch.zeros(0, dtype=torch.uint8, device=device)
 
 
+def _no_jit_module(*args, **kwargs):
+    """A CUDA JIT module SGLang builds ahead of its first use (TRT-LLM MLA's zero-KV fixup): none where no kernel
+    runs."""
+    return None
+
+
+class _UnpinnedTorch(types.ModuleType):
+    """``torch`` as a module of SGLang's sees it while a plan-level leaf is built on a machine without CUDA: its
+    pinned host buffers (``pin_memory=True``, which torch refuses there) made unpinned; pinning only lets a copy to
+    the device run asynchronously (runtime.py's ``_host_pinning_on_cpu`` answers ``Tensor.pin_memory`` alike)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        for name in ("zeros", "empty", "ones", "full", "tensor", "arange"):
+            setattr(self, name, self._unpinned(getattr(torch, name)))
+
+    @staticmethod
+    def _unpinned(factory):
+        return lambda *args, pin_memory=False, **kwargs: factory(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
 @contextlib.contextmanager
 def flashinfer_absent():
-    """What a subclass of SGLang's FlashInfer backend reads of FlashInfer while it is built, where FlashInfer is not
-    installed (SGLang imports it only ``if is_flashinfer_available()``): the wrapper classes its constructor makes, as
-    inert stand-ins (:class:`_AbsentFlashInferWrapper`), and TRT-LLM MHA's kernel workspace (sized by asking
-    FlashInfer the GPU's SM count, ``make_persistent_multi_ctas_kv_counter_buffer``), empty. Nothing that plans is
-    replaced; everything is restored afterwards."""
-    backend = importlib.import_module("sglang.srt.layers.attention.flashinfer_backend")
-    trtllm = importlib.import_module("sglang.srt.layers.attention.trtllm_mha_backend")
-    patches = [(backend, name, type(name, (_AbsentFlashInferWrapper,), {"wrapper_class": name}))
-               for name in FLASHINFER_WRAPPER_CLASSES if not hasattr(backend, name)]
-    if hasattr(trtllm, "make_persistent_multi_ctas_kv_counter_buffer"):  # 0.5.2x; earlier releases had none
-        patches.append((trtllm, "make_persistent_multi_ctas_kv_counter_buffer", _no_counter_buffer))
+    """What a subclass of SGLang's FlashInfer backends reads of FlashInfer while it is built, where FlashInfer is not
+    installed (SGLang imports it only ``if is_flashinfer_available()``): the wrapper classes their constructors make,
+    as inert stand-ins (:class:`_AbsentFlashInferWrapper`); the TRT-LLM kernels' workspace (sized by asking FlashInfer
+    the GPU's SM count, ``make_persistent_multi_ctas_kv_counter_buffer``), empty; TRT-LLM MLA's prebuilt CUDA module,
+    none; and, without CUDA, the MLA backend's pinned host buffers unpinned. Nothing that plans is replaced;
+    everything is restored afterwards."""
+    attention = "sglang.srt.layers.attention."
+    modules = {name: importlib.import_module(attention + name)
+               for name in ("flashinfer_backend", "flashinfer_mla_backend", "trtllm_mha_backend", "trtllm_mla_backend")}
+    patches = [(modules[module], name, type(name, (_AbsentFlashInferWrapper,), {"wrapper_class": name}))
+               for module, names in (("flashinfer_backend", FLASHINFER_WRAPPER_CLASSES),
+                                     ("flashinfer_mla_backend", FLASHINFER_MLA_WRAPPER_CLASSES))
+               for name in names if not hasattr(modules[module], name)]
+    for module, name, value in (  # each where the release has it (0.5.2x; 0.5.10 has none of them)
+            ("trtllm_mha_backend", "make_persistent_multi_ctas_kv_counter_buffer", _no_counter_buffer),
+            ("trtllm_mla_backend", "make_persistent_multi_ctas_kv_counter_buffer", _no_counter_buffer),
+            ("trtllm_mla_backend", "_jit_fixup_module", _no_jit_module)):
+        if hasattr(modules[module], name):
+            patches.append((modules[module], name, value))
+    if not torch.cuda.is_available():
+        patches.append((modules["flashinfer_mla_backend"], "torch", _UnpinnedTorch()))
     saved = [(module, name, getattr(module, name, None)) for module, name, _ in patches]
     try:
         for module, name, value in patches:
@@ -335,6 +371,81 @@ class SglangTrtllmMha(SglangPlanOnly):
     @classmethod
     def built_without_kernels(cls):
         return flashinfer_absent()
+
+
+# TRT-LLM MLA (``--attention-backend trtllm_mla``, the server's default MLA backend on Blackwell): a
+# FlashInferMLAAttnBackend subclass whose decode, verify and draft-extend plans are its own (TRTLLMMLADecodeMetadata: a
+# page table built by SGLang's Triton kernel, padded with -1, and each request's key count) and whose extends plan the
+# new tokens' ragged prefill (TRTLLMMLAPrefillMetadata), the prefix read in chunks (init_mha_chunk_metadata)
+TRTLLM_MLA_KERNELS = ("its kernels (FlashInfer's TRT-LLM-gen MLA decode and DeepSeek ragged prefill) run on Blackwell "
+                      "(SM100) only, and the harness has run none")
+
+
+class SglangTrtllmMla(SglangPlanOnly):
+    """SGLang's ``TRTLLMMLABackend`` at plan level (plans.py): built through SGLang's factory as on Blackwell (its
+    constructor asks the GPU's capability), FlashInfer's MLA wrappers as inert stand-ins (:func:`flashinfer_absent`),
+    its ``init_forward_metadata`` run on every drawn batch and read here."""
+
+    sglang_name = "trtllm_mla"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mla"}),
+        engine_features=("deepseek_mla",),
+        modes=FLASHINFER_MODES,
+        # No graph modes yet: its graphs plan decode, idle and verify outside the graph
+        # (init_forward_metadata_out_graph, _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772), but its FlashInfer MLA base allocates their
+        # state on "cuda" by name (flashinfer_mla_backend.py:506), so they cannot be planned on a CPU; on a GPU they
+        # have not been run
+        # DeepSeek's bf16, and fp16, which the CPU profile draws: its planning does not read the model's dtype (no
+        # kernel of it runs here to tell what its kernels take)
+        dtypes=FLASHINFER_DTYPES,
+        cpu_dtypes=FLASHINFER_DTYPES,
+        # TRT-LLM-gen MLA reads pages of 32 or 64 tokens (the server sets 64 for any other, arg_groups/overrides.py)
+        page_sizes=frozenset({32, 64}),
+        requires=("sglang",),
+        cpu_needs_env="TRITON_INTERPRET",  # its page table is built by SGLang's Triton kernel
+        engine="sglang",
+        one_shape_per_kind=True,
+        engine_classes=sglang_name,
+        plan_only=TRTLLM_MLA_KERNELS,
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
+    )
+
+    @classmethod
+    def built_without_kernels(cls):
+        stack = contextlib.ExitStack()
+        stack.enter_context(asked_as((10, 0)))  # Blackwell, where the server runs it
+        stack.enter_context(flashinfer_absent())
+        return stack
+
+    def planned_metadata(self) -> PlannedMetadata:
+        """An extend's ragged query indptr (its keys: the new tokens, the prefix read in chunks); a decode's or a
+        verify's page table and key counts (every key, the new ones included)."""
+        sfb = next(iter(self.batches.values()))
+        mode = sfb.forward_mode
+        if mode.is_extend() and not mode.is_target_verify() and not mode.is_draft_extend_v2():
+            meta = self.inner.forward_prefill_metadata
+            return PlannedMetadata() if meta is None else PlannedMetadata(qo_indptr=meta.cum_seq_lens)
+        meta = self.inner.forward_decode_metadata
+        if meta is None or meta.block_kv_indices is None:
+            return PlannedMetadata()
+        return trtllm_mla_plan(meta, self.sgl_runner.page_size, sfb.seq_lens)
+
+
+TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k"})
+
+
+def trtllm_mla_plan(meta, page_size: int, batch_seq_lens: torch.Tensor) -> PlannedMetadata:
+    """TRT-LLM MLA's decode-side plan (``TRTLLMMLADecodeMetadata``) in the inspectable form: per request
+    ``seq_lens_k`` keys read from the cache (the new tokens included: SGLang writes them first) and the first
+    ``ceil(keys / page_size)`` entries of its ``block_kv_indices`` row, the rest padding the kernel never reads. Up to
+    the 0.5.1x releases a decode plans no ``seq_lens_k`` (its kernel reads the batch's ``seq_lens``, 0.5.10
+    trtllm_mla_backend.py:876): the rows are cut at those, and no planned length is checked."""
+    planned = meta.seq_lens_k
+    indptr, indices = page_table_lists(meta.block_kv_indices, planned if planned is not None else batch_seq_lens,
+                                       page_size)
+    return PlannedMetadata(kv_indptr=indptr, kv_indices=indices, kv_indices_are_pages=page_size > 1,
+                           kv_includes_new_tokens=True, key_lens=planned,
+                           unread=unread_fields(meta, TRTLLM_MLA_READ))
 
 
 def _mla_radix(backend, layer, absorbed: bool):
