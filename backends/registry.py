@@ -43,7 +43,7 @@ LEAVES: dict[str, str] = {
     # SGLang's backends whose kernels do not run here: their classes only (backends/sglang/classes.py)
     "sglang.trtllm_mha": "backends.sglang.flashinfer:SglangTrtllmMha",
     "sglang.trtllm_mla": "backends.sglang.flashinfer:SglangTrtllmMla",
-    "sglang.cutedsl_mla": "backends.sglang.classes:SglangCutedslMla",
+    "sglang.cutedsl_mla": "backends.sglang.flashinfer:SglangCutedslMla",
     "sglang.cutlass_mla": "backends.sglang.classes:SglangCutlassMla",
     "sglang.flashmla": "backends.sglang.classes:SglangFlashMla",
     "sglang.dsa": "backends.sglang.classes:SglangDsa",

@@ -17,7 +17,7 @@ SGLang's callers probe for with ``hasattr``) need no batch: the file imports the
 for the composition and runs the same structural check, against the installed SGLang's own base class and
 sources, so it follows any release where those classes exist.
 
-A class-level composition (``sglang.cutedsl_mla``, ``tbo(sglang.wave)``: backends/sglang/classes.py) is never
+A class-level composition (``sglang.hpc_ops``, ``tbo(sglang.wave)``: backends/sglang/classes.py) is never
 built: its file runs the harness's class check itself (``class_call_problems``, copied in from
 properties/conformance.py when the file is written) on the same classes, and the wrapper check on the members the
 harness found hidden. So does a plan-level one (``sglang.trtllm_mla``, ``tbo(sglang.fa3)``: backends/sglang/plans.py),

@@ -13,7 +13,7 @@ from search.profiles import PROFILES
 
 pytest.importorskip("sglang")
 
-CLASS_LEAVES = ("sglang.cutedsl_mla", "sglang.cutlass_mla", "sglang.flashmla",
+CLASS_LEAVES = ("sglang.cutlass_mla", "sglang.flashmla",
                 "sglang.dsa", "sglang.nsa", "sglang.aiter", "sglang.wave", "sglang.qsa",
                 "sglang.hpc_ops", "sglang.intel_amx")
 

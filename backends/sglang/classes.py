@@ -61,11 +61,6 @@ def registered_classes(name: str) -> list[type]:
     return [getattr(importlib.import_module(module), cls) for module, cls in features.importable_classes(name)]
 
 
-class SglangCutedslMla(SglangClassOnly):
-    sglang_name = "cutedsl_mla"
-    capabilities = class_level("mla", "its CuTe DSL MLA kernels run on Blackwell only", sglang_name)
-
-
 class SglangCutlassMla(SglangClassOnly):
     sglang_name = "cutlass_mla"  # registered up to the releases that replaced it with cutedsl_mla
     capabilities = class_level("mla", "its CUTLASS MLA kernels (sgl_kernel) run on Blackwell only", sglang_name)

@@ -431,6 +431,18 @@ class SglangTrtllmMla(SglangPlanOnly):
         return trtllm_mla_plan(meta, self.sgl_runner.page_size, sfb.seq_lens)
 
 
+class SglangCutedslMla(SglangTrtllmMla):
+    """SGLang's ``CuteDslMLABackend`` (``--attention-backend cutedsl_mla``, 0.5.2x): a ``TRTLLMMLABackend`` that overrides
+    its kernels only (FlashInfer's CuTe DSL MLA decode, cutedsl_mla_backend.py), so its plans are TRT-LLM MLA's, held to
+    the same invariants at the same level."""
+
+    sglang_name = "cutedsl_mla"
+    capabilities = replace(
+        SglangTrtllmMla.capabilities, engine_classes=sglang_name,
+        plan_only="its kernels (FlashInfer's CuTe DSL MLA decode) run on Blackwell (SM100) only, and the harness has run "
+                  "none")
+
+
 TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k"})
 
 
