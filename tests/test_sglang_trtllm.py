@@ -315,3 +315,17 @@ def test_flashinfers_mla_stand_ins_are_gone_after_the_build():
     assert mla.torch is torch  # the unpinned stand-in only while it was built
     with pytest.raises(RuntimeError, match="BatchMLAPagedAttentionWrapper.plan was called"):
         backend.inner.decode_wrapper.plan
+
+
+def test_the_trtllm_mha_verify_replay_mutant_is_caught_on_a_cpu():
+    # harness mutants --engine sglang's fault in TRT-LLM MHA's fused graph-metadata call: a replayed verify plans each
+    # request's keys one short. Its graphs are planned on a CPU (the plan-level leaf), so the CPU catches it.
+    _plan_level()
+    from harness.mutants.catalogue import SGLANG_CATALOGUE
+
+    batch = _spec(ForwardMode.TARGET_VERIFY, (6, 20), (3, 3), spec=_chain(3, 2))
+    composition = parse("graph(sglang.trtllm_mha)")
+    assert PROPERTIES["graph_metadata"].run(composition, batch, "cpu").ok
+    with next(m for m in SGLANG_CATALOGUE if m.name == "sglang_trtllm_mha_verify_replay_drops_last_draft").patch():
+        verdict = PROPERTIES["graph_metadata"].run(composition, batch, "cpu")
+    assert not verdict.ok and "key lengths" in verdict.reason, str(verdict)

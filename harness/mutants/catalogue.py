@@ -731,6 +731,22 @@ def sglang_tbo_replay_right_half_reads_left_lengths():
     return _replace(tbo_backend, "_build_tbo_child_replay_fb_view", build)
 
 
+def sglang_trtllm_mha_verify_replay_drops_last_draft():
+    from backends.sglang.runtime import load
+    load()
+    import sglang.srt.layers.attention.trtllm_mha_backend as trtllm
+    update = getattr(trtllm, "update_trtllm_mha_graph_metadata", None)
+    if update is None:  # before its fused graph metadata kernel (0.5.2x)
+        raise MutantUnavailable("sglang_trtllm_mha_verify_replay_drops_last_draft: this SGLang's TRT-LLM MHA has no "
+                                "update_trtllm_mha_graph_metadata (its fused graph metadata kernel)")
+
+    def fused(*, seqlen_offset, **kwargs):
+        # a verify graph's key counts one short: each request's last draft token left out of its keys
+        offset = seqlen_offset - 1 if seqlen_offset > 1 else seqlen_offset
+        return update(seqlen_offset=offset, **kwargs)
+    return _replace(trtllm, "update_trtllm_mha_graph_metadata", fused)
+
+
 def sglang_draft_window_sinks_dropped():
     from backends.sglang.runtime import load
     load()
@@ -1052,6 +1068,10 @@ SGLANG_CATALOGUE: list[Mutant] = [
            "plans its requests with the left half's key counts; under TBO every replayed decode or verify graph's "
            "second half attends over too many or too few keys",
            ("graph(tbo(sglang.triton))",), modes=("decode", "target_verify"), engine="sglang"),
+    Mutant("sglang_trtllm_mha_verify_replay_drops_last_draft", "SGLang's TRTLLMHAAttnBackend hands its fused graph "
+           "metadata kernel a verify's draft count less one; every replayed target_verify graph plans each request's "
+           "keys one short, so its last draft token is never attended (a plan-level leaf on a CPU: caught there)",
+           ("graph(sglang.trtllm_mha)",), ("graph_metadata",), modes=("target_verify",), engine="sglang"),
     Mutant("sglang_linear_replay_pads_into_last_state", "SGLang's MambaAttnBackendBase replay gives padded rows the "
            "last real request's state slot instead of the pad slot; a padded replay's garbage rows overwrite that "
            "request's conv and SSM states (Qwen3-Next-style hybrids decode from a corrupted state)",
