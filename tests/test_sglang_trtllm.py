@@ -3,8 +3,9 @@ and a GPU of its kernels' architectures are present (run on an H200: harness-out
 elsewhere (a plan-level leaf: built with FlashInfer's wrapper classes as inert stand-ins, planned eagerly and for
 graphs, its Triton page-table kernels interpreted on a CPU). What a CPU checks of it: which level the leaf takes and
 why, its plans (eager, captured, replayed, under SGLang's TBO) against the invariants, that a wrong plan fails them, and
-that nothing of FlashInfer's can be called through the stand-ins. And SGLang's TRT-LLM MLA backend (``SglangTrtllmMla``),
-a plan-level leaf wherever the harness runs: the same for its eager plans, and its classes read under the hybrid."""
+that nothing of FlashInfer's can be called through the stand-ins. And SGLang's TRT-LLM MLA backend
+(``SglangTrtllmMla``), a plan-level leaf wherever the harness runs: the same for its eager plans, and its classes read
+under the hybrid."""
 
 from __future__ import annotations
 

@@ -199,7 +199,7 @@ class SglangFlashInfer(SglangBackend):
 # XQA decode and fmha_v2 prefill on SM90 and SM120 (``is_xqa_impl``, ``use_fmha_v2``), TRT-LLM-gen on SM100/SM103.
 TRTLLM_MHA_ARCHS = (9, 10, 12)
 TRTLLM_MHA_KERNELS = ("its kernels (FlashInfer's TRT-LLM MHA: XQA decode and fmha_v2 prefill on Hopper, TRT-LLM-gen "
-                         "on Blackwell) need FlashInfer and an SM90, SM100 or SM120 GPU")
+                      "on Blackwell) need FlashInfer and an SM90, SM100 or SM120 GPU")
 
 
 def trtllm_mha_unrunnable() -> str | None:
@@ -312,10 +312,6 @@ def flashinfer_absent():
                 setattr(module, name, old)
 
 
-# What TRT-LLM MHA plans (init_forward_metadata, trtllm_mha_backend.py:1238-1398, 0.5.23): decode (draft decode
-# included), target verify and extends; mixed batches are extends whose one-token tail it notes
-TRTLLM_MHA_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
-                              ForwardMode.IDLE})
 # Its graphs (init_cuda_graph_state, _build_cuda_graph_metadata, _apply_cuda_graph_metadata: :706-1047): decode and
 # idle over static buffers, target verify where the server speculates; one fused Triton kernel
 # (update_trtllm_mha_graph_metadata) refills them at capture and before each replay
@@ -327,7 +323,10 @@ def _trtllm_mha_capabilities(unrunnable: str | None) -> Capabilities:
     interpreted on a CPU) over FlashInfer's wrapper classes as inert stand-ins: the plan-level leaf."""
     return Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=TRTLLM_MHA_MODES,
+        # What it plans is its FlashInfer base's modes (init_forward_metadata, trtllm_mha_backend.py:1238-1398, 0.5.23):
+        # decode (draft decode included), target verify and extends; mixed batches are extends whose one-token tail
+        # it notes
+        modes=FLASHINFER_MODES,
         cuda_graph_modes=TRTLLM_MHA_GRAPH_MODES,
         # "Only support topk <= 1 for now" (its __init__): a verify of chains; the server routes topk > 1 elsewhere
         draft_trees=False,
@@ -392,9 +391,9 @@ class SglangTrtllmMla(SglangPlanOnly):
         engine_features=("deepseek_mla",),
         modes=FLASHINFER_MODES,
         # No graph modes yet: its graphs plan decode, idle and verify outside the graph
-        # (init_forward_metadata_out_graph, _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772), but its FlashInfer MLA base allocates their
-        # state on "cuda" by name (flashinfer_mla_backend.py:506), so they cannot be planned on a CPU; on a GPU they
-        # have not been run
+        # (init_forward_metadata_out_graph, _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772), but its
+        # FlashInfer MLA base allocates their state on "cuda" by name (flashinfer_mla_backend.py:506), so they cannot
+        # be planned on a CPU; on a GPU they have not been run
         # DeepSeek's bf16, and fp16, which the CPU profile draws: its planning does not read the model's dtype (no
         # kernel of it runs here to tell what its kernels take)
         dtypes=FLASHINFER_DTYPES,
@@ -432,15 +431,15 @@ class SglangTrtllmMla(SglangPlanOnly):
 
 
 class SglangCutedslMla(SglangTrtllmMla):
-    """SGLang's ``CuteDslMLABackend`` (``--attention-backend cutedsl_mla``, 0.5.2x): a ``TRTLLMMLABackend`` that overrides
-    its kernels only (FlashInfer's CuTe DSL MLA decode, cutedsl_mla_backend.py), so its plans are TRT-LLM MLA's, held to
-    the same invariants at the same level."""
+    """SGLang's ``CuteDslMLABackend`` (``--attention-backend cutedsl_mla``, 0.5.2x): a ``TRTLLMMLABackend`` that
+    overrides its kernels only (FlashInfer's CuTe DSL MLA decode, cutedsl_mla_backend.py), so its plans are TRT-LLM
+    MLA's, held to the same invariants at the same level."""
 
     sglang_name = "cutedsl_mla"
     capabilities = replace(
         SglangTrtllmMla.capabilities, engine_classes=sglang_name,
-        plan_only="its kernels (FlashInfer's CuTe DSL MLA decode) run on Blackwell (SM100) only, and the harness has run "
-                  "none")
+        plan_only="its kernels (FlashInfer's CuTe DSL MLA decode) run on Blackwell (SM100) only, and the harness "
+                  "has run none")
 
 
 TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k"})
