@@ -47,6 +47,9 @@ def adapter_frame(e: BaseException, composition: Composition) -> str | None:
     stand_in = _stand_in_lacking(e)
     if stand_in:
         return stand_in
+    built = getattr(e, "harness_built_without_kernels", None)
+    if built:  # a plan-level leaf's constructor failed where the harness built it on stand-ins (plans.py)
+        return f"{built}, which SGLang's constructor needs more of than the stand-ins give"
     engine_root = package_root(composition.engine)
     engine_root = None if engine_root is None else engine_root.resolve()
     frames = traceback.extract_tb(e.__traceback__)

@@ -339,3 +339,25 @@ def test_a_write_slot_at_another_offset_in_its_page_than_its_position_is_caught(
     assert handover.violations(sfb, None, page_size=4) == []
     wrong = handover.violations(sfb, None, out_cache_loc=sfb.out_cache_loc + 1, page_size=4)
     assert wrong and "at another offset in their page than their position's (page size 4)" in wrong[0], wrong
+
+
+def test_a_plan_level_leaf_whose_build_fails_on_its_stand_ins_is_an_adapter_error(monkeypatch):
+    # SGLang builds TRT-LLM MHA only where FlashInfer is; the harness builds it on a CPU over stand-ins for
+    # FlashInfer's wrapper classes (backends/sglang/flashinfer.py). With a stand-in missing, SGLang's constructor raises
+    # a NameError in its own frame: seen as a "finding" before this rule, though the gap was the harness's.
+    import pytest
+
+    pytest.importorskip("sglang")
+    from backends.registry import parse
+    from backends.sglang import flashinfer as fi
+    from batch.spec import BatchSpec, ForwardMode, MHALayer
+    from properties import PROPERTIES
+
+    composition = parse("sglang.trtllm_mha")
+    if composition.unavailable_reason("cpu") or not composition.support().plan_only:
+        pytest.skip(composition.unavailable_reason("cpu") or "TRT-LLM MHA's kernels run here: nothing stands in")
+    monkeypatch.setattr(fi, "FLASHINFER_WRAPPER_CLASSES", ())
+    spec = BatchSpec(ForwardMode.DECODE, (9,), (1,), (MHALayer(0, 4, 2, 64, 64),), page_size=16, dtype="bfloat16")
+    verdict = PROPERTIES["metadata"].run(composition, spec, "cpu")
+    assert not verdict.ok and "adapter_error" in verdict.details, verdict.reason
+    assert "built without its kernels" in verdict.reason and "NameError" in verdict.reason, verdict.reason
