@@ -37,6 +37,8 @@ LEAVES: dict[str, str] = {
     "sglang.kda_glm5": "backends.sglang.adapter:SglangKdaGlm5",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
+    # Built where flash_mla, FlashInfer and a Hopper GPU are; its classes only elsewhere
+    "sglang.flashmla": "backends.sglang.flashinfer:SglangFlashMla",
     # SGLang's backends whose planning runs here but not their kernels (backends/sglang/plans.py)
     "sglang.fa3": "backends.sglang.plans:SglangFa3",
     "sglang.fa4": "backends.sglang.plans:SglangFa4",
@@ -45,7 +47,6 @@ LEAVES: dict[str, str] = {
     "sglang.trtllm_mla": "backends.sglang.flashinfer:SglangTrtllmMla",
     "sglang.cutedsl_mla": "backends.sglang.flashinfer:SglangCutedslMla",
     "sglang.cutlass_mla": "backends.sglang.classes:SglangCutlassMla",
-    "sglang.flashmla": "backends.sglang.classes:SglangFlashMla",
     "sglang.dsa": "backends.sglang.classes:SglangDsa",
     "sglang.nsa": "backends.sglang.classes:SglangNsa",
     "sglang.aiter": "backends.sglang.classes:SglangAiter",
@@ -53,6 +54,10 @@ LEAVES: dict[str, str] = {
     "sglang.qsa": "backends.sglang.classes:SglangQsa",
     "sglang.hpc_ops": "backends.sglang.classes:SglangHpcOps",
     "sglang.intel_amx": "backends.sglang.classes:SglangIntelAmx",
+    "sglang.intel_xpu": "backends.sglang.classes:SglangIntelXpu",
+    "sglang.minicpm_flashattn": "backends.sglang.classes:SglangMinicpmFlashattn",
+    "sglang.minicpm_flashinfer": "backends.sglang.classes:SglangMinicpmFlashinfer",
+    "sglang.llada2_cfg_flashinfer": "backends.sglang.classes:SglangLlada2CfgFlashinfer",
 }
 WRAPPERS = ("hybrid", "tbo", "graph", "pd")
 ARITY = {"hybrid": 2, "tbo": 1, "graph": 1, "pd": 2}

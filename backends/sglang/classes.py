@@ -66,11 +66,6 @@ class SglangCutlassMla(SglangClassOnly):
     capabilities = class_level("mla", "its CUTLASS MLA kernels (sgl_kernel) run on Blackwell only", sglang_name)
 
 
-class SglangFlashMla(SglangClassOnly):
-    sglang_name = "flashmla"
-    capabilities = class_level("mla", "FlashMLA's kernels need the flash_mla package and a Hopper GPU", sglang_name)
-
-
 class SglangDsa(SglangClassOnly):
     sglang_name = "dsa"
     capabilities = class_level("mla", "DeepSeek sparse attention needs its indexer's kernels (deep_gemm, "
@@ -110,3 +105,28 @@ class SglangIntelAmx(SglangClassOnly):
     sglang_name = "intel_amx"
     capabilities = class_level("mha", "its kernels are sgl_kernel's CPU ops for Intel AMX (the sglang-kernel CPU "
                                       "build)", sglang_name)
+
+
+class SglangIntelXpu(SglangClassOnly):
+    sglang_name = "intel_xpu"
+    capabilities = class_level("mha", "its kernels run on Intel GPUs (XPU) only", sglang_name)
+
+
+# MiniCPM-SALA's sparse attention: a backend over FlashAttention's (minicpm_flashattn) or FlashInfer's
+# (minicpm_flashinfer) that routes a MiniCPM hybrid model's sparse layers to its own kernels
+class SglangMinicpmFlashattn(SglangClassOnly):
+    sglang_name = "minicpm_flashattn"
+    capabilities = class_level("mha", "MiniCPM's sparse layers (a MiniCPM hybrid model's) and its kernels beside "
+                                      "FlashAttention's are not adapted yet", sglang_name)
+
+
+class SglangMinicpmFlashinfer(SglangClassOnly):
+    sglang_name = "minicpm_flashinfer"
+    capabilities = class_level("mha", "MiniCPM's sparse layers (a MiniCPM hybrid model's) and its kernels beside "
+                                      "FlashInfer's are not adapted yet", sglang_name)
+
+
+class SglangLlada2CfgFlashinfer(SglangClassOnly):
+    sglang_name = "llada2_cfg_flashinfer"
+    capabilities = class_level("mha", "LLaDA2's classifier-free-guidance attention (a diffusion language model's "
+                                      "batches) is not adapted yet", sglang_name)

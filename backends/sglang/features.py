@@ -473,8 +473,8 @@ def registered_backends() -> tuple[RegisteredBackend, ...]:
 
 
 # Which stand-ins the import probe runs under (runtime._install_shims): part of its cache key, so a change of them
-# asks again. 2: sgl_kernel's on every device (before: on CUDA only).
-PROBE_STAND_INS = 2
+# asks again. 2: sgl_kernel's on every device (before: on CUDA only); 3: flash_mla's where it is absent.
+PROBE_STAND_INS = 3
 IMPORT_PROBE = """
 import importlib, json, sys
 out = {}

@@ -38,6 +38,7 @@ from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
 from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, page_table_lists, unread_fields
+from backends.sglang.classes import ReadsEngineClasses, class_level
 from backends.sglang.plans import SglangPlanOnly, asked_as
 from batch.spec import ForwardMode
 
@@ -477,15 +478,42 @@ def _mla_radix(backend, layer, absorbed: bool):
     return radix
 
 
-def forward_method(sgl, sfb, spec):
-    """SGLang's choice for one MLA layer of this batch (DeepSeek with the flashinfer backend), from its own
-    dispatcher and the server settings the layer reads at construction."""
+def forward_method(sgl, sfb, spec, backend_name: str = "flashinfer"):
+    """SGLang's choice for one MLA layer of this batch (DeepSeek with the ``backend_name`` backend), from its own
+    dispatcher (``handle_attention_<backend_name>``, beside ``handle_attention_flashinfer``) and the server settings
+    the layer reads at construction."""
     attn = type("DeepseekAttention", (), {})()
     attn.flashinfer_mla_disable_ragged = compat.server_setting(sgl, "kernel", "flashinfer_mla_disable_ragged")
     attn.disable_chunked_prefix_cache = compat.server_setting(sgl, "schedule", "disable_chunked_prefix_cache")
     attn.chunked_prefix_cache_threshold = sgl.envs.SGLANG_CHUNKED_PREFIX_CACHE_THRESHOLD.get()
     attn.qk_rope_head_dim = spec.qk_rope_head_dim
-    return sgl.handle_attention_flashinfer(attn, sfb)
+    handlers = importlib.import_module(sgl.handle_attention_flashinfer.__module__)
+    return getattr(handlers, f"handle_attention_{backend_name}")(attn, sfb)
+
+
+def rope_apart(backend_name: str) -> bool:
+    """Whether DeepSeek hands the absorbed layer ``attn_mqa`` its query's and new key's rope parts apart (``q_rope``,
+    ``k_rope``) for this backend, or both concatenated (``attn_mqa(cat(q_nope_out, q_pe), cat(k_nope, k_pe),
+    k_nope)``): SGLang's own list of the backends of the first kind (``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS``,
+    forward_mla.py ``forward_absorb_core``), where the release has it."""
+    try:
+        utils = importlib.import_module("sglang.srt.models.deepseek_common.utils")
+    except ImportError:
+        return backend_name == "flashinfer"
+    return backend_name in getattr(utils, "FORWARD_ABSORB_CORE_ATTENTION_BACKENDS", ("flashinfer",))
+
+
+def _absorbed(backend, layer, q, k, sfb, save_kv_cache: bool) -> torch.Tensor:
+    """The absorbed layer's call as DeepSeek makes it for ``backend`` (a leaf, or a TBO half running the leaf's
+    ``_run``; :func:`rope_apart`): ``q [T, H, C + R]`` (the latent query and its rope part), ``k [T, 1, C + R]`` (the
+    new latent rows)."""
+    C = layer.spec.kv_lora_rank
+    radix = _mla_radix(backend, layer, True)
+    nope = k[..., :C].contiguous()
+    if rope_apart(backend.sglang_name):
+        return radix(q[..., :C].contiguous(), nope, nope, sfb, save_kv_cache=save_kv_cache,
+                     q_rope=q[..., C:].contiguous(), k_rope=k[..., C:].contiguous())
+    return radix(q.contiguous(), k.contiguous(), nope, sfb, save_kv_cache=save_kv_cache)
 
 
 class SglangFlashInferMLA(SglangBackend):
@@ -515,21 +543,16 @@ class SglangFlashInferMLA(SglangBackend):
         C, N, T, H = spec.kv_lora_rank, spec.qk_nope_head_dim, q.shape[0], spec.num_heads
         with torch.no_grad(), compat.backend_scope(sgl, via or self.inner, sfb):
             if layer.absorbed:
-                o = _mla_radix(self, layer, True)(
-                    q[..., :C].contiguous(), k[..., :C].contiguous(), k[..., :C].contiguous(), sfb,
-                    save_kv_cache=save_kv_cache, q_rope=q[..., C:].contiguous(), k_rope=k[..., C:].contiguous())
-                return o.reshape(T, H, C)
-            method = forward_method(sgl, sfb, spec)
+                return _absorbed(self, layer, q, k, sfb, save_kv_cache).reshape(T, H, C)
+            method = forward_method(sgl, sfb, spec, self.sglang_name)
             w_kc, w_vc = layer.weights["w_kc"], layer.weights["w_vc"]
             latent = forward_batch.token_to_kv_pool.get_key_buffer(layer.layer_id)
             if method is sgl.AttnForwardMethod.MLA:
                 # The extend runs absorbed: the query projected into the latent space, the new rows (which the
                 # model wrote) as k_nope / k_pe, the latent output up-projected by the model.
                 rows = latent[forward_batch.out_cache_loc]
-                q_nope_out = query_to_latent(q[..., :N], w_kc).to(q.dtype)
-                o = _mla_radix(self, layer, True)(
-                    q_nope_out, rows[..., :C].contiguous(), rows[..., :C].contiguous(), sfb,
-                    q_rope=q[..., N:].contiguous(), k_rope=rows[..., C:].contiguous())
+                q_latent = torch.cat([query_to_latent(q[..., :N], w_kc).to(q.dtype), q[..., N:]], dim=-1)
+                o = _absorbed(self, layer, q_latent, rows, sfb, True)
                 return latent_to_output(o.reshape(T, H, C), w_vc).to(q.dtype)
             if method is not sgl.AttnForwardMethod.MHA_ONE_SHOT:
                 raise NotImplementedError(f"SGLang chose {method.name} for this batch; the adapter runs MLA and "
@@ -564,3 +587,103 @@ class SglangFlashInferMLA(SglangBackend):
         if meta.use_ragged:
             return PlannedMetadata(qo_indptr=getattr(self.inner.prefill_wrapper_ragged, "_qo_indptr_buf", None))
         return wrapper_plan(meta.prefill_wrapper, kv_includes_new_tokens=True)
+
+
+# FlashMLA (``--attention-backend flashmla``): a FlashInferMLAAttnBackend subclass whose decode, verify and draft-extend
+# run FlashMLA's dense decode kernel (the sgl-flash-mla wheel's legacy kernel set, SGLang's pin from 0.5.2x) over pages
+# of 64 tokens (flashmla_backend.py ``PAGE_SIZE``; the server sets that page size for it), its extends its FlashInfer
+# MLA parent's
+FLASHMLA_KERNELS = "FlashMLA's dense decode kernels (the flash_mla package, the sgl-flash-mla wheel) run on Hopper (SM90)"
+FLASHMLA_PAGE = 64
+
+
+def flashmla_unrunnable() -> str | None:
+    """Why SGLang's FlashMLA backend cannot be built and run here (None: it can); read without initializing CUDA, as
+    :func:`trtllm_mha_unrunnable`. Its extends run FlashInfer's MLA kernels, so FlashInfer is needed too."""
+    from backends.sglang import runtime
+
+    if not runtime.really_installed("flash_mla"):
+        return f"{FLASHMLA_KERNELS}; flash_mla is not installed"
+    if importlib.util.find_spec("flashinfer") is None:
+        return f"{FLASHMLA_KERNELS}, its extends FlashInfer's MLA kernels; FlashInfer is not installed"
+    if not torch.cuda.is_available():
+        return f"{FLASHMLA_KERNELS}; no CUDA GPU is visible"
+    try:
+        major, minor = _compute_capability()
+    except Exception as e:  # noqa: BLE001 - any failure leaves the capability unknown, said as such
+        return f"{FLASHMLA_KERNELS}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
+    if major != 9:
+        return f"{FLASHMLA_KERNELS}; this GPU is SM{major}{minor}"
+    return None
+
+
+def _flashmla_capabilities(unrunnable: str | None) -> Capabilities:
+    """Where its kernels run, every property; elsewhere its classes (its planning asks FlashMLA's scheduler kernel,
+    ``get_mla_metadata``, for the split of each request's keys: no plan without the kernel)."""
+    if unrunnable is not None:
+        return class_level("mla", unrunnable, "flashmla")
+    return Capabilities(
+        attention_kinds=frozenset({"mla"}),
+        engine_features=("deepseek_mla",),
+        # Decode and idle, target verify (FlashMLA's decode kernel over each request's fixed query window, causal),
+        # extends and mixed batches through its FlashInfer MLA parent (init_forward_metadata's last branch)
+        modes=FLASHINFER_MODES,
+        # Its graphs: decode, idle and verify over static page-table and scheduler buffers
+        # (_apply_decode_target_verify_metadata, flashmla_backend.py:328-430)
+        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
+        # A verify runs the decode kernel causally over each request's window: chains only. The server refuses draft
+        # trees with pages of more than one token for it (speculative_hook.py, _PAGE_TREE_SPEC_BACKENDS), and its page
+        # is 64
+        draft_trees=False,
+        page_sizes=frozenset({FLASHMLA_PAGE}),
+        dtypes=FLASHINFER_DTYPES,
+        devices=frozenset({"cuda"}),
+        requires=("sglang", "flashinfer", "flash_mla"),
+        engine="sglang",
+        one_shape_per_kind=True,
+        engine_classes="flashmla",
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
+    )
+
+
+FLASHMLA_READ = frozenset({"block_kv_indices", "seq_lens_k"})
+
+
+def flashmla_plan(meta, sfb, num_draft_tokens: int) -> PlannedMetadata:
+    """FlashMLA's decode-side plan (``FlashMLADecodeMetadata``) in the inspectable form: per request the first
+    ``ceil(keys / 64)`` entries of its ``block_kv_indices`` row, its keys the batch's (a verify's with its draft
+    window: the kernel is handed ``seq_lens + num_draft_tokens``), or the planned ``seq_lens_k`` where it plans them
+    (a draft extend). The split schedule FlashMLA's kernel plans (``flashmla_metadata``, ``num_splits``) is named,
+    not checked."""
+    keys = meta.seq_lens_k
+    if keys is None:
+        keys = sfb.seq_lens[:sfb.batch_size] + (num_draft_tokens if sfb.forward_mode.is_target_verify() else 0)
+    indptr, indices = page_table_lists(meta.block_kv_indices, keys, FLASHMLA_PAGE)
+    return PlannedMetadata(kv_indptr=indptr, kv_indices=indices, kv_indices_are_pages=True,
+                           kv_includes_new_tokens=True, key_lens=meta.seq_lens_k,
+                           unread=unread_fields(meta, FLASHMLA_READ))
+
+
+class SglangFlashMla(ReadsEngineClasses, SglangFlashInferMLA):
+    """SGLang's ``FlashMLABackend``, driven as DeepSeek drives it (its own dispatcher, ``handle_attention_flashmla``;
+    the absorbed layer handed its query and key concatenated, :func:`rope_apart`). Where FlashMLA cannot run (no
+    flash_mla, FlashInfer or Hopper GPU) a class-level leaf: its classes read (flash_mla an inert stand-in where it is
+    absent, runtime.py), never built."""
+
+    sglang_name = "flashmla"
+    capabilities = _flashmla_capabilities(flashmla_unrunnable())
+
+    def __init__(self, model_runner) -> None:
+        if self.capabilities.class_only:
+            raise TypeError(f"sglang.{self.sglang_name} is a class-level leaf here: only its classes are checked, it "
+                            f"is not built ({self.capabilities.class_only})")
+        super().__init__(model_runner)
+
+    def planned_metadata(self) -> PlannedMetadata:
+        """Its decode, verify and graph plans (the page table FlashMLA reads); an extend's, its FlashInfer MLA
+        parent's wrappers."""
+        meta = getattr(self.inner, "forward_metadata", None)
+        if meta is not None and getattr(meta, "block_kv_indices", None) is not None:
+            # the draft window its verify kernel is handed: the server's, as SGLang built it (num_draft_tokens)
+            return flashmla_plan(meta, next(iter(self.batches.values())), self.inner.num_draft_tokens or 0)
+        return SglangFlashInferMLA.planned_metadata(self)  # named, not super(): a TBO half borrows this method
