@@ -391,10 +391,12 @@ class SglangTrtllmMla(SglangPlanOnly):
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
         modes=FLASHINFER_MODES,
-        # No graph modes yet: its graphs plan decode, idle and verify outside the graph
-        # (init_forward_metadata_out_graph, _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772), but its
-        # FlashInfer MLA base allocates their state on "cuda" by name (flashinfer_mla_backend.py:506), so they cannot
-        # be planned on a CPU; on a GPU they have not been run
+        # Its graphs plan decode, idle and verify outside the graph (init_forward_metadata_out_graph,
+        # _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772) on state its FlashInfer MLA base allocates on
+        # "cuda" by name (flashinfer_mla_backend.py:506): planned on a GPU (built as on Blackwell there too), not on a CPU
+        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
+        cpu_gaps=(("graph_metadata", "its graph state is allocated on 'cuda' by name (FlashInferMLAAttnBackend."
+                                     "init_cuda_graph_state, flashinfer_mla_backend.py:506)"),),
         # DeepSeek's bf16, and fp16, which the CPU profile draws: its planning does not read the model's dtype (no
         # kernel of it runs here to tell what its kernels take)
         dtypes=FLASHINFER_DTYPES,
