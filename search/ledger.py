@@ -233,6 +233,18 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 
+def _xqa_e4m3_decode(spec: BatchSpec, verdict: Verdict) -> bool:
+    """An fp8 KV cache, the worst element in an MHA layer of a decode (or of the decode step of a prefill-then-decode
+    check), and an error within what e4m3 arithmetic explains: FlashInfer's XQA decode kernel, which SGLang's TRT-LLM
+    MHA backend runs on SM90, computes q.K with q rounded to e4m3 and P.V with the probabilities scaled to e4m3's range
+    and rounded, whatever the head grouping (docs/findings/sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic.md)."""
+    layer = _failing_layer(spec, verdict)
+    if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or _rel_l2(verdict) is None:
+        return False
+    decoding = spec.mode is ForwardMode.DECODE or "then decode" in verdict.reason
+    return decoding and _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
+
+
 def _draft_decode_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft loop whose worst element is in a sliding-window layer, or whose step plans have no window list: up to
     0.5.22 SGLang's Triton draft steps plan no window KV list (docs/findings/sglang-triton-draft-decode-window.md), so
@@ -549,6 +561,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "wrappers_hide_flash_attention_members": _wrappers_hide_flash_attention_members,
     "flex_no_lowering_choice": _flex_no_lowering_choice,
     "e4m3_arithmetic": _e4m3_arithmetic,
+    "xqa_e4m3_decode": _xqa_e4m3_decode,
     "tree_window_by_row": _tree_window_by_row,
     "lightning_fp8_decode": _lightning_fp8_decode,
     "idle_lightning_layer": _idle_lightning_layer,

@@ -449,3 +449,24 @@ def test_a_hidden_indexer_is_known_only_under_the_hybrid_over_a_sparse_backend()
     assert not entry.covers("hybrid(sglang.qsa,sglang.gdn)", "extend", "conformance")
     assert not entry.covers("tbo(sglang.dsa)", "extend", "conformance")
     assert not entry.applies_to("0.5.20") and entry.applies_to("0.5.19")
+
+
+def test_xqa_e4m3_decode_is_known_only_for_an_fp8_decode_within_its_envelope_on_cuda():
+    # docs/findings/sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic.md: XQA computes in e4m3 whatever the head grouping
+    layers = (MHALayer(0, 2, 2, 32, 32),)
+    fp8 = BatchSpec(ForwardMode.DECODE, (30,), (1,), layers, kv_cache_dtype="fp8_e4m3")
+    failing = lambda error, reason="out of bounds": Verdict("outputs", False, reason, error, 1e-6,  # noqa: E731
+                                                            "layer 0: request 0, token 0")
+    name = "sglang.trtllm_mha"
+    assert ledger.match(name, "decode", "outputs", fp8, failing(0.03), "cuda").id == \
+        "sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic"
+    assert ledger.match(name, "decode", "outputs", fp8, failing(0.03), "cpu") is None  # its planning only, there
+    assert ledger.match(name, "decode", "outputs", fp8, failing(0.6), "cuda") is None  # e.g. a scale lost
+    auto = BatchSpec(ForwardMode.DECODE, (30,), (1,), layers)
+    assert ledger.match(name, "decode", "outputs", auto, failing(0.03), "cuda") is None
+    # an extend computes exactly over the cache (fmha_v2); its decode step in a prefill-then-decode check does not
+    extend = BatchSpec(ForwardMode.EXTEND, (30,), (3,), layers, kv_cache_dtype="fp8_e4m3")
+    assert ledger.match(name, "extend", "outputs", extend, failing(0.03), "cuda") is None
+    assert ledger.match(name, "extend", "prefill_then_decode", extend,
+                        failing(0.03, "first chunk [2], then decode [1]: out of bounds"), "cuda") is not None
+

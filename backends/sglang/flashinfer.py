@@ -340,11 +340,10 @@ def _trtllm_mha_capabilities(unrunnable: str | None) -> Capabilities:
         # The server sets any page size but 16, 32, 64 and 128 to 64 for it (arg_groups/overrides.py:1183, 0.5.23); the
         # three the GPU profile draws are the ones run on the H200 (harness-out/gpu77.sh to gpu80.sh)
         page_sizes=frozenset({16, 32, 64}),
-        # No fp8 cache declared yet. Run on the H200 with one (harness-out/gpu84.sh, gpu85.sh): its fused fp8 cache
-        # write, extends, verifies and graph replays passed; its decodes were off by more than the bf16 bound (rel. L2
-        # 0.0172 > 0.0156), as e4m3 arithmetic is: on SM90 FlashInfer's XQA kernel computes in the cache's e4m3
-        # (mha_sm90.cu: MathElem is the cache element, so q and the probabilities, scaled by 448, are rounded to
-        # e4m3), the mechanism of ledger sglang-triton-fp8-e4m3-arithmetic. Declared once that is in the ledger.
+        # An fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3), run on the H200 (harness-out/gpu84.sh to gpu87.sh): its fused
+        # fp8 cache write, extends, verifies and graph replays pass; its decodes run FlashInfer's XQA kernel in e4m3 on
+        # SM90, 2-3% off (ledger sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic)
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         devices=frozenset({"cuda"}) if unrunnable is None else frozenset({"cpu", "cuda"}),
         requires=("sglang", "flashinfer") if unrunnable is None else ("sglang",),
