@@ -26,8 +26,8 @@ whose classes the property reads the same way before it builds them.
 What it covers today (anything else is refused with one line, exit 2):
 
 * the ``outputs`` and ``refuse_or_correct`` properties of a plain dense SGLang leaf (``sglang.torch_native``,
-  ``sglang.triton``, ``sglang.flashinfer``, ``sglang.flex_attention``), in EXTEND, DECODE, MIXED, TARGET_VERIFY
-  or DRAFT_EXTEND (SGLang's DRAFT_EXTEND_V2), over an ``auto`` or an ``fp8_e4m3`` KV cache:
+  ``sglang.triton``, ``sglang.flashinfer``, ``sglang.flex_attention``, ``sglang.trtllm_mha``), in EXTEND, DECODE,
+  MIXED, TARGET_VERIFY or DRAFT_EXTEND (SGLang's DRAFT_EXTEND_V2), over an ``auto`` or an ``fp8_e4m3`` KV cache:
   - a refuse_or_correct file passes when SGLang raises (a loud refusal; an error of the file's own code is not
     one) or answers within the bound, and fails with the refusal property's words ("answered without refusing
     (logit cap not supported); ...") otherwise;
@@ -78,7 +78,7 @@ from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
 DENSE_LEAVES = {"sglang.torch_native": "torch_native", "sglang.triton": "triton", "sglang.flashinfer": "flashinfer",
-                "sglang.flex_attention": "flex_attention"}
+                "sglang.flex_attention": "flex_attention", "sglang.trtllm_mha": "trtllm_mha"}
 # The properties whose file runs one layer against a float64 reference; refuse_or_correct also takes a raise
 OUTPUT_PROPERTIES = ("outputs", "refuse_or_correct")
 PROPERTIES = (*OUTPUT_PROPERTIES, "conformance")
@@ -94,7 +94,8 @@ INLINE_ELEMENTS = 4096
 KIT_SINCE = "0.5.14"
 # Where a server reaches each leaf: the flag that selects it.
 SERVER_FLAG = {"torch_native": "--attention-backend torch_native", "triton": "--attention-backend triton",
-               "flashinfer": "--attention-backend flashinfer", "flex_attention": "--attention-backend flex_attention"}
+               "flashinfer": "--attention-backend flashinfer", "flex_attention": "--attention-backend flex_attention",
+               "trtllm_mha": "--attention-backend trtllm_mha"}
 
 
 def dense_leaf(composition: str) -> tuple[str | None, bool]:
@@ -1197,9 +1198,10 @@ $use_fp8_cache$speculative_runner    backend = $make_backend
                            v_head_dim=RADIX["v_head_dim"], sliding_window_size=RADIX["sliding_window_size"])
     if KV_CACHE_DTYPE == "fp8_e4m3":
         # What SGLang's BaseKVCacheMethod leaves on the layer after loading a checkpoint's KV scales
-        # (layers/quantization/kv_cache.py, process_weights_after_loading)
-        layer.k_scale = torch.nn.Parameter(torch.tensor(K_SCALE), requires_grad=False)
-        layer.v_scale = torch.nn.Parameter(torch.tensor(V_SCALE), requires_grad=False)
+        # (layers/quantization/kv_cache.py, process_weights_after_loading), on the model's device, where a server's
+        # are (TRT-LLM MHA's fused fp8 cache write takes them as device tensors)
+        layer.k_scale = torch.nn.Parameter(torch.tensor(K_SCALE, device=DEVICE), requires_grad=False)
+        layer.v_scale = torch.nn.Parameter(torch.tensor(V_SCALE, device=DEVICE), requires_grad=False)
         layer.k_scale_float, layer.v_scale_float = K_SCALE, V_SCALE
     forward_batch = kit._make_forward_batch(case, runner, max_context_len=max_context_len, device=DEVICE,
                                             loc_fn=lambda request, position: SLOTS[request][position])
