@@ -245,6 +245,18 @@ def _xqa_e4m3_decode(spec: BatchSpec, verdict: Verdict) -> bool:
     return decoding and _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 
+def _flashmla_mixed_decode_kernel(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A MIXED batch that crashed in FlashMLA's forward_extend on the decode kernel's branch: its extend path is taken
+    for ``ForwardMode.EXTEND`` only, so a mixed batch (planned by its FlashInfer MLA parent, a prefill plan) goes to
+    the fixed-query decode branch, which first shapes the queries as ``bs`` equal windows (a ragged batch fails
+    there) and then reads a block table the prefill plan has not (docs/findings/sglang-flashmla-mixed-crash.md)."""
+    reason = verdict.reason
+    crashed = ("object has no attribute 'block_kv_indices'" in reason
+               or ("is invalid for input of size" in reason and "q.view(bs, -1, layer.tp_q_head_num" in reason))
+    return (spec.mode is ForwardMode.MIXED and crashed and "flashmla_backend.py:" in reason
+            and "in forward_extend" in reason)
+
+
 def _draft_decode_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     """A draft loop whose worst element is in a sliding-window layer, or whose step plans have no window list: up to
     0.5.22 SGLang's Triton draft steps plan no window KV list (docs/findings/sglang-triton-draft-decode-window.md), so
@@ -562,6 +574,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "flex_no_lowering_choice": _flex_no_lowering_choice,
     "e4m3_arithmetic": _e4m3_arithmetic,
     "xqa_e4m3_decode": _xqa_e4m3_decode,
+    "flashmla_mixed_decode_kernel": _flashmla_mixed_decode_kernel,
     "tree_window_by_row": _tree_window_by_row,
     "lightning_fp8_decode": _lightning_fp8_decode,
     "idle_lightning_layer": _idle_lightning_layer,

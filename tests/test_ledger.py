@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, LightningLayer, MHALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, MHALayer, MLALayer, SpecInput
 from properties import PROPERTIES
 from properties.verdict import Verdict
 from search import ledger
@@ -470,3 +470,18 @@ def test_xqa_e4m3_decode_is_known_only_for_an_fp8_decode_within_its_envelope_on_
     assert ledger.match(name, "extend", "prefill_then_decode", extend,
                         failing(0.03, "first chunk [2], then decode [1]: out of bounds"), "cuda") is not None
 
+
+def test_flashmla_mixed_crash_is_known_only_by_its_crash_in_the_decode_branch():
+    mla = (MLALayer(0, 4, 16, 16, 64, 16),)
+    mixed = BatchSpec(ForwardMode.MIXED, (0, 70), (5, 1), mla, page_size=64)
+    crash = lambda reason: Verdict("outputs", False, f"crashed: {reason}")  # noqa: E731
+    attr = ("AttributeError: 'PrefillMetadata' object has no attribute 'block_kv_indices' (flashmla_backend.py:587 in "
+            "forward_extend: `block_table=self.forward_metadata.block_kv_indices[:bs],`)")
+    view = ("RuntimeError: shape '[3, -1, 16, 192]' is invalid for input of size 12288 (flashmla_backend.py:546 in "
+            "forward_extend: `reshape_q = q.view(bs, -1, layer.tp_q_head_num, layer.head_dim)`)")
+    for reason in (attr, view):
+        assert ledger.match("sglang.flashmla", "mixed", "outputs", mixed, crash(reason), "cuda") is not None
+        assert ledger.match("tbo(sglang.flashmla)", "mixed", "cache", mixed, crash(reason), "cuda") is not None
+    assert ledger.match("sglang.flashmla", "mixed", "outputs", mixed, crash("RuntimeError: CUDA error"), "cuda") is None
+    extend = BatchSpec(ForwardMode.EXTEND, (0, 70), (5, 1), mla, page_size=64)
+    assert ledger.match("sglang.flashmla", "extend", "outputs", extend, crash(attr), "cuda") is None
