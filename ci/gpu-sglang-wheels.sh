@@ -30,7 +30,8 @@
 # The adapter (backends/sglang/runtime.py) stands in inert modules for IPython, sniffio and (on CUDA)
 # sgl_kernel where they are absent; nothing else is stubbed (opentelemetry travels for real: a stub would
 # turn the ImportError SGLang's tracing catches into a RuntimeError).
-# Seen on the lent H100 (2026-11-24), 0.5.23: 48 MB packed (one part), unpacked in 10 s, sglang imported in 32 s.
+# Seen on the lent H100 (2026-11-24), 0.5.23: 48 MB packed (one part), unpacked in 10 s, sglang imported in 32 s;
+# with sgl-flash-mla (2026-11-29): 63 MB in two parts, which one call still carries beside the tree.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=.sglwhl
@@ -58,6 +59,9 @@ DEFAULTS=(
   pyzmq==27.3.0 gguf==0.19.0 compressed-tensors==0.18.0
   uvicorn==0.54.0 fastapi==0.165.0 starlette==1.10.0 annotated-doc
   opentelemetry-api==1.45.2  # fastapi 0.165 imports it unguarded (fastapi/telemetry/_api.py)
+  # FlashMLA's kernels (0.5.23 pins it; 10 MB, built on torch's stable ABI: it loads on the image's torch 2.11, seen on
+  # the H200 2026-11-29): the sglang.flashmla rows run with it
+  sgl-flash-mla==1.0.0
   # The image's transformers serves 0.5.23 only: 0.5.14 fails to import with it ('qwen3_asr' is already used by
   # a Transformers config, seen on the H100 2026-11-25), so each release travels with its own pins.
   transformers==5.19.0 tokenizers==0.22.2  # 0.22.2: what transformers up to 5.12 accept (<=0.23.0); 0.5.22 on pin their own
