@@ -27,9 +27,9 @@
 # calls on one warm machine), before the harness runs:
 #   mkdir -p /tmp/site && cat .sglwhl/part-* | python3 -c "import sys, tarfile; tarfile.open(fileobj=sys.stdin.buffer, mode='r|xz').extractall('/tmp/site')"
 #   export PYTHONPATH=/tmp/site:$PWD MAX_JOBS=16
-# The adapter (backends/sglang/runtime.py) stands in inert modules for IPython, sniffio and (on CUDA)
-# sgl_kernel where they are absent; nothing else is stubbed (opentelemetry travels for real: a stub would
-# turn the ImportError SGLang's tracing catches into a RuntimeError).
+# The adapter (backends/sglang/runtime.py) stands in inert modules for IPython, sniffio, sgl_kernel and flash_mla
+# where they are absent; nothing else is stubbed (opentelemetry travels for real: a stub would turn the ImportError
+# SGLang's tracing catches into a RuntimeError).
 # Seen on the lent H100 (2026-11-24), 0.5.23: 48 MB packed (one part), unpacked in 10 s, sglang imported in 32 s;
 # with sgl-flash-mla (2026-11-29): 63 MB in two parts, which one call still carries beside the tree.
 set -euo pipefail

@@ -241,8 +241,12 @@ def _xqa_e4m3_decode(spec: BatchSpec, verdict: Verdict) -> bool:
     layer = _failing_layer(spec, verdict)
     if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or _rel_l2(verdict) is None:
         return False
-    decoding = spec.mode is ForwardMode.DECODE or "then decode" in verdict.reason
-    return decoding and _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
+    if spec.mode is not ForwardMode.DECODE:
+        # a chunked check's decode step is each request's last token; its first chunk ran fmha_v2, exact over the cache
+        found = _failing_token(verdict)
+        if "then decode" not in verdict.reason or found is None or found[1] != spec.extend_lens[found[0]] - 1:
+            return False
+    return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 
 def _flashmla_mixed_decode_kernel(spec: BatchSpec, verdict: Verdict) -> bool:

@@ -464,11 +464,17 @@ def test_xqa_e4m3_decode_is_known_only_for_an_fp8_decode_within_its_envelope_on_
     assert ledger.match(name, "decode", "outputs", fp8, failing(0.6), "cuda") is None  # e.g. a scale lost
     auto = BatchSpec(ForwardMode.DECODE, (30,), (1,), layers)
     assert ledger.match(name, "decode", "outputs", auto, failing(0.03), "cuda") is None
-    # an extend computes exactly over the cache (fmha_v2); its decode step in a prefill-then-decode check does not
+    assert ledger.match(name, "decode", "outputs", fp8, failing(0.24), "cuda") is not None  # e4m3's envelope: 0.25
+    assert ledger.match(name, "decode", "outputs", fp8, failing(0.26), "cuda") is None
+    assert ledger.match(name, "decode", "tbo_split", fp8, failing(0.03), "cuda") is None  # split vs unsplit: both XQA
+    # an extend computes exactly over the cache (fmha_v2); the decoded token (each request's last) of a
+    # prefill-then-decode check does not, the first chunk's tokens do
     extend = BatchSpec(ForwardMode.EXTEND, (30,), (3,), layers, kv_cache_dtype="fp8_e4m3")
     assert ledger.match(name, "extend", "outputs", extend, failing(0.03), "cuda") is None
-    assert ledger.match(name, "extend", "prefill_then_decode", extend,
-                        failing(0.03, "first chunk [2], then decode [1]: out of bounds"), "cuda") is not None
+    chunked = lambda token: Verdict("prefill_then_decode", False, "first chunk [2], then decode [1]: out of bounds",  # noqa: E731
+                                    0.03, 1e-6, f"layer 0: request 0, token {token}")
+    assert ledger.match(name, "extend", "prefill_then_decode", extend, chunked(2), "cuda") is not None
+    assert ledger.match(name, "extend", "prefill_then_decode", extend, chunked(1), "cuda") is None
 
 
 def test_flashmla_mixed_crash_is_known_only_by_its_crash_in_the_decode_branch():
@@ -483,5 +489,10 @@ def test_flashmla_mixed_crash_is_known_only_by_its_crash_in_the_decode_branch():
         assert ledger.match("sglang.flashmla", "mixed", "outputs", mixed, crash(reason), "cuda") is not None
         assert ledger.match("tbo(sglang.flashmla)", "mixed", "cache", mixed, crash(reason), "cuda") is not None
     assert ledger.match("sglang.flashmla", "mixed", "outputs", mixed, crash("RuntimeError: CUDA error"), "cuda") is None
+    # the same errors elsewhere than FlashMLA's decode branch are not this bug
+    assert ledger.match("sglang.flashmla", "mixed", "outputs", mixed,
+                        crash(attr.replace("flashmla_backend.py", "trtllm_mla_backend.py")), "cuda") is None
+    assert ledger.match("sglang.flashmla", "mixed", "outputs", mixed,
+                        crash(view.replace("in forward_extend", "in forward_decode")), "cuda") is None
     extend = BatchSpec(ForwardMode.EXTEND, (0, 70), (5, 1), mla, page_size=64)
     assert ledger.match("sglang.flashmla", "extend", "outputs", extend, crash(attr), "cuda") is None

@@ -13,7 +13,7 @@ import torch
 
 from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
-from batch.spec import ForwardMode
+from batch.spec import ForwardMode, MLALayer
 
 pytest.importorskip("sglang")
 
@@ -28,12 +28,10 @@ pytest.importorskip("sglang")
 ])
 def test_the_leaf_is_built_only_where_flash_mla_flashinfer_and_a_hopper_gpu_are(monkeypatch, flash_mla, flashinfer,
                                                                                 gpu, capability, expected):
-    from backends.sglang import runtime
+    from backends.sglang import features
 
-    real = importlib.util.find_spec
-    monkeypatch.setattr(runtime, "really_installed", lambda name: flash_mla if name == "flash_mla" else True)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (real("torch") if flashinfer else None)
-                        if name == "flashinfer" else real(name, *a))
+    installed = {"flash_mla": flash_mla, "flashinfer": flashinfer}
+    monkeypatch.setattr(features, "really_installed", lambda name: installed.get(name, True))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
 
     def read():
@@ -54,13 +52,25 @@ def test_the_leaf_is_built_only_where_flash_mla_flashinfer_and_a_hopper_gpu_are(
         assert caps.class_only == why and caps.engine_classes == "flashmla"
 
 
-def test_where_flash_mla_is_absent_its_class_imports_over_an_inert_stand_in_and_runs_no_kernel():
-    from backends.sglang import runtime
+def test_before_the_sgl_flash_mla_wheel_its_kernels_are_sgl_kernels(monkeypatch, tmp_path):
+    # 0.5.1x's FlashMLA imports its kernels from sgl_kernel.flash_mla (0.5.10 flashmla_backend.py:12): a release
+    # without SGLang's flash_mla interface needs sgl_kernel, whatever flash_mla is installed
+    from backends.sglang import features
 
-    if runtime.really_installed("flash_mla"):
+    monkeypatch.setattr(features, "package_root", lambda *a: tmp_path)  # no kernels/ops/attention/flash_mla_interface
+    monkeypatch.setattr(features, "really_installed", lambda name: name != "sgl_kernel")
+    assert fi.flashmla_unrunnable().endswith("sgl_kernel is not installed")
+
+
+def test_where_flash_mla_is_absent_its_class_imports_over_an_inert_stand_in_and_runs_no_kernel():
+    from backends.sglang import features, runtime
+
+    if features.really_installed("flash_mla"):
         pytest.skip("flash_mla is installed here: no stand-in")
     runtime.load()
-    assert not runtime.really_installed("flash_mla")  # the stand-in is not taken for the package
+    assert not features.really_installed("flash_mla")  # the stand-in is not taken for the package
+    # every package the adapter stands in for is named in the import probe's cache key
+    assert set(runtime._INERT_WHEN_ABSENT) | {"sgl_kernel", "flash_mla"} == set(features.STAND_INS)
     caps = leaf_capabilities("sglang.flashmla")
     assert caps.class_only and caps.class_only.endswith("flash_mla is not installed")
     from sglang.kernels.ops.attention import flash_mla_interface
@@ -131,7 +141,7 @@ def test_a_tbo_half_runs_the_mla_leafs_absorbed_call_in_the_form_its_backend_tak
     # halves (planned on a CPU), with SGLang's RadixAttention recorded instead of run.
     from types import SimpleNamespace
 
-    from batch.spec import BatchSpec, MLALayer
+    from batch.spec import BatchSpec
     from properties.metadata import planned, planned_leaves
 
     composition = parse("tbo(sglang.trtllm_mla)")
@@ -164,4 +174,27 @@ def test_a_tbo_half_runs_the_mla_leafs_absorbed_call_in_the_form_its_backend_tak
         assert qs[-1] == C and ks[-1] == C and "q_rope" in kw and "k_rope" in kw
     else:  # concatenated, the value the latent rows' first C columns
         assert qs[-1] == C + R and ks[-1] == C + R and vs[-1] == C and "q_rope" not in kw
-    assert isinstance(fi.SglangFlashMla.planned_metadata(half), type(half.planned_metadata()))
+    # FlashMLA's reader, borrowed by the half, over a FlashMLA decode plan of the half's requests (one page each)
+    from sglang.srt.layers.attention.flashmla_backend import FlashMLADecodeMetadata
+
+    B = half_fb.batch_size
+    monkeypatch.setattr(half.inner, "forward_metadata", FlashMLADecodeMetadata(
+        None, None, torch.arange(1, B + 1, dtype=torch.int32)[:, None]), raising=False)
+    monkeypatch.setattr(half.inner, "num_draft_tokens", 0, raising=False)
+    plan = fi.SglangFlashMla.planned_metadata(half)
+    assert plan.kv_indptr.tolist() == list(range(B + 1)) and plan.kv_indices.tolist() == list(range(1, B + 1))
+
+
+def test_the_mla_leaf_asks_its_own_backends_dispatcher(monkeypatch):
+    # DeepSeek asks handle_attention_<its backend>: FlashMLA's leaf must reach handle_attention_flashmla
+    from backends.sglang import runtime
+
+    sgl = runtime.load()
+    handlers = importlib.import_module(sgl.handle_attention_flashinfer.__module__)
+    asked = []
+    for name in ("flashinfer", "flashmla"):
+        monkeypatch.setattr(handlers, f"handle_attention_{name}", lambda attn, fb, name=name: asked.append(name))
+    spec = MLALayer(0, 4, 16, 16, 64, 16)
+    fi.forward_method(sgl, None, spec, "flashmla")
+    fi.forward_method(sgl, None, spec)
+    assert asked == ["flashmla", "flashinfer"]

@@ -50,8 +50,12 @@ def test_the_leaf_runs_only_where_flashinfer_and_a_gpu_of_its_kernels_are(monkey
     why = fi.trtllm_mha_unrunnable()
     if expected is None:
         assert why is None
+        # an fp8 cache where it has been run: SM90's XQA decode (the H200), not Blackwell's or SM120's kernels
+        fp8 = "fp8_e4m3" in fi._trtllm_mha_declared().kv_cache_dtypes
+        assert fp8 == (capability[0] == 9)
     else:
         assert why.startswith(fi.TRTLLM_MHA_KERNELS) and why.endswith(expected), why
+        assert "fp8_e4m3" in fi._trtllm_mha_declared().kv_cache_dtypes  # its planning over an fp8 pool, anywhere
 
 
 def _plan_level():
@@ -127,6 +131,9 @@ def test_its_replayed_graph_plans_satisfy_the_invariants(batch, composition):
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "replayed"])
 def test_a_wrong_trtllm_plan_fails_the_metadata_properties(monkeypatch, fault, expected, graph):
     _plan_level()
+    from backends.sglang import runtime
+
+    runtime.load()  # SGLang imported with the stand-ins a CPU install needs, whichever test ran before in this process
     import sglang.srt.layers.attention.trtllm_mha_backend as trt
 
     def wrong(metadata):

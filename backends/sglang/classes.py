@@ -1,7 +1,8 @@
 """SGLang's registered attention backends whose kernels the harness cannot run (their packages are not on its
-machines, or their hardware is not: Blackwell's TRT-LLM and CuTe DSL kernels, FlashMLA) or has not adapted yet, and whose
-planning the harness does not build either (FlashAttention's does: plans.py), checked at the level they reach without
-kernels: their classes.
+machines, or their hardware is not: Blackwell's CUTLASS MLA, AMD's and Intel's GPUs) or has not adapted yet, and whose
+planning the harness does not build either (FlashAttention's and TRT-LLM's do: plans.py, flashinfer.py), checked at the
+level they reach without kernels: their classes. (FlashMLA takes this level where its kernels cannot run:
+``class_level``, flashinfer.py.)
 
 A leaf here is never built. Its one row, ``conformance`` (properties/conformance.py, ``class_conformance``), imports
 the classes the server's ``--attention-backend NAME`` factory returns (read from SGLang's registry by features.py)

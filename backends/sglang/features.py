@@ -475,6 +475,15 @@ def registered_backends() -> tuple[RegisteredBackend, ...]:
 # Which stand-ins the import probe runs under (runtime._install_shims): part of its cache key, so a change of them
 # asks again. 2: sgl_kernel's on every device (before: on CUDA only); 3: flash_mla's where it is absent.
 PROBE_STAND_INS = 3
+# The packages runtime._install_shims stands in for where they are absent (the key names those absent here)
+STAND_INS = ("torchvision", "IPython", "sniffio", "sgl_kernel", "flash_mla")
+
+
+def really_installed(name: str) -> bool:
+    """Whether the package ``name`` itself is importable here, not the inert stand-in ``runtime._install_shims`` puts
+    in its place (which ``importlib.util.find_spec`` also finds once a process has loaded SGLang)."""
+    spec = importlib.util.find_spec(name)
+    return spec is not None and not getattr(spec.loader, "harness_stand_in", False)
 IMPORT_PROBE = """
 import importlib, json, sys
 out = {}
@@ -533,8 +542,10 @@ def registered_import_failures() -> dict[str, str | None]:
         version = metadata.version("sglang")
     except metadata.PackageNotFoundError:
         version = "-"
+    # which stand-ins the probe runs under: a package installed (or removed) later asks again
+    absent = [name for name in STAND_INS if not really_installed(name)]
     key = (f"sglang {version} at {root} ({stamp}), python {sys.version.split()[0]} at {sys.prefix}, "
-           f"stand-ins {PROBE_STAND_INS}")
+           f"stand-ins {PROBE_STAND_INS} for {','.join(absent) or 'none'}")
     path = _import_cache_file()
     try:
         known = json.loads(path.read_text())

@@ -204,18 +204,28 @@ TRTLLM_MHA_KERNELS = ("its kernels (FlashInfer's TRT-LLM MHA: XQA decode and fmh
 
 
 def trtllm_mha_unrunnable() -> str | None:
-    """Why SGLang's TRT-LLM MHA backend cannot be built and run here (None: it can). Read without initializing CUDA
-    in this process (the sweep forks its workers after the matrix is read): the GPU's compute capability from NVML."""
-    if importlib.util.find_spec("flashinfer") is None:
-        return f"{TRTLLM_MHA_KERNELS}; FlashInfer is not installed"
+    """Why SGLang's TRT-LLM MHA backend cannot be built and run here (None: it can)."""
+    return kernels_unrunnable(TRTLLM_MHA_KERNELS, (("flashinfer", "FlashInfer is not installed"),), TRTLLM_MHA_ARCHS)
+
+
+def kernels_unrunnable(kernels: str, packages: tuple[tuple[str, str], ...], archs: tuple[int, ...]) -> str | None:
+    """Why ``kernels`` cannot run here (None: they can): a package of ``packages`` (name, what its absence means) not
+    really installed (an adapter's stand-in is not the package), no CUDA GPU, or one of none of the compute capability
+    majors ``archs``. Read without initializing CUDA in this process (the sweep forks its workers after the matrix is
+    read): the GPU's compute capability from NVML."""
+    from backends.sglang import features
+
+    for package, absent in packages:
+        if not features.really_installed(package):
+            return f"{kernels}; {absent}"
     if not torch.cuda.is_available():
-        return f"{TRTLLM_MHA_KERNELS}; no CUDA GPU is visible"
+        return f"{kernels}; no CUDA GPU is visible"
     try:
         major, minor = _compute_capability()
     except Exception as e:  # noqa: BLE001 - any failure leaves the capability unknown, said as such
-        return f"{TRTLLM_MHA_KERNELS}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
-    if major not in TRTLLM_MHA_ARCHS:
-        return f"{TRTLLM_MHA_KERNELS}; this GPU is SM{major}{minor}"
+        return f"{kernels}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
+    if major not in archs:
+        return f"{kernels}; this GPU is SM{major}{minor}"
     return None
 
 
@@ -319,7 +329,7 @@ def flashinfer_absent():
 TRTLLM_MHA_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE})
 
 
-def _trtllm_mha_capabilities(unrunnable: str | None) -> Capabilities:
+def _trtllm_mha_capabilities(unrunnable: str | None, arch: int | None = None) -> Capabilities:
     """Where its kernels run, every property; elsewhere its planning (torch and SGLang's Triton page-table kernels,
     interpreted on a CPU) over FlashInfer's wrapper classes as inert stand-ins: the plan-level leaf."""
     return Capabilities(
@@ -340,10 +350,11 @@ def _trtllm_mha_capabilities(unrunnable: str | None) -> Capabilities:
         # The server sets any page size but 16, 32, 64 and 128 to 64 for it (arg_groups/overrides.py:1183, 0.5.23); the
         # three the GPU profile draws are the ones run on the H200 (harness-out/gpu77.sh to gpu80.sh)
         page_sizes=frozenset({16, 32, 64}),
-        # An fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3), run on the H200 (harness-out/gpu84.sh to gpu87.sh): its fused
-        # fp8 cache write, extends, verifies and graph replays pass; its decodes run FlashInfer's XQA kernel in e4m3 on
-        # SM90, 2-3% off (ledger sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic)
-        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}),
+        # An fp8 e4m3 cache (--kv-cache-dtype fp8_e4m3) where it has been run: on SM90 (the H200, harness-out/gpu84.sh
+        # to gpu87.sh: its fused fp8 cache write, extends, verifies and graph replays pass; its decodes run FlashInfer's
+        # XQA kernel in e4m3, 2-3% off, ledger sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic), and in its planning.
+        # Blackwell's TRT-LLM-gen kernels and SM120's have not been run over one.
+        kv_cache_dtypes=frozenset({"auto", "fp8_e4m3"}) if unrunnable is not None or arch == 9 else frozenset({"auto"}),
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         devices=frozenset({"cuda"}) if unrunnable is None else frozenset({"cpu", "cuda"}),
         requires=("sglang", "flashinfer") if unrunnable is None else ("sglang",),
@@ -353,6 +364,12 @@ def _trtllm_mha_capabilities(unrunnable: str | None) -> Capabilities:
         engine_classes="trtllm_mha",
         plan_only=unrunnable,
     )
+
+
+def _trtllm_mha_declared() -> Capabilities:
+    """This machine's declaration: its kernels' level, and where they run the GPU's compute capability major."""
+    unrunnable = trtllm_mha_unrunnable()
+    return _trtllm_mha_capabilities(unrunnable, None if unrunnable else _compute_capability()[0])
 
 
 class SglangTrtllmMha(SglangPlanOnly):
@@ -365,7 +382,7 @@ class SglangTrtllmMha(SglangPlanOnly):
     answers neither SM90 nor SM120 there, so no Hopper fmha_v2 page lists are planned)."""
 
     sglang_name = "trtllm_mha"
-    capabilities = _trtllm_mha_capabilities(trtllm_mha_unrunnable())
+    capabilities = _trtllm_mha_declared()
 
     @classmethod
     def built_without_kernels(cls):
@@ -392,7 +409,8 @@ class SglangTrtllmMla(SglangPlanOnly):
         modes=FLASHINFER_MODES,
         # Its graphs plan decode, idle and verify outside the graph (init_forward_metadata_out_graph,
         # _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772) on state its FlashInfer MLA base allocates on
-        # "cuda" by name (flashinfer_mla_backend.py:506): planned on a GPU (built as on Blackwell there too), not on a CPU
+        # "cuda" by name (flashinfer_mla_backend.py:506): planned on a GPU (built as on Blackwell there too), not on a
+        # CPU
         cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
         cpu_gaps=(("graph_metadata", "its graph state is allocated on 'cuda' by name (FlashInferMLAAttnBackend."
                                      "init_cuda_graph_state, flashinfer_mla_backend.py:506)"),),
@@ -594,28 +612,23 @@ class SglangFlashInferMLA(SglangBackend):
 # run FlashMLA's dense decode kernel (the sgl-flash-mla wheel's legacy kernel set, SGLang's pin from 0.5.2x) over pages
 # of 64 tokens (flashmla_backend.py ``PAGE_SIZE``; the server sets that page size for it), its extends its FlashInfer
 # MLA parent's
-FLASHMLA_KERNELS = "FlashMLA's dense decode kernels (the flash_mla package, the sgl-flash-mla wheel) run on Hopper (SM90)"
+FLASHMLA_KERNELS = ("FlashMLA's dense decode kernels (the sgl-flash-mla wheel's flash_mla, or sgl_kernel's before) run "
+                    "on Hopper (SM90)")
 FLASHMLA_PAGE = 64
 
 
 def flashmla_unrunnable() -> str | None:
-    """Why SGLang's FlashMLA backend cannot be built and run here (None: it can); read without initializing CUDA, as
-    :func:`trtllm_mha_unrunnable`. Its extends run FlashInfer's MLA kernels, so FlashInfer is needed too."""
-    from backends.sglang import runtime
+    """Why SGLang's FlashMLA backend cannot be built and run here (None: it can). Its kernels come from flash_mla where
+    the installed SGLang has the sgl-flash-mla interface (0.5.2x), from sgl_kernel's flash_mla before; its extends run
+    FlashInfer's MLA kernels, so FlashInfer is needed too."""
+    from backends.sglang import features
 
-    if not runtime.really_installed("flash_mla"):
-        return f"{FLASHMLA_KERNELS}; flash_mla is not installed"
-    if importlib.util.find_spec("flashinfer") is None:
-        return f"{FLASHMLA_KERNELS}, its extends FlashInfer's MLA kernels; FlashInfer is not installed"
-    if not torch.cuda.is_available():
-        return f"{FLASHMLA_KERNELS}; no CUDA GPU is visible"
-    try:
-        major, minor = _compute_capability()
-    except Exception as e:  # noqa: BLE001 - any failure leaves the capability unknown, said as such
-        return f"{FLASHMLA_KERNELS}; the GPU's compute capability could not be read ({type(e).__name__}: {e})"
-    if major != 9:
-        return f"{FLASHMLA_KERNELS}; this GPU is SM{major}{minor}"
-    return None
+    root = features.package_root()
+    interface = root is not None and (root / "kernels" / "ops" / "attention" / "flash_mla_interface.py").is_file()
+    package = "flash_mla" if interface else "sgl_kernel"
+    needs = ((package, f"{package} is not installed"),
+             ("flashinfer", "its extends run FlashInfer's MLA kernels; FlashInfer is not installed"))
+    return kernels_unrunnable(FLASHMLA_KERNELS, needs, (9,))
 
 
 def _flashmla_capabilities(unrunnable: str | None) -> Capabilities:
@@ -643,7 +656,6 @@ def _flashmla_capabilities(unrunnable: str | None) -> Capabilities:
         engine="sglang",
         one_shape_per_kind=True,
         engine_classes="flashmla",
-        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
     )
 
 
@@ -688,3 +700,4 @@ class SglangFlashMla(ReadsEngineClasses, SglangFlashInferMLA):
             # the draft window its verify kernel is handed: the server's, as SGLang built it (num_draft_tokens)
             return flashmla_plan(meta, next(iter(self.batches.values())), self.inner.num_draft_tokens or 0)
         return SglangFlashInferMLA.planned_metadata(self)  # named, not super(): a TBO half borrows this method
+

@@ -22,20 +22,21 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.util
 from typing import ClassVar
 
 import torch
 
 from backends.base import Capabilities
 from batch.spec import ForwardMode
+from backends.sglang import features
 from backends.sglang.adapter import ADAPTED_MODES, TBO_DRAFT_EXTEND_GAP, SglangBackend
 from backends.sglang.classes import ReadsEngineClasses
 
 
 def kernels_installed() -> bool:
-    """Whether FlashAttention's kernels can run here: the real ``sgl_kernel`` and a CUDA GPU."""
-    return importlib.util.find_spec("sgl_kernel") is not None and torch.cuda.is_available()
+    """Whether FlashAttention's kernels can run here: the real ``sgl_kernel`` (not the adapter's stand-in, which
+    ``find_spec`` finds too once a process has loaded SGLang) and a CUDA GPU."""
+    return features.really_installed("sgl_kernel") and torch.cuda.is_available()
 
 
 @contextlib.contextmanager

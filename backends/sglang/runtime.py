@@ -10,7 +10,8 @@ Shims are applied only when needed, each only where the real package is absent: 
 (SGLang imports it at import time; it cannot be installed beside a CPU torch), ``IPython`` and ``sniffio``
 (imported at import time, never called by attention; the GPU image lacks them), and ``sgl_kernel`` (SGLang
 imports it unguarded on CUDA, and on any device in the modules of the backends that need it, e.g. FlashAttention's;
-see :data:`_SGL_KERNEL_SHIMS`). Nothing is edited in site-packages.
+see :data:`_SGL_KERNEL_SHIMS`), and ``flash_mla`` (imported unguarded by FlashMLA's module: its class is then read at
+class level). Nothing is edited in site-packages.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class _StubPackage(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     ``torchvision.transforms`` once it finds the package, so one module is not enough). ``real`` names
     attributes that must be the real thing rather than inert: ``{module: {attr: callable}}``."""
 
+    harness_stand_in = True  # how features.really_installed tells it from the package
+
     def __init__(self, root: str, real: dict[str, dict[str, object]] | None = None) -> None:
         self.root = root
         self.real = real or {}
@@ -152,10 +155,6 @@ def _strong_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
 # behind a guard (its CPU-engine imports sit behind SGLANG_USE_CPU_ENGINE, which the harness never sets).
 _SGL_KERNEL_SHIMS = {"sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl},
                      "sgl_kernel": {"weak_ref_tensor": _strong_ref_tensor}}
-# flash_mla (FlashMLA's kernels, the sgl-flash-mla wheel SGLang pins from 0.5.2x; a CUDA build) is imported unguarded
-# by the module of SGLang's FlashMLA backend (kernels/ops/attention/flash_mla_interface.py): where it is absent, an inert
-# stand-in lets that class import, so its class-level row reads it (backends/sglang/flashinfer.py, SglangFlashMla);
-# every one of its kernels raises when called, naming the stand-in.
 # Imported at import time by SGLang or its dependencies, never on an attention path. opentelemetry is not
 # stubbed: SGLang's one importer (srt/observability/trace.py) catches the ImportError, which a stub would turn
 # into a RuntimeError at import.
@@ -178,17 +177,14 @@ def _install_shims() -> list[str]:
         sys.meta_path.insert(0, _StubPackage("sgl_kernel", _SGL_KERNEL_SHIMS))
         _define_sgl_kernel_ops()
         installed.append("sgl_kernel")
+    # flash_mla (FlashMLA's kernels, the sgl-flash-mla wheel SGLang pins from 0.5.2x; a CUDA build) is imported
+    # unguarded by the module of SGLang's FlashMLA backend (kernels/ops/attention/flash_mla_interface.py): where it is
+    # absent, an inert stand-in lets that class import, so its class-level row reads it (backends/sglang/flashinfer.py,
+    # SglangFlashMla); every one of its kernels raises when called, naming the stand-in.
     if importlib.util.find_spec("flash_mla") is None:
         sys.meta_path.insert(0, _StubPackage("flash_mla"))
         installed.append("flash_mla")
     return installed
-
-
-def really_installed(name: str) -> bool:
-    """Whether the package ``name`` itself is importable here, not the inert stand-in :func:`_install_shims` puts in
-    its place (which ``importlib.util.find_spec`` also finds once it is installed)."""
-    spec = importlib.util.find_spec(name)
-    return spec is not None and not isinstance(spec.loader, _StubPackage)
 
 
 # sgl_kernel ops that SGLang registers a fake implementation for at import, unguarded, on CUDA: 0.5.10 to 0.5.14,
