@@ -100,6 +100,9 @@ class Capabilities:
     modes: frozenset[ForwardMode]  # declared explicitly: a new mode joins no backend by default
     dtypes: frozenset[str] = frozenset({"float32", "bfloat16", "float16"})
     head_dims: Optional[frozenset[int]] = None  # qk head dims it compiles for (MHA, lightning layers); None = any
+    # MLA layers' (kv_lora_rank, qk_rope_head_dim) pairs its kernels take (SGLang's Triton MLA decode: 512 + 64 and
+    # 256 + 32 only); None = any
+    mla_latents: Optional[frozenset[tuple[int, int]]] = None
     # The engine builds one KV pool and one linear-attention config per model: every layer of a kind has one
     # shape (its Layer.SHAPE fields). Our own backends size each layer's pools by the layer.
     one_shape_per_kind: bool = False
@@ -266,6 +269,7 @@ class Support:
     modes: frozenset[ForwardMode]
     dtypes: frozenset[str]
     head_dims: Optional[frozenset[int]]  # the full-attention leaves' (MHA layers)
+    mla_latents: Optional[frozenset[tuple[int, int]]]  # the full-attention leaves' (MLA layers)
     page_sizes: Optional[frozenset[int]]
     sliding_window: bool
     logit_cap: bool
@@ -333,7 +337,8 @@ class Support:
             modes -= {ForwardMode.TARGET_VERIFY}
         return cls(attention_kinds=frozenset().union(*(c.attention_kinds for c in caps)), modes=modes,
                    dtypes=frozenset.intersection(*(c.dtypes for c in caps)),
-                   head_dims=meet([c.head_dims for c in full]), page_sizes=meet([c.page_sizes for c in caps]),
+                   head_dims=meet([c.head_dims for c in full]), mla_latents=meet([c.mla_latents for c in full]),
+                   page_sizes=meet([c.page_sizes for c in caps]),
                    linear_head_dims=meet([c.head_dims for c in linear]),
                    one_shape_per_kind=any(c.one_shape_per_kind for c in caps),
                    sliding_window=all(c.sliding_window for c in full), logit_cap=all(c.logit_cap for c in full),
@@ -414,6 +419,9 @@ class Support:
             if layer.kind == "lightning" and self.linear_head_dims is not None \
                     and layer.head_dim not in self.linear_head_dims:
                 return f"lightning head_dim {layer.head_dim} not supported"
+            if layer.kind == "mla" and self.mla_latents is not None \
+                    and (layer.kv_lora_rank, layer.qk_rope_head_dim) not in self.mla_latents:
+                return f"MLA latent {layer.kv_lora_rank} + rope {layer.qk_rope_head_dim} not supported"
             if layer.kind != "mha":
                 continue
             if self.head_dims is not None and layer.head_dim not in self.head_dims:

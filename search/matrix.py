@@ -93,6 +93,10 @@ def profile_reason(c: Composition, profile: Profile, device: str = "cuda") -> st
             and profile.lightning[1] not in support.linear_head_dims:
         return (f"does not support the profile's lightning head_dim {profile.lightning[1]} "
                 f"(declares {sorted(support.linear_head_dims)})")
+    if "mla" in support.attention_kinds and support.mla_latents is not None \
+            and (profile.mla[3], profile.mla[2]) not in support.mla_latents:
+        return (f"does not support the profile's MLA latent {profile.mla[3]} + rope {profile.mla[2]} "
+                f"(declares {' or '.join(f'{c} + {r}' for c, r in sorted(support.mla_latents))})")
     if "mha" in support.attention_kinds and not options["head_configs"]:
         dims = sorted({h[2] for h in profile.heads})
         return f"supports none of the profile's head_dims {dims} (declares {sorted(support.head_dims)})"

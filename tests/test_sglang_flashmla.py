@@ -192,9 +192,10 @@ def test_the_mla_leaf_asks_its_own_backends_dispatcher(monkeypatch):
     sgl = runtime.load()
     handlers = importlib.import_module(sgl.handle_attention_flashinfer.__module__)
     asked = []
-    for name in ("flashinfer", "flashmla"):
+    for name in ("flashinfer", "flashmla", "triton"):
         monkeypatch.setattr(handlers, f"handle_attention_{name}", lambda attn, fb, name=name: asked.append(name))
     spec = MLALayer(0, 4, 16, 16, 64, 16)
     fi.forward_method(sgl, None, spec, "flashmla")
+    fi.forward_method(sgl, None, spec, fi.SglangTritonMla.sglang_name)
     fi.forward_method(sgl, None, spec)
-    assert asked == ["flashmla", "flashinfer"]
+    assert asked == ["flashmla", "triton", "flashinfer"]

@@ -37,7 +37,8 @@ import torch
 from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
-from backends.sglang.adapter import TBO_DRAFT_EXTEND_GAP, SglangBackend, page_table_lists, unread_fields
+from backends.sglang.adapter import (SGLANG_TRITON_BOUNDARIES, TBO_DRAFT_EXTEND_GAP, TBO_MIXED_GAP, SglangBackend,
+                                     page_table_lists, unread_fields)
 from backends.sglang.classes import ReadsEngineClasses, class_level
 from backends.sglang.plans import SglangPlanOnly, asked_as
 from batch.spec import ForwardMode
@@ -573,6 +574,12 @@ class SglangFlashInferMLA(SglangBackend):
                 q_latent = torch.cat([query_to_latent(q[..., :N], w_kc).to(q.dtype), q[..., N:]], dim=-1)
                 o = _absorbed(self, layer, q_latent, rows, sfb, True)
                 return latent_to_output(o.reshape(T, H, C), w_vc).to(q.dtype)
+            if method is sgl.AttnForwardMethod.MHA:
+                # forward_normal (a backend's choice for an extend without a cached prefix, Triton's): the expanded
+                # layer over the new tokens' keys alone, their latent rows written by the model
+                o = _mla_radix(self, layer, False)(q.contiguous(), k.contiguous(), v.contiguous(), sfb,
+                                                   save_kv_cache=False)
+                return o.reshape(T, H, spec.v_head_dim)
             if method is not sgl.AttnForwardMethod.MHA_ONE_SHOT:
                 raise NotImplementedError(f"SGLang chose {method.name} for this batch; the adapter runs MLA and "
                                           "MHA_ONE_SHOT (MHA_CHUNKED_KV needs sgl_kernel's merge_state)")
@@ -701,3 +708,36 @@ class SglangFlashMla(ReadsEngineClasses, SglangFlashInferMLA):
             return flashmla_plan(meta, next(iter(self.batches.values())), self.inner.num_draft_tokens or 0)
         return SglangFlashInferMLA.planned_metadata(self)  # named, not super(): a TBO half borrows this method
 
+class SglangTritonMla(SglangFlashInferMLA):
+    """SGLang's ``TritonAttnBackend`` serving an MLA model (DeepSeek, Kimi, MiniCPM3 with ``--attention-backend
+    triton``), driven as DeepSeek drives it: its own dispatcher (``handle_attention_triton``: an extend without a cached
+    prefix runs the expanded layer over its new tokens, ``MHA``; every other batch the absorbed layer), the absorbed
+    query and key handed over concatenated (triton is not among the backends given the rope parts apart). Its plan is
+    Triton's ``ForwardMetadata``, read as the MHA leaf's. Its kernels are the MHA leaf's, interpreted on a CPU."""
+
+    sglang_name = "triton"
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mla"}),
+        engine_features=("deepseek_mla",),
+        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                         ForwardMode.IDLE}),
+        # Its MLA decode splits the absorbed head into the latent and the rope part for two widths only
+        # (decode_attention.py:826-834, _decode_grouped_att_m_fwd: 512 + 64, DeepSeek's and Kimi's; 256 + 32,
+        # MiniCPM3's); any other is one power-of-two block against the latent's, which the kernel cannot shape
+        mla_latents=frozenset({(512, 64), (256, 32)}),
+        dtypes=frozenset({"float32", "bfloat16", "float16"}),
+        cpu_dtypes=frozenset({"float32", "float16"}),  # the interpreter's bf16 tl.dot is broken (the MHA leaf's)
+        requires=("sglang", "triton"),
+        cpu_needs_env="TRITON_INTERPRET",
+        fp32_matmul_roundoff=2.0**-10,  # TF32 dots on NVIDIA GPUs, as the MHA leaf's kernels
+        cpu_fp32_matmul_roundoff=2.0**-21,
+        length_boundaries=SGLANG_TRITON_BOUNDARIES,
+        engine="sglang",
+        one_shape_per_kind=True,
+        wrapped_gaps=(TBO_MIXED_GAP,),
+        # The MHA leaf's graphs (triton_backend.py, _apply_cuda_graph_metadata): decode, idle and verify
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
+    )
+
+    def planned_metadata(self) -> PlannedMetadata:
+        return SglangBackend.planned_metadata(self)

@@ -1,0 +1,72 @@
+"""SGLang's Triton backend serving an MLA model (backends/sglang/flashinfer.py, ``SglangTritonMla``): DeepSeek's, Kimi's
+and MiniCPM3's layers with ``--attention-backend triton``, on a CPU under Triton's interpreter. What is checked here:
+that its rows run and pass at the profile's latent, that its MLA decode's two latent widths are declared and any other
+is refused with the reason, and that a wrong hand-over of the absorbed layer fails the outputs property."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.registry import leaf_capabilities, parse
+from backends.sglang import flashinfer as fi
+from batch.spec import BatchSpec, ForwardMode, MLALayer
+from properties import PROPERTIES
+from search.matrix import profile_reason
+from search.profiles import PROFILES
+
+pytest.importorskip("sglang")
+MLA = (MLALayer(0, 4, 16, 32, 256, 16),)  # MiniCPM3's latent: 256 + rope 32
+
+
+def _available():
+    why = parse("sglang.triton_mla").unavailable_reason("cpu")
+    if why:
+        pytest.skip(why)
+
+
+@pytest.mark.parametrize("composition", ["sglang.triton_mla", "tbo(sglang.triton_mla)", "graph(sglang.triton_mla)"])
+@pytest.mark.parametrize("mode, prefix, extend", [
+    (ForwardMode.DECODE, (9, 40), (1, 1)),
+    (ForwardMode.EXTEND, (0, 0), (5, 3)),  # no cached prefix: DeepSeek runs the expanded layer (MHA)
+    (ForwardMode.EXTEND, (7, 20), (5, 3)),  # a cached prefix: the absorbed layer
+])
+def test_its_rows_pass_at_the_profiles_latent(composition, mode, prefix, extend):
+    _available()
+    if composition.startswith("graph") and mode is ForwardMode.EXTEND:
+        pytest.skip("its graphs capture decode, verify and idle batches")
+    prop = "graph_replay" if composition.startswith("graph") else "outputs"
+    spec = BatchSpec(mode, prefix, extend, MLA, dtype="float32", seed=1)
+    verdict = PROPERTIES[prop].run(parse(composition), spec, "cpu")
+    assert verdict.ok, str(verdict)
+
+
+def test_its_decode_takes_two_latent_widths_and_refuses_the_rest_with_the_reason():
+    caps = leaf_capabilities("sglang.triton_mla")
+    assert caps.mla_latents == {(512, 64), (256, 32)}
+    support = parse("sglang.triton_mla").support()
+    other = BatchSpec(ForwardMode.DECODE, (9,), (1,), (MLALayer(0, 4, 16, 8, 32, 16),), dtype="float32")
+    assert support.unsupported_reason(other) == "MLA latent 32 + rope 8 not supported"
+    assert support.unsupported_reason(BatchSpec(ForwardMode.DECODE, (9,), (1,), MLA, dtype="float32")) is None
+    # every profile draws a latent it takes, so its rows run wherever the profile is used
+    for profile in PROFILES.values():
+        assert profile_reason(parse("sglang.triton_mla"), profile, "cpu" if profile.name != "gpu" else "cuda") is None
+    from dataclasses import replace
+
+    odd = replace(PROFILES["ci"], mla=(4, 16, 8, 32, 16))
+    assert "MLA latent 32 + rope 8" in profile_reason(parse("sglang.triton_mla"), odd, "cpu")
+
+
+def test_a_wrong_hand_over_of_the_absorbed_layer_fails_its_outputs(monkeypatch):
+    # the new latent rows' rope part lost on the way to SGLang's attn_mqa: the float64 reference must tell
+    _available()
+    absorbed = fi._absorbed
+
+    def rope_lost(backend, layer, q, k, sfb, save_kv_cache):
+        k = k.clone()
+        k[..., layer.spec.kv_lora_rank:] = 0
+        return absorbed(backend, layer, q, k, sfb, save_kv_cache)
+
+    monkeypatch.setattr(fi, "_absorbed", rope_lost)
+    spec = BatchSpec(ForwardMode.DECODE, (9, 40), (1, 1), MLA, dtype="float32", seed=1)
+    verdict = PROPERTIES["outputs"].run(parse("sglang.triton_mla"), spec, "cpu")
+    assert not verdict.ok and "out of bounds" in verdict.reason, str(verdict)
