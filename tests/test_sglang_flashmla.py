@@ -6,7 +6,7 @@ form DeepSeek calls it in (its own dispatcher, the absorbed query concatenated).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import pytest
 import torch
@@ -14,6 +14,7 @@ import torch
 from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
 from batch.spec import ForwardMode, MLALayer
+from tests.plan_checks import on_machine
 
 pytest.importorskip("sglang")
 
@@ -28,18 +29,7 @@ pytest.importorskip("sglang")
 ])
 def test_the_leaf_is_built_only_where_flash_mla_flashinfer_and_a_hopper_gpu_are(monkeypatch, flash_mla, flashinfer,
                                                                                 gpu, capability, expected):
-    from backends.sglang import features
-
-    installed = {"flash_mla": flash_mla, "flashinfer": flashinfer}
-    monkeypatch.setattr(features, "really_installed", lambda name: installed.get(name, True))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-
-    def read():
-        if isinstance(capability, Exception):
-            raise capability
-        return capability
-
-    monkeypatch.setattr(fi, "_compute_capability", read)
+    on_machine(monkeypatch, {"flash_mla": flash_mla, "flashinfer": flashinfer}, gpu, capability)
     why = fi.flashmla_unrunnable()
     if expected is None:
         assert why is None

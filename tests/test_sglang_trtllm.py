@@ -9,8 +9,6 @@ under the hybrid."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from batch.spec import BatchSpec, ForwardMode, MHALayer, MLALayer, SpecInput
 from properties import PROPERTIES
 from search.matrix import matrix
 from search.profiles import PROFILES
-from tests.plan_checks import assert_eager_plan_holds
+from tests.plan_checks import assert_eager_plan_holds, on_machine
 
 pytest.importorskip("sglang")
 
@@ -36,17 +34,7 @@ pytest.importorskip("sglang")
 ])
 def test_the_leaf_runs_only_where_flashinfer_and_a_gpu_of_its_kernels_are(monkeypatch, installed, gpu, capability,
                                                                           expected):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: (real("torch") if installed else None)
-                        if name == "flashinfer" else real(name, *a))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
-
-    def read():
-        if isinstance(capability, Exception):
-            raise capability
-        return capability
-
-    monkeypatch.setattr(fi, "_compute_capability", read)
+    on_machine(monkeypatch, {"flashinfer": installed}, gpu, capability)
     why = fi.trtllm_mha_unrunnable()
     if expected is None:
         assert why is None
