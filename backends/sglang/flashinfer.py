@@ -1,18 +1,23 @@
-"""SGLang's FlashInfer backends as leaves: ``FlashInferAttnBackend`` (MHA) and ``FlashInferMLAAttnBackend`` (MLA).
+"""SGLang's FlashInfer backends as leaves: ``FlashInferAttnBackend`` (MHA) and ``FlashInferMLAAttnBackend`` (MLA); its
+subclasses TRT-LLM MHA and MLA, CuTe DSL MLA and FlashMLA; and the other MLA backends DeepSeek's layers drive alike
+(SGLang's Triton backend over an MLA model).
 
 SGLang registers both under one name, "flashinfer": its registry builds the MLA one when the runner uses an
 MLA model (``attention_registry.py``, ``create_flashinfer_backend``), which :func:`runtime.make_runner` sets
 from the model's layers. Both plan token-level indices (FlashInfer page size 1) whatever the pool's page
 size, and keep their plans inside FlashInfer's wrappers, which :func:`wrapper_plan` reads back.
 
-The MLA leaf is also the model's side of the call, as SGLang's DeepSeek attention makes it
-(``models/deepseek_common/``): per batch it asks SGLang's own dispatcher (``handle_attention_flashinfer``)
-which form a layer runs in, then calls the backend through that form's ``RadixAttention``:
+The MLA leaves are also the model's side of the call, as SGLang's DeepSeek attention makes it
+(``models/deepseek_common/``): per batch each asks SGLang's own dispatcher for its backend
+(``handle_attention_flashinfer``, ``handle_attention_flashmla``, ``handle_attention_triton``) which form a layer runs
+in, then calls the backend through that form's ``RadixAttention``:
 
 * ``MLA`` (decode, verify, and extend batches with a cached prefix under SGLang's chunked-prefix threshold):
   the absorbed layer ``attn_mqa`` (``num_kv_heads=1``, ``head_dim = kv_lora_rank + rope``, ``v_head_dim =
-  kv_lora_rank``) called as ``attn_mqa(q_nope_out, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe)``
-  (forward_mla.py, ``forward_absorb_core``); the backend writes the latent rows (``set_mla_kv_buffer``).
+  kv_lora_rank``) called as ``attn_mqa(q_nope_out, k_nope, k_nope, fb, q_rope=q_pe, k_rope=k_pe)`` for the backends
+  SGLang lists in ``FORWARD_ABSORB_CORE_ATTENTION_BACKENDS`` (FlashInfer's), else with both parts concatenated
+  (forward_mla.py, ``forward_absorb_core``); the backend writes the latent rows.
+* ``MHA`` (Triton's choice for an extend without a cached prefix): the expanded layer over the new tokens.
 * ``MHA_ONE_SHOT`` (extend batches without a prefix, or with one at or above the threshold): the expanded
   layer ``attn_mha`` over every key of the batch, the prefix's re-expanded from the latent cache
   (forward_mha.py, ``forward_normal_one_shot_*``).
