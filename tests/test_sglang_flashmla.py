@@ -157,7 +157,7 @@ def test_a_tbo_half_runs_the_mla_leafs_absorbed_call_in_the_form_its_backend_tak
     T, C, R = half_fb.out_cache_loc.numel(), 128, 64  # the half's query tokens
     layer = SimpleNamespace(spec=mla, layer_id=0, absorbed=True, weights={})
     q, k = torch.zeros(T, 8, C + R, dtype=torch.bfloat16), torch.zeros(T, 1, C + R, dtype=torch.bfloat16)
-    out = fi.SglangFlashInferMLA._run(half, q, k, None, layer, half_fb, True)
+    out = fi.DeepseekMla._run(half, q, k, None, layer, half_fb, True)
     assert out.shape == (T, 8, C)
     (qs, ks, vs, kw), = calls
     if apart:  # q_nope_out and k_nope, their rope parts by keyword

@@ -8,7 +8,7 @@ from the model's layers. Both plan token-level indices (FlashInfer page size 1) 
 size, and keep their plans inside FlashInfer's wrappers, which :func:`wrapper_plan` reads back.
 
 The MLA leaves are also the model's side of the call, as SGLang's DeepSeek attention makes it
-(``models/deepseek_common/``): per batch each asks SGLang's own dispatcher for its backend
+(``models/deepseek_common/``; :class:`DeepseekMla`): per batch each asks SGLang's own dispatcher for its backend
 (``handle_attention_flashinfer``, ``handle_attention_flashmla``, ``handle_attention_triton``) which form a layer runs
 in, then calls the backend through that form's ``RadixAttention``:
 
@@ -41,7 +41,7 @@ import torch
 
 from backends.base import Capabilities, PlannedMetadata
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
-from backends.sglang import compat
+from backends.sglang import compat, features
 from backends.sglang.adapter import (SGLANG_TRITON_BOUNDARIES, TBO_DRAFT_EXTEND_GAP, TBO_MIXED_GAP, SglangBackend,
                                      page_table_lists, unread_fields)
 from backends.sglang.classes import ReadsEngineClasses, class_level
@@ -219,8 +219,6 @@ def kernels_unrunnable(kernels: str, packages: tuple[tuple[str, str], ...], arch
     really installed (an adapter's stand-in is not the package), no CUDA GPU, or one of none of the compute capability
     majors ``archs``. Read without initializing CUDA in this process (the sweep forks its workers after the matrix is
     read): the GPU's compute capability from NVML."""
-    from backends.sglang import features
-
     for package, absent in packages:
         if not features.really_installed(package):
             return f"{kernels}; {absent}"
@@ -541,22 +539,10 @@ def _absorbed(backend, layer, q, k, sfb, save_kv_cache: bool) -> torch.Tensor:
     return radix(q.contiguous(), k.contiguous(), nope, sfb, save_kv_cache=save_kv_cache)
 
 
-class SglangFlashInferMLA(SglangBackend):
-    """SGLang's ``FlashInferMLAAttnBackend``, driven as SGLang's DeepSeek attention drives it (module
-    docstring)."""
-
-    sglang_name = "flashinfer"  # the MLA backend: the runner uses an MLA model
-    capabilities = Capabilities(
-        attention_kinds=frozenset({"mla"}),
-        engine_features=("deepseek_mla",),
-        modes=FLASHINFER_MODES,
-        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
-        dtypes=FLASHINFER_DTYPES,
-        devices=frozenset({"cuda"}),
-        requires=("sglang", "flashinfer"),
-        engine="sglang",
-        one_shape_per_kind=True,  # one KV pool per model (runtime.py)
-    )
+class DeepseekMla(SglangBackend):
+    """An SGLang MLA backend driven as DeepSeek's attention drives it (module docstring): its ``_run`` asks SGLang's
+    dispatcher for this backend (``sglang_name``) which form each layer runs in and calls that form's RadixAttention.
+    Its leaves declare their capabilities and read their plans."""
 
     def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, via=None) -> torch.Tensor:
         """Absorbed layer: q ``[T, H, C + R]``, k the new latent rows ``[T, 1, C + R]`` -> ``[T, H, C]``.
@@ -604,6 +590,24 @@ class SglangFlashInferMLA(SglangBackend):
                                                save_kv_cache=False, **extra)
             return o.reshape(T, H, spec.v_head_dim)
 
+
+class SglangFlashInferMLA(DeepseekMla):
+    """SGLang's ``FlashInferMLAAttnBackend``, driven as SGLang's DeepSeek attention drives it (module
+    docstring)."""
+
+    sglang_name = "flashinfer"  # the MLA backend: the runner uses an MLA model
+    capabilities = Capabilities(
+        attention_kinds=frozenset({"mla"}),
+        engine_features=("deepseek_mla",),
+        modes=FLASHINFER_MODES,
+        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
+        dtypes=FLASHINFER_DTYPES,
+        devices=frozenset({"cuda"}),
+        requires=("sglang", "flashinfer"),
+        engine="sglang",
+        one_shape_per_kind=True,  # one KV pool per model (runtime.py)
+    )
+
     def planned_metadata(self) -> PlannedMetadata:
         """The MLA wrapper's plan (decode, verify, absorbed extend: every key, the new ones included), or the
         ragged wrapper's query indptr for an extend that runs as MHA."""
@@ -633,8 +637,6 @@ def flashmla_unrunnable() -> str | None:
     """Why SGLang's FlashMLA backend cannot be built and run here (None: it can). Its kernels come from flash_mla where
     the installed SGLang has the sgl-flash-mla interface (0.5.2x), from sgl_kernel's flash_mla before; its extends run
     FlashInfer's MLA kernels, so FlashInfer is needed too."""
-    from backends.sglang import features
-
     root = features.package_root()
     interface = root is not None and (root / "kernels" / "ops" / "attention" / "flash_mla_interface.py").is_file()
     package = "flash_mla" if interface else "sgl_kernel"
@@ -713,7 +715,8 @@ class SglangFlashMla(ReadsEngineClasses, SglangFlashInferMLA):
             return flashmla_plan(meta, next(iter(self.batches.values())), self.inner.num_draft_tokens or 0)
         return SglangFlashInferMLA.planned_metadata(self)  # named, not super(): a TBO half borrows this method
 
-class SglangTritonMla(SglangFlashInferMLA):
+
+class SglangTritonMla(DeepseekMla):
     """SGLang's ``TritonAttnBackend`` serving an MLA model (DeepSeek, Kimi, MiniCPM3 with ``--attention-backend
     triton``), driven as DeepSeek drives it: its own dispatcher (``handle_attention_triton``: an extend without a cached
     prefix runs the expanded layer over its new tokens, ``MHA``; every other batch the absorbed layer), the absorbed
@@ -743,6 +746,3 @@ class SglangTritonMla(SglangFlashInferMLA):
         # The MHA leaf's graphs (triton_backend.py, _apply_cuda_graph_metadata): decode, idle and verify
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
     )
-
-    def planned_metadata(self) -> PlannedMetadata:
-        return SglangBackend.planned_metadata(self)
