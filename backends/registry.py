@@ -37,7 +37,7 @@ LEAVES: dict[str, str] = {
     "sglang.kda_glm5": "backends.sglang.adapter:SglangKdaGlm5",
     "sglang.flashinfer": "backends.sglang.flashinfer:SglangFlashInfer",
     "sglang.flashinfer_mla": "backends.sglang.flashinfer:SglangFlashInferMLA",
-    "sglang.triton_mla": "backends.sglang.flashinfer:SglangTritonMla",
+    "sglang.triton_mla": "backends.sglang.mla:SglangTritonMla",
     # Built where flash_mla, FlashInfer and a Hopper GPU are; its classes only elsewhere
     "sglang.flashmla": "backends.sglang.flashinfer:SglangFlashMla",
     # SGLang's backends whose planning runs here but not their kernels (backends/sglang/plans.py)

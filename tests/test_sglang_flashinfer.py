@@ -75,7 +75,8 @@ def test_sglang_chooses_the_mla_forward_method(prefix, mode, method):
     pytest.importorskip("sglang")
     if runtime.unavailable_reason():
         pytest.skip(runtime.unavailable_reason())
-    from backends.sglang.flashinfer import SglangFlashInferMLA, forward_method
+    from backends.sglang.flashinfer import SglangFlashInferMLA
+    from backends.sglang.mla import forward_method
 
     spec, case = _mla_case(prefix, mode)
     leaf = SglangFlashInferMLA(ModelRunner.of(case.forward_batch, spec.layers))

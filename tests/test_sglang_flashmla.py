@@ -13,6 +13,7 @@ import torch
 
 from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
+from backends.sglang import mla as deepseek
 from batch.spec import ForwardMode, MLALayer
 from tests.plan_checks import on_machine
 
@@ -119,7 +120,7 @@ def test_deepseek_calls_it_through_its_own_dispatcher_with_the_absorbed_query_co
     from backends.sglang import runtime
 
     sgl = runtime.load()
-    assert fi.rope_apart("flashinfer") and not fi.rope_apart("flashmla")
+    assert deepseek.rope_apart("flashinfer") and not deepseek.rope_apart("flashmla")
     handlers = importlib.import_module(sgl.handle_attention_flashinfer.__module__)
     assert callable(handlers.handle_attention_flashmla)
 
@@ -157,7 +158,7 @@ def test_a_tbo_half_runs_the_mla_leafs_absorbed_call_in_the_form_its_backend_tak
     T, C, R = half_fb.out_cache_loc.numel(), 128, 64  # the half's query tokens
     layer = SimpleNamespace(spec=mla, layer_id=0, absorbed=True, weights={})
     q, k = torch.zeros(T, 8, C + R, dtype=torch.bfloat16), torch.zeros(T, 1, C + R, dtype=torch.bfloat16)
-    out = fi.DeepseekMla._run(half, q, k, None, layer, half_fb, True)
+    out = deepseek.DeepseekMla._run(half, q, k, None, layer, half_fb, True)
     assert out.shape == (T, 8, C)
     (qs, ks, vs, kw), = calls
     if apart:  # q_nope_out and k_nope, their rope parts by keyword
@@ -185,7 +186,7 @@ def test_the_mla_leaf_asks_its_own_backends_dispatcher(monkeypatch):
     for name in ("flashinfer", "flashmla", "triton"):
         monkeypatch.setattr(handlers, f"handle_attention_{name}", lambda attn, fb, name=name: asked.append(name))
     spec = MLALayer(0, 4, 16, 16, 64, 16)
-    fi.forward_method(sgl, None, spec, "flashmla")
-    fi.forward_method(sgl, None, spec, fi.SglangTritonMla.sglang_name)
-    fi.forward_method(sgl, None, spec)
+    deepseek.forward_method(sgl, None, spec, "flashmla")
+    deepseek.forward_method(sgl, None, spec, deepseek.SglangTritonMla.sglang_name)
+    deepseek.forward_method(sgl, None, spec)
     assert asked == ["flashmla", "triton", "flashinfer"]

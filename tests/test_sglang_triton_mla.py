@@ -1,4 +1,4 @@
-"""SGLang's Triton backend serving an MLA model (backends/sglang/flashinfer.py, ``SglangTritonMla``): DeepSeek's, Kimi's
+"""SGLang's Triton backend serving an MLA model (backends/sglang/mla.py, ``SglangTritonMla``): DeepSeek's, Kimi's
 and MiniCPM3's layers with ``--attention-backend triton``, on a CPU under Triton's interpreter. What is checked here:
 that its rows run and pass at the profile's latent, that its MLA decode's two latent widths are declared and any other
 is refused with the reason, and that a wrong hand-over of the absorbed layer fails the outputs property."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from backends.registry import leaf_capabilities, parse
-from backends.sglang import flashinfer as fi
+from backends.sglang import mla
 from batch.spec import BatchSpec, ForwardMode, MLALayer
 from properties import PROPERTIES
 from search.matrix import profile_reason
@@ -59,14 +59,14 @@ def test_its_decode_takes_two_latent_widths_and_refuses_the_rest_with_the_reason
 def test_a_wrong_hand_over_of_the_absorbed_layer_fails_its_outputs(monkeypatch):
     # the new latent rows' rope part lost on the way to SGLang's attn_mqa: the float64 reference must tell
     _available()
-    absorbed = fi._absorbed
+    absorbed = mla._absorbed
 
     def rope_lost(backend, layer, q, k, sfb, save_kv_cache):
         k = k.clone()
         k[..., layer.spec.kv_lora_rank:] = 0
         return absorbed(backend, layer, q, k, sfb, save_kv_cache)
 
-    monkeypatch.setattr(fi, "_absorbed", rope_lost)
+    monkeypatch.setattr(mla, "_absorbed", rope_lost)
     spec = BatchSpec(ForwardMode.DECODE, (9, 40), (1, 1), MLA, dtype="float32", seed=1)
     verdict = PROPERTIES["outputs"].run(parse("sglang.triton_mla"), spec, "cpu")
     assert not verdict.ok and "out of bounds" in verdict.reason, str(verdict)
