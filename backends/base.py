@@ -200,6 +200,10 @@ class Capabilities:
     # Its draft loop takes draft trees (topk > 1) over pages of more than one token, in SGLang's paged tree layout
     # (batch.spec.draft_region: each branch's own pages, the prefix's last partial page repeated in each)
     paged_draft_trees: bool = True
+    # Its multi-step draft container takes draft trees (topk > 1); False: the engine refuses to build it for more
+    # (FlashInfer MLA's, FlashMLA's, TRT-LLM MLA's: "only supports topk=1"), so its draft loop runs chains only
+    # whatever its verify takes (draft_trees: an ngram verify reaches trees without a draft loop)
+    draft_loop_trees: bool = True
     # The speculative algorithms whose target verify it serves (batch.spec.VERIFY_ALGORITHMS): ours read the tree
     # whatever its algorithm; an engine's backends branch on the verify input's class
     verify_algorithms: frozenset[str] = frozenset(VERIFY_ALGORITHMS)
@@ -289,6 +293,7 @@ class Support:
     draft_prefix_window: bool = True  # the full-attention leaves' (see Capabilities)
     paged_draft_prefix_window: bool = True  # the full-attention leaves' (see Capabilities)
     paged_draft_trees: bool = True  # the full-attention leaves' (see Capabilities)
+    draft_loop_trees: bool = True  # the full-attention leaves' (see Capabilities)
     verify_algorithms: frozenset[str] = frozenset(VERIFY_ALGORITHMS)  # every leaf's (see Capabilities)
     verify_advances_conv_state: bool = False
     slow_on_cpu: str | None = None
@@ -374,6 +379,7 @@ class Support:
                    draft_prefix_window=all(c.draft_prefix_window for c in full),
                    paged_draft_prefix_window=all(c.paged_draft_prefix_window for c in full),
                    paged_draft_trees=all(c.paged_draft_trees for c in full),
+                   draft_loop_trees=all(c.draft_loop_trees for c in full),
                    verify_algorithms=frozenset.intersection(*(c.verify_algorithms for c in caps)))
 
     def unsupported_reason(self, spec: BatchSpec) -> str | None:
@@ -401,6 +407,9 @@ class Support:
                    "pages, which a window's sinks and recent tokens do not fill"
         if spec.mode.is_draft_decode() and spec.page_size > 1 and spec.spec.topk > 1 and not self.paged_draft_trees:
             return "draft trees (topk > 1) over pages of more than one token not supported: draft chains only there"
+        if spec.mode.is_draft_decode() and spec.spec.topk > 1 and not self.draft_loop_trees:
+            return "draft trees (topk > 1) in the draft loop not supported: its multi-step draft container takes " \
+                   "topk 1 only"
         if 0 in spec.extend_lens and not self.empty_extend:
             return "empty extends (a request with no new tokens) not supported"
         if spec.kv_cache_dtype not in self.kv_cache_dtypes:

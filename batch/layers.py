@@ -41,8 +41,9 @@ class AttentionLayer:
 
 
 def mla_uses_absorbed(mode: ForwardMode) -> bool:
-    """MLA decode, verify and draft-extend run absorbed over the latent cache; extend runs expanded (MHA)."""
-    return mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND)
+    """MLA decode, verify, draft-extend and the draft loop's steps (each a decode) run absorbed over the latent cache;
+    extend runs expanded (MHA)."""
+    return mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE)
 
 
 def make_layer(spec: Layer, weights: LayerWeights, mode: ForwardMode) -> AttentionLayer:

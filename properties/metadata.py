@@ -232,10 +232,10 @@ def unread_note(named_plans) -> str:
 
 def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     if spec.mode.is_draft_decode():  # the draft loop: every step's plan, each a decode of every branch
-        run = run_case(composition, spec, device)
-        plans = run.execution.backend.step_plans()
+        drafter, fb = planned(composition, spec, device)
+        plans = drafter.step_plans()
         for step, plan in enumerate(plans):
-            problem = check_plan(plan, draft_step_batch(spec, run.case.forward_batch, step))
+            problem = check_plan(plan, draft_step_batch(spec, fb, step))
             if problem:
                 return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
         return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant" +

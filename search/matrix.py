@@ -62,6 +62,7 @@ def strategy_options(c: Composition, profile: Profile, device: str = "cuda") -> 
         "draft_prefix_window": support.draft_prefix_window and ForwardMode.DRAFT_DECODE in support.modes,
         "paged_draft_prefix_window": support.paged_draft_prefix_window,
         "paged_draft_trees": support.paged_draft_trees,
+        "draft_loop_trees": support.draft_loop_trees,
         "verify_algorithms": tuple(a for a in VERIFY_ALGORITHMS if a in support.verify_algorithms) or ("eagle",),
         "chain": not support.draft_trees,
         "kda_safe_gate": support.kda_safe_gate,

@@ -134,6 +134,7 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
                 boundaries: frozenset[int] = frozenset(), empty_extend: bool = False,
                 verify_window: bool = False, draft_window: bool = True, draft_prefix_window: bool = False,
                 paged_draft_prefix_window: bool = True, paged_draft_trees: bool = True,
+                draft_loop_trees: bool = True,
                 verify_algorithms: tuple[str, ...] = ("eagle",),
                 graph_padding: bool = False,
                 overreach: tuple[str, ...] = (), kda_safe_gate: bool = True) -> BatchSpec:
@@ -152,7 +153,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
     ``draft_prefix_window`` draws the server's draft window over the prefix in DRAFT_DECODE batches of models without
     sliding windows (about one in two, often narrower than the prefixes, so that the window cuts them; over pages of
     more than one token only where ``paged_draft_prefix_window``); ``paged_draft_trees`` draws draft trees (topk > 1)
-    over pages of more than one token, in SGLang's paged tree layout (batch.spec.draft_region);
+    over pages of more than one token, in SGLang's paged tree layout (batch.spec.draft_region), ``draft_loop_trees``
+    draws them in the draft loop at all;
     ``verify_algorithms`` are the speculative algorithms a TARGET_VERIFY batch's verify input is drawn from.
     ``graph_padding`` (graph()
     compositions) draws the padded rows a replay adds beyond those its size needs (``BatchSpec.graph_padding``): one
@@ -283,7 +285,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         # simplest loop has two branches and two steps (DRAFT_TOPK_ORDER, DRAFT_STEPS_ORDER): a row searched with few examples still
         # sees a step read its own branch's earlier token, beside another branch's.
         steps = 2 if shape == SINGLE_TOKEN else draw(st.sampled_from(DRAFT_STEPS_ORDER))
-        topk = 1 if (chain or shape == SINGLE_TOKEN or (page_size > 1 and not paged_draft_trees)) \
+        topk = 1 if (chain or not draft_loop_trees or shape == SINGLE_TOKEN
+                     or (page_size > 1 and not paged_draft_trees)) \
             else draw(st.sampled_from(DRAFT_TOPK_ORDER))
         prefix = [prefix_len(1) for _ in range(B)]
         forest = draft_forest(topk, steps)
@@ -351,8 +354,8 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
 # any row grants them, a restriction kept where every row keeps it. Any other option must be equal to be merged.
 UNION_OPTIONS = ("page_sizes", "kv_cache_dtypes", "head_configs", "boundaries", "verify_algorithms")
 ANY_OPTIONS = ("sliding_window", "logit_cap", "mrope", "kv_scales", "empty_extend", "verify_window", "draft_window",
-               "draft_prefix_window", "paged_draft_prefix_window", "paged_draft_trees", "kda_safe_gate", "hybrid",
-               "graph_padding")
+               "draft_prefix_window", "paged_draft_prefix_window", "paged_draft_trees", "draft_loop_trees", "kda_safe_gate",
+               "hybrid", "graph_padding")
 ALL_OPTIONS = ("chain",)
 MERGED_OPTIONS = UNION_OPTIONS + ANY_OPTIONS + ALL_OPTIONS
 
@@ -435,6 +438,8 @@ def drawable(spec: BatchSpec, options: dict, profile: Profile) -> str | None:
             return "a draft window over the prefix"
         if spec.mode.is_draft_decode() and spec.page_size > 1 and s.topk > 1 and not o["paged_draft_trees"]:
             return "a paged draft tree"
+        if spec.mode.is_draft_decode() and s.topk > 1 and not o["draft_loop_trees"]:
+            return "a tree in the draft loop"
     return None
 
 

@@ -282,6 +282,13 @@ class SglangBackend(_SglangObject):
                                     draft_sink_size)
 
     @classmethod
+    def engine_build_scope(cls):
+        """What SGLang's constructors of this leaf's backends need around them here (a context): nothing, but for a
+        plan-level leaf (plans.py), whose kernels' modules are stand-ins; the draft worker's container is built in
+        it too (backends/sglang/draft.py)."""
+        return contextlib.nullcontext()
+
+    @classmethod
     def engine_backend(cls, sgl, sgl_runner):
         """SGLang's backend object for this leaf over ``sgl_runner``, as the server's ``--attention-backend``
         factory builds it (every wrapper builds its children this way)."""

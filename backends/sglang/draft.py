@@ -80,7 +80,8 @@ class SglangMultiStepDraft:
         # Up to 0.5.1x the factory also takes the server args first (it reads the draft backend flag there)
         factory = sgl.DraftBackendFactory(**compat.accepted(sgl.DraftBackendFactory, dict(
             server_args=runner.server_args, draft_model_runner=runner, topk=K, speculative_num_steps=S)))
-        self.inner = factory.create_decode_backend()
+        with type(self.leaf).engine_build_scope():
+            self.inner = factory.create_decode_backend()
 
     def _translate(self, fb, graph: bool):
         """The draft batch as ``prepare_for_draft`` builds it (eager) or as the draft graph runner's static batch

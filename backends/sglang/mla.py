@@ -29,10 +29,10 @@ import importlib
 
 import torch
 
-from backends.base import Capabilities
+from backends.base import DRAFTING_MODES, Capabilities
 from backends.latent import latent_to_heads, latent_to_output, query_to_latent
 from backends.sglang import compat
-from backends.sglang.adapter import SGLANG_TRITON_BOUNDARIES, TBO_MIXED_GAP, SglangBackend
+from backends.sglang.adapter import SGLANG_TRITON_BOUNDARIES, TBO_DRAFT_EXTEND_GAP, TBO_MIXED_GAP, SglangBackend
 from batch.spec import ForwardMode
 
 
@@ -155,8 +155,7 @@ class SglangTritonMla(DeepseekMla):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
-        modes=frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
-                         ForwardMode.IDLE}),
+        modes=DRAFTING_MODES,
         # Its MLA decode splits the absorbed head into the latent and the rope part for two widths only
         # (decode_attention.py:826-834, _decode_grouped_att_m_fwd: 512 + 64, DeepSeek's and Kimi's; 256 + 32,
         # MiniCPM3's); any other is one power-of-two block against the latent's, which the kernel cannot shape
@@ -170,7 +169,15 @@ class SglangTritonMla(DeepseekMla):
         length_boundaries=SGLANG_TRITON_BOUNDARIES,
         engine="sglang",
         one_shape_per_kind=True,
-        wrapped_gaps=(TBO_MIXED_GAP,),
-        # The MHA leaf's graphs (triton_backend.py, _apply_cuda_graph_metadata): decode, idle and verify
-        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}),
+        wrapped_gaps=(TBO_MIXED_GAP, TBO_DRAFT_EXTEND_GAP),
+        # The MHA leaf's draft paths, over the absorbed layer (DeepSeek's MTP draft model runs its decode steps and
+        # its draft extend absorbed: handle_attention_triton picks MLA for both): EAGLE v2's fixed-width draft
+        # extend; the draft worker's TritonMultiStepDraftBackend (one TritonAttnBackend a step, whatever the model's
+        # attention) with the server's draft window where the release has it
+        fixed_width_draft_extend=True,
+        engine_limits=(("draft_prefix_window", "draft_prefix_window", False),),
+        # The MHA leaf's graphs (triton_backend.py, _apply_cuda_graph_metadata): decode, idle, verify and draft
+        # extend; the draft loop's under the draft graph runner
+        cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                                    ForwardMode.IDLE, ForwardMode.DRAFT_DECODE}),
     )

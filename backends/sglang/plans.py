@@ -72,10 +72,14 @@ class SglangPlanOnly(ReadsEngineClasses, SglangBackend):
         return contextlib.nullcontext()
 
     @classmethod
+    def engine_build_scope(cls):
+        return cls.built_without_kernels() if cls.capabilities.plan_only else contextlib.nullcontext()
+
+    @classmethod
     def engine_backend(cls, sgl, sgl_runner):
         if not cls.capabilities.plan_only:
             return super().engine_backend(sgl, sgl_runner)
-        with cls.built_without_kernels():
+        with cls.engine_build_scope():
             try:
                 inner = super().engine_backend(sgl, sgl_runner)
             except Exception as e:
