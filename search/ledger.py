@@ -269,6 +269,17 @@ def _draft_decode_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
     return spec.mode is ForwardMode.DRAFT_DECODE and (window_layer or _window_list_unplanned(spec, verdict))
 
 
+def _draft_steps_read_committed_prefix(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A draft loop whose steps were planned over the committed prefix alone: SGLang's MLA draft containers plan each
+    step as a plain decode over the draft batch's seq_lens (the lengths before the iteration's draft tokens), so every
+    step misses its own key and its chain's earlier ones (docs/findings/sglang-mla-draft-steps-read-committed-
+    prefix.md). Every draft batch shows it: a plan short of the step's keys (the metadata properties name the step),
+    or outputs out of bounds; a crash is another bug."""
+    if spec.mode is not ForwardMode.DRAFT_DECODE or "crashed" in verdict.reason:
+        return False
+    return "draft step" in verdict.reason or "out of bounds" in verdict.reason
+
+
 def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
     """An fp8 KV cache, the worst element in a lightning layer of a decode batch (or of the decode step of a
     chunked or prefill-then-decode check), and an error within two e4m3 roundings: SGLang's lightning decode
@@ -587,6 +598,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "tbo_linear_stray_writes": _tbo_linear_stray_writes,
     "draft_extend_window_layer": _draft_extend_window_layer,
     "draft_decode_window_layer": _draft_decode_window_layer,
+    "draft_steps_read_committed_prefix": _draft_steps_read_committed_prefix,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
     "conv_state_by_request_row": _conv_state_by_request_row,
     "conv_layer_captured_in_prefill_graph": _captured_in_prefill_graph("short_conv"),
@@ -633,6 +645,8 @@ COULD_SHOW = {
     "draft_extend_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_EXTEND and bool(_window_layers(spec)),
     "draft_decode_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE and bool(_window_layers(spec)),
     "tree_not_chain": lambda spec: spec.spec is not None and not spec.spec.is_chain(),
+    # Every draft batch: once met, the row's other draws are not run
+    "draft_steps_read_committed_prefix": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE,
     "mixed_two_chunk": lambda spec: _mixed_two_chunk(spec, None),
     "tbo_verify_tensor_token_blocks": lambda spec: spec.mode.is_target_verify() and spec.context_len >= 32768,
     "layer_kv_scaled": lambda spec: spec.kv_cache_dtype != "auto" and any(

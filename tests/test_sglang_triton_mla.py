@@ -70,3 +70,42 @@ def test_a_wrong_hand_over_of_the_absorbed_layer_fails_its_outputs(monkeypatch):
     spec = BatchSpec(ForwardMode.DECODE, (9, 40), (1, 1), MLA, dtype="float32", seed=1)
     verdict = PROPERTIES["outputs"].run(parse("sglang.triton_mla"), spec, "cpu")
     assert not verdict.ok and "out of bounds" in verdict.reason, str(verdict)
+
+
+def _draft(topk, steps, prefix=(5, 19), page_size=1):
+    from batch.spec import SpecInput, draft_forest
+
+    forest = draft_forest(topk, steps)
+    return BatchSpec(ForwardMode.DRAFT_DECODE, prefix, (len(forest),) * len(prefix), MLA, page_size=page_size,
+                     dtype="float32", seed=7,
+                     spec=SpecInput(len(forest), topk, steps, (forest,) * len(prefix), (1,) * len(prefix)))
+
+
+@pytest.mark.parametrize("composition, prop", [("sglang.triton_mla", "outputs"), ("sglang.triton_mla", "metadata"),
+                                               ("graph(sglang.triton_mla)", "graph_replay"),
+                                               ("graph(sglang.triton_mla)", "graph_metadata")])
+def test_its_draft_workers_loop_reads_each_steps_chain_eager_and_replayed(composition, prop):
+    # SGLang's TritonMultiStepDraftBackend over the absorbed layer (DeepSeek's MTP draft model), a tree of two
+    # branches and three steps over pages of 16: each step reads its prefix and its branch's tokens so far
+    _available()
+    verdict = PROPERTIES[prop].run(parse(composition), _draft(2, 3, page_size=16), "cpu")
+    assert verdict.ok, str(verdict)
+
+
+def test_the_other_mla_draft_loops_take_chains_only_and_no_draft_window():
+    # FlashInfer MLA's, FlashMLA's and TRT-LLM MLA's containers refuse topk > 1 when built, and none hands the index
+    # kernel the server's draft window; Triton's takes both
+    from dataclasses import replace as spec_replace
+
+    tree, chain = _draft(2, 3, page_size=64), _draft(1, 3, page_size=64)  # the page every one of them takes
+    windowed = spec_replace(chain, spec=spec_replace(chain.spec, draft_window_size=3))
+    for name in ("sglang.flashinfer_mla", "sglang.flashmla", "sglang.trtllm_mla", "sglang.cutedsl_mla"):
+        caps = leaf_capabilities(name)
+        if caps.class_only:
+            continue
+        assert not caps.draft_loop_trees and not caps.draft_prefix_window, name
+        support = parse(name).support()
+        assert "in the draft loop not supported" in support.unsupported_reason(spec_replace(tree, dtype="bfloat16"))
+        assert "draft window" in support.unsupported_reason(spec_replace(windowed, dtype="bfloat16"))
+    support = parse("sglang.triton_mla").support()
+    assert support.unsupported_reason(tree) is None and support.unsupported_reason(windowed) is None

@@ -132,6 +132,11 @@ FEATURES: dict[str, Feature] = {
     "draft_prefix_window": Feature("the draft loop's window and sinks over the committed prefix "
                                    "(resolve_draft_decode_window)", (
         _p("srt.speculative.spec_utils:resolve_draft_decode_window"),)),
+    # TRT-LLM MLA's draft container plans its steps itself (0.5.23; sgl-project/sglang#26241); before, it inherits
+    # FlashInfer MLA's planning, which allocates the steps' index rows on "cuda" by name (0.5.10)
+    "trtllm_mla_draft_plans_steps": Feature("TRT-LLM MLA's draft container planning each step on its own "
+                                            "(TRTLLMMLAMultiStepDraftBackend.init_forward_metadata)", (
+        _p("srt.layers.attention.trtllm_mla_backend:TRTLLMMLAMultiStepDraftBackend.init_forward_metadata"),)),
     "draft_step_slices": Feature("the draft window's per-step write slots as SGLang slices them "
                                  "(per_step_draft_out_cache_loc; before, draft_forward slices inline)", (
         _p("srt.speculative.eagle_utils:per_step_draft_out_cache_loc"),)),

@@ -33,11 +33,21 @@ FLASHINFER_MODES = frozenset({ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMod
 # What each class plans graphs for (init_forward_metadata_out_graph, 0.5.23; capture/replay_cuda_graph before): the MHA
 # backend decode and idle (decode wrappers), target_verify and draft_extend_v2 (paged prefill wrappers,
 # flashinfer_backend.py:764-826); the MLA backend decode/idle and target_verify only (any other mode raises,
-# flashinfer_mla_backend.py:349-393). The MHA draft worker's container captures its steps' decode wrappers
-# (FlashInferMultiStepDraftBackend.init_forward_metadata_out_graph).
+# flashinfer_mla_backend.py:349-393). The draft worker's containers capture their steps' decode plans
+# (FlashInferMultiStepDraftBackend.init_forward_metadata_out_graph, and the MLA ones below).
 FLASHINFER_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY,
                                     ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE})
-FLASHINFER_MLA_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY})
+# The MLA leaves' draft worker: DraftBackendFactory builds FlashInfer MLA's, FlashMLA's or TRT-LLM MLA's multi-step
+# container (FlashInferMLAMultiStepDraftBackend and its subclasses, FlashMLAMultiStepDraftBackend), each a step backend
+# of the leaf's class per draft step, captured by the draft graph runner (init_cuda_graph_state, out_graph, in_graph).
+# Each refuses topk > 1 when built ("only supports topk=1"); none hands the kernel that lays out each step's keys the
+# server's draft window (--speculative-draft-window-size: flashinfer_mla_backend.py common_template; FlashMLA's and
+# TRT-LLM MLA's steps plan as a plain decode), so a server with that window runs their draft steps over the whole
+# prefix, unwarned (speculative_hook.py names the Triton and FlashInfer draft backends as those that honour it).
+MLA_DRAFT = dict(draft_loop_trees=False, draft_prefix_window=False)
+FLASHINFER_MLA_MODES = FLASHINFER_MODES | {ForwardMode.DRAFT_DECODE}
+FLASHINFER_MLA_GRAPH_MODES = frozenset({ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY,
+                                        ForwardMode.DRAFT_DECODE})
 # FlashInfer has no float32 attention kernels; SGLang serves bf16 and fp16 models with it.
 FLASHINFER_DTYPES = frozenset({"bfloat16", "float16"})
 
@@ -390,7 +400,8 @@ class SglangTrtllmMla(SglangPlanOnly):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
-        modes=FLASHINFER_MODES,
+        modes=FLASHINFER_MLA_MODES,
+        **MLA_DRAFT,
         # Its graphs plan decode, idle and verify outside the graph (init_forward_metadata_out_graph,
         # _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772) on state its FlashInfer MLA base allocates on
         # "cuda" by name (flashinfer_mla_backend.py:506): planned on a GPU (built as on Blackwell there too), not on a
@@ -411,6 +422,9 @@ class SglangTrtllmMla(SglangPlanOnly):
         engine_classes=sglang_name,
         plan_only=TRTLLM_MLA_KERNELS,
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
+        # Its draft container plans on a CPU where it plans its steps itself; where it inherits FlashInfer MLA's
+        # planning (0.5.10), that allocates the steps' index rows on "cuda" by name: no draft loop declared there
+        engine_limits=(("trtllm_mla_draft_plans_steps", "modes", FLASHINFER_MODES),),
     )
 
     @classmethod
@@ -472,7 +486,8 @@ class SglangFlashInferMLA(DeepseekMla):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
-        modes=FLASHINFER_MODES,
+        modes=FLASHINFER_MLA_MODES,
+        **MLA_DRAFT,
         cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
         dtypes=FLASHINFER_DTYPES,
         devices=frozenset({"cuda"}),
@@ -528,7 +543,8 @@ def _flashmla_capabilities(unrunnable: str | None) -> Capabilities:
         engine_features=("deepseek_mla",),
         # Decode and idle, target verify (FlashMLA's decode kernel over each request's fixed query window, causal),
         # extends and mixed batches through its FlashInfer MLA parent (init_forward_metadata's last branch)
-        modes=FLASHINFER_MODES,
+        modes=FLASHINFER_MLA_MODES,
+        **MLA_DRAFT,
         # Its graphs: decode, idle and verify over static page-table and scheduler buffers
         # (_apply_decode_target_verify_metadata, flashmla_backend.py:328-430)
         cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
