@@ -14,7 +14,7 @@ import torch
 
 from backends.registry import leaf_capabilities, parse
 from backends.sglang import flashinfer as fi
-from batch.spec import BatchSpec, ForwardMode, MHALayer, MLALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, MHALayer, MLALayer, SpecInput, draft_forest
 from properties import PROPERTIES
 from search.matrix import matrix
 from search.profiles import PROFILES
@@ -77,7 +77,9 @@ def test_where_it_cannot_run_its_planning_runs_and_the_reason_is_said():
     names = {(r.composition.name, r.property.name) for r in m.rows}
     assert ("sglang.trtllm_mha", "metadata") in names and ("sglang.trtllm_mha", "conformance") in names
     assert {p for c, p in names if c == "graph"} == {"graph_metadata"}
-    assert {r.mode for r in m.rows if r.composition.name == "graph"} == set(fi.TRTLLM_MHA_GRAPH_MODES)
+    # its graphs, and the draft loop's under the draft graph runner
+    assert {r.mode for r in m.rows if r.composition.name == "graph"} == \
+        set(fi.TRTLLM_MHA_GRAPH_MODES) | {ForwardMode.DRAFT_DECODE}
     batch = _spec(ForwardMode.EXTEND, (0,), (1,))
     verdict = PROPERTIES["conformance"].run(parse("sglang.trtllm_mha"), batch, "cpu")
     assert verdict.ok, str(verdict)
@@ -110,6 +112,39 @@ def test_its_replayed_graph_plans_satisfy_the_invariants(batch, composition):
     _plan_level()
     verdict = PROPERTIES["graph_metadata"].run(parse(composition), batch, "cpu")
     assert verdict.ok, str(verdict)
+
+
+def _draft(prefix, steps, page_size=16) -> BatchSpec:
+    forest = draft_forest(1, steps)
+    return _spec(ForwardMode.DRAFT_DECODE, prefix, (len(forest),) * len(prefix), page_size=page_size,
+                 spec=SpecInput(len(forest), 1, steps, (forest,) * len(prefix), (1,) * len(prefix)))
+
+
+@pytest.mark.parametrize("composition, prop", [("sglang.trtllm_mha", "metadata"),
+                                               ("graph(sglang.trtllm_mha)", "graph_metadata")])
+@pytest.mark.parametrize("offset", [True, False], ids=["as-sglang", "step-offset-lost"])
+def test_its_draft_steps_read_their_chain_and_one_that_does_not_fails(monkeypatch, composition, prop, offset):
+    # TRTLLMHAAttnMultiStepDraftBackend gives step i speculative_step_id = i, added to the committed lengths: every
+    # step's keys are the prefix and the chain through its own token, eager and replayed (a graph of 4 requests, 1
+    # padded). Without the offset a step plans the committed prefix alone, as SGLang's MLA containers do (ledger
+    # sglang-*-draft-steps-read-committed-prefix): the same properties must fail.
+    _plan_level()
+    if not offset:
+        from backends.sglang import runtime
+
+        runtime.load()
+        import sglang.srt.layers.attention.trtllm_mha_backend as trt
+
+        built = trt.TRTLLMHAAttnBackend.__init__
+
+        def init(self, *args, **kwargs):
+            built(self, *args, **kwargs)
+            self.speculative_step_id = -1  # seq_lens + (step_id + 1): the committed prefix
+        monkeypatch.setattr(trt.TRTLLMHAAttnBackend, "__init__", init)
+    verdict = PROPERTIES[prop].run(parse(composition), _draft((5, 40, 3), 3), "cpu")
+    assert verdict.ok is offset, str(verdict)
+    if not offset:
+        assert "draft step 0: key lengths [5, 40, 3" in verdict.reason, str(verdict)
 
 
 @pytest.mark.parametrize("fault, expected", [

@@ -330,9 +330,12 @@ def _trtllm_mha_capabilities(unrunnable: str | None, arch: int | None = None) ->
         attention_kinds=frozenset({"mha"}),
         # What it plans is its FlashInfer base's modes (init_forward_metadata, trtllm_mha_backend.py:1238-1398, 0.5.23):
         # decode (draft decode included), target verify and extends; mixed batches are extends whose one-token tail
-        # it notes
-        modes=FLASHINFER_MODES,
-        cuda_graph_modes=TRTLLM_MHA_GRAPH_MODES,
+        # it notes. Its draft worker's container (TRTLLMHAAttnMultiStepDraftBackend) gives each step backend its
+        # speculative_step_id, which it adds to the committed lengths (:979, :1251), eager and under the draft graph
+        # runner; it hands its steps no server draft window
+        modes=FLASHINFER_MODES | {ForwardMode.DRAFT_DECODE},
+        cuda_graph_modes=TRTLLM_MHA_GRAPH_MODES | {ForwardMode.DRAFT_DECODE},
+        draft_prefix_window=False,
         # "Only support topk <= 1 for now" (its __init__): a verify of chains; the server routes topk > 1 elsewhere
         draft_trees=False,
         # It never reads layer.logit_cap (no soft-cap reaches its kernels; trtllm_mha_backend.py, 0.5.23): declared, so
