@@ -241,7 +241,7 @@ def _xqa_e4m3_decode(spec: BatchSpec, verdict: Verdict) -> bool:
     layer = _failing_layer(spec, verdict)
     if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or _rel_l2(verdict) is None:
         return False
-    if spec.mode is not ForwardMode.DECODE:
+    if spec.mode not in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE):  # a draft step is a decode, as XQA runs it
         # a chunked check's decode step is each request's last token; its first chunk ran fmha_v2, exact over the cache
         found = _failing_token(verdict)
         if "then decode" not in verdict.reason or found is None or found[1] != spec.extend_lens[found[0]] - 1:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from backends.registry import parse
-from batch.spec import BatchSpec, ForwardMode, LightningLayer, MHALayer, MLALayer, SpecInput
+from batch.spec import BatchSpec, ForwardMode, LightningLayer, MHALayer, MLALayer, SpecInput, draft_forest
 from properties import PROPERTIES
 from properties.verdict import Verdict
 from search import ledger
@@ -475,6 +475,12 @@ def test_xqa_e4m3_decode_is_known_only_for_an_fp8_decode_within_its_envelope_on_
                                     0.03, 1e-6, f"layer 0: request 0, token {token}")
     assert ledger.match(name, "extend", "prefill_then_decode", extend, chunked(2), "cuda") is not None
     assert ledger.match(name, "extend", "prefill_then_decode", extend, chunked(1), "cuda") is None
+    # each step of its draft loop is a decode through the same kernel (seen on the H200, harness-out/gpu94.sh)
+    forest = draft_forest(1, 2)
+    draft = BatchSpec(ForwardMode.DRAFT_DECODE, (30,), (1,), layers, kv_cache_dtype="fp8_e4m3",
+                      spec=SpecInput(len(forest), 1, 2, (forest,), (1,)))
+    assert ledger.match(name, "draft_decode", "outputs", draft, failing(0.034), "cuda") is not None
+    assert ledger.match(name, "draft_decode", "outputs", draft, failing(0.6), "cuda") is None
 
 
 def test_flashmla_mixed_crash_is_known_only_by_its_crash_in_the_decode_branch():

@@ -332,10 +332,14 @@ def _trtllm_mha_capabilities(unrunnable: str | None, arch: int | None = None) ->
         # decode (draft decode included), target verify and extends; mixed batches are extends whose one-token tail
         # it notes. Its draft worker's container (TRTLLMHAAttnMultiStepDraftBackend) gives each step backend its
         # speculative_step_id, which it adds to the committed lengths (:979, :1251), eager and under the draft graph
-        # runner; it hands its steps no server draft window
+        # runner; it hands its steps no server draft window. Its step backends are built over the container's shared
+        # kv_indptr row, which FlashInferAttnBackend.__init__ takes for one wrapper only (flashinfer_backend.py:482,
+        # `assert self.num_wrappers == 1`): a model with a sliding window (two wrappers) is refused when the container
+        # is built (seen on the H200, harness-out/gpu94.sh), as FlashInfer's own container refuses it
         modes=FLASHINFER_MODES | {ForwardMode.DRAFT_DECODE},
         cuda_graph_modes=TRTLLM_MHA_GRAPH_MODES | {ForwardMode.DRAFT_DECODE},
         draft_prefix_window=False,
+        draft_window=False,
         # "Only support topk <= 1 for now" (its __init__): a verify of chains; the server routes topk > 1 elsewhere
         draft_trees=False,
         # It never reads layer.logit_cap (no soft-cap reaches its kernels; trtllm_mha_backend.py, 0.5.23): declared, so
