@@ -28,14 +28,16 @@ def test_declared_as_sglang_cuda_leaves(name):
     assert caps.devices == {"cuda"} and "flashinfer" in caps.requires
     assert caps.dtypes == {"bfloat16", "float16"}  # FlashInfer has no float32 attention
     assert caps.attention_kinds == ({"mha"} if name == "sglang.flashinfer" else {"mla"})
-    # Every mode listed is served. The MHA backend's draft worker also runs the draft loop
-    # (FlashInferMultiStepDraftBackend) and draft extends; the MLA one's draft worker is not adapted yet.
+    # Every mode listed is served. Both backends' draft workers run the draft loop (FlashInferMultiStepDraftBackend,
+    # FlashInferMLAMultiStepDraftBackend); the MHA one's also draft extends.
     served = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}
-    drafting = {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE}
-    assert caps.modes == (served | drafting if name == "sglang.flashinfer" else served)
+    drafting = {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE} if name == "sglang.flashinfer" \
+        else {ForwardMode.DRAFT_DECODE}
+    assert caps.modes == served | drafting
     # The graphs SGLang captures for each: the MLA backend's out_graph raises for anything but decode/idle and verify
+    # (its draft container's steps capture decodes)
     graphs = {ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY}
-    assert caps.cuda_graph_modes == (graphs | drafting if name == "sglang.flashinfer" else graphs)
+    assert caps.cuda_graph_modes == graphs | drafting
     assert caps.cuda_graph_modes <= caps.modes
     reason = caps.unavailable_reason("cpu")
     assert reason is not None and "cuda" in reason
