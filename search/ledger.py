@@ -713,6 +713,14 @@ class KnownFailure:
         """Whether a search can steer away from this entry's batches (its condition has a batch-only form)."""
         return self.condition in COULD_SHOW
 
+    def reaches(self, composition: str, mode: str, spec: BatchSpec, device: str) -> bool:
+        """Whether running ``spec`` on ``composition`` meets this entry's bug, whichever property ran it and whether
+        it failed (a stray write need not fail the property that ran): the entry's compositions, modes, devices and
+        releases, and a batch its condition could show (False for an entry that is not steerable)."""
+        return (fnmatch.fnmatchcase(composition, self.composition) and (not self.modes or mode in self.modes)
+                and (not self.devices or device in self.devices) and self.applies_to(engine_version())
+                and self.could_show(spec))
+
     def could_show(self, spec: BatchSpec) -> bool:
         """Whether ``spec`` has what this entry's bug needs (False for an entry that is not steerable)."""
         return self.steerable and COULD_SHOW[self.condition](spec)

@@ -79,6 +79,9 @@ class RowOutcome:
     steered: dict[str, int] = field(default_factory=dict)
     # The search ended early: its last draws were all steered off (search_row.SteeredOut)
     steered_out: bool = False
+    # ledger id -> failures of this row that passed when replayed alone in a fresh process, after this process had
+    # run batches that entry's stray writes reach (search_row.confirm_alone): that entry's doing, not a finding
+    passed_alone: dict[str, int] = field(default_factory=dict)
     # A case left a sticky CUDA error (a known failure's included): the search of this row stopped there, and
     # the rows after it need a fresh process
     context_poisoned: bool = False
@@ -119,7 +122,7 @@ class RowOutcome:
         self.seconds += later.seconds
         self.steered_out = self.steered_out or later.steered_out
         for mine, theirs in ((self.known, later.known), (self.steered, later.steered),
-                             (self.near_misses_known, later.near_misses_known)):
+                             (self.near_misses_known, later.near_misses_known), (self.passed_alone, later.passed_alone)):
             for key, n in theirs.items():
                 mine[key] = mine.get(key, 0) + n
         if is_worse(later.worst_error, later.bound, self.worst_error, self.bound):
@@ -143,6 +146,8 @@ class RowOutcome:
             known = "".join(f", {n} known failure(s) {k}" + (f" (then {self.steered[k]} of its batches not run)"
                                                                 if self.steered.get(k) else "")
                             for k, n in self.known.items())
+            known += "".join(f", {n} failure(s) that passed alone in a fresh process after batches of {k} ran in this "
+                             f"one (its stray writes)" for k, n in self.passed_alone.items())
             if self.steered_out:
                 known += ", search ended: its last draws all had what those bugs need"
             return f"ok ({self.cases} cases{err}{known})"
@@ -169,7 +174,7 @@ class RowOutcome:
                 "num_tokens": None if spec is None else spec.num_tokens,
                 "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
                 "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known),
-                "steered": dict(self.steered), "steered_out": self.steered_out}
+                "steered": dict(self.steered), "steered_out": self.steered_out, "passed_alone": dict(self.passed_alone)}
 
 
 def failure_at(failure: Verdict | str | None) -> dict | None:

@@ -8,6 +8,8 @@ the case behind; after shrinking, the minimal failing case is written under ``ca
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -129,12 +131,61 @@ def steered_off(spec: BatchSpec, steer_off: list, failures: list, result: RowOut
     return met is not None
 
 
+# Batches run in this process that a ledger entry whose bug leaves the process suspect (``corrupts_process``: stray
+# writes on CUDA) says its bug reaches, whether or not they failed (a stray write need not fail the property that
+# ran): entry id -> batches. A later failure that no entry explains may be those writes' doing, not its own batch's.
+TAINTED: dict[str, int] = {}
+PROJECT = Path(__file__).resolve().parents[1]
+REPLAY_ALONE_SECONDS = 600
+
+
+def note_taint(row: Row, spec: BatchSpec, device: str) -> None:
+    """Count ``spec`` against every corrupting entry whose bug it reaches (TAINTED)."""
+    for entry in ledger.known_failures():
+        if entry.corrupts_process and entry.reaches(str(row.composition), row.mode.value, spec, device):
+            TAINTED[entry.id] = TAINTED.get(entry.id, 0) + 1
+
+
+def replay_alone(case_file: Path | str) -> int | None:
+    """``harness repro CASE`` in a fresh process: its exit status (0: the case passes, 1: it fails), None where it
+    could not tell (it hung, or ended otherwise)."""
+    try:
+        done = subprocess.run([sys.executable, "-m", "harness", "repro", str(case_file)], cwd=PROJECT,
+                              capture_output=True, timeout=REPLAY_ALONE_SECONDS)
+    except subprocess.TimeoutExpired:
+        return None
+    return done.returncode if done.returncode in (0, 1) else None
+
+
+def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
+                  replay: Callable[[Path | str], int | None] = replay_alone) -> None:
+    """A failure that no ledger entry explains, found on CUDA in a process that had run batches a corrupting entry's
+    bug reaches (TAINTED), is replayed alone in a fresh process before it is reported. If it passes there it was
+    those stray writes' doing, not its batch's: the row counts it under that entry (``passed_alone``), its case file
+    moves to ``OUT/passed-alone/``, and the process is marked suspect (its group's other rows go on in a fresh one).
+    Seen on an H200 (harness-out/gpu95.sh): a TBO-over-GDN metadata failure whose expected req_to_token row read a
+    page 0 no batch had put there, after the same process had run plainly cut GDN batches; alone, it passed."""
+    if device != "cuda" or result.ok or not TAINTED or result.case_file is None or result.finding_kind == ADAPTER_ERROR:
+        return
+    if replay(result.case_file) != 0:
+        return  # it fails alone too (or the replay could not tell): a finding
+    entry = max(TAINTED, key=TAINTED.get)
+    result.passed_alone[entry] = result.passed_alone.get(entry, 0) + 1
+    case = Path(result.case_file)
+    kept = out_dir / "passed-alone" / case.name
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    case.replace(kept)
+    result.ok, result.failure, result.finding_kind, result.spec, result.case_file = True, None, None, None, None
+    result.context_poisoned = True
+
+
 def record_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdict: Verdict, result: RowOutcome,
                 failures: list, steer_off: list, out_dir: Path, start: float) -> str:
     """Count one case of ``row`` into ``result``: its verdict against the ledger, its headroom, its case file when
     it is the row's first failure. Returns what the search does next: PASSED or KNOWN (go on), ADAPTER (the
     harness's own code failed: stop, no shrinking), FAILED (shrink it), POISONED (nothing more can run here)."""
     result.cases += 1
+    note_taint(row, spec, device)
     poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
     if not verdict.ok and "adapter_error" in verdict.details:
         result.first_failure_seconds = time.perf_counter() - start
@@ -201,6 +252,7 @@ def settle(e: BaseException, row: Row, profile: Profile, device: str, result: Ro
         if failures:  # the case that poisoned it, unshrunk (written when it failed)
             spec, verdict = failures[0]
             result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
+            confirm_alone(result, device, out_dir)
         return True
     if isinstance(e, (PropertyFailed, ShrinkBudgetSpent)):
         spec, verdict = failures[-1]  # Hypothesis replays the shrunk example last
@@ -211,6 +263,7 @@ def settle(e: BaseException, row: Row, profile: Profile, device: str, result: Ro
             out_dir / "cases" / case_name(str(row.composition), row.property.name, row.mode.value, spec))
         if first is not None and Path(first) != Path(result.case_file):
             Path(first).unlink(missing_ok=True)  # the shrunk case replaces it
+        confirm_alone(result, device, out_dir)
         return isinstance(e, ShrinkBudgetSpent)
     if isinstance(e, Flaky):
         # The failing case passed when Hypothesis ran it again. A finding all the same: the engine may change state
@@ -224,6 +277,7 @@ def settle(e: BaseException, row: Row, profile: Profile, device: str, result: Ro
                                                                  f"again in the same process]")
         else:
             result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
+        confirm_alone(result, device, out_dir)
         return False
     if isinstance(e, SpecError):
         # The strategy drew a batch its own specification refuses (before any engine code ran): the harness's error,

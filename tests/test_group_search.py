@@ -366,3 +366,46 @@ def test_the_harness_own_rows_are_a_control_sample_where_the_profile_says():
     if not engine:
         pytest.skip("SGLang is not installed: an engine row's budget is not checked")
     assert row_budget(engine[0], profile, "cpu", None, 10.0) == (None, 10.0)
+
+
+def test_a_failure_after_a_corrupting_bugs_batches_is_replayed_alone_before_it_is_reported(tmp_path, monkeypatch):
+    # On CUDA, sglang-tbo-linear-child-start-loc-cuda-writes's GDN kernels write past a plainly cut half's tensors
+    # whether or not the property that ran them fails; a later failure in the same process may be theirs (an H200's
+    # TBO-over-GDN metadata failure passed alone, harness-out/gpu95.sh). Such a failure is replayed in a fresh process:
+    # passing there, it is counted under that entry and the process is marked suspect; failing there, it is a finding.
+    from types import SimpleNamespace
+
+    from batch.spec import BatchSpec, ForwardMode, LinearLayer, MHALayer
+    from search import search_row as sr
+    from search.outcome import RowOutcome
+
+    monkeypatch.setattr(sr, "TAINTED", {})
+    layers = (MHALayer(0, 4, 2, 32, 32), LinearLayer(1, 2, 4, 16, 16))
+    plain = BatchSpec(ForwardMode.EXTEND, (0, 0, 0), (40, 3, 41), layers)  # cut between requests, not rebased
+    whole = BatchSpec(ForwardMode.EXTEND, (0,), (80,), layers)  # one request: a two-chunk cut, nothing stray
+    row = SimpleNamespace(composition="tbo(hybrid(sglang.triton,sglang.gdn))", mode=ForwardMode.EXTEND)
+    sr.note_taint(row, whole, "cuda")
+    sr.note_taint(row, plain, "cpu")  # the interpreter stops at the first out-of-bounds access: nothing stray
+    assert sr.TAINTED == {}
+    sr.note_taint(row, plain, "cuda")
+    assert sr.TAINTED == {"sglang-tbo-linear-child-start-loc-cuda-writes": 1}
+
+    def failed() -> RowOutcome:
+        case = tmp_path / "cases" / "row.json"
+        case.parent.mkdir(exist_ok=True)
+        case.write_text("{}")
+        return RowOutcome("row", row.composition, "mixed", "metadata", ok=False, case_file=case,
+                          failure=Verdict("metadata", False, "kv_indices hold [1], expected its pages [0]"))
+
+    result = failed()
+    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 1)  # fails alone too: a finding
+    assert not result.ok and result.case_file is not None and not result.passed_alone
+    result = failed()
+    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
+    assert result.ok and result.context_poisoned and result.case_file is None
+    assert result.passed_alone == {"sglang-tbo-linear-child-start-loc-cuda-writes": 1}
+    assert (tmp_path / "passed-alone" / "row.json").is_file()  # kept, not lost
+    assert "passed alone in a fresh process after batches of sglang-tbo-linear" in result.summary()
+    result = failed()
+    sr.confirm_alone(result, "cpu", tmp_path, replay=lambda case: 0)  # no stray writes there: never replayed away
+    assert not result.ok
