@@ -182,17 +182,40 @@ def check_plan(meta: PlannedMetadata, fb: ForwardBatch) -> str | None:
     return None
 
 
-def planned(composition: Composition, spec: BatchSpec, device: str):
-    """(the built composition, its batch) after it planned ``spec``: a plan-level composition
+def planned_case(composition: Composition, spec: BatchSpec, device: str):
+    """(the built composition, its materialized case) after it planned ``spec``: a plan-level composition
     (``Support.plan_only``) only plans, as an engine's model runner does before its first layer; any other runs
     every layer, so a plan that layers change is read as the last layer left it."""
     if composition.support().plan_only:
         case = materialize(spec, device)
         backend = composition.build(spec, ModelRunner.of(case.forward_batch, spec.layers))
         prepare_batch(backend, case.forward_batch, spec.layers)
-        return backend, case.forward_batch
+        return backend, case
     run = run_case(composition, spec, device)
-    return run.execution.backend, run.case.forward_batch
+    return run.execution.backend, run.case
+
+
+def planned(composition: Composition, spec: BatchSpec, device: str):
+    """(the built composition, its batch) after it planned ``spec`` (:func:`planned_case`)."""
+    backend, case = planned_case(composition, spec, device)
+    return backend, case.forward_batch
+
+
+def rows_changed(case) -> str | None:
+    """Whether the batch's ``req_to_token`` rows no longer hold the slots its materialization put there. Nothing in a
+    forward pass writes them (the scheduler does, before it), so a change is a stray write by some kernel (on CUDA,
+    where nothing checks bounds), and a plan checked against them would be judged against what that write left (seen
+    on an H200: a TBO-over-GDN batch's row read page 0, which the harness reserves, harness-out/gpu95.sh, gpu96.sh)."""
+    fb = case.forward_batch
+    rows = fb.req_pool_indices.tolist()
+    for i, slots in enumerate(case.token_slots):
+        held = fb.req_to_token[rows[i], :slots.numel()].to("cpu", torch.int64)
+        differs = (held != slots.to(torch.int64)).nonzero()
+        if differs.numel():
+            c = int(differs[0, 0])
+            return f"request {i}'s req_to_token row changed while the layers ran (column {c} holds {int(held[c])}, " \
+                   f"materialized {int(slots[c])}): a stray write; no plan is checked against it"
+    return None
 
 
 def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_requests: int = 0) -> SimpleNamespace:
@@ -232,7 +255,11 @@ def unread_note(named_plans) -> str:
 
 def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) -> Verdict:
     if spec.mode.is_draft_decode():  # the draft loop: every step's plan, each a decode of every branch
-        drafter, fb = planned(composition, spec, device)
+        drafter, case = planned_case(composition, spec, device)
+        fb = case.forward_batch
+        changed = rows_changed(case)
+        if changed:
+            return Verdict(NAME, False, changed)
         plans = drafter.step_plans()
         for step, plan in enumerate(plans):
             problem = check_plan(plan, draft_step_batch(spec, fb, step))
@@ -240,7 +267,11 @@ def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) 
                 return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
         return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant" +
                        unread_note(("draft step", plan) for plan in plans))
-    leaves = planned_leaves(*planned(composition, spec, device))
+    backend, case = planned_case(composition, spec, device)
+    changed = rows_changed(case)
+    if changed:
+        return Verdict(NAME, False, changed)
+    leaves = planned_leaves(backend, case.forward_batch)
     named = []
     for backend, fb in leaves:
         plan = backend.planned_metadata()

@@ -208,6 +208,12 @@ def test_tbo_start_loc_explains_any_failure_of_a_plainly_cut_linear_batch_on_cud
     assert cuda is not None and cuda.id == "sglang-tbo-linear-child-start-loc-cuda-writes" and cuda.corrupts_process
     slot = Verdict("cache", False, "layer 0 k_buffer: slot 0, not in out_cache_loc, changed at slot 0")
     assert ledger.match(term, "extend", "cache", plain, slot, "cuda") is not None
+    # a req_to_token row overwritten while the layers ran (an H200, harness-out/gpu95.sh, gpu96.sh: a reserved page 0)
+    row = Verdict("metadata", False, "request 0's req_to_token row changed while the layers ran (column 0 holds 0, "
+                                     "materialized 17): a stray write; no plan is checked against it")
+    assert ledger.match(term, "mixed", "metadata", dataclasses.replace(plain, mode=ForwardMode.MIXED), row,
+                        "cuda") is not None
+    assert ledger.match(term, "extend", "metadata", plain, row, "cpu") is None
     # a full layer's finite wrong output is not what stray writes look like: it stays a finding
     full_wrong = Verdict("outputs", False, "out of bounds", 0.05, 0.0156, "layer 0: request 0, token 0, head 0")
     assert ledger.match(term, "extend", "outputs", plain, full_wrong, "cuda") is None

@@ -9,6 +9,7 @@ import torch
 
 from backends.registry import parse
 from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
+from properties import PROPERTIES
 from properties.metadata import check_plan, planned, planned_leaves
 
 VERIFY = BatchSpec(ForwardMode.TARGET_VERIFY, (4, 7, 2), (3, 3, 3), (MHALayer(0, 4, 2, 32, 32),),
@@ -91,3 +92,33 @@ def test_a_passing_plan_verdict_names_the_fields_no_invariant_reads():
         named = verdict.reason.split("; fields no invariant reads: ")[1].split(", ")
         assert "SglangTriton.num_kv_splits" in named and "SglangTriton.window_num_kv_splits" in named, verdict.reason
         assert len(named) == len(set(named)) and not any("window_kv_indices" in n for n in named), verdict.reason
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.DRAFT_DECODE])
+def test_a_req_to_token_row_changed_while_the_layers_ran_is_said_not_checked_against(monkeypatch, mode):
+    # Nothing in a forward pass writes req_to_token: a change is a stray write (an H200's TBO-over-GDN batch read a
+    # reserved page 0 there, harness-out/gpu96.sh), and every plan would be judged against it
+    from batch.spec import SpecInput, draft_forest
+    from properties import metadata as md
+
+    ran = md.run_case
+
+    def stray(*args, **kwargs):
+        run = ran(*args, **kwargs)
+        fb = run.case.forward_batch
+        fb.req_to_token[fb.req_pool_indices[0], 1] = 0  # page and slot 0 are reserved: never a request's
+        return run
+
+    monkeypatch.setattr(md, "run_case", stray)
+    layers = (MHALayer(0, 4, 2, 32, 32),)
+    if mode is ForwardMode.DECODE:
+        spec = BatchSpec(mode, (5, 9), (1, 1), layers, seed=1)
+    else:
+        forest = draft_forest(1, 2)
+        spec = BatchSpec(mode, (5, 9), (1, 1), layers, seed=1,
+                         spec=SpecInput(len(forest), 1, 2, (forest,) * 2, (1, 1)))
+    verdict = PROPERTIES["metadata"].run(parse("torch_native"), spec, "cpu")
+    assert not verdict.ok and "request 0's req_to_token row changed while the layers ran (column 1 holds 0" in \
+        verdict.reason, str(verdict)
+    monkeypatch.setattr(md, "run_case", ran)
+    assert PROPERTIES["metadata"].run(parse("torch_native"), spec, "cpu").ok
