@@ -476,6 +476,9 @@ class PlannedMetadata:
     window_kv_indices: torch.Tensor | None = None  # [window_kv_indptr[-1]]
     window_kv_offsets: torch.Tensor | None = None  # [B]
     window: int | None = None
+    # A draft step over a paged draft tree whose branches read the prefix's last partial page from their own copy of it
+    # (batch.spec.draft_region's tail, which SGLang's prepare_for_draft duplicates) rather than from the prefix
+    draft_tails_from_branch: bool = False
     # The fields of the engine's plan this form does not read (the metadata property lists them, never skips silently)
     unread: tuple[str, ...] = ()
 

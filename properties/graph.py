@@ -175,7 +175,8 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
         padded = runner.bs - spec.batch_size
         plans = runner.drafter.step_plans()
         for step, plan in enumerate(plans):
-            problem = check_plan(plan, draft_step_batch(spec, fb, step, padded_requests=padded))
+            problem = check_plan(plan, draft_step_batch(spec, fb, step, padded_requests=padded,
+                                                        tails_from_branch=plan.draft_tails_from_branch))
             if problem:
                 return Verdict(GRAPH_METADATA, False, f"at replay {runner.captured} ({padded} padded row(s)): "
                                                       f"draft step {step}: {problem}", where=f"draft step {step}")

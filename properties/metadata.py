@@ -15,7 +15,7 @@ from backends.base import PlannedMetadata
 from backends.registry import Composition
 from batch.forward_batch import ForwardBatch, ModelRunner
 from batch.masks import verify_mask
-from batch.spec import BatchSpec, ForwardMode
+from batch.spec import BatchSpec, ForwardMode, draft_region
 from engine.materialize import materialize
 from engine.model import prepare_batch
 from properties.run import run_case
@@ -218,19 +218,26 @@ def rows_changed(case) -> str | None:
     return None
 
 
-def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_requests: int = 0) -> SimpleNamespace:
+def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_requests: int = 0,
+                     tails_from_branch: bool = False) -> SimpleNamespace:
     """What draft step ``step``'s plan must describe, read from the specification and the batch's cache rows alone:
     one decode request per branch (request by request, branch by branch), its keys what the draft reads of the
     request's cached prefix (all of it, or under a draft window its sinks and recent tokens:
     ``SpecInput.draft_prefix_columns``) then the branch's draft tokens of steps 0..step (their columns:
     ``BatchSpec.new_token_columns``), the last of them the step's own new token. A graph replay's
-    ``padded_requests`` add their branches last, held only to valid indptrs."""
+    ``padded_requests`` add their branches last, held only to valid indptrs. ``tails_from_branch``: the plan reads a
+    paged tree's prefix tail from each branch's own copy (``PlannedMetadata.draft_tails_from_branch``): the prefix up
+    to its last partial page, then the branch's region from its tail on."""
     K, n = spec.spec.topk, spec.spec.spec_steps - 1
     keys = []
     for r, row in enumerate(fb.req_pool_indices.tolist()):
-        cols = spec.new_token_columns(r)
+        cols, p = spec.new_token_columns(r), spec.prefix_lens[r]
         for j in range(K):
-            mine = spec.spec.draft_prefix_columns(spec.prefix_lens[r]) + cols[j * n:j * n + step + 1]
+            prefix = spec.spec.draft_prefix_columns(p)
+            if tails_from_branch:
+                start, tail = draft_region(p, spec.page_size, K, spec.spec.spec_steps, j)
+                prefix = prefix[:p - tail] + list(range(start, start + tail))
+            mine = prefix + cols[j * n:j * n + step + 1]
             keys.append(fb.req_to_token[row, mine].to("cpu", torch.int64))
     table = torch.zeros(len(keys), max((k.numel() for k in keys), default=0), dtype=torch.int64)
     for i, k in enumerate(keys):
@@ -262,7 +269,8 @@ def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) 
             return Verdict(NAME, False, changed)
         plans = drafter.step_plans()
         for step, plan in enumerate(plans):
-            problem = check_plan(plan, draft_step_batch(spec, fb, step))
+            expected = draft_step_batch(spec, fb, step, tails_from_branch=plan.draft_tails_from_branch)
+            problem = check_plan(plan, expected)
             if problem:
                 return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
         return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant" +

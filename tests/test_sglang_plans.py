@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backends.registry import all_compositions, parse
 from batch.spec import BatchSpec, ForwardMode, MHALayer, SpecInput
@@ -145,3 +146,43 @@ def test_a_replay_that_does_not_plan_the_real_batch_is_caught(mutant, compositio
     with next(m for m in SGLANG_CATALOGUE if m.name == mutant).patch():
         verdict = PROPERTIES["graph_metadata"].run(parse(composition), batch, "cpu")
     assert not verdict.ok and "at replay" in verdict.reason and expected in verdict.reason, str(verdict)
+
+
+def _draft(prefix, topk, steps, page_size):
+    from batch.spec import draft_forest
+
+    forest = draft_forest(topk, steps)
+    return spec(ForwardMode.DRAFT_DECODE, prefix, (len(forest),) * len(prefix), page_size=page_size,
+                spec=SpecInput(len(forest), topk, steps, (forest,) * len(prefix), (1,) * len(prefix)))
+
+
+DRAFTS = [_draft((5, 40), 1, 3, 16), _draft((5, 40), 2, 3, 1), _draft((7, 20, 33), 3, 3, 16)]
+
+
+@pytest.mark.parametrize("batch", DRAFTS, ids=["chain-paged", "tree", "tree-paged"])
+@pytest.mark.parametrize("composition, prop", [("sglang.fa3", "metadata"), ("graph(sglang.fa3)", "graph_metadata")])
+def test_flash_attentions_draft_steps_each_read_their_branch(batch, composition, prop):
+    # FlashAttentionMultiStepBackend: step i adds i + 1 to the committed lengths; over trees it attends the prefix per
+    # request and each branch's own keys apart (with pages, the prefix's last partial page from the branch's copy of
+    # it), read as one decode per branch
+    _available("sglang.fa3")
+    verdict = PROPERTIES[prop].run(parse(composition), batch, "cpu")
+    assert verdict.ok, str(verdict)
+
+
+def test_a_paged_tree_draft_planned_over_lengths_an_earlier_step_cut_fails(monkeypatch):
+    # FlashAttention subtracts each request's last partial page in place from seq_lens.to(torch.int32): over int32
+    # lengths (SGLang's scheduler hands int64; the adapter once handed int32) the first step cut them for the next
+    _available("sglang.fa3")
+    from backends.sglang import draft
+
+    translate = draft.SglangMultiStepDraft._translate
+
+    def int32(self, fb, graph):
+        sfb = translate(self, fb, graph)
+        sfb.seq_lens, sfb.seq_lens_cpu = sfb.seq_lens.to(torch.int32), sfb.seq_lens_cpu.to(torch.int32)
+        return sfb
+
+    monkeypatch.setattr(draft.SglangMultiStepDraft, "_translate", int32)
+    verdict = PROPERTIES["metadata"].run(parse("sglang.fa3"), DRAFTS[2], "cpu")
+    assert not verdict.ok and "draft step 1: key lengths" in verdict.reason, str(verdict)

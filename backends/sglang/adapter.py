@@ -789,6 +789,10 @@ class SglangBackend(_SglangObject):
             dflash = self.sgl.DFlashVerifyInput
             widened = dflash is not None and isinstance(sfb.spec_info, dflash)
             return plan.cut_to_indptrs() if self.planned_graph or widened else plan
+        expand = getattr(planner, "forward_metadata_spec_decode_expand", None)
+        if meta is not None and expand is not None and mode.is_decode_or_idle() and sfb.spec_info is not None \
+                and (getattr(planner, "topk", 0) or 0) > 1:
+            return flash_attention_draft_tree_plan(meta, expand, self.sgl_runner.page_size, planner.topk)
         if meta is not None and getattr(meta, "cache_seqlens_int32", None) is not None:
             # A verify of draft trees (topk > 1) plans the cached prefix here and the tree's own keys apart
             # (forward_metadata_spec_decode_expand, flashattention_backend.py:1083-1150), merged after both run
@@ -796,6 +800,37 @@ class SglangBackend(_SglangObject):
             return flash_attention_plan(meta, self.sgl_runner.page_size, includes_new_tokens=not tree,
                                         graph=self.planned_graph)
         return PlannedMetadata()
+
+
+def page_row_tokens(row: torch.Tensor, count: int, page_size: int) -> torch.Tensor:
+    """The first ``count`` token slots a page-table row names (its entries are slots where pages hold one token)."""
+    row = row.to("cpu", torch.int64)
+    if page_size == 1:
+        return row[:count]
+    pages = row[:-(-count // page_size)]
+    return (pages[:, None] * page_size + torch.arange(page_size)).reshape(-1)[:count]
+
+
+def flash_attention_draft_tree_plan(meta, expand, page_size: int, topk: int) -> PlannedMetadata:
+    """A draft step of FlashAttention's over draft trees (topk > 1, ``FlashAttentionMultiStepBackend``): each
+    request's ``topk`` branch queries attend its cached prefix (``meta``: one row a request; with pages of more than one
+    token, the prefix up to its last partial page), and each branch attends its own keys apart (``expand``,
+    ``forward_metadata_spec_decode_expand``: one row a branch, its copy of that partial page then its draft tokens so
+    far, the step's own included: flashattention_backend.py:944-993, :1335-1369), the two states merged. Read as the
+    decode of one request per branch it amounts to: the prefix's token slots, then the branch's."""
+    prefix = meta.cache_seqlens_int32.to("cpu", torch.int64)
+    own = expand.cache_seqlens_int32.to("cpu", torch.int64)
+    rows = [torch.cat([page_row_tokens(meta.page_table[b // topk], int(prefix[b // topk]), page_size),
+                       page_row_tokens(expand.page_table[b], int(own[b]), page_size)])
+            for b in range(own.numel())]
+    lens = torch.tensor([row.numel() for row in rows], dtype=torch.int64)
+    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    indptr[1:] = torch.cumsum(lens, 0)
+    return PlannedMetadata(qo_indptr=torch.arange(own.numel() + 1), kv_indptr=indptr,
+                           kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
+                           kv_includes_new_tokens=True, key_lens=lens, draft_tails_from_branch=page_size > 1,
+                           unread=tuple(sorted(set(unread_fields(meta, FLASH_ATTENTION_READ))
+                                               | {f"expand.{n}" for n in unread_fields(expand, FLASH_ATTENTION_READ)})))
 
 
 # Triton's ForwardMetadata (triton_backend.py): the fields its inspectable form reads (the window's under a window)

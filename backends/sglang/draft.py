@@ -89,12 +89,15 @@ class SglangMultiStepDraft:
         sgl, K, S = self.leaf.sgl, self.topk, self.speculative_num_steps
         loc = draft_out_cache_loc(fb, K, S)
         positions = fb.seq_lens.repeat_interleave(K)
-        seq_dtype = fb.seq_lens.dtype if graph else torch.int32
+        # int64 lengths, as prepare_for_draft hands over the scheduler's (ScheduleBatch.seq_lens, schedule_batch.py:
+        # 2786; ForwardBatch.init_new keeps them): FlashAttention's paged tree steps subtract each request's last
+        # partial page in place from `seq_lens.to(torch.int32)` (flashattention_backend.py:1335-1338), which an int32
+        # batch would alias, so that each later step planned over lengths the first had cut
         sfb = sgl.ForwardBatch(
             forward_mode=sgl.ForwardMode.DECODE, batch_size=fb.batch_size,
             input_ids=torch.zeros(fb.batch_size * K, dtype=torch.int64, device=fb.device),
-            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(seq_dtype),
-            seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=loc, seq_lens_sum=fb.seq_lens_sum,
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int64),
+            seq_lens_cpu=fb.seq_lens_cpu.to(torch.int64), out_cache_loc=loc, seq_lens_sum=fb.seq_lens_sum,
             positions=positions)
         sfb.global_num_token_non_padded_cpu = fb.batch_size * K
         compat.bind_kv_indices(self.leaf.sgl_runner, sfb, graph)

@@ -103,10 +103,15 @@ class SglangPlanOnly(ReadsEngineClasses, SglangBackend):
 _WHY = "FlashAttention's kernels come with sgl_kernel (the sglang-kernel wheel), not installed here with a CUDA GPU"
 
 
-def _capabilities(name: str, why: str) -> Capabilities:
+def _capabilities(name: str, why: str, **draft) -> Capabilities:
     return Capabilities(
         attention_kinds=frozenset({"mha"}),
-        modes=ADAPTED_MODES,
+        # and its draft worker's loop (FlashAttentionMultiStepBackend: each step backend adds its speculative_step_id
+        # to the committed lengths, flashattention_backend.py:911-929; over draft trees it attends the prefix and each
+        # branch's own keys apart, :944-993), which hands its steps no server draft window
+        modes=ADAPTED_MODES | {ForwardMode.DRAFT_DECODE},
+        draft_prefix_window=False,
+        **draft,
         dtypes=frozenset({"bfloat16", "float16"}),  # FlashAttention 3 takes 16-bit inputs only
         cpu_dtypes=frozenset({"bfloat16", "float16"}),
         requires=("sglang",),
@@ -119,7 +124,7 @@ def _capabilities(name: str, why: str) -> Capabilities:
         # (flashattention_backend.py:563-577, _init_full_cg_decode_metadata, _apply_cuda_graph_metadata), and its
         # in_graph refreshes verify and draft-extend tables (:478-530)
         cuda_graph_modes=frozenset({ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
-                                    ForwardMode.IDLE}),
+                                    ForwardMode.IDLE, ForwardMode.DRAFT_DECODE}),
     )
 
 
@@ -142,4 +147,6 @@ class SglangFa3(_FlashAttention):
 class SglangFa4(_FlashAttention):
     sglang_name = "fa4"
     device_capability = (10, 0)  # Blackwell
-    capabilities = _capabilities("fa4", _WHY + "; FlashAttention 4's run on Blackwell")
+    # The server takes draft trees over pages of more than one token on fa3, flashinfer and triton only
+    # (arg_groups/speculative_hook.py, _PAGE_TREE_SPEC_BACKENDS)
+    capabilities = _capabilities("fa4", _WHY + "; FlashAttention 4's run on Blackwell", paged_draft_trees=False)
