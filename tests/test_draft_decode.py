@@ -257,3 +257,23 @@ def test_sglangs_draft_loop_reads_the_paged_tree_layout_and_no_other(device, mon
     monkeypatch.setattr(draft_loop, "draft_region", flat)
     assert PROPERTIES["outputs"].run(parse("torch_native"), spec, device).ok  # ours reads whatever layout it is given
     assert not PROPERTIES["outputs"].run(comp, spec, device).ok
+
+
+@pytest.mark.parametrize("topk, steps, page_size", [(1, 3, 1), (2, 3, 1), (3, 3, 16), (2, 4, 4)])
+def test_sglangs_draft_batch_holds_every_steps_allocated_slot(topk, steps, page_size):
+    # prepare_for_draft copies topk * num_steps slots of each request's cache row, the last step's (never written)
+    # included; 0.5.10's FlashAttention graph replay counts each branch's distinct pages over all of them
+    from backends.sglang.draft import draft_out_cache_loc
+
+    spec = draft((7, 20, 33), topk=topk, steps=steps, page_size=page_size)
+    fb = materialize(spec).forward_batch
+    loc = draft_out_cache_loc(fb, topk, steps).view(3, topk, steps)
+    rows = fb.req_pool_indices.tolist()
+    n = steps - 1
+    for r in range(3):
+        cols = spec.new_token_columns(r)
+        for j in range(topk):
+            expected = [int(fb.req_to_token[rows[r], c]) for c in cols[j * n:(j + 1) * n]]
+            expected.append(int(fb.req_to_token[rows[r], cols[(j + 1) * n - 1] + 1]))  # the region's next column
+            assert loc[r, j].tolist() == expected
+    assert 0 not in loc.flatten().tolist()  # slot 0 is reserved: every slot is one the request's row holds

@@ -25,14 +25,27 @@ from backends.sglang import compat, handover, runtime
 
 def draft_out_cache_loc(fb, topk: int, num_steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``[B * topk * num_steps]``, request by request, branch by branch, step by step: the slots SGLang's
-    ``assign_draft_cache_locs_contiguous`` copies from each request's cache row, here from the harness batch's write
-    slots (its rows hold steps 0..num_steps-2 of each branch, in that order). The last step's slots, which no step
-    writes or reads, are the padding slot 0; so are a graph's padded rows' (SGLang's runner zeroes them)."""
+    ``assign_draft_cache_locs_contiguous`` copies from each request's cache row (prepare_for_draft), here the harness
+    batch's write slots (its rows hold steps 0..num_steps-2 of each branch, in that order) and, for the last step, which
+    no step writes or reads, the slot its cache row holds there (the next column of the branch's region,
+    batch.spec.draft_region). Older releases read the whole window (0.5.10's FlashAttention graph replay counts each
+    branch's distinct pages over every step's slot, flashattention_backend.py:1801-1811), so a stand-in slot there is
+    a page no server hands it. A graph's padded rows read request row 0, which holds the padding slot 0 (SGLang's
+    runner zeroes their slots)."""
     B = fb.batch_size
     loc = torch.zeros(B, topk, num_steps, dtype=torch.int64, device=fb.device) if out is None else \
         out.view(B, topk, num_steps)
-    loc.zero_()
     loc[:, :, :num_steps - 1] = fb.out_cache_loc.view(B, topk, num_steps - 1)
+    prefix = fb.seq_lens.to(torch.int64)[:, None]
+    branch = torch.arange(topk, device=fb.device)[None, :]
+    if fb.page_size == 1 or topk == 1:
+        start, tail = prefix + branch * num_steps, torch.zeros_like(prefix)
+    else:  # each branch's own pages, its tail repeating the prefix's last partial page
+        tail = prefix % fb.page_size
+        pages = (tail + num_steps + fb.page_size - 1) // fb.page_size
+        start = prefix - tail + branch * pages * fb.page_size
+    last = start + tail + num_steps - 1
+    loc[:, :, num_steps - 1] = fb.req_to_token[fb.req_pool_indices.to(torch.int64)[:, None], last]
     return loc.reshape(-1)
 
 
