@@ -229,6 +229,13 @@ def markdown(data: dict, plot_names: list[str]) -> str:
                 "search goes to the rest of the row's batches.",
                 "", "| row | ledger entry | cases | not run |", "|---|---|---:|---:|"]
         out += [f"| {row} | `{k}` | {n} | {m} |" for row, k, n, m in known]
+    alone = [(r["row"], c) for r in rows for c in r.get("passed_alone_cases") or ()]
+    if alone:
+        out += ["", "## Failures that passed alone in a fresh process", "",
+                "Found on CUDA in a process that had run batches a ledger entry's stray writes reach, then replayed "
+                "alone in fresh processes, passing every time: that entry's doing, not a finding. Each case is kept.",
+                "", "| row | ledger entry | the failure | its case |", "|---|---|---|---|"]
+        out += [f"| {row} | `{c['entry']}` | {c['reason']} | `{c['case']}` |" for row, c in alone]
     out += ["", "## Pass/fail: composition x property (over modes)", "",
             "Each cell counts the rows (one per mode) that ran: `ok (N)` all N passed, `**FAILED** (F/N)` F of N "
             "had a finding; rows that did not run (a stopped or short run) are counted apart as `not run`; "

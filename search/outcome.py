@@ -82,6 +82,7 @@ class RowOutcome:
     # ledger id -> failures of this row that passed when replayed alone in a fresh process, after this process had
     # run batches that entry's stray writes reach (search_row.confirm_alone): that entry's doing, not a finding
     passed_alone: dict[str, int] = field(default_factory=dict)
+    passed_alone_cases: list[dict] = field(default_factory=list)  # each: the entry, the failure's reason, its case
     # A case left a sticky CUDA error (a known failure's included): the search of this row stopped there, and
     # the rows after it need a fresh process
     context_poisoned: bool = False
@@ -121,6 +122,7 @@ class RowOutcome:
         self.cases += later.cases
         self.seconds += later.seconds
         self.steered_out = self.steered_out or later.steered_out
+        self.passed_alone_cases += later.passed_alone_cases
         for mine, theirs in ((self.known, later.known), (self.steered, later.steered),
                              (self.near_misses_known, later.near_misses_known), (self.passed_alone, later.passed_alone)):
             for key, n in theirs.items():
@@ -174,7 +176,8 @@ class RowOutcome:
                 "num_tokens": None if spec is None else spec.num_tokens,
                 "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
                 "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known),
-                "steered": dict(self.steered), "steered_out": self.steered_out, "passed_alone": dict(self.passed_alone)}
+                "steered": dict(self.steered), "steered_out": self.steered_out, "passed_alone": dict(self.passed_alone),
+                "passed_alone_cases": list(self.passed_alone_cases)}
 
 
 def failure_at(failure: Verdict | str | None) -> dict | None:

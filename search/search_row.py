@@ -131,16 +131,20 @@ def steered_off(spec: BatchSpec, steer_off: list, failures: list, result: RowOut
     return met is not None
 
 
-# Batches run in this process that a ledger entry whose bug leaves the process suspect (``corrupts_process``: stray
-# writes on CUDA) says its bug reaches, whether or not they failed (a stray write need not fail the property that
-# ran): entry id -> batches. A later failure that no entry explains may be those writes' doing, not its own batch's.
+# Batches run and judged in this process (passed, or failed as the ledger explains) that a ledger entry whose bug
+# leaves the process suspect (``corrupts_process``: stray writes on CUDA) says its bug reaches (a stray write need not
+# fail the property that ran): entry id -> batches. A later failure that no entry explains may be those writes'
+# doing, not its own batch's. A failing batch never taints the process for itself.
 TAINTED: dict[str, int] = {}
 PROJECT = Path(__file__).resolve().parents[1]
 REPLAY_ALONE_SECONDS = 600
+# Where the stray writes land depends on the memory layout, so one passing replay alone is weak evidence (the same
+# case passed alone once and failed alone once on an H200, harness-out/gpu95.sh, gpu96.sh): every replay must pass
+REPLAYS_ALONE = 2
 
 
 def note_taint(row: Row, spec: BatchSpec, device: str) -> None:
-    """Count ``spec`` against every corrupting entry whose bug it reaches (TAINTED)."""
+    """Count a judged ``spec`` against every corrupting entry whose bug it reaches (TAINTED)."""
     for entry in ledger.known_failures():
         if entry.corrupts_process and entry.reaches(str(row.composition), row.mode.value, spec, device):
             TAINTED[entry.id] = TAINTED.get(entry.id, 0) + 1
@@ -164,17 +168,21 @@ def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
     those stray writes' doing, not its batch's: the row counts it under that entry (``passed_alone``), its case file
     moves to ``OUT/passed-alone/``, and the process is marked suspect (its group's other rows go on in a fresh one).
     Seen on an H200 (harness-out/gpu95.sh): a TBO-over-GDN metadata failure whose expected req_to_token row read a
-    page 0 no batch had put there, after the same process had run plainly cut GDN batches; alone, it passed."""
+    page 0 no batch had put there, after the same process had run plainly cut GDN batches; alone, it passed. It must
+    pass every one of REPLAYS_ALONE replays; what failed (its reason and its kept case) stays in the row's record.
+    A failure that already passed on a rerun in this process (Hypothesis's flaky) is not replayed: it stays a
+    finding."""
     if device != "cuda" or result.ok or not TAINTED or result.case_file is None or result.finding_kind == ADAPTER_ERROR:
         return
-    if replay(result.case_file) != 0:
-        return  # it fails alone too (or the replay could not tell): a finding
+    if any(replay(result.case_file) != 0 for _ in range(REPLAYS_ALONE)):
+        return  # it fails alone too (or a replay could not tell): a finding
     entry = max(TAINTED, key=TAINTED.get)
     result.passed_alone[entry] = result.passed_alone.get(entry, 0) + 1
     case = Path(result.case_file)
     kept = out_dir / "passed-alone" / case.name
     kept.parent.mkdir(parents=True, exist_ok=True)
     case.replace(kept)
+    result.passed_alone_cases.append({"entry": entry, "reason": str(result.failure), "case": str(kept)})
     result.ok, result.failure, result.finding_kind, result.spec, result.case_file = True, None, None, None, None
     result.context_poisoned = True
 
@@ -185,7 +193,6 @@ def record_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdic
     it is the row's first failure. Returns what the search does next: PASSED or KNOWN (go on), ADAPTER (the
     harness's own code failed: stop, no shrinking), FAILED (shrink it), POISONED (nothing more can run here)."""
     result.cases += 1
-    note_taint(row, spec, device)
     poisoned = device == "cuda" and not verdict.ok and poisons_cuda_context(verdict.reason)
     if not verdict.ok and "adapter_error" in verdict.details:
         result.first_failure_seconds = time.perf_counter() - start
@@ -196,6 +203,8 @@ def record_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdic
         return ADAPTER
     known = None if verdict.ok else ledger.match(str(row.composition), row.mode.value, row.property.name,
                                                   spec, verdict, device)
+    if verdict.ok or known is not None:
+        note_taint(row, spec, device)
     if known is not None:  # triaged and reported: counted, and the search goes on for anything else
         result.known[known.id] = result.known.get(known.id, 0) + 1
         if poisoned or known.corrupts_process:  # ... unless it left the context (or memory) unusable
@@ -277,7 +286,6 @@ def settle(e: BaseException, row: Row, profile: Profile, device: str, result: Ro
                                                                  f"again in the same process]")
         else:
             result.failure = Verdict(row.property.name, False, "a case failed once and passed when run again")
-        confirm_alone(result, device, out_dir)
         return False
     if isinstance(e, SpecError):
         # The strategy drew a batch its own specification refuses (before any engine code ran): the harness's error,
