@@ -201,7 +201,8 @@ class Capabilities:
     # (batch.spec.draft_region: each branch's own pages, the prefix's last partial page repeated in each)
     paged_draft_trees: bool = True
     # Its multi-step draft container takes draft trees (topk > 1); False: the engine refuses to build it for more
-    # (FlashInfer MLA's, FlashMLA's, TRT-LLM MLA's: "only supports topk=1"), so its draft loop runs chains only
+    # (FlashInfer MLA's, FlashMLA's, TRT-LLM MLA's and CuTe DSL MLA's: "only supports topk=1"), so its draft loop runs
+    # chains only
     # whatever its verify takes (draft_trees: an ngram verify reaches trees without a draft loop)
     draft_loop_trees: bool = True
     # The speculative algorithms whose target verify it serves (batch.spec.VERIFY_ALGORITHMS): ours read the tree

@@ -125,6 +125,11 @@ def graph_replay_equals_eager(composition: Composition, spec: BatchSpec, device:
                               label=f"{label} pool {name}:"), bound)
     verdict = worst.verdict(NAME, f"{spec.mode.value} batch of {spec.batch_size} ({spec.num_tokens} tokens) replayed "
                                   f"in a {runner.mode.value} graph captured {runner.captured}")
+    if not verdict.ok and spec.mode.is_draft_decode():  # what the replayed steps' plans read (the ledger reads it)
+        from properties.metadata import draft_plans_read
+
+        verdict.details["draft_step_reads"] = draft_plans_read(runner.drafter.step_plans(), spec, fb,
+                                                               runner.bs - spec.batch_size)
     if isinstance(runner, PrefillGraphRunner):  # the layer kinds the engine ran inside the graph (the ledger reads it)
         verdict.details["in_graph"] = tuple(sorted(runner.in_graph))
     return verdict
@@ -164,7 +169,7 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
     kit checks the plan after replay initialisation too, runner_modes/metadata_invariants.py.) Only the plans are
     made (``GraphRunner.capture_plan``, ``replay_plan``), no layer runs: a plan-level composition
     (``Support.plan_only``) is checked too."""
-    from properties.metadata import check_plan, draft_step_batch, planned_leaves, unread_note
+    from properties.metadata import check_plan, draft_plans_read, draft_step_batch, planned_leaves, unread_note
 
     case = materialize(spec, device)
     fb = case.forward_batch
@@ -179,7 +184,8 @@ def graph_plans_satisfy_invariants(composition: Composition, spec: BatchSpec, de
                                                         tails_from_branch=plan.draft_tails_from_branch))
             if problem:
                 return Verdict(GRAPH_METADATA, False, f"at replay {runner.captured} ({padded} padded row(s)): "
-                                                      f"draft step {step}: {problem}", where=f"draft step {step}")
+                                                      f"draft step {step}: {problem}", where=f"draft step {step}",
+                               details={"draft_step_reads": draft_plans_read(plans, spec, fb, padded)})
         return Verdict(GRAPH_METADATA, True, f"{len(plans)} draft step plan(s) of a replay {runner.captured} "
                                              f"({padded} padded row(s)) satisfy every invariant" +
                        unread_note(("draft step", plan) for plan in plans))

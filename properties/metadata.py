@@ -213,7 +213,7 @@ def rows_changed(case) -> str | None:
         differs = (held != slots.to(torch.int64)).nonzero()
         if differs.numel():
             c = int(differs[0, 0])
-            return f"request {i}'s req_to_token row changed while the layers ran (column {c} holds {int(held[c])}, " \
+            return f"request {i}'s req_to_token row changed during the forward pass (column {c} holds {int(held[c])}, " \
                    f"materialized {int(slots[c])}): a stray write; no plan is checked against it"
     return None
 
@@ -253,6 +253,32 @@ def draft_step_batch(spec: BatchSpec, fb: ForwardBatch, step: int, padded_reques
                            spec_info=None)
 
 
+def draft_plans_read(plans, spec: BatchSpec, fb: ForwardBatch, padded_requests: int = 0) -> str | None:
+    """What a draft loop's step plans read, against the mechanism of SGLang's MLA draft containers (docs/findings/
+    sglang-mla-draft-steps-read-committed-prefix.md): ``"committed prefix"`` where every step's plan is exactly a
+    decode of each branch over its request's committed prefix alone (none of its chain's draft tokens, not its own);
+    ``"committed prefix lengths"`` where every step's key counts are those but its indices are not; else None. The
+    ledger reads it from a failing verdict's details (``draft_step_reads``)."""
+    if not plans:
+        return None
+    prefix_only = draft_step_batch(spec, fb, -1, padded_requests=padded_requests)
+    if all(check_plan(plan, prefix_only) is None for plan in plans):
+        return "committed prefix"
+    real = prefix_only.batch_size - padded_requests
+    keys = [n + 1 for n in prefix_only.extend_prefix_lens_cpu[:real]]
+
+    def counts(plan) -> list[int] | None:
+        if plan.key_lens is not None:
+            return plan.key_lens.to("cpu", torch.int64).tolist()[:real]
+        if plan.kv_indptr is None:
+            return None
+        n = plan.kv_indptr.to("cpu", torch.int64).diff().tolist()[:real]
+        return n if not plan.kv_indices_are_pages else None  # pages do not count keys
+    if all(counts(plan) == keys for plan in plans):
+        return "committed prefix lengths"
+    return None
+
+
 def unread_note(named_plans) -> str:
     """What a passing verdict adds about ``(owner, plan)`` pairs: the fields of the engine's plans no invariant read
     (``PlannedMetadata.unread``), each named once, so that what is not checked is said."""
@@ -272,7 +298,8 @@ def metadata_invariants(composition: Composition, spec: BatchSpec, device: str) 
             expected = draft_step_batch(spec, fb, step, tails_from_branch=plan.draft_tails_from_branch)
             problem = check_plan(plan, expected)
             if problem:
-                return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}")
+                return Verdict(NAME, False, f"draft step {step}: {problem}", where=f"draft step {step}",
+                               details={"draft_step_reads": draft_plans_read(plans, spec, fb)})
         return Verdict(NAME, True, f"{len(plans)} draft step plan(s) satisfy every invariant" +
                        unread_note(("draft step", plan) for plan in plans))
     backend, case = planned_case(composition, spec, device)

@@ -46,7 +46,14 @@ def judge(name: str, run: Run, composition: Composition, device: str, what: str)
     worst = Worst()
     compare_outputs(run.execution.outputs, run.reference, composition, spec, device, worst)
     linear_state_comparisons(run, composition, device, worst)
-    return worst.verdict(name, what)
+    verdict = worst.verdict(name, what)
+    drafter = run.execution.backend
+    if not verdict.ok and spec.mode.is_draft_decode() and hasattr(drafter, "step_plans"):
+        # what the draft steps' plans read, where the container keeps them (the ledger reads it)
+        from properties.metadata import draft_plans_read
+
+        verdict.details["draft_step_reads"] = draft_plans_read(drafter.step_plans(), spec, run.case.forward_batch)
+    return verdict
 
 
 def outputs_match_reference(composition: Composition, spec: BatchSpec, device: str) -> Verdict:

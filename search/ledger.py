@@ -270,14 +270,21 @@ def _draft_decode_window_layer(spec: BatchSpec, verdict: Verdict) -> bool:
 
 
 def _draft_steps_read_committed_prefix(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A draft loop whose steps were planned over the committed prefix alone: SGLang's MLA draft containers plan each
-    step as a plain decode over the draft batch's seq_lens (the lengths before the iteration's draft tokens), so every
-    step misses its own key and its chain's earlier ones (docs/findings/sglang-mla-draft-steps-read-committed-
-    prefix.md). Every draft batch shows it: a plan short of the step's keys (the metadata properties name the step),
-    or outputs out of bounds; a crash is another bug."""
-    if spec.mode is not ForwardMode.DRAFT_DECODE or "crashed" in verdict.reason:
-        return False
-    return "draft step" in verdict.reason or "out of bounds" in verdict.reason
+    """A draft loop whose every step was planned as exactly a decode over the committed prefix alone: SGLang's MLA
+    draft containers plan each step as a plain decode over the draft batch's seq_lens (the lengths before the
+    iteration's draft tokens), so every step misses its own key and its chain's earlier ones (docs/findings/
+    sglang-mla-draft-steps-read-committed-prefix.md). Read from the step plans the failing property had
+    (``draft_step_reads``, properties/metadata.py ``draft_plans_read``): a plan that reads anything else, a crash, or
+    a property that kept no plans stays a finding."""
+    return spec.mode is ForwardMode.DRAFT_DECODE and verdict.details.get("draft_step_reads") == "committed prefix"
+
+
+def _draft_steps_cut_to_committed_prefix(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A replayed draft loop whose steps' key counts are the committed prefix's while their indices are another
+    layout's: FlashInfer MLA's replay plans host lengths from seq_lens_cpu over the container's per-step indices
+    (docs/findings/sglang-mla-draft-steps-read-committed-prefix.md)."""
+    return spec.mode is ForwardMode.DRAFT_DECODE and \
+        verdict.details.get("draft_step_reads") == "committed prefix lengths"
 
 
 def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -599,6 +606,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "draft_extend_window_layer": _draft_extend_window_layer,
     "draft_decode_window_layer": _draft_decode_window_layer,
     "draft_steps_read_committed_prefix": _draft_steps_read_committed_prefix,
+    "draft_steps_cut_to_committed_prefix": _draft_steps_cut_to_committed_prefix,
     "triton_reads_layer0_kv": _triton_reads_layer0_kv,
     "conv_state_by_request_row": _conv_state_by_request_row,
     "conv_layer_captured_in_prefill_graph": _captured_in_prefill_graph("short_conv"),
@@ -645,8 +653,6 @@ COULD_SHOW = {
     "draft_extend_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_EXTEND and bool(_window_layers(spec)),
     "draft_decode_window_layer": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE and bool(_window_layers(spec)),
     "tree_not_chain": lambda spec: spec.spec is not None and not spec.spec.is_chain(),
-    # Every draft batch: once met, the row's other draws are not run
-    "draft_steps_read_committed_prefix": lambda spec: spec.mode is ForwardMode.DRAFT_DECODE,
     "mixed_two_chunk": lambda spec: _mixed_two_chunk(spec, None),
     "tbo_verify_tensor_token_blocks": lambda spec: spec.mode.is_target_verify() and spec.context_len >= 32768,
     "layer_kv_scaled": lambda spec: spec.kv_cache_dtype != "auto" and any(

@@ -209,7 +209,7 @@ def test_tbo_start_loc_explains_any_failure_of_a_plainly_cut_linear_batch_on_cud
     slot = Verdict("cache", False, "layer 0 k_buffer: slot 0, not in out_cache_loc, changed at slot 0")
     assert ledger.match(term, "extend", "cache", plain, slot, "cuda") is not None
     # a req_to_token row overwritten while the layers ran (an H200, harness-out/gpu95.sh, gpu96.sh: a reserved page 0)
-    row = Verdict("metadata", False, "request 0's req_to_token row changed while the layers ran (column 0 holds 0, "
+    row = Verdict("metadata", False, "request 0's req_to_token row changed during the forward pass (column 0 holds 0, "
                                      "materialized 17): a stray write; no plan is checked against it")
     assert ledger.match(term, "mixed", "metadata", dataclasses.replace(plain, mode=ForwardMode.MIXED), row,
                         "cuda") is not None
@@ -508,3 +508,27 @@ def test_flashmla_mixed_crash_is_known_only_by_its_crash_in_the_decode_branch():
                         crash(view.replace("in forward_extend", "in forward_decode")), "cuda") is None
     extend = BatchSpec(ForwardMode.EXTEND, (0, 70), (5, 1), mla, page_size=64)
     assert ledger.match("sglang.flashmla", "extend", "outputs", extend, crash(attr), "cuda") is None
+
+
+def test_the_mla_draft_entries_are_known_only_where_the_step_plans_read_the_committed_prefix():
+    # Read from the plans the failing property had (properties/metadata.py draft_plans_read), never from the words
+    # of the reason: a plan short by another count, reading another request's keys, or outputs off with no plan to
+    # read stay findings
+    case = CaseFile.read(ROOT / "docs/findings/cases/sglang-trtllm-mla-draft-steps-read-committed-prefix.json")
+    composition = parse(case.composition)
+    if composition.unavailable_reason("cpu"):
+        pytest.skip(composition.unavailable_reason("cpu"))
+    verdict = PROPERTIES["metadata"].run(composition, case.spec, "cpu")
+    assert not verdict.ok and verdict.details["draft_step_reads"] == "committed prefix", str(verdict)
+    name, mode = "sglang.trtllm_mla", "draft_decode"
+    assert ledger.match(name, mode, "metadata", case.spec, verdict, "cpu").id == \
+        "sglang-trtllm-mla-draft-steps-read-committed-prefix"
+    for other in (None, "committed prefix lengths"):  # no plan read, or the counts alone
+        wrong = dataclasses.replace(verdict, details={"draft_step_reads": other})
+        assert ledger.match(name, mode, "metadata", case.spec, wrong, "cpu") is None
+    words_only = Verdict("outputs", False, "draft step 0: key lengths [9], expected [7]... out of bounds", 1e3, 1e-2)
+    assert ledger.match(name, mode, "outputs", case.spec, words_only, "cuda") is None
+    assert ledger.match("graph(sglang.flashinfer_mla)", mode, "graph_replay", case.spec,
+                        dataclasses.replace(verdict, details={"draft_step_reads": "committed prefix lengths"}),
+                        "cuda").id == "sglang-flashinfer-mla-draft-graph-misaligned"
+    assert ledger.match("sglang.triton_mla", mode, "metadata", case.spec, verdict, "cpu") is None  # its container is right

@@ -118,7 +118,33 @@ def test_a_req_to_token_row_changed_while_the_layers_ran_is_said_not_checked_aga
         spec = BatchSpec(mode, (5, 9), (1, 1), layers, seed=1,
                          spec=SpecInput(len(forest), 1, 2, (forest,) * 2, (1, 1)))
     verdict = PROPERTIES["metadata"].run(parse("torch_native"), spec, "cpu")
-    assert not verdict.ok and "request 0's req_to_token row changed while the layers ran (column 1 holds 0" in \
+    assert not verdict.ok and "request 0's req_to_token row changed during the forward pass (column 1 holds 0" in \
         verdict.reason, str(verdict)
     monkeypatch.setattr(md, "run_case", ran)
     assert PROPERTIES["metadata"].run(parse("torch_native"), spec, "cpu").ok
+
+
+def test_what_a_draft_loops_plans_read_is_told_apart():
+    # properties/metadata.py draft_plans_read, which the MLA draft entries of the ledger read: exactly the committed
+    # prefix, its counts alone, or neither (the right plan among them)
+    from backends.base import PlannedMetadata
+    from batch.spec import draft_forest
+    from engine.materialize import materialize
+    from properties.metadata import draft_plans_read, draft_step_batch
+
+    forest = draft_forest(1, 3)
+    spec = BatchSpec(ForwardMode.DRAFT_DECODE, (5, 9), (2, 2), (MHALayer(0, 4, 2, 32, 32),), seed=1,
+                     spec=SpecInput(len(forest), 1, 3, (forest,) * 2, (1, 1)))
+    fb = materialize(spec).forward_batch
+
+    def plan(step, shift=0):
+        want = draft_step_batch(spec, fb, step)
+        rows = [want.req_to_token[i, :want.extend_prefix_lens_cpu[i] + 1] for i in range(want.batch_size)]
+        lens = torch.tensor([r.numel() for r in rows])
+        indptr = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+        return PlannedMetadata(qo_indptr=torch.arange(want.batch_size + 1), kv_indptr=indptr,
+                               kv_indices=torch.cat(rows).roll(shift), kv_includes_new_tokens=True)
+    assert draft_plans_read([plan(-1), plan(-1)], spec, fb) == "committed prefix"
+    assert draft_plans_read([plan(-1, shift=1), plan(-1)], spec, fb) == "committed prefix lengths"
+    assert draft_plans_read([plan(0), plan(1)], spec, fb) is None  # what a right container plans
+    assert draft_plans_read([plan(-1), plan(1)], spec, fb) is None
