@@ -280,11 +280,12 @@ def _draft_steps_read_committed_prefix(spec: BatchSpec, verdict: Verdict) -> boo
 
 
 def _draft_steps_cut_to_committed_prefix(spec: BatchSpec, verdict: Verdict) -> bool:
-    """A replayed draft loop whose steps' key counts are the committed prefix's while their indices are another
-    layout's: FlashInfer MLA's replay plans host lengths from seq_lens_cpu over the container's per-step indices
-    (docs/findings/sglang-mla-draft-steps-read-committed-prefix.md)."""
+    """A replayed draft loop whose steps' key counts are the committed prefix's, their indices another layout's where
+    a request's row starts after another's: FlashInfer MLA's replay plans host lengths from seq_lens_cpu over the
+    container's per-step indices (docs/findings/sglang-mla-draft-steps-read-committed-prefix.md); the first request's
+    row, or a lone request's, is exactly its committed prefix."""
     return spec.mode is ForwardMode.DRAFT_DECODE and \
-        verdict.details.get("draft_step_reads") == "committed prefix lengths"
+        verdict.details.get("draft_step_reads") in ("committed prefix lengths", "committed prefix")
 
 
 def _lightning_fp8_decode(spec: BatchSpec, verdict: Verdict) -> bool:
