@@ -829,8 +829,13 @@ def flash_attention_draft_tree_plan(meta, expand, page_size: int, topk: int) -> 
     return PlannedMetadata(qo_indptr=torch.arange(own.numel() + 1), kv_indptr=indptr,
                            kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
                            kv_includes_new_tokens=True, key_lens=lens, draft_tails_from_branch=page_size > 1,
-                           unread=tuple(sorted(set(unread_fields(meta, FLASH_ATTENTION_READ))
-                                               | {f"expand.{n}" for n in unread_fields(expand, FLASH_ATTENTION_READ)})))
+                           unread=tuple(sorted(set(unread_fields(meta, DRAFT_TREE_READ))
+                                               | {f"expand.{n}" for n in unread_fields(expand, DRAFT_TREE_READ)})))
+
+
+# What the draft-tree form above reads of either half: the key counts and page tables (each half's cu_seqlens_q/k,
+# which its kernel is handed too, are not merged into the per-branch form: listed as unread)
+DRAFT_TREE_READ = frozenset({"cache_seqlens_int32", "page_table"})
 
 
 # Triton's ForwardMetadata (triton_backend.py): the fields its inspectable form reads (the window's under a window)
