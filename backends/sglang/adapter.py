@@ -427,12 +427,14 @@ class SglangBackend(_SglangObject):
         mode = getattr(sgl.ForwardMode, _SGLANG_MODE[fb.forward_mode])
         T = fb.extend_num_tokens
         dev = fb.device
-        seq_dtype = fb.seq_lens.dtype if graph else torch.int32
+        # int64 lengths, as the scheduler hands them (ScheduleBatch.seq_lens, schedule_batch.py:2786; prepare_for_decode
+        # adds 1; ForwardBatch.init_new keeps them), where SGLang's unit-test kit builds int32: a backend that casts
+        # them with .to(torch.int32) gets a copy, as in the server (a graph's view the static int64 buffer too)
         out = sgl.ForwardBatch(
             forward_mode=mode, batch_size=fb.batch_size,
             input_ids=torch.zeros(fb.positions.shape[0], dtype=torch.int64, device=dev),  # a prefill graph: padded
-            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(seq_dtype),
-            seq_lens_cpu=fb.seq_lens_cpu.to(seq_dtype), out_cache_loc=fb.out_cache_loc,
+            req_pool_indices=fb.req_pool_indices, seq_lens=fb.seq_lens.to(torch.int64),
+            seq_lens_cpu=fb.seq_lens_cpu.to(torch.int64), out_cache_loc=fb.out_cache_loc,
             seq_lens_sum=fb.seq_lens_sum, positions=fb.positions)
         out.mrope_positions = fb.mrope_positions  # [3, T]: SGLang's TBO splitter cuts it on dim 1
         # The real tokens (SGLang sets it on every batch, forward_batch_info.py:1382; a prefill graph's static
