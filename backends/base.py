@@ -202,8 +202,7 @@ class Capabilities:
     paged_draft_trees: bool = True
     # Its multi-step draft container takes draft trees (topk > 1); False: the engine refuses to build it for more
     # (FlashInfer MLA's, FlashMLA's, TRT-LLM MLA's and CuTe DSL MLA's: "only supports topk=1"), so its draft loop runs
-    # chains only
-    # whatever its verify takes (draft_trees: an ngram verify reaches trees without a draft loop)
+    # chains only, whatever its verify takes (draft_trees: an ngram verify reaches trees without a draft loop)
     draft_loop_trees: bool = True
     # The speculative algorithms whose target verify it serves (batch.spec.VERIFY_ALGORITHMS): ours read the tree
     # whatever its algorithm; an engine's backends branch on the verify input's class

@@ -707,8 +707,11 @@ class KnownFailure:
         return version_key(version) < version_key(self.fixed_in)
 
     def covers(self, composition: str, mode: str, prop: str) -> bool:
-        return (fnmatch.fnmatchcase(composition, self.composition) and prop in self.properties
-                and (not self.modes or mode in self.modes))
+        return prop in self.properties and self._batches_of(composition, mode)
+
+    def _batches_of(self, composition: str, mode: str) -> bool:
+        """Whether ``composition``'s batches of ``mode`` are among this entry's."""
+        return fnmatch.fnmatchcase(composition, self.composition) and (not self.modes or mode in self.modes)
 
     def matches(self, composition: str, mode: str, prop: str, spec: BatchSpec, verdict: Verdict,
                 device: str) -> bool:
@@ -724,9 +727,8 @@ class KnownFailure:
         """Whether running ``spec`` on ``composition`` meets this entry's bug, whichever property ran it and whether
         it failed (a stray write need not fail the property that ran): the entry's compositions, modes, devices and
         releases, and a batch its condition could show (False for an entry that is not steerable)."""
-        return (fnmatch.fnmatchcase(composition, self.composition) and (not self.modes or mode in self.modes)
-                and (not self.devices or device in self.devices) and self.applies_to(engine_version())
-                and self.could_show(spec))
+        return (self._batches_of(composition, mode) and (not self.devices or device in self.devices)
+                and self.applies_to(engine_version()) and self.could_show(spec))
 
     def could_show(self, spec: BatchSpec) -> bool:
         """Whether ``spec`` has what this entry's bug needs (False for an entry that is not steerable)."""

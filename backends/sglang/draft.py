@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 
 from backends.sglang import compat, handover, runtime
+from batch.spec import draft_region
 
 
 def draft_out_cache_loc(fb, topk: int, num_steps: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -36,15 +37,9 @@ def draft_out_cache_loc(fb, topk: int, num_steps: int, out: torch.Tensor | None 
     loc = torch.zeros(B, topk, num_steps, dtype=torch.int64, device=fb.device) if out is None else \
         out.view(B, topk, num_steps)
     loc[:, :, :num_steps - 1] = fb.out_cache_loc.view(B, topk, num_steps - 1)
-    prefix = fb.seq_lens.to(torch.int64)[:, None]
-    branch = torch.arange(topk, device=fb.device)[None, :]
-    if fb.page_size == 1 or topk == 1:
-        start, tail = prefix + branch * num_steps, torch.zeros_like(prefix)
-    else:  # each branch's own pages, its tail repeating the prefix's last partial page
-        tail = prefix % fb.page_size
-        pages = (tail + num_steps + fb.page_size - 1) // fb.page_size
-        start = prefix - tail + branch * pages * fb.page_size
-    last = start + tail + num_steps - 1
+    # the last step's column in each branch's region (batch.spec.draft_region: its first column and its tail)
+    last = torch.tensor([[sum(draft_region(int(p), fb.page_size, topk, num_steps, j)) + num_steps - 1
+                          for j in range(topk)] for p in fb.seq_lens_cpu.tolist()], dtype=torch.int64, device=fb.device)
     loc[:, :, num_steps - 1] = fb.req_to_token[fb.req_pool_indices.to(torch.int64)[:, None], last]
     return loc.reshape(-1)
 
