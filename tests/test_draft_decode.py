@@ -277,3 +277,22 @@ def test_sglangs_draft_batch_holds_every_steps_allocated_slot(topk, steps, page_
             expected.append(int(fb.req_to_token[rows[r], cols[(j + 1) * n - 1] + 1]))  # the region's next column
             assert loc[r, j].tolist() == expected
     assert 0 not in loc.flatten().tolist()  # slot 0 is reserved: every slot is one the request's row holds
+
+
+def test_a_draft_window_holding_the_padding_slot_is_the_adapters_error(monkeypatch):
+    # The adapter once handed slot 0 for the never-written last step (SGLang copies the allocated slot): on 0.5.10 a
+    # FlashAttention graph replay then indexed out of bounds inside SGLang. The handover check says whose it is.
+    pytest.importorskip("sglang")
+    from backends.sglang import draft as sglang_draft
+
+    allocated = sglang_draft.draft_out_cache_loc
+
+    def padded_last(fb, topk, num_steps, out=None):
+        loc = allocated(fb, topk, num_steps, out).view(fb.batch_size, topk, num_steps)
+        loc[:, :, -1] = 0
+        return loc.reshape(-1)
+
+    monkeypatch.setattr(sglang_draft, "draft_out_cache_loc", padded_last)
+    verdict = PROPERTIES["metadata"].run(parse("sglang.triton"), draft((5, 9), topk=2, steps=3), "cpu")
+    assert not verdict.ok and "adapter_error" in verdict.details and "not distinct real slots" in verdict.reason, \
+        str(verdict)

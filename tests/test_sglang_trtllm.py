@@ -361,3 +361,22 @@ def test_the_trtllm_mha_verify_replay_mutant_is_caught_on_a_cpu():
     with next(m for m in SGLANG_CATALOGUE if m.name == "sglang_trtllm_mha_verify_replay_drops_last_draft").patch():
         verdict = PROPERTIES["graph_metadata"].run(composition, batch, "cpu")
     assert not verdict.ok and "key lengths" in verdict.reason, str(verdict)
+
+
+def test_a_plan_level_draft_container_that_cannot_be_built_here_is_the_adapters_error(monkeypatch):
+    # The draft container is built inside the leaf's stand-ins too (engine_build_scope); what SGLang's constructor
+    # lacks there is the stand-ins' gap (a FlashInfer MLA wrapper class missing from them was a NameError in its
+    # constructor, read as SGLang's crash before): marked, so the verdict is an adapter error
+    _mla_plan_level()
+    from backends.sglang import runtime
+
+    sgl = runtime.load()
+
+    def lacking(self):
+        raise NameError("name 'BatchPrefillWithRaggedKVCacheWrapper' is not defined")
+    monkeypatch.setattr(sgl.DraftBackendFactory, "create_decode_backend", lacking)
+    forest = draft_forest(1, 2)
+    batch = _mla_spec(ForwardMode.DRAFT_DECODE, (5,), (len(forest),), page_size=32,
+                      spec=SpecInput(len(forest), 1, 2, (forest,), (1,)))
+    verdict = PROPERTIES["metadata"].run(parse("sglang.trtllm_mla"), batch, "cpu")
+    assert not verdict.ok and "adapter_error" in verdict.details, str(verdict)

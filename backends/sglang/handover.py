@@ -82,6 +82,10 @@ def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tens
         if bs and tokens % (bs * draft_topk):
             wrong.append(f"len(out_cache_loc) is {tokens}, not a draft window of {bs} requests x topk {draft_topk} "
                          f"x steps")
+        window = loc.tolist()
+        if any(slot <= 0 for slot in window) or len(set(window)) != len(window):
+            wrong.append(f"the draft window {_short(window)} is not distinct real slots (slot 0 is padding): the "
+                         f"scheduler allocates every step's, the last one's too")
         if sfb.positions is not None:
             same("positions", sfb.positions.tolist(), [s for s in seq for _ in range(draft_topk)])
     elif mode.is_decode():

@@ -72,22 +72,28 @@ class SglangPlanOnly(ReadsEngineClasses, SglangBackend):
         return contextlib.nullcontext()
 
     @classmethod
+    @contextlib.contextmanager
     def engine_build_scope(cls):
-        return cls.built_without_kernels() if cls.capabilities.plan_only else contextlib.nullcontext()
+        """Where its kernels are absent, SGLang's constructors (its backend's, its draft container's) run inside
+        :meth:`built_without_kernels`, where the server never builds them: whatever they lack there is the stand-ins'
+        gap, the harness's to mend, so an exception from them is marked as such (properties/blame.py)."""
+        if not cls.capabilities.plan_only:
+            yield
+            return
+        with cls.built_without_kernels():
+            try:
+                yield
+            except Exception as e:
+                e.harness_built_without_kernels = f"sglang.{cls.sglang_name} built without its kernels " \
+                                                  f"({cls.__module__}.{cls.__name__}.built_without_kernels)"
+                raise
 
     @classmethod
     def engine_backend(cls, sgl, sgl_runner):
         if not cls.capabilities.plan_only:
             return super().engine_backend(sgl, sgl_runner)
         with cls.engine_build_scope():
-            try:
-                inner = super().engine_backend(sgl, sgl_runner)
-            except Exception as e:
-                # SGLang's constructor, run where the server never builds it (its kernels absent, stand-ins in their
-                # place): whatever it lacks here is the stand-ins' gap, the harness's to mend (properties/blame.py)
-                e.harness_built_without_kernels = f"sglang.{cls.sglang_name} built without its kernels " \
-                                                  f"({cls.__module__}.{cls.__name__}.built_without_kernels)"
-                raise
+            inner = super().engine_backend(sgl, sgl_runner)
         if getattr(inner, "_get_scheduler_metadata", None) is not None:
             inner._get_scheduler_metadata = lambda **kwargs: None  # module docstring: SGLang's own answer
         return inner
