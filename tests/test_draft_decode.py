@@ -296,3 +296,32 @@ def test_a_draft_window_holding_the_padding_slot_is_the_adapters_error(monkeypat
     verdict = PROPERTIES["metadata"].run(parse("sglang.triton"), draft((5, 9), topk=2, steps=3), "cpu")
     assert not verdict.ok and "adapter_error" in verdict.details and "not distinct real slots" in verdict.reason, \
         str(verdict)
+
+
+def test_a_replayed_draft_step_is_read_as_the_leaf_reads_a_replayed_plan():
+    """FlashInfer MLA's replay plans from host indptrs and leaves its wrapper's device kv_indptr at the capture's
+    values: read as an eager plan, a replayed step showed the capture's key counts (seen on an H200, where the ledger's
+    plan-based condition then missed the known draft-graph bug). Each step is read with the leaf's ``planned_graph``
+    set as the last plan was made, and the leaf is left as it was."""
+    pytest.importorskip("sglang")
+    from types import SimpleNamespace
+
+    from backends.base import PlannedMetadata
+    from backends.sglang.draft import SglangMultiStepDraft
+
+    class Leaf:
+        inner, batches, planned_graph = "own", {}, "before"
+        seen: list = []
+
+        def planned_metadata(self):
+            self.seen.append((self.inner, self.planned_graph))
+            return PlannedMetadata()
+
+    for graph in (True, False):
+        draft = SglangMultiStepDraft.__new__(SglangMultiStepDraft)
+        draft.leaf, draft.inner, draft.sfb = Leaf(), SimpleNamespace(attn_backends=["step 0", "step 1"]), object()
+        draft.graph, draft.draft_window = graph, (0, 0)
+        draft.leaf.seen = []
+        assert len(draft.step_plans()) == 2
+        assert draft.leaf.seen == [("step 0", graph), ("step 1", graph)]
+        assert (draft.leaf.inner, draft.leaf.planned_graph) == ("own", "before")

@@ -192,12 +192,14 @@ class SglangMultiStepDraft:
 
     def step_plans(self) -> list:
         """Each step's plan as the leaf reads its backend's (``planned_metadata``), in step order (a graph's cut to
-        what its kernels read)."""
+        what its kernels read). A replayed step is read as the leaf reads a replayed plan (``planned_graph``): FlashInfer
+        MLA's replay plans from host indptrs and leaves its wrapper's device kv_indptr at the capture's values, which
+        no kernel reads (flashinfer.graph_plan)."""
         leaf, plans = self.leaf, []
         saved = leaf.inner, leaf.batches, leaf.planned_graph
         try:
             for step in self.inner.attn_backends:
-                leaf.inner, leaf.batches, leaf.planned_graph = step, {0: self.sfb}, False
+                leaf.inner, leaf.batches, leaf.planned_graph = step, {0: self.sfb}, self.graph
                 plan = leaf.planned_metadata()
                 if self.graph and plan.kv_indices is not None:
                     # A captured step keeps the capture's slice of the container's static index row: its kernels read
