@@ -49,11 +49,14 @@ What it covers today (anything else is refused with one line, exit 2):
 * a case that crashed inside SGLang: the file runs into the same crash (the layer SGLang crashed in);
 * the ``metadata`` property of ``sglang.triton`` (an eager plan of an EXTEND, MIXED or DECODE batch) and its
   ``graph_metadata`` property (a decode graph's plan at a padded replay): harness/export_metadata.py;
+* the ``metadata`` property of an MLA leaf's draft loop (``sglang.trtllm_mla``, ``sglang.cutedsl_mla``: the draft
+  worker's multi-step container from SGLang's factory over the kit's MLA runner, each step's plan judged against its
+  own keys): harness/export_draft.py;
 * the ``conformance`` property of any SGLang composition, class-level ones included.
 
-The other kinds named by issue 27 (other backends' plans and those of speculative batches, graph replay's outputs,
-the TBO split property and TBO over other compositions, GDN, Mamba-2 and short-convolution layers, MLA, the draft
-loop) are not exported yet.
+The other kinds named by issue 27 (other backends' plans and those of other speculative batches, graph replay's
+outputs, the TBO split property and TBO over other compositions, GDN, Mamba-2 and short-convolution layers, MLA's
+outputs, the draft loop's outputs) are not exported yet.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ from pathlib import Path
 import torch
 
 from backends.sglang.runtime import SERVER_ALGORITHMS
-from harness import export_kda, export_lightning, export_metadata
+from harness import export_draft, export_kda, export_lightning, export_metadata
 from harness.options import UsageError
 
 # The SGLang leaves whose classes SGLang's kit builds from a DenseAttentionCase: their attention-backend names
@@ -112,12 +115,15 @@ def _plan_leaf(composition: str, prop: str) -> str | None:
     return DENSE_LEAVES.get(composition.removeprefix("graph(").removesuffix(")") if graph else composition)
 
 
-def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str) -> str | None:
-    """Why a case of this kind cannot be exported (yet), or None."""
+def exportable_reason(composition: str, prop: str, mode: str, kv_cache_dtype: str, draft_window: int = 0) -> str | None:
+    """Why a case of this kind cannot be exported (yet), or None (``draft_window``: a draft loop's server draft
+    window, 0 for none)."""
     if prop == "conformance":
         if "sglang." not in composition or composition.startswith("graph("):
             return f"export covers the conformance of SGLang's own classes, not {composition}"
         return None
+    if export_draft.draft_case(composition, mode):
+        return export_draft.exportable_reason(composition, prop, mode, kv_cache_dtype, draft_window)
     if prop in export_metadata.PROPERTIES:
         return export_metadata.exportable_reason(_plan_leaf(composition, prop), prop, mode, kv_cache_dtype)
     kind, full = _linear_kind(composition)
@@ -447,7 +453,8 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
     from backends.registry import parse
 
     spec = case.spec
-    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype)
+    reason = exportable_reason(case.composition, case.property, spec.mode.value, spec.kv_cache_dtype,
+                               spec.spec.draft_window_size if spec.spec is not None else 0)
     if reason:
         raise UsageError(f"cannot export {case.composition} {case.property}: {reason}")
     composition = parse(case.composition)
@@ -465,6 +472,8 @@ def build(case, device: str, case_path: Path | None = None) -> Export:
     kind, _ = _linear_kind(case.composition)
     if kind is not None:
         return _build_linear(case, composition, device, case_path, kind)
+    if export_draft.covers(case.composition, case.property, spec.mode.value):
+        return _build_draft(case, composition, device, case_path)
     if case.property in export_metadata.PROPERTIES:
         return _build_metadata(case, composition, device, case_path)
     return _build_outputs(case, composition, device, case_path, crossed if case.property == REFUSAL else None)
@@ -667,6 +676,62 @@ def _build_metadata(case, composition, device: str, case_path: Path | None) -> E
         plans_note=("at the graph's capture (its static batch, every row padding) and at the replay (the real "
                     "requests, then the padding)" if graph else "the eager batch"),
         check_source=source)
+    return Export(text, {}, True, not verdict.ok, verdict.reason)
+
+
+def _build_draft(case, composition, device: str, case_path: Path | None) -> Export:
+    """A draft loop's plan case (harness/export_draft.py): the container planned as the property plans it; the file
+    gets the draft batch SGLang was handed, the request rows it reads and, step by step, the keys each step must
+    read (properties/metadata.py ``draft_step_batch``), all over one renumbering of the pages."""
+    from properties import PROPERTIES as CHECKS
+    from properties.metadata import draft_step_batch, planned_case
+
+    spec = case.spec
+    verdict = CHECKS[case.property].run(composition, spec, device)
+    if verdict.details.get("adapter_error"):  # the harness's own code: never handed over as SGLang's
+        raise UsageError(f"cannot export {case.composition} {case.property}: the harness's own code failed in the "
+                         f"replay ({verdict.reason[:200]})")
+    drafter, planned = planned_case(composition, spec, device)  # the same plan again, for what SGLang was handed
+    sfb, fb = drafter.sfb, planned.forward_batch
+    if sfb is None:
+        raise UsageError(f"cannot export {case.composition} {case.property}: the replay planned no draft batch")
+    steps = spec.spec.spec_steps - 1
+    expected = []
+    for step in range(steps):
+        want = draft_step_batch(spec, fb, step)
+        expected.append([want.req_to_token[b, :n + 1].tolist() for b, n in enumerate(want.extend_prefix_lens_cpu)])
+    loc = sfb.out_cache_loc.to("cpu", torch.int64).tolist()
+    # Each request row as far as a step's keys or a draft slot reach into it
+    rows = {}
+    for r, row in enumerate(sfb.req_pool_indices.tolist()):
+        full = fb.req_to_token[row].to("cpu", torch.int64).tolist()
+        mine = loc[r * len(loc) // sfb.batch_size:(r + 1) * len(loc) // sfb.batch_size]
+        reach = max(full.index(s) for s in mine + [k for keys in expected for k in keys[r * drafter.topk]])
+        rows[row] = full[:reach + 1]
+    flat = [k for keys in expected for branch in keys for k in branch]
+    renumbered = _compact_slots(list(rows.values()) + [loc, flat], spec.page_size)
+    rows = dict(zip(rows, renumbered[:len(rows)]))
+    loc, flat = renumbered[len(rows)], iter(renumbered[len(rows) + 1])
+    expected = [[[next(flat) for _ in branch] for branch in keys] for keys in expected]
+    batch = {"batch_size": sfb.batch_size, "req_pool_indices": sfb.req_pool_indices.tolist(),
+             "seq_lens": sfb.seq_lens.tolist(), "positions": sfb.positions.tolist(), "out_cache_loc": loc}
+    layer = next(layer for layer in spec.layers if layer.kind == "mla")
+    leaf = export_draft.LEAVES[case.composition]
+    header = _header(case, device, case_path, verdict.reason, export_draft.server_configuration(leaf, spec),
+                     f"{'fails' if not verdict.ok else 'passes'}: {verdict.reason}",
+                     f"SGLang {export_draft.MLA_KIT_SINCE} or newer, whose wheel ships the attention unit-test kit's "
+                     f"MLA fixture this file builds with")
+    text = header + export_draft.DRAFT.substitute(
+        kit_import=KIT_IMPORT.substitute(module="mla_attention", kit="attention unit-test kit's MLA fixture",
+                                         since=export_draft.MLA_KIT_SINCE),
+        backend=leaf, plan_level=leaf in export_draft.PLAN_LEVEL, dtype=spec.dtype, page_size=spec.page_size,
+        mla=repr({"num_heads": layer.num_heads, "kv_lora_rank": layer.kv_lora_rank,
+                  "qk_rope_head_dim": layer.qk_rope_head_dim}),
+        topk=spec.spec.topk, num_steps=spec.spec.spec_steps, rows=_literal(rows), batch=_literal(batch),
+        expected_keys=repr(expected),
+        check_source=_source_of("_indptr_problem", "_sizes_problem", "_window_problem", "check_plan",
+                                module="properties.metadata"),
+        page_table_source=_source_of("page_table_lists", module="backends.sglang.adapter"))
     return Export(text, {}, True, not verdict.ok, verdict.reason)
 
 

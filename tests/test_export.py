@@ -63,14 +63,27 @@ def refusing():
 # SGLang with the fixes the triage pages propose: an idle linear layer answered by the interface it used
 # (sglang-hybrid-idle-lightning.md), no cast of a lightning layer's q and output to the KV cache's dtype, which
 # a linear layer has no cache of (sglang-lightning-fp8-decode.md), and KDA's prefill on its token-parallel
-# intra-chunk path, which has no clamped exponent (sglang-kda-fused-intra-clamp.md).
+# intra-chunk path, which has no clamped exponent (sglang-kda-fused-intra-clamp.md); and TRT-LLM MLA's draft steps
+# (CuTe DSL MLA's container is its subclass) each planned over its own keys, seq_lens + step + 1, as TRT-LLM MHA's
+# steps are (sglang-mla-draft-steps-read-committed-prefix.md).
 FIXING = '''
 def fixing():
+    import copy
+
     from sglang.kernels.ops.attention.fla import kda
     from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
     from sglang.srt.layers.attention.linear.lightning_backend import LightningAttentionBackend
+    from sglang.srt.layers.attention.trtllm_mla_backend import TRTLLMMLAMultiStepDraftBackend
 
     forward, init, intra = HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__, kda.chunk_kda_fwd_intra
+    draft_plan = TRTLLMMLAMultiStepDraftBackend.init_forward_metadata
+
+    def own_keys_per_step(self, forward_batch):
+        for i in range(self.speculative_num_steps - 1):
+            step = copy.copy(forward_batch)
+            step.seq_lens, step.seq_lens_cpu = forward_batch.seq_lens + i + 1, forward_batch.seq_lens_cpu + i + 1
+            step.seq_lens_sum = forward_batch.seq_lens_sum + (i + 1) * forward_batch.batch_size
+            self.attn_backends[i].init_forward_metadata(step)
 
     def token_parallel_intra(*args, **kwargs):
         return intra(*args, **{**kwargs, "fuse_diagonal": False, "fuse_recompute": False})
@@ -87,10 +100,12 @@ def fixing():
 
     HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = fixed_forward, fixed_init
     kda.chunk_kda_fwd_intra = token_parallel_intra
+    TRTLLMMLAMultiStepDraftBackend.init_forward_metadata = own_keys_per_step
 
     def undo():
         HybridLinearAttnBackend.forward, LightningAttentionBackend.__init__ = forward, init
         kda.chunk_kda_fwd_intra = intra
+        TRTLLMMLAMultiStepDraftBackend.init_forward_metadata = draft_plan
     return undo
 '''
 
@@ -446,6 +461,42 @@ def test_wrapped_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(
               r"RuntimeError: The expanded size of the tensor \(5\) must match the existing size \(3\)")
     trip.passed("test_tbo_extend.py")
     for name in ("test_fixed_fp8_decode.py", "test_fixed_idle.py"):
+        trip.passed(name)
+
+
+def _three_chains(batch: dict) -> None:
+    """Three requests (one across a page boundary's first slot, one a page's last), two draft steps each."""
+    batch.update(prefix_lens=[5, 40, 31], extend_lens=[2, 2, 2])
+    batch["spec"].update(spec_steps=3, draft_token_num=2, parents=[[-1, 0]] * 3, accept_lens=[1, 1, 1])
+
+
+@prepares
+def _draft_plan_files(trip: RoundTrip) -> None:
+    cases = ROOT / "docs/findings/cases"
+    trtllm = trip.export(cases / "sglang-trtllm-mla-draft-steps-read-committed-prefix.json", "test_trtllm_mla_draft.py")
+    cutedsl = trip.export(cases / "sglang-cutedsl-mla-draft-steps-read-committed-prefix.json", "test_cutedsl_draft.py")
+    three = trip.export(_variant(cases / "sglang-trtllm-mla-draft-steps-read-committed-prefix.json",
+                                 trip.folder.parent / "three.json", _three_chains), "test_trtllm_mla_three.py")
+    for exported in (trtllm, cutedsl, three):
+        trip.copy(exported, exported.name.replace("test_", "test_fixed_"), "fixing")
+
+
+@needs_kit
+def test_mla_draft_plan_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(trip):
+    """The MLA draft containers' ledger entries that plan on a CPU (TRT-LLM MLA's and CuTe DSL MLA's, planned as on
+    Blackwell), exported and run in a fresh process without this project: SGLang's own DraftBackendFactory builds
+    the container over the kit's MLA runner, plans the draft batch once, and each step's plan is judged by the
+    harness's check against its own keys. Each fails as triaged (step 0 reads the committed prefix: 5 keys, not 6);
+    with each step planned over seq_lens + step + 1 (the triage page's fix) each passes, three requests over two
+    steps included."""
+    text = (trip.folder / "test_trtllm_mla_draft.py").read_text()
+    assert "--speculative-algorithm EAGLE --speculative-num-steps 2" in " ".join(text.split())
+    assert "Triage: docs/findings/sglang-mla-draft-steps-read-committed-prefix.md" in text
+    for name in ("test_trtllm_mla_draft.py", "test_cutedsl_draft.py"):
+        trip.failed(name, only=True)
+        trip.says(name, r"AssertionError: draft step 0: key lengths \[5\]\.\.\., expected \[6\]")
+    trip.says("test_trtllm_mla_three.py", r"key lengths \[5, 40, 31\]\.\.\., expected \[6, 41, 32\]")
+    for name in ("test_fixed_trtllm_mla_draft.py", "test_fixed_cutedsl_draft.py", "test_fixed_trtllm_mla_three.py"):
         trip.passed(name)
 
 
