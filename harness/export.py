@@ -388,6 +388,33 @@ class Export:
     inline: bool
     failed: bool  # whether the harness's replay, at export, failed the case's check
     summary: str  # what it measured there, one line
+    crashed: str | None = None  # the exception SGLang raised in the replay (a crash case), else None
+
+    def raises(self) -> set[str]:
+        """What a failing test of the file may end with: its own checks' AssertionError, or the crash it runs into
+        (``crashed: TYPE: ...``). Anything else (an import, a setup step of the file) is not the case's mechanism."""
+        return {"AssertionError"} | ({self.crashed} if self.crashed else set())
+
+
+def crash_type(reason: str) -> str:
+    """The exception's name in a crash reason (properties/blame.py ``crash_reason``: ``crashed: TYPE: ...``)."""
+    return reason.removeprefix("crashed: ").split(":", 1)[0].strip()
+
+
+def unlike_the_replay(export: Export, output: str) -> str | None:
+    """Why a failing exported file did not fail as the harness's replay did, read from pytest's short summary
+    (``FAILED file::test - TYPE: message``; ``ERROR``: a collection or setup error), or None where every failure is
+    one the file's mechanism raises (:meth:`Export.raises`)."""
+    lines = re.findall(r"^(FAILED|ERROR) (\S+)(?: - ([\w.]+))?", output, flags=re.M)
+    if not lines:
+        return "pytest's summary names no failing test"
+    allowed = export.raises()
+    for outcome, test, raised in lines:
+        name = (raised or "").rsplit(".", 1)[-1]
+        if outcome == "ERROR" or name not in allowed:
+            return (f"{test} {'errored' if outcome == 'ERROR' else 'failed'} with {raised or 'no exception named'}, "
+                    f"not {' or '.join(sorted(allowed))}")
+    return None
 
 
 def _compact_slots(slots: list[list[int]], page_size: int, padding: bool = False) -> list[list[int]]:
@@ -623,7 +650,7 @@ def _build_outputs(case, composition, device: str, case_path: Path | None, cross
         use_fp8_cache=USE_FP8_CACHE if spec.kv_cache_dtype == "fp8_e4m3" else "",
     )
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline, bool(failed),
-                  f"layer {layer_id}: {measured_text}")
+                  f"layer {layer_id}: {measured_text}", crash_type(crashed) if crashed else None)
 
 
 def _build_metadata(case, composition, device: str, case_path: Path | None) -> Export:
@@ -879,7 +906,8 @@ def _build_linear(case, composition, device: str, case_path: Path | None, kind) 
         check=LINEAR_CHECK, build_backend=LINEAR_BUILD.substitute(server=kind.SERVER, linear=kind.BACKEND_CLASS),
         **own)
     return Export(text, {k: t.contiguous() for k, t in tensors.items()}, inline,
-                  crashed is not None or "out of bounds" in headline, f"{name} layer {layer_id}: {measured_text}")
+                  crashed is not None or "out of bounds" in headline, f"{name} layer {layer_id}: {measured_text}",
+                  crash_type(crashed) if crashed else None)
 
 
 def _class_at(obj) -> tuple[str, str]:
@@ -1352,8 +1380,9 @@ def run_layer(backend, layer, forward_batch, q, k, v):
         for half, child in zip(forward_batch.tbo_children, backend.children):
             n = half.input_ids.shape[0]
             with torch.no_grad(), kit.forward_context(kit.ForwardContext(attn_backend=child)):
-                outs.append(layer(q[start:start + n].reshape(n, -1), k[start:start + n].reshape(n, -1),
-                                  v[start:start + n].reshape(n, -1), half))
+                # (flatten, not reshape(n, -1): a half may hold no token, a decode of one request split in two)
+                outs.append(layer(q[start:start + n].flatten(1), k[start:start + n].flatten(1),
+                                  v[start:start + n].flatten(1), half))
             start += n
         out = torch.cat(outs)
     return out.reshape(T, RADIX["num_heads"], RADIX["v_head_dim"]).double().cpu()

@@ -428,6 +428,9 @@ def _wrapped_files(trip: RoundTrip) -> None:
                 "test_tbo_extend.py")
     trip.copy(fp8, "test_fixed_fp8_decode.py", "fixing")
     trip.copy(idle, "test_fixed_idle.py", "fixing")
+    # a decode of one request, which SGLang's splitter cuts into a half with no token (its bug, unsliced M-RoPE
+    # positions, lives in 0.5.10 only): the file runs the empty half as the server does
+    trip.export(cases / "sglang-tbo-mrope-unsliced.json", "test_tbo_one_decode.py")
 
 
 @needs_kit
@@ -460,6 +463,7 @@ def test_wrapped_cases_export_to_files_that_fail_as_triaged_and_pass_when_fixed(
     trip.says("test_tbo_mixed.py",
               r"RuntimeError: The expanded size of the tensor \(5\) must match the existing size \(3\)")
     trip.passed("test_tbo_extend.py")
+    trip.passed("test_tbo_one_decode.py")
     for name in ("test_fixed_fp8_decode.py", "test_fixed_idle.py"):
         trip.passed(name)
 
@@ -588,16 +592,23 @@ def test_mutant_cases_fail_under_their_fault_and_pass_without_it(trip):
 
 
 @needs_kit
-@pytest.mark.parametrize("status, says, code", [(1, "fails on its own, as the harness's replay did", 0),
-                                               (0, "passes on its own, NOT as the harness's replay did", 1)])
-def test_export_check_says_whether_the_file_fails_as_the_harness_did(tmp_path, capsys, monkeypatch, status, says,
-                                                                    code):
-    """`export --check`'s verdict on what the fresh process reported (the process itself: the test above)."""
+@pytest.mark.parametrize("status, raised, says, code", [
+    (1, "AssertionError", "fails on its own, as the harness's replay did", 0),
+    (0, None, "passes on its own, NOT as the harness's replay did", 1),
+    # a file that fails on its own setup (seen: a configuration step before SGLang had published its configuration)
+    (1, "ValueError", "fails on its own, NOT as the harness's replay did: test_swa_decode.py::test_outputs_match_"
+                      "float64_attention failed with ValueError, not AssertionError", 1)])
+def test_export_check_says_whether_the_file_fails_as_the_harness_did(tmp_path, capsys, monkeypatch, status, raised,
+                                                                    says, code):
+    """`export --check`'s verdict on what the fresh process reported (the process itself: the test above): a failing
+    file must fail by its own check (or the crash it runs into), not on anything else."""
     import harness.export
 
     ran = []
+    output = (f"FAILED test_swa_decode.py::test_outputs_match_float64_attention - {raised}: what it said\n"
+              if raised else "1 passed\n")
     monkeypatch.setattr(harness.export, "run_exported",
-                        lambda path, stand_ins=False: ran.append(path) or (status, "the file's pytest output"))
+                        lambda path, stand_ins=False: ran.append(path) or (status, output))
     out = tmp_path / "test_swa_decode.py"
     assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out", str(out),
                  "--check"]) == code

@@ -145,6 +145,10 @@ def test_its_draft_steps_read_their_chain_and_one_that_does_not_fails(monkeypatc
     assert verdict.ok is offset, str(verdict)
     if not offset:
         assert "draft step 0: key lengths [5, 40, 3" in verdict.reason, str(verdict)
+        # what the ledger's MLA draft entries read (properties/metadata.py draft_plans_read), eager and from the
+        # replayed steps' plans with the padded row held apart (a replayed step read as a replayed plan: draft.py
+        # step_plans; FlashInfer MLA's read as eager ones showed the capture's counts on the H200)
+        assert verdict.details.get("draft_step_reads") == "committed prefix", str(verdict.details)
 
 
 @pytest.mark.parametrize("fault, expected", [
