@@ -729,6 +729,11 @@ class BatchSpec:
                 _require(s.is_chain(), "linear-attention layers verify chains only (topk=1): spec.parents must be chains")
         if m.is_draft_extend():
             _require(self.extend_lens == s.accept_lens, "draft_extend batches have extend_lens == spec.accept_lens")
+            # EAGLE's draft extend after a verify (DRAFT_EXTEND_V2) extends what earlier steps cached, the prompt at
+            # least; the draft extend after a prefill is an EXTEND batch (eagle_worker_v2.py _draft_extend_for_prefill)
+            _require(min(self.prefix_lens, default=1) >= 1,
+                     "draft_extend batches extend a cached prefix in every request (the prompt at least): "
+                     "prefix_lens >= 1")
 
     def _validate_draft_decode(self) -> None:
         s = self.spec

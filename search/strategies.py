@@ -302,9 +302,10 @@ def batch_specs(draw, profile: Profile, mode: ForwardMode, kinds: frozenset[str]
         spec_input = SpecInput(len(forest), topk, steps, tuple(forest for _ in range(B)), (1,) * B,
                                draft_window_size=window, draft_sink_size=sink)
     elif mode is ForwardMode.DRAFT_EXTEND:
-        # Ragged accepted lengths: each request extends by what verification accepted of its branch.
+        # Ragged accepted lengths: each request extends by what verification accepted of its branch, after what
+        # earlier steps cached (its prompt at least: batch.spec's rule)
         steps = 1 if shape == SINGLE_TOKEN else draw(st.integers(1, 4))
-        prefix = [prefix_len(0) for _ in range(B)]
+        prefix = [prefix_len(1) for _ in range(B)]
         extend = [steps + 1 if fixed_width else 1 if shape == SINGLE_TOKEN else _accept(draw, steps + 1)
                   for _ in range(B)]
         spec_input = SpecInput(steps + 1, 1, steps, tuple(tuple(range(-1, steps)) for _ in range(B)), tuple(extend))

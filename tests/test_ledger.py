@@ -367,7 +367,7 @@ def test_a_speculative_window_is_known_only_where_the_request_trim_lets_a_token_
     graph = "graph(sglang.flashinfer)"
     assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(2, 1), at(1), "cuda") is not None
     assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(2, 1), at(0), "cuda") is not None  # 2 > 1
-    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(0, 1), at(1), "cuda") is None  # 2 keys: in
+    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(1, 2), at(1), "cuda") is None  # 2 keys: in
     # the eager draft extend plans its window per token (spec_info=None there): not this entry
     assert ledger.match(fi, "draft_extend", "outputs", draft_extend(2, 1), at(1), "cuda") is None
 

@@ -86,7 +86,7 @@ def test_unavailable_reason_names_the_install_command_and_never_a_version(monkey
 needs_sglang = pytest.mark.skipif(runtime.unavailable_reason() is not None,
                                   reason=f"SGLang extra: {runtime.unavailable_reason()}")
 MHA = MHALayer(0, 4, 2, 32, 32)
-DRAFT_EXTEND = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 9), (3, 1, 2), (MHA,),
+DRAFT_EXTEND = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 1, 9), (3, 1, 2), (MHA,),
                          spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 3, (3, 1, 2)), seed=11)
 
 
@@ -131,10 +131,10 @@ def test_draft_extend_is_sglangs_eagle_draft_extend_input(device):
     assert type(info).__name__ == "EagleDraftExtendInput"
     assert info.num_accept_tokens_cpu == [3, 1, 2] and info.extend_seq_lens_tensor.tolist() == [3, 1, 2]
     assert info.num_correct_drafts.tolist() == [2, 0, 1] and info.num_tokens_per_req == 3
-    assert sfb.seq_lens.tolist() == [7, 1, 11]  # prefix + accepted: the length after the extend writes
+    assert sfb.seq_lens.tolist() == [7, 2, 11]  # prefix + accepted: the length after the extend writes
     # SGLang plans it as an extend: the prefix from the cache, qo_indptr from the accepted counts
     meta = backend.planned_metadata()
-    assert meta.qo_indptr.tolist() == [0, 3, 4, 6] and meta.kv_indptr.tolist() == [0, 4, 4, 13]
+    assert meta.qo_indptr.tolist() == [0, 3, 4, 6] and meta.kv_indptr.tolist() == [0, 4, 5, 14]
 
 
 @needs_sglang
@@ -148,7 +148,7 @@ def test_an_empty_idle_batch_is_never_planned(term, device):
 
 @needs_sglang
 @pytest.mark.parametrize("term, spec", [
-    ("graph(sglang.triton)", BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 9), (3, 3, 3), (MHA,),
+    ("graph(sglang.triton)", BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 1, 9), (3, 3, 3), (MHA,),
                                        spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 3, (3, 3, 3)), seed=12)),
 ], ids=["draft_extend"])
 def test_sglang_graph_replay_runs_sglangs_three_methods(term, spec, device):

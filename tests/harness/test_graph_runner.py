@@ -23,7 +23,7 @@ LIN = LinearLayer(0, 2, 4, 16, 16)
 MHA = MHALayer(1, 4, 2, 32, 32)
 VERIFY = BatchSpec(ForwardMode.TARGET_VERIFY, (4, 7, 2), (3, 3, 3), (MHA,),
                    spec=SpecInput(3, 2, 2, ((-1, 0, 0), (-1, 0, 1), (-1, 0, 0)), (2, 3, 1)), seed=4)
-DRAFT_EXTEND = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0, 6), (3, 3, 3), (LIN,),
+DRAFT_EXTEND = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 1, 6), (3, 3, 3), (LIN,),
                          spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 3, (3, 3, 3)), seed=5)
 
 
@@ -99,7 +99,7 @@ def test_padded_rows_are_fill_rows_and_their_inputs_poisoned():
     assert s.req_pool_indices[3] == 0 and s.seq_lens[3] == runner.fill and s.out_cache_loc[9:].eq(0).all()
     assert s.seq_lens[:3].tolist() == fb.seq_lens.tolist()
     # draft extend reads seq_lens - width cached keys; a padded row's prefix clamps at 0
-    assert s.extend_prefix_lens_cpu == [4, 0, 6, 0]
+    assert s.extend_prefix_lens_cpu == [4, 1, 6, 0]
     assert s.spec_info.accept_length.tolist() == [3, 3, 3, 3] and s.spec_info.parents.shape == (4, 3)
     x = runner.inputs[0].tensors["mixed_qkv"]
     assert torch.isnan(x[9:]).all() and torch.equal(x[:9], case.inputs[0].tensors["mixed_qkv"])
@@ -119,7 +119,7 @@ def test_verify_padding_extends_the_tree_mask():
 
 def test_a_graph_refuses_batches_it_cannot_replay():
     runner, case = _runner(DRAFT_EXTEND)
-    ragged = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 0), (3, 1), (LIN,),
+    ragged = BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 1), (3, 1), (LIN,),
                        spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 2, (3, 1)), seed=6)
     with pytest.raises(ValueError, match="tokens per request"):
         runner.replay(materialize(ragged).forward_batch, materialize(ragged).inputs)

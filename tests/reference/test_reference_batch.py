@@ -144,7 +144,7 @@ def mha_layer(layer_id=0, **kw) -> MHALayer:
               spec=SpecInput(5, 4, 3, ((-1, 0, 0, 0, 1), (-1, 0, 0, 1, 3)), (1, 3))),
     # Requests with an empty extend after a cached prefix, first and last.
     BatchSpec(ForwardMode.EXTEND, (6, 0, 9), (0, 4, 0), (mha_layer(0, sliding_window=3),), page_size=4, seed=10),
-    BatchSpec(ForwardMode.DRAFT_EXTEND, (0, 11), (3, 1), (mha_layer(0, logit_cap=2.0),), seed=6,
+    BatchSpec(ForwardMode.DRAFT_EXTEND, (1, 11), (3, 1), (mha_layer(0, logit_cap=2.0),), seed=6,
               spec=SpecInput(3, 1, 2, ((-1, 0, 1), (-1, 0, 1)), (3, 1))),
     # mRoPE with an image inside the new tokens and one in the prefix.
     BatchSpec(ForwardMode.EXTEND, (4, 10), (12, 6), (mha_layer(0, d=16), MLALayer(1, 4, 16, 16, 32, 16)), seed=7,
