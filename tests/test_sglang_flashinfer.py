@@ -29,14 +29,16 @@ def test_declared_as_sglang_cuda_leaves(name):
     assert caps.dtypes == {"bfloat16", "float16"}  # FlashInfer has no float32 attention
     assert caps.attention_kinds == ({"mha"} if name == "sglang.flashinfer" else {"mla"})
     # Every mode listed is served. Both backends' draft workers run the draft loop (FlashInferMultiStepDraftBackend,
-    # FlashInferMLAMultiStepDraftBackend); the MHA one's also draft extends.
+    # FlashInferMLAMultiStepDraftBackend) and EAGLE v2's draft extend (the MLA one's over its fixed window: seen on an
+    # H200, harness-out/gpu100.sh and gpu102.sh)
     served = {ForwardMode.EXTEND, ForwardMode.DECODE, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE}
-    drafting = {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE} if name == "sglang.flashinfer" \
-        else {ForwardMode.DRAFT_DECODE}
-    assert caps.modes == served | drafting
+    assert caps.modes == served | {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE}
+    assert caps.fixed_width_draft_extend == (name == "sglang.flashinfer_mla")
     # The graphs SGLang captures for each: the MLA backend's out_graph raises for anything but decode/idle and verify
     # (its draft container's steps capture decodes)
     graphs = {ForwardMode.DECODE, ForwardMode.IDLE, ForwardMode.TARGET_VERIFY}
+    drafting = {ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_DECODE} if name == "sglang.flashinfer" \
+        else {ForwardMode.DRAFT_DECODE}
     assert caps.cuda_graph_modes == graphs | drafting
     assert caps.cuda_graph_modes <= caps.modes
     reason = caps.unavailable_reason("cpu")

@@ -9,6 +9,8 @@ under the hybrid."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,6 +63,11 @@ LAYERS = (MHALayer(0, 4, 2, 64, 64),)
 
 def _spec(mode, prefix, extend, page_size=16, **kw) -> BatchSpec:
     return BatchSpec(mode, tuple(prefix), tuple(extend), LAYERS, page_size=page_size, dtype="bfloat16", seed=3, **kw)
+
+
+def _window(D: int, B: int) -> SpecInput:
+    """EAGLE v2's draft extend of B requests, each its whole window of D tokens (a fixed width)."""
+    return dataclasses.replace(_chain(D, B), accept_lens=(D,) * B)
 
 
 def _chain(D: int, B: int) -> SpecInput:
@@ -283,8 +290,10 @@ def test_trtllm_mla_plans_here_and_says_why_its_kernels_do_not_run():
     assert caps.plan_only == fi.TRTLLM_MLA_KERNELS and not caps.class_only
     m = matrix("cpu", PROFILES["ci"], ["sglang.trtllm_mla", "tbo(sglang.trtllm_mla)"])
     assert {r.property.name for r in m.rows} == {"metadata", "conformance"}
-    # every mode it serves, its draft worker's loop too (its container plans its steps on a CPU from 0.5.23)
-    assert {r.mode for r in m.rows if r.property.name == "metadata"} == set(fi.FLASHINFER_MLA_MODES)
+    # every mode it serves, its draft worker's loop and EAGLE v2's draft extend too (its container plans its steps
+    # on a CPU from 0.5.23)
+    assert {r.mode for r in m.rows if r.property.name == "metadata"} == \
+        set(fi.FLASHINFER_MLA_MODES) | {ForwardMode.DRAFT_EXTEND}
     # Under SGLang's linear hybrid (Kimi Linear's MLA beside KDA) its classes are read, as a class-level leaf's: the
     # hybrid's class must reach every member TRT-LLM MLA overrides (its init_mha_chunk_metadata among them)
     hybrid = parse("hybrid(sglang.trtllm_mla,sglang.kda)")
@@ -300,7 +309,9 @@ def test_trtllm_mla_plans_here_and_says_why_its_kernels_do_not_run():
     _mla_spec(ForwardMode.DECODE, (31, 64), (1, 1), page_size=32),
     _mla_spec(ForwardMode.MIXED, (4, 7), (3, 1)),
     _mla_spec(ForwardMode.TARGET_VERIFY, (6, 11), (4, 4), spec=_chain(4, 2)),
-], ids=["extend", "decode", "decode-page32", "mixed", "verify"])
+    # EAGLE v2's draft extend: every request's whole window (accepted tokens first, the rest padding)
+    _mla_spec(ForwardMode.DRAFT_EXTEND, (6, 70), (3, 3), spec=_window(3, 2)),
+], ids=["extend", "decode", "decode-page32", "mixed", "verify", "draft-extend"])
 # CuTe DSL MLA overrides TRT-LLM MLA's kernels only: the same planning, its own rows
 @pytest.mark.parametrize("composition", ["sglang.trtllm_mla", "tbo(sglang.trtllm_mla)", "sglang.cutedsl_mla"])
 def test_trtllm_mla_eager_plans_satisfy_the_invariants(batch, composition):
@@ -315,6 +326,8 @@ def test_trtllm_mla_eager_plans_satisfy_the_invariants(batch, composition):
     ("block_kv_indices", ForwardMode.DECODE, "kv_indices hold"),  # each request's pages read from the next one's row
     ("seq_lens_k", ForwardMode.TARGET_VERIFY, "key lengths"),  # the drafts' keys one short
     ("cum_seq_lens", ForwardMode.EXTEND, "qo_indptr"),  # the ragged prefill's query rows one off
+    ("cu_seqlens_q", ForwardMode.DRAFT_EXTEND, "qo_indptr"),  # a draft extend's query windows one off
+    ("seq_lens_k", ForwardMode.DRAFT_EXTEND, "key lengths"),  # its windows' last keys not read
 ])
 def test_a_wrong_trtllm_mla_plan_fails_the_metadata_property(monkeypatch, fault, mode, expected):
     _mla_plan_level()
@@ -329,12 +342,15 @@ def test_a_wrong_trtllm_mla_plan_fails_the_metadata_property(monkeypatch, fault,
             table.copy_(table.roll(1, 0))
         elif fault == "seq_lens_k":
             self.forward_decode_metadata.seq_lens_k.sub_(1)
+        elif fault == "cu_seqlens_q":
+            self.forward_decode_metadata.cu_seqlens_q[1:] += 1
         else:
             self.forward_prefill_metadata.cum_seq_lens[1:] += 1
     monkeypatch.setattr(trt.TRTLLMMLABackend, "init_forward_metadata", init)
     batch = {ForwardMode.DECODE: _mla_spec(ForwardMode.DECODE, (9, 70), (1, 1)),
              ForwardMode.TARGET_VERIFY: _mla_spec(ForwardMode.TARGET_VERIFY, (6, 11), (3, 3), spec=_chain(3, 2)),
-             ForwardMode.EXTEND: _mla_spec(ForwardMode.EXTEND, (0, 5), (4, 2))}[mode]
+             ForwardMode.EXTEND: _mla_spec(ForwardMode.EXTEND, (0, 5), (4, 2)),
+             ForwardMode.DRAFT_EXTEND: _mla_spec(ForwardMode.DRAFT_EXTEND, (6, 70), (3, 3), spec=_window(3, 2))}[mode]
     verdict = PROPERTIES["metadata"].run(parse("sglang.trtllm_mla"), batch, "cpu")
     assert not verdict.ok and expected in verdict.reason, str(verdict)
 

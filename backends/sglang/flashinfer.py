@@ -407,13 +407,15 @@ class SglangTrtllmMla(SglangPlanOnly):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
-        modes=FLASHINFER_MLA_MODES,
+        modes=FLASHINFER_MLA_MODES | {ForwardMode.DRAFT_EXTEND},
         **MLA_DRAFT,
+        fixed_width_draft_extend=True,
         # Its graphs plan decode, idle and verify outside the graph (init_forward_metadata_out_graph,
         # _apply_cuda_graph_metadata: trtllm_mla_backend.py:604-772) on state its FlashInfer MLA base allocates on
         # "cuda" by name (flashinfer_mla_backend.py:506): planned on a GPU (built as on Blackwell there too), not on a
         # CPU
-        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
+        # draft extend's too (_apply_cuda_graph_metadata's DRAFT_EXTEND_V2 branch, a fixed query window)
+        cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES | {ForwardMode.DRAFT_EXTEND},
         cpu_gaps=(("graph_metadata", "its graph state is allocated on 'cuda' by name (FlashInferMLAAttnBackend."
                                      "init_cuda_graph_state, flashinfer_mla_backend.py:506)"),),
         # DeepSeek's bf16, and fp16, which the CPU profile draws: its planning does not read the model's dtype (no
@@ -467,7 +469,7 @@ class SglangCutedslMla(SglangTrtllmMla):
                   "has run none")
 
 
-TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k"})
+TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k", "cu_seqlens_q", "seq_lens_q"})
 
 
 def trtllm_mla_plan(meta, page_size: int, batch_seq_lens: torch.Tensor) -> PlannedMetadata:
@@ -479,7 +481,10 @@ def trtllm_mla_plan(meta, page_size: int, batch_seq_lens: torch.Tensor) -> Plann
     planned = meta.seq_lens_k
     indptr, indices = page_table_lists(meta.block_kv_indices, planned if planned is not None else batch_seq_lens,
                                        page_size)
-    return PlannedMetadata(kv_indptr=indptr, kv_indices=indices, kv_indices_are_pages=page_size > 1,
+    # A draft extend's query layout (cu_seqlens_q over seq_lens_q, each request's accepted window: EAGLE v2's fixed
+    # width); a decode's and a verify's queries are the batch's fixed rows, planned nowhere
+    qo = meta.cu_seqlens_q if getattr(meta, "max_seq_len_q", None) is not None else None
+    return PlannedMetadata(qo_indptr=qo, kv_indptr=indptr, kv_indices=indices, kv_indices_are_pages=page_size > 1,
                            kv_includes_new_tokens=True, key_lens=planned,
                            unread=unread_fields(meta, TRTLLM_MLA_READ))
 
@@ -493,7 +498,14 @@ class SglangFlashInferMLA(DeepseekMla):
     capabilities = Capabilities(
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
-        modes=FLASHINFER_MLA_MODES,
+        # EAGLE v2's draft extend (DeepSeek's MTP draft model): a paged prefill over each request's fixed window,
+        # planned from host indptrs (init_forward_metadata's DRAFT_EXTEND_V2 fast plan). A draft extend whose every
+        # request had nothing cached would take the ragged wrapper (extend_no_prefix) and come out inf on the H200
+        # (harness-out/gpu101.sh, mlade.py); none is reachable (a draft extend after a verify extends a cached prompt,
+        # batch.spec's rule), and one request with a prefix takes the paged path and passes
+        modes=FLASHINFER_MLA_MODES | {ForwardMode.DRAFT_EXTEND},
+        fixed_width_draft_extend=True,
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         **MLA_DRAFT,
         cuda_graph_modes=FLASHINFER_MLA_GRAPH_MODES,
         dtypes=FLASHINFER_DTYPES,
@@ -549,8 +561,11 @@ def _flashmla_capabilities(unrunnable: str | None) -> Capabilities:
         attention_kinds=frozenset({"mla"}),
         engine_features=("deepseek_mla",),
         # Decode and idle, target verify (FlashMLA's decode kernel over each request's fixed query window, causal),
-        # extends and mixed batches through its FlashInfer MLA parent (init_forward_metadata's last branch)
-        modes=FLASHINFER_MLA_MODES,
+        # extends and mixed batches through its FlashInfer MLA parent (init_forward_metadata's last branch); EAGLE v2's
+        # draft extend on its fixed-query decode kernel, every window num_draft_tokens wide
+        modes=FLASHINFER_MLA_MODES | {ForwardMode.DRAFT_EXTEND},
+        fixed_width_draft_extend=True,
+        wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),
         **MLA_DRAFT,
         # Its graphs: decode, idle and verify over static page-table and scheduler buffers
         # (_apply_decode_target_verify_metadata, flashmla_backend.py:328-430)
