@@ -710,6 +710,7 @@ def _build_draft(case, composition, device: str, case_path: Path | None) -> Expo
     """A draft loop's plan case (harness/export_draft.py): the container planned as the property plans it; the file
     gets the draft batch SGLang was handed, the request rows it reads and, step by step, the keys each step must
     read (properties/metadata.py ``draft_step_batch``), all over one renumbering of the pages."""
+    from backends.sglang import flashinfer as fi
     from properties import PROPERTIES as CHECKS
     from properties.metadata import draft_step_batch, planned_case
 
@@ -758,7 +759,12 @@ def _build_draft(case, composition, device: str, case_path: Path | None) -> Expo
         expected_keys=repr(expected),
         check_source=_source_of("_indptr_problem", "_sizes_problem", "_window_problem", "check_plan",
                                 module="properties.metadata"),
-        page_table_source=_source_of("page_table_lists", module="backends.sglang.adapter"))
+        page_table_source=_source_of("page_table_lists", module="backends.sglang.adapter"),
+        wrapper_classes=repr(fi.FLASHINFER_WRAPPER_CLASSES), mla_wrapper_classes=repr(fi.FLASHINFER_MLA_WRAPPER_CLASSES),
+        stand_in_source="\n\n".join([_source_of("asked_as", module="backends.sglang.plans")] + [
+            _source_of(name, module="backends.sglang.flashinfer") for name in (
+                "_AbsentFlashInferWrapper", "_no_counter_buffer", "_no_jit_module", "_UnpinnedTorch",
+                "flashinfer_absent")]))
     return Export(text, {}, True, not verdict.ok, verdict.reason)
 
 

@@ -15,7 +15,8 @@ its own.
 Where the leaf's kernels cannot run (TRT-LLM MLA and CuTe DSL MLA run on Blackwell only) the harness plans it at plan
 level (backends/sglang/plans.py), and so does the file: SGLang asked the GPU's capability as on Blackwell, FlashInfer's
 MLA wrappers (which it builds and never plans here) as inert stand-ins where FlashInfer is not installed, the TRT-LLM
-kernels' workspace and JIT module none. Nothing that plans is replaced; a stand-in that is called raises.
+kernels' workspace and JIT module none: the harness's own stand-ins (``asked_as``, ``flashinfer_absent``), copied in.
+Nothing that plans is replaced; a stand-in that is called raises.
 """
 
 from __future__ import annotations
@@ -99,52 +100,24 @@ $check_source
 $page_table_source
 
 
-class _AbsentWrapper:
-    """A FlashInfer wrapper class where FlashInfer is not installed: the MLA backends' constructors make them; no
-    draft step's plan touches them here. Any use raises."""
+# The harness's stand-ins for a plan-level leaf's build (backends/sglang/plans.py, backends/sglang/flashinfer.py), as
+# they are: SGLang asked the GPU's capability as on the hardware the server runs the backend on; FlashInfer's wrapper
+# classes inert where FlashInfer is absent (any use raises), the TRT-LLM kernels' workspace empty and their JIT
+# module none, and without CUDA the MLA backend's pinned host buffers unpinned. Nothing that plans is replaced.
+FLASHINFER_WRAPPER_CLASSES = $wrapper_classes
+FLASHINFER_MLA_WRAPPER_CLASSES = $mla_wrapper_classes
 
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __getattr__(self, name):
-        raise RuntimeError(f"FlashInfer wrapper .{name} called: an inert stand-in (FlashInfer is not installed)")
+$stand_in_source
 
 
 @contextlib.contextmanager
 def as_on_blackwell():
-    """SGLang asked the GPU's capability as on Blackwell, where the server runs this backend; FlashInfer's MLA
-    wrappers inert where FlashInfer is absent; the TRT-LLM kernels' workspace (sized by FlashInfer from the GPU's SM
-    count) empty and their JIT module none. Restored afterwards."""
+    """Where the leaf is planned without its kernels (PLAN_LEVEL), as on Blackwell, where the server runs it."""
     if not PLAN_LEVEL:
         yield
         return
-    attention = "sglang.srt.layers.attention."
-    registry = importlib.import_module(attention + "attention_registry")
-    mla = importlib.import_module(attention + "flashinfer_mla_backend")
-    trtllm = importlib.import_module(attention + "trtllm_mla_backend")
-    blackwell = lambda *args, **kwargs: (10, 0)  # noqa: E731
-    patches = [(torch.cuda, "get_device_capability", blackwell)]
-    if hasattr(registry, "get_device_capability"):
-        patches.append((registry, "get_device_capability", blackwell))
-    patches += [(mla, name, _AbsentWrapper) for name in ("BatchMLAPagedAttentionWrapper",
-                                                          "BatchPrefillWithRaggedKVCacheWrapper")
-                if not hasattr(mla, name)]
-    if hasattr(trtllm, "make_persistent_multi_ctas_kv_counter_buffer"):
-        patches.append((trtllm, "make_persistent_multi_ctas_kv_counter_buffer",
-                        lambda device, *args, **kwargs: torch.zeros(0, dtype=torch.uint8, device=device)))
-    if hasattr(trtllm, "_jit_fixup_module"):
-        patches.append((trtllm, "_jit_fixup_module", lambda *args, **kwargs: None))
-    saved = [(obj, name, getattr(obj, name, None)) for obj, name, _ in patches]
-    try:
-        for obj, name, value in patches:
-            setattr(obj, name, value)
+    with asked_as((10, 0)), flashinfer_absent():
         yield
-    finally:
-        for obj, name, old in saved:
-            if old is None:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
 
 
 def plan_of(step):
