@@ -223,7 +223,7 @@ def cmd_export(args) -> int:
         raise UsageError(f"--out {out}: the exported file is a pytest file and must end in .py")
     check_out_folder("--out", str(out.parent))
     device = resolve_device(case.device if args.device == "auto" else args.device)
-    from harness.export import build, run_exported, unlike_the_replay, write
+    from harness.export import CHECK_ARGS, build, run_exported, unlike_the_replay, write
 
     export = build(case, device, Path(args.file))
     written = write(export, out)
@@ -231,11 +231,11 @@ def cmd_export(args) -> int:
           f"{export.summary}")
     if not args.check:
         return 0
-    status, output = run_exported(out, stand_ins=args.stand_ins)
+    status, output = run_exported(out, extra=list(CHECK_ARGS), stand_ins=args.stand_ins)
     print(output.rstrip())
     agrees = (status == 1) == export.failed and status in (0, 1)
     # A file that fails must fail by the case's mechanism, not on its own setup (an import, a configuration step)
-    unlike = unlike_the_replay(export, output) if agrees and status == 1 else None
+    unlike = unlike_the_replay(export, output, out.name) if agrees and status == 1 else None
     agrees = agrees and unlike is None
     print(f"the exported file {'fails' if status == 1 else 'passes' if status == 0 else f'ended with {status}'} on its "
           f"own, {'as' if agrees else 'NOT as'} the harness's replay did" + (f": {unlike}" if unlike else ""))

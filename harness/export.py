@@ -388,12 +388,8 @@ class Export:
     inline: bool
     failed: bool  # whether the harness's replay, at export, failed the case's check
     summary: str  # what it measured there, one line
-    crashed: str | None = None  # the exception SGLang raised in the replay (a crash case), else None
-
-    def raises(self) -> set[str]:
-        """What a failing test of the file may end with: its own checks' AssertionError, or the crash it runs into
-        (``crashed: TYPE: ...``). Anything else (an import, a setup step of the file) is not the case's mechanism."""
-        return {"AssertionError"} | ({self.crashed} if self.crashed else set())
+    # the exception SGLang raised in the replay (a crash case: the file runs into it), else None
+    crashed: str | None = None
 
 
 def crash_type(reason: str) -> str:
@@ -401,19 +397,39 @@ def crash_type(reason: str) -> str:
     return reason.removeprefix("crashed: ").split(":", 1)[0].strip()
 
 
-def unlike_the_replay(export: Export, output: str) -> str | None:
-    """Why a failing exported file did not fail as the harness's replay did, read from pytest's short summary
-    (``FAILED file::test - TYPE: message``; ``ERROR``: a collection or setup error), or None where every failure is
-    one the file's mechanism raises (:meth:`Export.raises`)."""
-    lines = re.findall(r"^(FAILED|ERROR) (\S+)(?: - ([\w.]+))?", output, flags=re.M)
-    if not lines:
+# How --check runs a written file: each failure as one line, ``path:line: TYPE: message`` at the frame that raised
+# (pytest's --tb=line), and the short summary's FAILED/ERROR lines (-rfE) to count them by
+CHECK_ARGS = ("--tb=line", "-rfE")
+
+
+def unlike_the_replay(export: Export, output: str, file_name: str) -> str | None:
+    """Why a failing exported file (``file_name``, run with :data:`CHECK_ARGS`) did not fail as the harness's replay
+    did, or None where every failure is the case's mechanism: the file's own check (an ``AssertionError`` raised in
+    the file itself: an assert inside SGLang or its kit is not the file's check) or the crash the case recorded (its
+    exception, wherever SGLang raised it). A collection or setup error (``ERROR``) never is."""
+    summary = output[output.rfind("short test summary info"):] if "short test summary info" in output else ""
+    failed = re.findall(r"^(FAILED|ERROR) (\S+)", summary, flags=re.M)
+    if not failed:
         return "pytest's summary names no failing test"
-    allowed = export.raises()
-    for outcome, test, raised in lines:
-        name = (raised or "").rsplit(".", 1)[-1]
-        if outcome == "ERROR" or name not in allowed:
-            return (f"{test} {'errored' if outcome == 'ERROR' else 'failed'} with {raised or 'no exception named'}, "
-                    f"not {' or '.join(sorted(allowed))}")
+    errored = [test for outcome, test in failed if outcome == "ERROR"]
+    if errored:
+        return f"{errored[0]} errored (collection or setup), not failed by the case's check"
+    # the FAILURES section, up to the next section's header (warnings, the summary)
+    section = re.search(r"^=+ FAILURES =+$(.*?)^=+ ", output, flags=re.M | re.S)
+    raised = re.findall(r"^(\S+\.py):\d+: ([A-Za-z_][\w.]*)(?::|$)", section.group(1) if section else "",
+                        flags=re.M)
+    if len(raised) < len(failed):
+        return f"{len(failed)} test(s) failed but pytest named where only {len(raised)} raised"
+    for path, exception in raised:
+        name = exception.rsplit(".", 1)[-1]
+        own = Path(path).name == file_name
+        if name == "AssertionError" and own:
+            continue
+        if export.crashed is not None and name == export.crashed:
+            continue
+        where = "the file's own check" if own else Path(path).name
+        return (f"a test failed with {name} raised in {where}, not the file's own check (an AssertionError in "
+                f"{file_name})" + (f" or the recorded crash ({export.crashed})" if export.crashed else ""))
     return None
 
 
@@ -1095,6 +1111,7 @@ def run_exported(path: Path | list[Path], timeout: float = 1800.0, extra: list[s
     project = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
     kept = [d for d in os.environ.get("PYTHONPATH", "").split(os.pathsep) if d and Path(d).resolve() != project]
+    env["COLUMNS"] = "100000"  # pytest trims the short summary to the terminal's width: a check reads it whole
     if stand_ins:
         plugin_dir = path.parent / ".harness-stand-ins"
         plugin_dir.mkdir(exist_ok=True)

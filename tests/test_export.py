@@ -593,26 +593,38 @@ def test_mutant_cases_fail_under_their_fault_and_pass_without_it(trip):
 
 @needs_kit
 @pytest.mark.parametrize("status, raised, says, code", [
-    (1, "AssertionError", "fails on its own, as the harness's replay did", 0),
+    (1, ("test_swa_decode.py", "AssertionError"), "fails on its own, as the harness's replay did", 0),
     (0, None, "passes on its own, NOT as the harness's replay did", 1),
     # a file that fails on its own setup (seen: a configuration step before SGLang had published its configuration)
-    (1, "ValueError", "fails on its own, NOT as the harness's replay did: test_swa_decode.py::test_outputs_match_"
-                      "float64_attention failed with ValueError, not AssertionError", 1)])
+    (1, ("test_swa_decode.py", "ValueError"), "fails on its own, NOT as the harness's replay did: a test failed with "
+                                              "ValueError raised in the file's own check", 1),
+    # an assert inside SGLang or its kit is not the file's check
+    (1, ("/site-packages/sglang/srt/layers/attention/triton_backend.py", "AssertionError"),
+     "NOT as the harness's replay did: a test failed with AssertionError raised in triton_backend.py", 1)])
 def test_export_check_says_whether_the_file_fails_as_the_harness_did(tmp_path, capsys, monkeypatch, status, raised,
                                                                     says, code):
     """`export --check`'s verdict on what the fresh process reported (the process itself: the test above): a failing
-    file must fail by its own check (or the crash it runs into), not on anything else."""
+    file must fail by its own check (or the crash it runs into), raised where pytest's --tb=line says, not on
+    anything else."""
     import harness.export
 
     ran = []
-    output = (f"FAILED test_swa_decode.py::test_outputs_match_float64_attention - {raised}: what it said\n"
-              if raised else "1 passed\n")
-    monkeypatch.setattr(harness.export, "run_exported",
-                        lambda path, stand_ins=False: ran.append(path) or (status, output))
+    test = "test_swa_decode.py::test_outputs_match_float64_attention"
+    output = "1 passed\n"
+    if raised:
+        path, name = raised
+        output = (f"F\n===== FAILURES =====\n{path}:120: {name}: what it said\n===== warnings summary =====\n"
+                  f"/site-packages/torch/jit/_script.py:365: 14 warnings\n=== short test summary info ===\n"
+                  f"FAILED {test} - {name}: what it said\n1 failed\n")
+
+    def run(path, extra=None, stand_ins=False):
+        ran.append((path, tuple(extra or ())))
+        return status, output
+    monkeypatch.setattr(harness.export, "run_exported", run)
     out = tmp_path / "test_swa_decode.py"
     assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out", str(out),
                  "--check"]) == code
-    assert ran == [out] and f"the exported file {says}" in capsys.readouterr().out
+    assert ran == [(out, harness.export.CHECK_ARGS)] and says in capsys.readouterr().out
 
 
 def test_a_case_of_a_kind_export_does_not_cover_is_one_line_and_exit_2(capsys):
