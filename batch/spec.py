@@ -730,7 +730,9 @@ class BatchSpec:
         if m.is_draft_extend():
             _require(self.extend_lens == s.accept_lens, "draft_extend batches have extend_lens == spec.accept_lens")
             # EAGLE's draft extend after a verify (DRAFT_EXTEND_V2) extends what earlier steps cached, the prompt at
-            # least; the draft extend after a prefill is an EXTEND batch (eagle_worker_v2.py _draft_extend_for_prefill)
+            # least (prepare_for_draft_extend: prefix_lens = seq_lens); the draft extend after a prefill is an EXTEND
+            # batch (eagle_worker_v2.py _draft_extend_for_prefill). Not modelled: the window widened below the
+            # boundary (num_front_tokens, the MTP boundary-KV fix), whose prefix seq_lens - front is clamped at 0
             _require(min(self.prefix_lens, default=1) >= 1,
                      "draft_extend batches extend a cached prefix in every request (the prompt at least): "
                      "prefix_lens >= 1")

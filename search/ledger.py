@@ -246,6 +246,13 @@ def _xqa_e4m3_decode(spec: BatchSpec, verdict: Verdict) -> bool:
         found = _failing_token(verdict)
         if "then decode" not in verdict.reason or found is None or found[1] != spec.extend_lens[found[0]] - 1:
             return False
+    if verdict.property == "graph_replay":
+        # A replay against its eager twin: the same inputs, q rounded to e4m3 alike in both, only the probabilities'
+        # e4m3 roundings (scaled per split) differ: each within u of the exact, so the two within 2u at the very worst,
+        # their signs independent. Held to u, not to the 0.25 envelope of either against the exact attention: 4 times
+        # the largest gap measured (1.55e-2, H200, harness-out/gpu97.sh, gpu99.sh), and below what a replay that drops
+        # one of each request's n keys moves it by (about 1/sqrt(n)) up to n ~ 256, which stays a finding
+        return _rel_l2(verdict) <= E4M3_UNIT_ROUNDOFF
     return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 

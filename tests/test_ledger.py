@@ -367,7 +367,7 @@ def test_a_speculative_window_is_known_only_where_the_request_trim_lets_a_token_
     graph = "graph(sglang.flashinfer)"
     assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(2, 1), at(1), "cuda") is not None
     assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(2, 1), at(0), "cuda") is not None  # 2 > 1
-    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(1, 2), at(1), "cuda") is None  # 2 keys: in
+    assert ledger.match(graph, "draft_extend", "graph_replay", draft_extend(1, 2), at(1), "cuda") is None  # 1 + 1 <= 2
     # the eager draft extend plans its window per token (spec_info=None there): not this entry
     assert ledger.match(fi, "draft_extend", "outputs", draft_extend(2, 1), at(1), "cuda") is None
 
@@ -497,6 +497,10 @@ def test_xqa_e4m3_decode_is_known_only_for_an_fp8_decode_within_its_envelope_on_
         "sglang-trtllm-mha-xqa-fp8-e4m3-arithmetic"
     assert ledger.match(graph, "decode", "graph_replay", fp8, replayed(0.02), "cuda") is not None
     assert ledger.match(graph, "draft_decode", "graph_replay", draft, replayed(0.6), "cuda") is None
+    # replay vs eager is held to one e4m3 rounding (u = 2^-4), not the 0.25 envelope of either against the exact
+    # attention: a replay that drops one of 32 keys a request (about 0.15) stays a finding
+    assert ledger.match(graph, "draft_decode", "graph_replay", draft, replayed(0.06), "cuda") is not None
+    assert ledger.match(graph, "draft_decode", "graph_replay", draft, replayed(0.15), "cuda") is None
     bf16_draft = dataclasses.replace(draft, kv_cache_dtype="auto")
     assert ledger.match(graph, "draft_decode", "graph_replay", bf16_draft, replayed(0.02), "cuda") is None
 

@@ -316,9 +316,9 @@ def test_trtllm_mla_plans_here_and_says_why_its_kernels_do_not_run():
 @pytest.mark.parametrize("composition", ["sglang.trtllm_mla", "tbo(sglang.trtllm_mla)", "sglang.cutedsl_mla"])
 def test_trtllm_mla_eager_plans_satisfy_the_invariants(batch, composition):
     _mla_plan_level()
-    why = parse(composition).unavailable_reason("cpu")
+    why = parse(composition).unavailable_reason("cpu") or parse(composition).unsupported_reason(batch)
     if why:
-        pytest.skip(why)  # cutedsl_mla: 0.5.2x's
+        pytest.skip(why)  # cutedsl_mla: 0.5.2x's; a draft extend under TBO: never (the draft worker's own backend)
     assert_eager_plan_holds(composition, batch)
 
 

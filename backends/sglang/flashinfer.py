@@ -469,7 +469,7 @@ class SglangCutedslMla(SglangTrtllmMla):
                   "has run none")
 
 
-TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k", "cu_seqlens_q", "seq_lens_q"})
+TRTLLM_MLA_READ = frozenset({"block_kv_indices", "seq_lens_k", "cu_seqlens_q"})
 
 
 def trtllm_mla_plan(meta, page_size: int, batch_seq_lens: torch.Tensor) -> PlannedMetadata:
@@ -501,8 +501,9 @@ class SglangFlashInferMLA(DeepseekMla):
         # EAGLE v2's draft extend (DeepSeek's MTP draft model): a paged prefill over each request's fixed window,
         # planned from host indptrs (init_forward_metadata's DRAFT_EXTEND_V2 fast plan). A draft extend whose every
         # request had nothing cached would take the ragged wrapper (extend_no_prefix) and come out inf on the H200
-        # (harness-out/gpu101.sh, mlade.py); none is reachable (a draft extend after a verify extends a cached prompt,
-        # batch.spec's rule), and one request with a prefix takes the paged path and passes
+        # (harness-out/gpu101.sh, mlade.py). The harness draws none (a draft extend after a verify extends the cached
+        # prompt, batch.spec's rule; the boundary-widened window, whose prefix can clamp to 0, is not modelled), and
+        # one request with a prefix takes the paged path and passes
         modes=FLASHINFER_MLA_MODES | {ForwardMode.DRAFT_EXTEND},
         fixed_width_draft_extend=True,
         wrapped_gaps=(TBO_DRAFT_EXTEND_GAP,),

@@ -65,7 +65,7 @@ def test_target_verify_tree(page_size):
 
 def test_draft_extend():
     s = SpecInput(draft_token_num=4, topk=1, spec_steps=3, parents=((-1, 0, 1, 2),) * 3, accept_lens=(1, 4, 2))
-    check(spec(ForwardMode.DRAFT_EXTEND, [12, 0, 31], [1, 4, 2], spec=s))
+    check(spec(ForwardMode.DRAFT_EXTEND, [12, 1, 31], [1, 4, 2], spec=s))
 
 
 def test_idle():
