@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.registry import parse
 from harness.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -625,6 +626,20 @@ def test_export_check_says_whether_the_file_fails_as_the_harness_did(tmp_path, c
     assert main(["export", str(ROOT / "docs/findings/cases/sglang-triton-swa-decode.json"), "--out", str(out),
                  "--check"]) == code
     assert ran == [(out, harness.export.CHECK_ARGS)] and says in capsys.readouterr().out
+
+
+@needs_kit
+def test_export_check_agrees_on_a_real_failing_file_under_a_narrow_terminal(tmp_path, capsys, monkeypatch):
+    """The run the review reproduced: outside CI pytest trims its summary to the terminal's width, which cut the
+    exception's name, and --check called a file failing as triaged 'NOT as the harness's replay did'."""
+    case = ROOT / "docs/findings/cases/sglang-trtllm-mla-draft-steps-read-committed-prefix.json"
+    why = parse("sglang.trtllm_mla").unavailable_reason("cpu")
+    if why:
+        pytest.skip(why)
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["export", str(case), "--out", str(tmp_path / "test_trtllm_mla_draft.py"), "--check"]) == 0
+    assert "fails on its own, as the harness's replay did" in capsys.readouterr().out
 
 
 def test_a_case_of_a_kind_export_does_not_cover_is_one_line_and_exit_2(capsys):
