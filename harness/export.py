@@ -746,10 +746,10 @@ def _build_draft(case, composition, device: str, case_path: Path | None) -> Expo
         expected.append([want.req_to_token[b, :n + 1].tolist() for b, n in enumerate(want.extend_prefix_lens_cpu)])
     loc = sfb.out_cache_loc.to("cpu", torch.int64).tolist()
     # Each request row as far as a step's keys or a draft slot reach into it
-    rows = {}
+    rows, per = {}, len(loc) // sfb.batch_size  # each request's topk * num_steps draft slots, in request order
     for r, row in enumerate(sfb.req_pool_indices.tolist()):
         full = fb.req_to_token[row].to("cpu", torch.int64).tolist()
-        mine = loc[r * len(loc) // sfb.batch_size:(r + 1) * len(loc) // sfb.batch_size]
+        mine = loc[r * per:(r + 1) * per]
         reach = max(full.index(s) for s in mine + [k for keys in expected for k in keys[r * drafter.topk]])
         rows[row] = full[:reach + 1]
     flat = [k for keys in expected for branch in keys for k in branch]
@@ -775,7 +775,7 @@ def _build_draft(case, composition, device: str, case_path: Path | None) -> Expo
         expected_keys=repr(expected),
         check_source=_source_of("_indptr_problem", "_sizes_problem", "_window_problem", "check_plan",
                                 module="properties.metadata"),
-        page_table_source=_source_of("page_table_lists", module="backends.sglang.adapter"),
+        page_table_source=_source_of("page_table_lists", "flat_lists", module="backends.sglang.adapter"),
         wrapper_classes=repr(fi.FLASHINFER_WRAPPER_CLASSES), mla_wrapper_classes=repr(fi.FLASHINFER_MLA_WRAPPER_CLASSES),
         stand_in_source="\n\n".join([_source_of("asked_as", module="backends.sglang.plans")] + [
             _source_of(name, module="backends.sglang.flashinfer") for name in (

@@ -822,15 +822,12 @@ def flash_attention_draft_tree_plan(meta, expand, page_size: int, topk: int) -> 
     decode of one request per branch it amounts to: the prefix's token slots, then the branch's."""
     prefix = meta.cache_seqlens_int32.to("cpu", torch.int64)
     own = expand.cache_seqlens_int32.to("cpu", torch.int64)
-    rows = [torch.cat([page_row_tokens(meta.page_table[b // topk], int(prefix[b // topk]), page_size),
-                       page_row_tokens(expand.page_table[b], int(own[b]), page_size)])
-            for b in range(own.numel())]
-    lens = torch.tensor([row.numel() for row in rows], dtype=torch.int64)
-    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-    indptr[1:] = torch.cumsum(lens, 0)
-    return PlannedMetadata(qo_indptr=torch.arange(own.numel() + 1), kv_indptr=indptr,
-                           kv_indices=torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64),
-                           kv_includes_new_tokens=True, key_lens=lens, draft_tails_from_branch=page_size > 1,
+    indptr, indices = flat_lists([torch.cat([page_row_tokens(meta.page_table[b // topk], int(prefix[b // topk]),
+                                                             page_size),
+                                             page_row_tokens(expand.page_table[b], int(own[b]), page_size)])
+                                  for b in range(own.numel())])
+    return PlannedMetadata(qo_indptr=torch.arange(own.numel() + 1), kv_indptr=indptr, kv_indices=indices,
+                           kv_includes_new_tokens=True, key_lens=indptr.diff(), draft_tails_from_branch=page_size > 1,
                            unread=tuple(sorted(set(unread_fields(meta, DRAFT_TREE_READ))
                                                | {f"expand.{n}" for n in unread_fields(expand, DRAFT_TREE_READ)})))
 
@@ -863,8 +860,12 @@ def page_table_lists(table: torch.Tensor, key_lens: torch.Tensor, page_size: int
     narrower than a request's pages gives a shorter row, which the invariant reports as such."""
     lens = key_lens.to("cpu", torch.int64)
     table = table.to("cpu", torch.int64)
-    rows = [table[i, :int((lens[i] + page_size - 1) // page_size)] for i in range(lens.numel())]
-    indptr = torch.zeros(lens.numel() + 1, dtype=torch.int64)
+    return flat_lists([table[i, :int((lens[i] + page_size - 1) // page_size)] for i in range(lens.numel())])
+
+
+def flat_lists(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-request lists (int64, on the CPU) as one flat list and its indptr, the form the plans are checked in."""
+    indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
     indptr[1:] = torch.cumsum(torch.tensor([row.numel() for row in rows], dtype=torch.int64), 0)
     return indptr, torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
 
