@@ -120,6 +120,30 @@ def test_every_scheduling_setting_sglangs_backends_read_is_published():
 
 
 @needs_sglang
+def test_server_args_are_published_again_only_when_they_differ_or_another_publication_replaced_them():
+    """Publishing builds SGLang's config bags from every field (a third of a CPU case's time, issue 26): a set of
+    arguments is published once while it stays installed. Other arguments, or the same after another publication
+    replaced them, are published anew: every runner reads what its server would have published."""
+    from backends.sglang import compat, features
+
+    if features.chosen("server_args") != "runtime_context":
+        pytest.skip("before 0.5.22 the server args are one ServerArgs dataclass, built for each runner")
+    sgl = runtime.load()
+    first = compat.publish_server_args(sgl, attention_backend="triton", page_size=4)
+    assert compat.publish_server_args(sgl, attention_backend="triton", page_size=4) is first
+    other = compat.publish_server_args(sgl, attention_backend="triton", page_size=8)
+    assert other is not first and compat.server_setting(sgl, "schedule", "page_size") == 8
+    sgl.get_context().override_server_args(page_size=2).install()  # a publication the adapter did not make
+    again = compat.publish_server_args(sgl, attention_backend="triton", page_size=8)
+    assert again is not other and compat.server_setting(sgl, "schedule", "page_size") == 8
+    spec = BatchSpec(ForwardMode.DECODE, (5,), (1,), (MHA,), page_size=4)
+    runners = [runtime.make_runner(ModelRunner.of(materialize(spec).forward_batch, spec.layers), "triton")
+               for _ in range(2)]
+    assert runners[0].server_args is runners[1].server_args
+    assert compat.server_setting(sgl, "schedule", "page_size") == 4
+
+
+@needs_sglang
 def test_draft_extend_is_sglangs_eagle_draft_extend_input(device):
     from backends.sglang.adapter import SglangTriton
     case = materialize(DRAFT_EXTEND, device)
