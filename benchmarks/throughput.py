@@ -2,7 +2,7 @@
 
     python benchmarks/throughput.py [--profile ci] [--device auto] [--backends ...] [--properties ...]
                                     [--modes extend decode] [--cases 20] [--max-requests 16] [--workers N]
-                                    [--shared] [--json PATH]
+                                    [--shared] [--mps] [--json PATH]
 
 For each matrix row, ``--cases`` batch specifications are drawn up front from the row's own strategy (a
 seeded Hypothesis run that only generates: no database, no shrinking), then each runs through the row's
@@ -44,7 +44,9 @@ runs ``--warmup`` cases of other specifications (Triton and FlashInfer compile o
 
 ``--workers N`` runs N processes on the one device, as the sweep does (a worker is mostly CPU-bound Python,
 so several keep a GPU busy); each times every row with its own seed, all starting a row together, and a
-row's cases/s is all their cases over the wall time from the first start to the last finish.
+row's cases/s is all their cases over the wall time from the first start to the last finish. Without MPS the
+workers take turns on the GPU; ``--mps`` makes them clients of an MPS daemon, whose kernels run side by side
+(harness/mps.py has the figures).
 """
 
 from __future__ import annotations
@@ -557,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="processes timing each row at once on the one device (cases/s is theirs together)")
     p.add_argument("--shared", action="store_true",
                    help="one batch, every composition: time the rows' groups as sweeps search them")
+    p.add_argument("--mps", action="store_true",
+                   help="with --workers on a GPU: the workers are clients of a CUDA MPS daemon (harness/mps.py)")
     p.add_argument("--json", help="also write the timings here")
     args = p.parse_args(argv)
 
@@ -585,7 +589,10 @@ def main(argv: list[str] | None = None) -> int:
     sampler = BusySampler(read) if read is not None else None
     try:
         if args.workers > 1:
-            results = run_workers(args, device, rows)
+            from harness.mps import mps_daemon
+
+            with mps_daemon(args.mps and device == "cuda", lambda line: print(line, file=sys.stderr, flush=True)):
+                results = run_workers(args, device, rows)
             if results is None:
                 return 1
         else:
