@@ -438,6 +438,8 @@ def run_workers(args, device: str, rows) -> list[RowTiming] | None:
             if dead:
                 barrier.abort()
                 print(f"error: a benchmark worker exited with status {dead[0].exitcode}", file=sys.stderr)
+                for proc in procs:  # now: an MPS daemon told to quit waits for its clients
+                    proc.terminate()
                 return None
             continue
         parts[n].append(timing)
@@ -560,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", action="store_true",
                    help="one batch, every composition: time the rows' groups as sweeps search them")
     p.add_argument("--mps", action="store_true",
-                   help="with --workers on a GPU: the workers are clients of a CUDA MPS daemon (harness/mps.py)")
+                   help="with --workers N on a GPU: the workers are clients of a CUDA MPS daemon, their kernels side by "
+                        "side (harness/mps.py)")
     p.add_argument("--json", help="also write the timings here")
     args = p.parse_args(argv)
 
@@ -588,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     read, busy_how = busy_reader(device)
     sampler = BusySampler(read) if read is not None else None
     try:
+        if args.mps and (device != "cuda" or args.workers < 2):
+            print("MPS: asked for, but it serves several workers on a GPU: not used", file=sys.stderr)
         if args.workers > 1:
             from harness.mps import mps_daemon
 

@@ -35,10 +35,7 @@ t1=$(date +%s)
 t2=$(date +%s)
 left=$(( job - (t2 - t0) - 30 ))  # 30 s for the reports after the search
 [ "$left" -ge 120 ] || left=120
-# GPU_MPS=1: the run's workers are clients of a CUDA MPS daemon (README, GPU: faster, but a fatal GPU fault in one
-# worker then ends them all)
-mps=(); [ "${GPU_MPS:-0}" = 1 ] && mps=(--mps)
-"$PY" -m harness run --profile gpu --budget "${left}s" ${mps[@]+"${mps[@]}"} --out harness-out/gpu || status=1
+"$PY" -m harness run --profile gpu --budget "${left}s" --out harness-out/gpu || status=1
 t3=$(date +%s)
 mkdir -p harness-out && echo "$(( t1 - t0 )) $(( t2 - t1 )) $(( t3 - t2 ))" > "$times"
 echo "ci/gpu.sh: warmup $(( t1 - t0 ))s, tests $(( t2 - t1 ))s, run $(( t3 - t2 ))s"

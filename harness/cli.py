@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 from harness.options import (
-    MPS_HELP,
     UsageError,
     add_selection,
     check_device_name,
@@ -330,7 +329,6 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int,
                     help="worker processes at a time (implies --isolate; default with isolation: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
-    sp.add_argument("--mps", action="store_true", help=MPS_HELP)
     sp.add_argument("--case-timeout", type=float,
                     help=f"with isolation: seconds one case may run before it counts as a hang "
                          f"({CASE_TIMEOUT_DEFAULTS}); time while a JIT compiler runs is not counted")

@@ -1,18 +1,21 @@
-"""CUDA MPS for the worker processes that share a GPU (``--mps``).
+"""CUDA MPS for the benchmark's worker processes on one GPU (``benchmarks/throughput.py --mps``).
 
 Without MPS, processes on one GPU take turns on it in time slices: a worker's many small kernels wait while another
 process holds the GPU. Measured on an H200 (``harness-out/gpu106.sh``: ``benchmarks/throughput.py --profile gpu
 --device cuda --properties outputs --modes decode --backends sglang.flashinfer flashinfer --shared --cases 60
---warmup 2``, one kernel variant): 4 workers checked 158.7 cases/s with the GPU busy 90% of the time, 8 workers 179.8 at
-98%; under an MPS daemon, whose clients' kernels run side by side, 200.8 and 358.8, the GPU busy 29% and 45%.
+--warmup 2``, every batch in one kernel variant, the daemon started by the script itself): 4 workers checked 158.7
+cases/s with the GPU busy 90% of the time, 8 workers 179.8 at 98%; under an MPS daemon, whose clients' kernels run
+side by side, 200.8 and 358.8, the GPU busy 29% and 45%.
 
-It is asked for, not the default: under MPS a fatal GPU fault in one client (an illegal address in a kernel under
-test) is reported to every client of the daemon (NVIDIA's MPS documentation, Volta and later), so it ends every
-worker's context at once, not one; the sweep then restarts them all, and each reads as a lost context.
+Only the benchmark uses it, not ``harness run`` or sweeps: under MPS a fatal GPU fault in one client (a kernel under
+test reading an illegal address) is reported to every client of the daemon (NVIDIA's MPS documentation, Volta and
+later), so the cases other workers were running would fail with that CUDA error and be recorded as findings against
+their own rows. A search needs such failures replayed alone before they are reported; that is not built.
 
-A daemon the user runs (``CUDA_MPS_PIPE_DIRECTORY`` set) is used as it is; otherwise a private one is started with
-its pipe and log folders under a temporary folder, its clients are the worker processes started inside
-:func:`mps_daemon`, and it is told to quit at the end.
+A daemon the user runs (``CUDA_MPS_PIPE_DIRECTORY`` set) is used as it is; otherwise a private one is started with its
+pipe and log folders under a temporary folder and without ``CUDA_VISIBLE_DEVICES`` (a daemon started with it numbers
+the devices anew, and clients pinned by the physical numbers would fail), its clients are the processes started
+inside :func:`mps_daemon`, and it is told to quit at the end.
 """
 
 from __future__ import annotations
@@ -26,12 +29,28 @@ from contextlib import contextmanager
 
 CONTROL = "nvidia-cuda-mps-control"
 PIPE, LOG = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+TIMEOUT_S = 30
+
+
+def _control(control: str, env: dict[str, str], root: str, args: list[str], stdin: str | None) -> str | None:
+    """Run the control program; None if it succeeded, else why not (one line). Its output goes to a file: the daemon
+    it starts keeps the descriptors it inherits, and a pipe would never reach its end."""
+    with open(os.path.join(root, "control.out"), "w+") as out:
+        try:
+            done = subprocess.run([control, *args], input=stdin, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | env,
+                                  timeout=TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+        out.seek(0)
+        said = out.read().strip().splitlines()
+    return None if done.returncode == 0 else (said[0] if said else f"exit status {done.returncode}")
 
 
 @contextmanager
 def mps_daemon(wanted: bool, say: Callable[[str], None]) -> Iterator[bool]:
     """While inside, processes started get an MPS daemon when ``wanted``; yields whether they do. Each outcome is
-    said in one line (``say``); an MPS that cannot start leaves the workers time-slicing, as without ``--mps``."""
+    said in one line (``say``); an MPS that cannot start leaves the workers time-slicing, as without it."""
     if not wanted:
         yield False
         return
@@ -48,20 +67,16 @@ def mps_daemon(wanted: bool, say: Callable[[str], None]) -> Iterator[bool]:
     env = {PIPE: os.path.join(root, "pipe"), LOG: os.path.join(root, "log")}
     for folder in env.values():
         os.makedirs(folder)
-    try:
-        started = subprocess.run([control, "-d"], env=os.environ | env, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        started = subprocess.CompletedProcess([control], 1, "", str(e))
-    if started.returncode != 0:
-        why = (started.stderr or started.stdout or f"exit status {started.returncode}").strip().splitlines()[0]
-        say(f"MPS: the daemon did not start ({why}): the workers take turns on the GPU")
+    why = _control(control, env, root, ["-d"], None)
+    if why is not None:
         shutil.rmtree(root, ignore_errors=True)
+        say(f"MPS: the daemon did not start ({why}): the workers take turns on the GPU")
         yield False
         return
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the workers' environment is copied from this process's when each starts
-    say(f"MPS: started a daemon for the workers ({env[PIPE]})")
     try:
+        os.environ.update(env)  # the workers' environment is copied from this process's when each starts
+        say(f"MPS: started a daemon for the workers ({env[PIPE]})")
         yield True
     finally:
         for k, v in saved.items():
@@ -69,9 +84,8 @@ def mps_daemon(wanted: bool, say: Callable[[str], None]) -> Iterator[bool]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        try:
-            subprocess.run([control], input="quit\n", env=os.environ | env, capture_output=True, text=True,
-                           timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            say(f"MPS: the daemon did not quit ({e}); stop it with `echo quit | {PIPE}={env[PIPE]} {CONTROL}`")
-        shutil.rmtree(root, ignore_errors=True)
+        why = _control(control, env, root, [], "quit\n")
+        if why is None:
+            shutil.rmtree(root, ignore_errors=True)
+        else:  # its pipe folder kept: the only way to reach it
+            say(f"MPS: the daemon did not quit ({why}); stop it with `echo quit | {PIPE}={env[PIPE]} {CONTROL}`")

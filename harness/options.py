@@ -132,11 +132,6 @@ def duration(seconds: float) -> str:
     return f"{seconds}s"
 
 
-MPS_HELP = ("on a GPU, make the worker processes clients of a CUDA MPS daemon, so their kernels run side by side "
-            "instead of taking turns (harness/mps.py: measured 1.3x the checked cases/s at 4 workers, 2x at 8; a fatal GPU "
-            "fault then ends every worker's context)")
-
-
 def add_selection(sp, profile_default: str = "ci") -> None:
     """The options that say where and what a command runs: --device, --profile, --backends."""
     sp.add_argument("--device", default="auto", help="auto (default), cpu or cuda")

@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.options import (MPS_HELP, UsageError, add_selection, duration, parse_budget, parse_shard, profile_named,
+from harness.options import (UsageError, add_selection, duration, parse_budget, parse_shard, profile_named,
                              resolve_device)
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
@@ -205,7 +205,6 @@ class Sweep:
     on_row: object = None
     # A worker silent this long while its JIT compiler runs says so, in one line, and again each period
     compile_notice_s: float = 60.0
-    mps: bool = False  # the workers of a GPU sweep are clients of an MPS daemon (harness/mps.py)
     running: dict[int, Task] = field(default_factory=dict)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
@@ -322,14 +321,6 @@ class Sweep:
 
     # ---- supervision -----------------------------------------------------------------------------------
     def run(self) -> None:
-        from harness.mps import mps_daemon
-
-        if self.mps and self.device != "cuda":
-            self.progress.event("MPS: asked for, but the workers run on the CPU: nothing to share")
-        with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
-            self._supervise()
-
-    def _supervise(self) -> None:
         try:
             while True:
                 if time.time() - self.compile_checked >= 1.0:
@@ -783,7 +774,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     sweep = Sweep(list(states.values()), device, profile.name, out_dir, start + budget, workers,
                   args.case_timeout, meta["seed"], db, args.redis,
                   args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
-                  args.compile_timeout or COMPILE_TIMEOUT_S, mps=args.mps)
+                  args.compile_timeout or COMPILE_TIMEOUT_S)
     began = sweep_began(meta)
     if args.resume:
         adopted = sweep.adopt_orphans(began)
@@ -855,7 +846,6 @@ def add_parser(sub) -> None:
     sp.add_argument("--workers", type=int,
                     help="worker processes at a time, pinned to the visible GPUs in turn (default: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
-    sp.add_argument("--mps", action="store_true", help=MPS_HELP)
     sp.add_argument("--case-timeout", type=float,
                     help=f"seconds one case may run before it counts as a hang ({CASE_TIMEOUT_DEFAULTS}); "
                          "time while a worker's JIT compiler (nvcc, ninja, ptxas) runs is not counted")

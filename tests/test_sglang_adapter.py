@@ -131,6 +131,10 @@ def test_server_args_are_published_again_only_when_they_differ_or_another_public
     sgl = runtime.load()
     first = compat.publish_server_args(sgl, attention_backend="triton", page_size=4)
     assert compat.publish_server_args(sgl, attention_backend="triton", page_size=4) is first
+    sgl.get_context().override("a test", page_size=16)  # a setting changed over the publication
+    first = compat.publish_server_args(sgl, attention_backend="triton", page_size=4)
+    assert compat.server_setting(sgl, "schedule", "page_size") == 4
+    assert compat.publish_server_args(sgl, attention_backend="triton", page_size=4) is first
     other = compat.publish_server_args(sgl, attention_backend="triton", page_size=8)
     assert other is not first and compat.server_setting(sgl, "schedule", "page_size") == 8
     sgl.get_context().override_server_args(page_size=2).install()  # a publication the adapter did not make

@@ -40,10 +40,12 @@ def publish_server_args(sgl, **args):
     of a release without ``cuda_graph_config`` are ``disable_cuda_graph``."""
     if features.chosen("server_args") == "runtime_context":
         # Publishing builds SGLang's config bags from every field (5 ms of a 15 ms CPU case, the harness's profile):
-        # arguments equal to the last publication's, still the installed ones, are published already
+        # arguments equal to the last publication's, still the installed ones and overridden by nothing since
+        # (``RuntimeContext.override`` logs what it changes; a publication empties the log), are published already
         key = repr(sorted(args.items()))
         context = sgl.get_context()
-        if _PUBLISHED and _PUBLISHED[0] == key and _installed(context) is _PUBLISHED[1]:
+        if _PUBLISHED and _PUBLISHED[0] == key and _installed(context) is _PUBLISHED[1] \
+                and not getattr(context, "_overrides_log", None):
             return _PUBLISHED[1]
         _PUBLISHED[:] = key, context.override_server_args(**args).install()
         return _PUBLISHED[1]

@@ -1,4 +1,4 @@
-"""harness/mps.py: the MPS daemon a GPU sweep's workers can share, driven through a stand-in control program."""
+"""harness/mps.py: the MPS daemon the benchmark's workers can share, driven through a stand-in control program."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ import pytest
 
 from harness.mps import CONTROL, LOG, PIPE, mps_daemon
 
-# A stand-in nvidia-cuda-mps-control: records each call (its arguments, stdin, the pipe folder it was given) and
-# exits with $FAKE_MPS_STATUS, saying $FAKE_MPS_ERROR on stderr
+# A stand-in nvidia-cuda-mps-control: records each call (its arguments, stdin, the pipe and log folders it was given,
+# the devices it sees) and exits with $FAKE_MPS_STATUS (for a quit: $FAKE_MPS_QUIT_STATUS), saying $FAKE_MPS_ERROR on
+# stderr; with $FAKE_MPS_LINGER, its -d leaves a process behind holding its output open, as a daemon does
 FAKE = """#!/bin/sh
 input=""
 [ "$1" = "-d" ] || input=$(cat)
-echo "$* | $input | $CUDA_MPS_PIPE_DIRECTORY | $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_CALLS"
+echo "$* | $input | $CUDA_MPS_PIPE_DIRECTORY | $CUDA_MPS_LOG_DIRECTORY | ${CUDA_VISIBLE_DEVICES-unset}" >> "$FAKE_MPS_CALLS"
 [ -n "$FAKE_MPS_ERROR" ] && echo "$FAKE_MPS_ERROR" >&2
+[ "$1" = "-d" ] && [ -n "$FAKE_MPS_LINGER" ] && sleep 5 &
+[ "$1" = "-d" ] || exit ${FAKE_MPS_QUIT_STATUS:-0}
 exit ${FAKE_MPS_STATUS:-0}
 """
 
@@ -44,7 +47,8 @@ def calls(path: Path) -> list[list[str]]:
         else []
 
 
-def test_a_private_daemon_serves_the_processes_started_inside_and_quits_at_the_end(control):
+def test_a_private_daemon_serves_the_processes_started_inside_and_quits_at_the_end(control, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the workers' pins are physical numbers: the daemon sees all
     said = []
     with mps_daemon(True, said.append) as on:
         assert on
@@ -56,7 +60,7 @@ def test_a_private_daemon_serves_the_processes_started_inside_and_quits_at_the_e
     assert PIPE not in os.environ and LOG not in os.environ
     assert not Path(pipe).exists()  # its folders are removed
     (start, quit_), = [calls(control)]
-    assert start[0] == "-d" and start[2] == pipe
+    assert start[0] == "-d" and start[2] == pipe and start[4] == "unset"
     assert quit_[0] == "" and quit_[1] == "quit" and quit_[2] == pipe
     assert len(said) == 1 and "started a daemon" in said[0]
 
@@ -103,31 +107,21 @@ def test_not_asked_for_nothing_starts(control):
     assert calls(control) == []
 
 
-class Events:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
+def test_a_daemon_holding_its_output_open_does_not_hold_the_start_up(control, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_LINGER", "1")
+    began = time.monotonic()
+    with mps_daemon(True, lambda line: None) as on:
+        assert on
+    assert time.monotonic() - began < 4  # not the 5 s its lingering child holds the output
 
-    def event(self, line: str) -> None:
-        self.lines.append(line)
 
-
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_a_sweep_asked_for_mps_launches_its_gpu_workers_as_the_daemons_clients(control, monkeypatch, tmp_path,
-                                                                               device):
-    from harness.sweep import Sweep
-
-    seen = {}
-
-    def supervise(self):  # the workers' environment, as each launch builds it
-        seen["env"] = self.worker_env(0)
-
-    monkeypatch.setattr(Sweep, "_supervise", supervise)
-    progress = Events()
-    Sweep([], device, "ci", tmp_path, time.time() + 60, 2, case_timeout_s=None, seed=0, db=None, redis=None,
-          mutant=None, max_rounds=None, progress=progress, gpus=["0"], mps=True).run()
-    if device == "cuda":
-        assert seen["env"][PIPE] == calls(control)[0][2] and [c[1] for c in calls(control)] == ["", "quit"]
-        assert "started a daemon" in progress.lines[0]
-    else:
-        assert PIPE not in seen["env"] and calls(control) == []
-        assert progress.lines == ["MPS: asked for, but the workers run on the CPU: nothing to share"]
+def test_a_daemon_that_does_not_quit_keeps_its_pipe_folder_and_says_how_to_stop_it(control, monkeypatch):
+    monkeypatch.setenv("FAKE_MPS_QUIT_STATUS", "1")
+    monkeypatch.setenv("FAKE_MPS_ERROR", "clients still attached")
+    said = []
+    with mps_daemon(True, said.append):
+        pipe = os.environ[PIPE]
+    assert Path(pipe).is_dir()  # the only way to reach it
+    assert said[-1] == (f"MPS: the daemon did not quit (clients still attached); stop it with `echo quit | "
+                        f"{PIPE}={pipe} {CONTROL}`")
+    assert PIPE not in os.environ
