@@ -92,3 +92,23 @@ def test_nvidia_smi_is_asked_for_the_visible_device():
 
     assert smi_device(0, "3") == "3" and smi_device(1, "2, GPU-abc") == "GPU-abc"
     assert smi_device(0, "") == "0" and smi_device(2, "1") == "2"
+
+
+def test_workers_engine_only_loops_run_side_by_side_so_the_slowest_is_theirs():
+    """The limit of several workers is theirs together, as their checked rate is: a sum of their loops' times counted
+    the device as running one worker at a time (4 workers' checked rate read 1.67 times their "limit" on an H200)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import throughput
+
+    parts = [throughput.RowTiming("r", "c", "decode", "outputs", 10, 0, dict.fromkeys(throughput.PHASES, 1.0),
+                                  started=0.0, finished=2.0, engine_seconds=seconds) for seconds in (2.0, 3.0)]
+    whole = throughput.combine(parts)
+    assert whole.cases == 20 and whole.cases_per_second == 10.0 and whole.limit == 20 / 3.0
+
+
+def test_workers_time_each_unit_together_and_say_their_engine_only_rate():
+    out = benchmark("--workers", "2", "--shared", "--mps")
+    assert out.returncode == 0, out.stdout + out.stderr
+    total = next(line for line in out.stdout.splitlines() if line.startswith("all "))
+    assert int(total.split()[1]) == 2 * 4 * 3 and float(total.split()[3]) > 0
+    assert "MPS: asked for, but it serves several workers on a GPU: not used" in out.stderr
