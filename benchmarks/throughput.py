@@ -29,7 +29,8 @@ generation is the time Hypothesis spent outside the checks.
 The ``limit`` column is the cases per second of an engine-only loop over the same batches: each batch built
 beforehand, then only the composition built, planned and run (``engine.execute.execute``), nothing drawn, referenced
 or checked: what the harness cannot go below. With several workers their loops start together (each after all have
-timed the unit) and run side by side, as their checks did: the slowest worker's loop is the unit's time.
+timed the unit), run side by side, as their checks did, and all end before any goes on to the next unit: the slowest
+worker's engine time (its ``execute`` calls; building the batches is not timed) is the unit's.
 
 The ``first`` column is how long a unit's first case took (warm-up included): its kernels' compiles, on a cold machine
 (run ``harness warmup`` first to build them all in parallel). The units share their process, so a compile or the CUDA
@@ -220,7 +221,8 @@ def engine_only(ran: list, device: str, sync) -> float:
 
 def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
     """Warm up on specifications of their own, then time drawing and running ``n`` cases. With a
-    ``barrier``, every worker starts its timed part together (so their wall times overlap)."""
+    ``barrier``, every worker starts its timed part together (so their wall times overlap), then its engine-only
+    loop, and leaves the unit with the others (a worker's next unit does not run beside another's loop)."""
     import torch
 
     from search.group import DRAWS_PER_EXAMPLE
@@ -268,9 +270,12 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
     # Generation: the share of the drawing the batches looked at took (drawn up front, more than were needed)
     generation = drawn * (cases + steer.steered) / max(1, len(specs))
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
+    engine = engine_only(ran, device, sync)
+    if barrier is not None:
+        barrier.wait()
     return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, cases, failures,
                      seconds, started - generation, finished, known=known, steered=steer.steered,
-                     engine_seconds=engine_only(ran, device, sync), first_case_s=first_case_s or 0.0)
+                     engine_seconds=engine, first_case_s=first_case_s or 0.0)
 
 
 class Steering:
@@ -374,9 +379,12 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
         barrier.wait()
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES}
     seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
+    engine = engine_only(ran, device, sync)
+    if barrier is not None:
+        barrier.wait()
     return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
                      totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered,
-                     engine_seconds=engine_only(ran, device, sync), first_case_s=first_case_s or 0.0)
+                     engine_seconds=engine, first_case_s=first_case_s or 0.0)
 
 
 def combine(parts: list[RowTiming]) -> RowTiming:

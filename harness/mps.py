@@ -33,17 +33,18 @@ TIMEOUT_S = 30
 
 
 def _control(control: str, env: dict[str, str], root: str, args: list[str], stdin: str | None) -> str | None:
-    """Run the control program; None if it succeeded, else why not (one line). Its output goes to a file: the daemon
-    it starts keeps the descriptors it inherits, and a pipe would never reach its end."""
-    with open(os.path.join(root, "control.out"), "w+") as out:
-        try:
+    """Run the control program; None if it succeeded, else why not (one line). Its output goes to a file of its own
+    per call: the daemon it starts keeps the descriptors it inherits, and a pipe would never reach its end."""
+    try:
+        with open(os.path.join(root, f"control{''.join(args) or '-quit'}.out"), "w+", errors="replace") as out:
             done = subprocess.run([control, *args], input=stdin, stdout=out, stderr=subprocess.STDOUT, text=True,
+                                  stdin=None if stdin is not None else subprocess.DEVNULL,
                                   env={k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"} | env,
                                   timeout=TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            return str(e)
-        out.seek(0)
-        said = out.read().strip().splitlines()
+            out.seek(0)
+            said = out.read().strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
     return None if done.returncode == 0 else (said[0] if said else f"exit status {done.returncode}")
 
 

@@ -112,3 +112,28 @@ def test_workers_time_each_unit_together_and_say_their_engine_only_rate():
     total = next(line for line in out.stdout.splitlines() if line.startswith("all "))
     assert int(total.split()[1]) == 2 * 4 * 3 and float(total.split()[3]) > 0
     assert "MPS: asked for, but it serves several workers on a GPU: not used" in out.stderr
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_workers_engine_only_loop_runs_between_two_barriers_after_its_timed_part(shared, monkeypatch):
+    """Every worker times the unit, waits, runs its engine-only loop, and waits again: the loops run side by side and
+    none runs beside another worker's next unit (whose checks would slow it, and the max would take that one)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import throughput
+
+    from search.group import group_rows
+    from search.matrix import matrix_rows
+    from search.profiles import profile
+
+    waits: list[str] = []
+
+    class Barrier:
+        def wait(self) -> None:
+            waits.append("wait")
+
+    real = throughput.engine_only
+    monkeypatch.setattr(throughput, "engine_only", lambda *a: waits.append("engine") or real(*a))
+    rows, _ = matrix_rows("cpu", profile("ci"), ["torch_native"], ["outputs"], ["decode"])
+    unit = group_rows(rows, profile("ci"), "cpu")[0] if shared else rows[0]
+    timing = throughput.bench(unit, profile("ci"), "cpu", 1, 0, 0, Barrier())
+    assert waits == ["wait", "wait", "engine", "wait"] and timing.engine_seconds > 0

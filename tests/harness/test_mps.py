@@ -6,6 +6,7 @@ import os
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def control(tmp_path, monkeypatch):
     monkeypatch.setenv("FAKE_MPS_CALLS", str(tmp_path / "calls"))
     monkeypatch.delenv(PIPE, raising=False)
     monkeypatch.delenv(LOG, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the daemon's folders, one left behind on purpose too
     return tmp_path / "calls"
 
 
