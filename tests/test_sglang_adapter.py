@@ -203,6 +203,31 @@ def test_sglang_graph_replay_runs_sglangs_three_methods(term, spec, device):
 
 
 @needs_sglang
+@pytest.mark.parametrize("term", ["graph(sglang.triton)", "graph(tbo(sglang.triton))"])
+def test_a_replays_real_rows_loaded_wrong_are_the_adapters_error_not_sglangs(term, device, monkeypatch):
+    """The real rows of a replay's static batch are what the scheduler handed the graph runner (backends/sglang/
+    handover.py, check_replay). Loaded wrong by the harness's runner, here one position past each token's, the
+    replay differed from the eager run (relative L2 0.15), a failure SGLang's code would have been blamed for; it is
+    the adapter's error instead."""
+    from engine import graph_runner
+
+    spec = BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), page_size=4, graph_padding=1, seed=3)
+
+    assert PROPERTIES["graph_replay"].run(parse(term), spec, device).ok  # loaded right: SGLang's replay agrees
+    load = graph_runner.load_token_rows
+
+    def shifted(runner, fb, inputs, t):
+        load(runner, fb, inputs, t)
+        runner.positions[:t] += 1
+
+    monkeypatch.setattr(graph_runner, "load_token_rows", shifted)
+    verdict = PROPERTIES["graph_replay"].run(parse(term), spec, device)
+    assert not verdict.ok and "adapter_error" in verdict.details, str(verdict)
+    assert "BrokenHandover" in verdict.reason and "real rows of the graph runner's" in verdict.reason
+    assert "positions is" in verdict.reason
+
+
+@needs_sglang
 def test_graph_capture_is_no_larger_than_sglangs_request_pool(device):
     # Nine requests in a pool of eleven: SGLang captures sizes 1, 2, 4, 8 and the pool's 11, never 16, and its
     # Triton backend sizes kv_indptr by the pool. Capturing at 16 crashed every such replay on the H100

@@ -546,11 +546,22 @@ class SglangBackend(_SglangObject):
         (outside the graph) and come back inside it (whole-pool copies, which a graph can hold)."""
         self._capture_or_check(forward_batch, in_capture)
         sfb = self.translate(forward_batch, graph=True)
+        self.check_replay(forward_batch, sfb, in_capture)
         self.batches = {id(forward_batch): sfb}
         self.planned_graph = True
         if self.states is not None:
             self.states.push(forward_batch)
         return sfb
+
+    def check_replay(self, forward_batch, sfb, in_capture: bool) -> None:
+        """Before SGLang plans a decode or target-verify replay over ``sfb``: its real rows must be a batch the
+        scheduler builds (``handover.check_replay``), or the harness's graph runner loaded them wrong, the adapter's
+        error (a target verify's rows are checked for their lengths: its positions follow the draft tree)."""
+        mode = forward_batch.forward_mode
+        if not in_capture and (mode.is_decode() or mode.is_target_verify()):
+            handover.check_replay(sfb, forward_batch.num_padding, forward_batch.out_cache_loc,
+                                  getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None),
+                                  getattr(self.sgl_runner, "page_size", 1))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         sfb = self._graph_batch(forward_batch, in_capture)
@@ -1497,6 +1508,7 @@ class SglangTbo(_SglangObject):
         tbo = sgl.two_batch_overlap
         self._capture_or_check(fb, in_capture)
         sfb = self.primary.translate(fb, graph=True)
+        self.primary.check_replay(fb, sfb, in_capture)
         self.primary.batches = {id(fb): sfb}
         with compat.backend_scope(sgl, self.inner, sfb):
             if in_capture:

@@ -13,13 +13,16 @@ Written from the scheduler's side, not from any backend's reading of the fields:
 prefix's slots then the extend's write slots (``mem_cache/allocation.py:97-104`` in 0.5.23), positions are
 ``prefix + i`` for an extend and ``seq_lens - 1`` for a decode (``ForwardBatch.init_new``,
 ``model_executor/forward_batch_info.py:1228``), host lists mirror the device tensors. Graph runners' static
-batches are not checked here: their padded rows follow the runners' own fill rules, which the graph properties
-check.
+batches' padded rows follow the runners' own fill rules, which the graph properties check; their real rows, the batch
+the scheduler handed the runner, are checked at each decode and target-verify replay (:func:`check_replay`): a graph
+runner that loaded them wrong would have its replay differ from the eager run, which the graph properties would
+otherwise report as SGLang's.
 """
 
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
 
 import torch
 
@@ -121,6 +124,21 @@ def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tens
     return wrong
 
 
+def real_rows(sfb, padding: int, out_cache_loc: torch.Tensor):
+    """The real rows of a graph runner's static decode or target-verify batch ``sfb`` (its last ``padding`` rows are
+    the runner's fill): the batch the scheduler handed the runner, with ``out_cache_loc`` the static write slots the
+    adapter chose, as :func:`violations` reads a batch. Each row holds the same number of tokens (one, or the
+    draft's)."""
+    n = int(sfb.batch_size) - padding
+    per = int(out_cache_loc.numel()) // max(1, int(sfb.batch_size))
+    seq_cpu = None if sfb.seq_lens_cpu is None else sfb.seq_lens_cpu[:n]
+    return SimpleNamespace(
+        forward_mode=sfb.forward_mode, batch_size=n, req_pool_indices=sfb.req_pool_indices[:n], seq_lens=sfb.seq_lens[:n],
+        seq_lens_cpu=seq_cpu, seq_lens_sum=0 if seq_cpu is None else int(seq_cpu.sum()),
+        out_cache_loc=out_cache_loc[:n * per], positions=None if sfb.positions is None else sfb.positions[:n * per],
+        spec_info=getattr(sfb, "spec_info", None), spec_algorithm=getattr(sfb, "spec_algorithm", None))
+
+
 # The harness batches already checked: each once, at its first translation, before SGLang has seen any of its
 # tensors (a later plan of the same batch would read them after SGLang's code may have written them in place)
 _checked: dict[str, weakref.WeakValueDictionary] = {}
@@ -143,6 +161,15 @@ def check(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | 
     if wrong:
         raise BrokenHandover(f"the adapter's {sfb.forward_mode.name.lower()} ForwardBatch is not one SGLang's "
                              f"scheduler builds: {'; '.join(wrong)}")
+
+
+def check_replay(sfb, padding: int, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor | None,
+                 page_size: int = 1) -> None:
+    """Raise :class:`BrokenHandover` if the real rows of a graph replay's static batch break the scheduler's rules."""
+    wrong = violations(real_rows(sfb, padding, out_cache_loc), req_to_token, None, page_size)
+    if wrong:
+        raise BrokenHandover(f"the real rows of the graph runner's {sfb.forward_mode.name.lower()} batch are not a "
+                             f"batch SGLang's scheduler builds: {'; '.join(wrong)}")
 
 
 def _short(x, keep: int = 12) -> str:
