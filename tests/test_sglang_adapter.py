@@ -228,6 +228,24 @@ def test_a_replays_real_rows_loaded_wrong_are_the_adapters_error_not_sglangs(ter
 
 
 @needs_sglang
+def test_a_replays_request_table_is_read_at_its_first_replay_only(device, monkeypatch):
+    """The request table is shared by every replay of a static batch and not restored between them: checked at the
+    first replay, so that a write of SGLang's into it during a replay is not read back as the adapter's error."""
+    from backends.sglang import handover
+    from backends.sglang.adapter import SglangTriton
+
+    tables = []
+    monkeypatch.setattr(handover, "check_replay", lambda sfb, padding, loc, table, page_size=1: tables.append(table))
+    spec = BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), page_size=4, seed=3)
+    case = materialize(spec, device)
+    backend = SglangTriton(ModelRunner.of(case.forward_batch, spec.layers))
+    backend.init_forward_metadata(case.forward_batch)  # builds SGLang's runner over the harness's request table
+    for _ in range(3):  # one static batch replayed three times
+        backend.check_replay(case.forward_batch, None, in_capture=False)
+    assert tables[0] is backend.sgl_runner.req_to_token_pool.req_to_token and tables[1:] == [None, None]
+
+
+@needs_sglang
 def test_graph_capture_is_no_larger_than_sglangs_request_pool(device):
     # Nine requests in a pool of eleven: SGLang captures sizes 1, 2, 4, 8 and the pool's 11, never 16, and its
     # Triton backend sizes kv_indptr by the pool. Capturing at 16 crashed every such replay on the H100

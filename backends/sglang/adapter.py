@@ -559,8 +559,12 @@ class SglangBackend(_SglangObject):
         error (a target verify's rows are checked for their lengths: its positions follow the draft tree)."""
         mode = forward_batch.forward_mode
         if not in_capture and (mode.is_decode() or mode.is_target_verify()):
+            # The rows are loaded afresh at every replay; the request table is the harness's, shared by every replay
+            # of the static batch and not restored between them: read at the first replay only, so that SGLang's own
+            # write into it (a bug of its) is never read back as the adapter's
+            table = getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None)
             handover.check_replay(sfb, forward_batch.num_padding, forward_batch.out_cache_loc,
-                                  getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None),
+                                  table if handover.first_handover(forward_batch, "replay") else None,
                                   getattr(self.sgl_runner, "page_size", 1))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
