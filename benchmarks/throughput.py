@@ -576,8 +576,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", action="store_true",
                    help="one batch, every composition: time the rows' groups as sweeps search them")
     p.add_argument("--mps", action="store_true",
-                   help="with --workers N on a GPU: the workers are clients of a CUDA MPS daemon, their kernels side by "
-                        "side (harness/mps.py)")
+                   help="with --workers N on a GPU: the workers are clients of a CUDA MPS daemon, their kernels "
+                        "side by side (harness/mps.py)")
     p.add_argument("--json", help="also write the timings here")
     args = p.parse_args(argv)
 

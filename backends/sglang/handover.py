@@ -14,7 +14,8 @@ prefix's slots then the extend's write slots (``mem_cache/allocation.py:97-104``
 ``prefix + i`` for an extend and ``seq_lens - 1`` for a decode (``ForwardBatch.init_new``,
 ``model_executor/forward_batch_info.py:1228``), host lists mirror the device tensors. Graph runners' static
 batches' padded rows follow the runners' own fill rules, which the graph properties check; their real rows, the batch
-the scheduler handed the runner, are checked at each decode and target-verify replay (:func:`check_replay`): a graph
+the scheduler handed the runner, are checked at each decode and target-verify replay (:func:`check_replay`; the
+request table at a static batch's first replay only, as it is not restored between replays): a graph
 runner that loaded them wrong would have its replay differ from the eager run, which the graph properties would
 otherwise report as SGLang's.
 """
@@ -133,8 +134,8 @@ def real_rows(sfb, padding: int, out_cache_loc: torch.Tensor):
     per = int(out_cache_loc.numel()) // max(1, int(sfb.batch_size))
     seq_cpu = None if sfb.seq_lens_cpu is None else sfb.seq_lens_cpu[:n]
     return SimpleNamespace(
-        forward_mode=sfb.forward_mode, batch_size=n, req_pool_indices=sfb.req_pool_indices[:n], seq_lens=sfb.seq_lens[:n],
-        seq_lens_cpu=seq_cpu, seq_lens_sum=0 if seq_cpu is None else int(seq_cpu.sum()),
+        forward_mode=sfb.forward_mode, batch_size=n, req_pool_indices=sfb.req_pool_indices[:n],
+        seq_lens=sfb.seq_lens[:n], seq_lens_cpu=seq_cpu, seq_lens_sum=0 if seq_cpu is None else int(seq_cpu.sum()),
         out_cache_loc=out_cache_loc[:n * per], positions=None if sfb.positions is None else sfb.positions[:n * per],
         spec_info=getattr(sfb, "spec_info", None), spec_algorithm=getattr(sfb, "spec_algorithm", None))
 

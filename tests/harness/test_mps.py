@@ -20,7 +20,8 @@ from harness.mps import CONTROL, LOG, PIPE, mps_daemon
 FAKE = """#!/bin/sh
 input=""
 [ "$1" = "-d" ] || input=$(cat)
-echo "$* | $input | $CUDA_MPS_PIPE_DIRECTORY | $CUDA_MPS_LOG_DIRECTORY | ${CUDA_VISIBLE_DEVICES-unset}" >> "$FAKE_MPS_CALLS"
+devices=${CUDA_VISIBLE_DEVICES-unset}
+echo "$* | $input | $CUDA_MPS_PIPE_DIRECTORY | $CUDA_MPS_LOG_DIRECTORY | $devices" >> "$FAKE_MPS_CALLS"
 [ -n "$FAKE_MPS_ERROR" ] && echo "$FAKE_MPS_ERROR" >&2
 [ "$1" = "-d" ] && [ -n "$FAKE_MPS_LINGER" ] && sleep 5 &
 [ "$1" = "-d" ] || exit ${FAKE_MPS_QUIT_STATUS:-0}
