@@ -219,6 +219,17 @@ def engine_only(ran: list, device: str, sync) -> float:
     return total
 
 
+def engine_only_together(ran: list, device: str, sync, barrier=None) -> float:
+    """:func:`engine_only` over a unit's batches; with a ``barrier``, between two waits: every worker's loop starts
+    once all have timed the unit, runs beside the others', and all end before any goes on to the next unit."""
+    if barrier is not None:
+        barrier.wait()
+    seconds = engine_only(ran, device, sync)
+    if barrier is not None:
+        barrier.wait()
+    return seconds
+
+
 def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier=None) -> RowTiming:
     """Warm up on specifications of their own, then time drawing and running ``n`` cases. With a
     ``barrier``, every worker starts its timed part together (so their wall times overlap), then its engine-only
@@ -265,14 +276,10 @@ def bench_row(row, profile, device: str, n: int, seed: int, warmup: int, barrier
                 else:
                     failures += 1
     finished = time.perf_counter()
-    if barrier is not None:  # the workers' engine-only loops run side by side, as their checks did
-        barrier.wait()
     # Generation: the share of the drawing the batches looked at took (drawn up front, more than were needed)
     generation = drawn * (cases + steer.steered) / max(1, len(specs))
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES} | {"generation": generation}
-    engine = engine_only(ran, device, sync)
-    if barrier is not None:
-        barrier.wait()
+    engine = engine_only_together(ran, device, sync, barrier)
     return RowTiming(row.id, str(row.composition), row.mode.value, row.property.name, cases, failures,
                      seconds, started - generation, finished, known=known, steered=steer.steered,
                      engine_seconds=engine, first_case_s=first_case_s or 0.0)
@@ -375,13 +382,9 @@ def bench_group(group, profile, device: str, n: int, seed: int, warmup: int, bar
         with instrumented(clock):
             run(n, seed, timed=True)
         finished = time.perf_counter()
-    if barrier is not None:  # the workers' engine-only loops run side by side, as their checks did
-        barrier.wait()
     seconds = {p: clock.totals.get(p, 0.0) for p in PHASES}
     seconds["generation"] = max(0.0, finished - started - sum(seconds.values()))
-    engine = engine_only(ran, device, sync)
-    if barrier is not None:
-        barrier.wait()
+    engine = engine_only_together(ran, device, sync, barrier)
     return RowTiming(group.id, group.label, group.mode.value, f"{len(group.rows)} rows", sum(counts.values()),
                      totals["failures"], seconds, started, finished, known=totals["known"], steered=steer.steered,
                      engine_seconds=engine, first_case_s=first_case_s or 0.0)
