@@ -19,7 +19,7 @@ from batch.spec import (BatchSpec, ForwardMode, KdaLayer, LightningLayer, Linear
 from engine.materialize import materialize
 from properties import PROPERTIES
 from properties.run import run_case
-from search.matrix import matrix, strategy_options
+from search.matrix import matrix, mode_reason, strategy_options
 from search.profiles import PROFILES
 
 
@@ -202,17 +202,32 @@ def test_sglang_graph_replay_runs_sglangs_three_methods(term, spec, device):
     assert "init_forward_metadata_in_graph" in names
 
 
+# Batches a graph replays with one row of padding: the verify's trees are of topk 2 (a token's position is its
+# request's committed length plus its depth, not its index in the block)
+REPLAYED = {
+    "decode": BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), page_size=4, graph_padding=1, seed=3),
+    "target_verify": BatchSpec(ForwardMode.TARGET_VERIFY, (5, 9), (4, 4), (MHA,), graph_padding=1, seed=3,
+                               spec=SpecInput(4, 2, 2, ((-1, 0, 0, 1), (-1, 0, 1, 0)), (2, 3))),
+    "draft_extend": BatchSpec(ForwardMode.DRAFT_EXTEND, (4, 1), (3, 3), (MHA,), graph_padding=1, seed=12,
+                              spec=SpecInput(3, 1, 2, ((-1, 0, 1),) * 2, (3, 3))),
+}
+
+
 @needs_sglang
 @pytest.mark.parametrize("term", ["graph(sglang.triton)", "graph(tbo(sglang.triton))"])
-def test_a_replays_real_rows_loaded_wrong_are_the_adapters_error_not_sglangs(term, device, monkeypatch):
+@pytest.mark.parametrize("mode", sorted(REPLAYED))
+def test_a_replays_real_rows_loaded_wrong_are_the_adapters_error_not_sglangs(term, mode, device, monkeypatch):
     """The real rows of a replay's static batch are what the scheduler handed the graph runner (backends/sglang/
     handover.py, check_replay). Loaded wrong by the harness's runner, here one position past each token's, the
-    replay differed from the eager run (relative L2 0.15), a failure SGLang's code would have been blamed for; it is
-    the adapter's error instead."""
+    replay differed from the eager run (relative L2 0.15 for a decode, 0.248 for a verify before its positions were
+    checked against its trees), a failure SGLang's code would have been blamed for; it is the adapter's error
+    instead."""
     from engine import graph_runner
 
-    spec = BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), page_size=4, graph_padding=1, seed=3)
-
+    spec = REPLAYED[mode]
+    support = parse(term).support()
+    if spec.mode not in support.modes & support.cuda_graph_modes:
+        pytest.skip(f"{term} runs no {mode} graph here: {mode_reason(parse(term), spec.mode)}")
     assert PROPERTIES["graph_replay"].run(parse(term), spec, device).ok  # loaded right: SGLang's replay agrees
     load = graph_runner.load_token_rows
 
@@ -228,6 +243,29 @@ def test_a_replays_real_rows_loaded_wrong_are_the_adapters_error_not_sglangs(ter
 
 
 @needs_sglang
+def test_a_verify_whose_positions_do_not_follow_its_trees_is_the_adapters_error(device, monkeypatch):
+    """Eagerly too: a verify's token sits at its request's committed length plus its depth in the draft tree
+    (SGLang's build_tree_kernel_efficient), not at its index in the block."""
+    from engine import materialize as mat
+
+    spec = REPLAYED["target_verify"]
+    assert PROPERTIES["outputs"].run(parse("sglang.triton"), spec, device).ok
+    real = mat.query_positions
+
+    def by_index(s):  # prefix + index in the block: right for a chain, wrong for these trees
+        out = real(s)
+        if s.mode is ForwardMode.TARGET_VERIFY:
+            D = s.spec.draft_token_num
+            out = torch.tensor([p + j for p in s.prefix_lens for j in range(D)], dtype=out.dtype)
+        return out
+
+    monkeypatch.setattr(mat, "query_positions", by_index)
+    verdict = PROPERTIES["outputs"].run(parse("sglang.triton"), spec, device)
+    assert not verdict.ok and "adapter_error" in verdict.details, str(verdict)
+    assert "BrokenHandover" in verdict.reason and "positions is" in verdict.reason
+
+
+@needs_sglang
 def test_a_replays_request_table_is_read_at_its_first_replay_only(device, monkeypatch):
     """The request table is shared by every replay of a static batch and not restored between them: checked at the
     first replay, so that a write of SGLang's into it during a replay is not read back as the adapter's error."""
@@ -235,7 +273,7 @@ def test_a_replays_request_table_is_read_at_its_first_replay_only(device, monkey
     from backends.sglang.adapter import SglangTriton
 
     tables = []
-    monkeypatch.setattr(handover, "check_replay", lambda sfb, padding, loc, table, page_size=1: tables.append(table))
+    monkeypatch.setattr(handover, "check_replay", lambda sfb, padding, loc, table, *rest: tables.append(table))
     spec = BatchSpec(ForwardMode.DECODE, (5, 9, 2), (1, 1, 1), (MHA,), page_size=4, seed=3)
     case = materialize(spec, device)
     backend = SglangTriton(ModelRunner.of(case.forward_batch, spec.layers))

@@ -103,6 +103,13 @@ def retrieve_links(parents: list[int]) -> tuple[list[int], list[int]]:
     return first_child, next_sibling
 
 
+def draft_trees(fb) -> torch.Tensor | None:
+    """A target verify's draft trees (``[batch, draft tokens]`` parents, the real rows' first in a graph's static
+    batch), which its positions follow; None for any other batch."""
+    info = fb.spec_info if fb.forward_mode.is_target_verify() else None
+    return None if info is None else info.parents
+
+
 def _check_prefill_graph_scope(sgl, sfb) -> None:
     """The engine's own predicates, read inside the prefill-graph scope the adapter entered: the ones its layers ask
     before they break out of the graph. A layer that took no break because this scope did not take hold on the
@@ -465,7 +472,7 @@ class SglangBackend(_SglangObject):
         if not (graph or static) and handover.first_handover(fb):
             # before any SGLang backend plans over it: a batch its scheduler never builds is the adapter's error
             handover.check(out, getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None),
-                           chosen, getattr(self.sgl_runner, "page_size", 1))
+                           chosen, getattr(self.sgl_runner, "page_size", 1), draft_trees(fb))
         return out
 
     def _verify_input(self, fb, out):
@@ -554,18 +561,18 @@ class SglangBackend(_SglangObject):
         return sfb
 
     def check_replay(self, forward_batch, sfb, in_capture: bool) -> None:
-        """Before SGLang plans a decode or target-verify replay over ``sfb``: its real rows must be a batch the
-        scheduler builds (``handover.check_replay``), or the harness's graph runner loaded them wrong, the adapter's
-        error (a target verify's rows are checked for their lengths: its positions follow the draft tree)."""
+        """Before SGLang plans a decode, target-verify or draft-extend replay over ``sfb``: its real rows must be a
+        batch the scheduler builds (``handover.check_replay``; a verify's positions follow its draft trees), or the
+        harness's graph runner loaded them wrong, the adapter's error."""
         mode = forward_batch.forward_mode
-        if not in_capture and (mode.is_decode() or mode.is_target_verify()):
+        if not in_capture and (mode.is_decode() or mode.is_target_verify() or mode.is_draft_extend()):
             # The rows are loaded afresh at every replay; the request table is the harness's, shared by every replay
             # of the static batch and not restored between them: read at the first replay only, so that SGLang's own
             # write into it (a bug of its) is never read back as the adapter's
             table = getattr(getattr(self.sgl_runner, "req_to_token_pool", None), "req_to_token", None)
             handover.check_replay(sfb, forward_batch.num_padding, forward_batch.out_cache_loc,
                                   table if handover.first_handover(forward_batch, "replay") else None,
-                                  getattr(self.sgl_runner, "page_size", 1))
+                                  getattr(self.sgl_runner, "page_size", 1), draft_trees(forward_batch))
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False) -> None:
         sfb = self._graph_batch(forward_batch, in_capture)

@@ -27,18 +27,21 @@ from types import SimpleNamespace
 
 import torch
 
+from batch.masks import tree_depths
+
 
 class BrokenHandover(RuntimeError):
     """The adapter translated a batch into a ForwardBatch that SGLang's scheduler never builds."""
 
 
 def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None,
-               page_size: int = 1) -> list[str]:
+               page_size: int = 1, parents: torch.Tensor | None = None) -> list[str]:
     """Every way ``sfb`` breaks the scheduler's guarantees (empty when none). ``req_to_token``: the request table
     the batch's ``req_pool_indices`` index (None: its slots are not checked). ``out_cache_loc``: the write slots the
     adapter chose (default: the batch's own). ``page_size``: the pool's; a paged allocator puts each token at its
     position's offset in a page (``mem_cache/allocator/paged.py:41-133`` in 0.5.23: from the last slot, or a free
-    page at the position's offset)."""
+    page at the position's offset). ``parents``: a target verify's draft trees, ``[batch, draft tokens]`` (each
+    token's parent, -1 for a root), as the draft worker built them (None: its positions are not checked)."""
     mode = sfb.forward_mode
     loc = sfb.out_cache_loc if out_cache_loc is None else out_cache_loc
     bs = int(sfb.batch_size)
@@ -69,6 +72,11 @@ def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tens
     if mode.is_target_verify():
         if draft is not None:
             same("len(out_cache_loc)", tokens, bs * int(draft))
+        if parents is not None and sfb.positions is not None and not wrong:
+            # Each draft token sits at its request's committed length plus its depth in the tree
+            # (speculative/eagle_utils.py:207-210, build_tree_kernel_efficient in 0.5.23); DFlash's block is a chain
+            depths = tree_depths(parents[:bs].cpu()).tolist()
+            same("positions", sfb.positions.tolist(), [s + d for s, row in zip(seq, depths) for d in row])
     elif mode.is_extend(include_draft_extend_v2=True):
         prefix, extend = sfb.extend_prefix_lens.tolist(), sfb.extend_seq_lens.tolist()
         same("extend_prefix_lens_cpu", list(sfb.extend_prefix_lens_cpu), prefix)
@@ -126,18 +134,24 @@ def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tens
 
 
 def real_rows(sfb, padding: int, out_cache_loc: torch.Tensor):
-    """The real rows of a graph runner's static decode or target-verify batch ``sfb`` (its last ``padding`` rows are
-    the runner's fill): the batch the scheduler handed the runner, with ``out_cache_loc`` the static write slots the
-    adapter chose, as :func:`violations` reads a batch. Each row holds the same number of tokens (one, or the
-    draft's)."""
+    """The real rows of a graph runner's static decode, target-verify or draft-extend batch ``sfb`` (its last
+    ``padding`` rows are the runner's fill): the batch the scheduler handed the runner, with ``out_cache_loc`` the
+    static write slots the adapter chose, as :func:`violations` reads a batch. Each row holds the same number of
+    tokens (one, or the draft's)."""
     n = int(sfb.batch_size) - padding
     per = int(out_cache_loc.numel()) // max(1, int(sfb.batch_size))
     seq_cpu = None if sfb.seq_lens_cpu is None else sfb.seq_lens_cpu[:n]
-    return SimpleNamespace(
+    rows = SimpleNamespace(
         forward_mode=sfb.forward_mode, batch_size=n, req_pool_indices=sfb.req_pool_indices[:n],
         seq_lens=sfb.seq_lens[:n], seq_lens_cpu=seq_cpu, seq_lens_sum=0 if seq_cpu is None else int(seq_cpu.sum()),
         out_cache_loc=out_cache_loc[:n * per], positions=None if sfb.positions is None else sfb.positions[:n * per],
         spec_info=getattr(sfb, "spec_info", None), spec_algorithm=getattr(sfb, "spec_algorithm", None))
+    if getattr(sfb, "extend_seq_lens", None) is not None:  # a draft extend's: cut to the real rows
+        rows.extend_prefix_lens, rows.extend_seq_lens = sfb.extend_prefix_lens[:n], sfb.extend_seq_lens[:n]
+        rows.extend_prefix_lens_cpu = list(sfb.extend_prefix_lens_cpu)[:n]
+        rows.extend_seq_lens_cpu = list(sfb.extend_seq_lens_cpu)[:n]
+        rows.extend_start_loc, rows.extend_num_tokens = sfb.extend_start_loc[:n], n * per
+    return rows
 
 
 # The harness batches already checked: each once, at its first translation, before SGLang has seen any of its
@@ -156,18 +170,19 @@ def first_handover(fb, as_what: str = "batch") -> bool:
 
 
 def check(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tensor | None = None,
-          page_size: int = 1) -> None:
+          page_size: int = 1, parents: torch.Tensor | None = None) -> None:
     """Raise :class:`BrokenHandover` naming every violation, if any."""
-    wrong = violations(sfb, req_to_token, out_cache_loc, page_size)
+    wrong = violations(sfb, req_to_token, out_cache_loc, page_size, parents)
     if wrong:
         raise BrokenHandover(f"the adapter's {sfb.forward_mode.name.lower()} ForwardBatch is not one SGLang's "
                              f"scheduler builds: {'; '.join(wrong)}")
 
 
 def check_replay(sfb, padding: int, out_cache_loc: torch.Tensor, req_to_token: torch.Tensor | None,
-                 page_size: int = 1) -> None:
-    """Raise :class:`BrokenHandover` if the real rows of a graph replay's static batch break the scheduler's rules."""
-    wrong = violations(real_rows(sfb, padding, out_cache_loc), req_to_token, None, page_size)
+                 page_size: int = 1, parents: torch.Tensor | None = None) -> None:
+    """Raise :class:`BrokenHandover` if the real rows of a graph replay's static batch break the scheduler's rules
+    (``parents``: a target verify's draft trees, its real rows' first)."""
+    wrong = violations(real_rows(sfb, padding, out_cache_loc), req_to_token, None, page_size, parents)
     if wrong:
         raise BrokenHandover(f"the real rows of the graph runner's {sfb.forward_mode.name.lower()} batch are not a "
                              f"batch SGLang's scheduler builds: {'; '.join(wrong)}")
