@@ -230,6 +230,13 @@ def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
     # (a draft loop's steps run the same decode kernels)
     if spec.mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE) and layer.num_q_heads == layer.num_kv_heads:
         return False
+    if verdict.property == "graph_replay":
+        # A replay against its eager twin: q rounded to e4m3 alike, the probabilities rounded to e4m3 within each KV
+        # split, and the splits differ (get_num_kv_splits sizes them by the batch: a padded replay's, or a TBO
+        # child's, is not the eager batch's; triton_backend.py:431-480 in 0.5.23). Held to one e4m3 rounding (u), as
+        # XQA's replays are (_xqa_e4m3_decode): 1.93e-2 measured at 32769 keys (H200, harness-out/gpu109.sh), where
+        # the eager run itself was 3.5e-2 off the exact attention
+        return _rel_l2(verdict) <= E4M3_UNIT_ROUNDOFF
     return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
 
 
