@@ -8,10 +8,12 @@ whose only failures are the harness's own (adapter errors around an engine's cla
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
 from harness.options import (
+    MPS_HELP,
     UsageError,
     add_selection,
     check_device_name,
@@ -189,6 +191,13 @@ def cmd_repro(args) -> int:
         check_out_folder("--dump", args.dump)
     case = CaseFile.read(args.file)  # a bad case file is reported before torch is imported
     check_fits(case.spec, where=args.file)  # before anything is allocated
+    fault = contextlib.nullcontext()
+    if args.mutant:
+        from harness.mutants.catalogue import MUTANTS
+
+        if args.mutant not in MUTANTS:
+            raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
+        fault = MUTANTS[args.mutant].patch()  # built here: one this release lacks says so in one line
     if args.device != "auto":
         device = resolve_device(args.device)
     elif case.device == "cuda":
@@ -205,7 +214,8 @@ def cmd_repro(args) -> int:
     for pkg, then in (case.versions or {}).items():
         if then != now.get(pkg) and then is not None:
             print(f"note: case made with {pkg} {then}, this machine has {now.get(pkg)}", file=sys.stderr)
-    return replay(case, device, Path(args.dump) if args.dump else None)
+    with fault:
+        return replay(case, device, Path(args.dump) if args.dump else None, args.known_passes)
 
 
 def cmd_export(args) -> int:
@@ -329,6 +339,7 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("--workers", type=int,
                     help="worker processes at a time (implies --isolate; default with isolation: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
+    sp.add_argument("--mps", action="store_true", help=MPS_HELP)
     sp.add_argument("--case-timeout", type=float,
                     help=f"with isolation: seconds one case may run before it counts as a hang "
                          f"({CASE_TIMEOUT_DEFAULTS}); time while a JIT compiler runs is not counted")
@@ -367,6 +378,11 @@ def build_parser(with_sweep: bool = True) -> argparse.ArgumentParser:
     sp.add_argument("file")
     sp.add_argument("--device", default="auto", help="auto (the case's device if present), cpu or cuda")
     sp.add_argument("--dump", help="folder to save the case's tensors (outputs, reference) into")
+    sp.add_argument("--mutant", help="replay it with this bug from the catalogue injected (as the sweep that found "
+                                     "it ran)")
+    sp.add_argument("--known-passes", action="store_true",
+                    help="exit 0 when the case fails as a known-failures ledger entry describes (what a sweep asks "
+                         "when it replays a case alone: has it a bug no entry explains?)")
     sp.set_defaults(fn=cmd_repro)
     sp = sub.add_parser("export", help="write a case file as one standalone pytest file (torch and SGLang only)")
     sp.add_argument("file")

@@ -1,4 +1,5 @@
-"""CUDA MPS for the benchmark's worker processes on one GPU (``benchmarks/throughput.py --mps``).
+"""CUDA MPS for the worker processes on a GPU (``harness run --mps``, ``harness sweep --mps``,
+``benchmarks/throughput.py --mps``).
 
 Without MPS, processes on one GPU take turns on it in time slices: a worker's many small kernels wait while another
 process holds the GPU. Measured on an H200 (``harness-out/gpu106.sh``: ``benchmarks/throughput.py --profile gpu
@@ -7,10 +8,13 @@ process holds the GPU. Measured on an H200 (``harness-out/gpu106.sh``: ``benchma
 cases/s with the GPU busy 90% of the time, 8 workers 179.8 at 98%; under an MPS daemon, whose clients' kernels run
 side by side, 200.8 and 358.8, the GPU busy 29% and 45%.
 
-Only the benchmark uses it, not ``harness run`` or sweeps: under MPS a fatal GPU fault in one client (a kernel under
-test reading an illegal address) is reported to every client of the daemon (NVIDIA's MPS documentation, Volta and
-later), so the cases other workers were running would fail with that CUDA error and be recorded as findings against
-their own rows. A search needs such failures replayed alone before they are reported; that is not built.
+What a search must then guard against: a fatal GPU fault in one client (a kernel under test reading an illegal
+address) is reported to every client of the daemon that shares the GPU, and the daemon takes no new client until
+they have all exited (NVIDIA's MPS documentation, "Error containment", Volta and later). So under MPS a case that
+failed with a CUDA error is replayed alone, outside MPS, before it is reported (``search.search_row.confirm_alone``;
+one that passes there is counted as ``mps-fault``, its case kept under ``passed-alone/``); every worker whose context
+the fault reached exits (a lost context, as without MPS), and a worker started after it waits until the daemon takes
+clients again (``harness.sweep_worker.await_mps_daemon``).
 
 A daemon the user runs (``CUDA_MPS_PIPE_DIRECTORY`` set) is used as it is; otherwise a private one is started with its
 pipe and log folders under a temporary folder and without ``CUDA_VISIBLE_DEVICES`` (a daemon started with it numbers

@@ -134,6 +134,11 @@ def _ratio(r: dict) -> float | None:
     return None if r["worst_error"] is None or not r["bound"] else r["worst_error"] / r["bound"]
 
 
+def _cell_text(text: str) -> str:
+    """``text`` as one markdown table cell: its pipes escaped, its lines joined."""
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
 def _cell(rows: list[dict]) -> str:
     """A composition x property cell: counts over the rows that ran, and how many did not run."""
     if not rows:
@@ -212,7 +217,7 @@ def markdown(data: dict, plot_names: list[str]) -> str:
                 "|---|---|---|---|---|"]
         for f in findings:
             repro = f"`python -m harness repro {f['case_file']}`" if f.get("case_file") else "-"
-            reason = (f.get("reason") or "").replace("|", "\\|").replace("\n", " ")
+            reason = _cell_text(f.get("reason") or "")
             badly = how_badly(by_id.get(f.get("row"))).replace("|", "\\|")
             out.append(f"| {f['kind']} | {f.get('row') or f.get('composition')} | {badly} | {reason} | {repro} |")
     else:
@@ -232,10 +237,13 @@ def markdown(data: dict, plot_names: list[str]) -> str:
     alone = [(r["row"], c) for r in rows for c in r.get("passed_alone_cases") or ()]
     if alone:
         out += ["", "## Failures that passed alone in a fresh process", "",
-                "Found on CUDA in a process that had run batches a ledger entry's stray writes reach, then replayed "
-                "alone in fresh processes, passing every time: that entry's doing, not a finding. Each case is kept.",
-                "", "| row | ledger entry | the failure | its case |", "|---|---|---|---|"]
-        out += [f"| {row} | `{c['entry']}` | {c['reason']} | `{c['case']}` |" for row, c in alone]
+                "Found on CUDA where something else may have caused them, then replayed alone in fresh processes, "
+                "passing every time (or failing only as a ledger entry describes): not findings. The cause is a "
+                "ledger entry whose stray writes that process's earlier batches reached, or `mps-fault`: a CUDA "
+                "error in a client of an MPS daemon (`--mps`), which any worker's GPU fault reaches, replayed outside "
+                "MPS. Each case is kept, with what its replays printed beside it (`CASE.alone.log`).",
+                "", "| row | cause | the failure | its case |", "|---|---|---|---|"]
+        out += [f"| {row} | `{c['entry']}` | {_cell_text(c['reason'])} | `{c['case']}` |" for row, c in alone]
     out += ["", "## Pass/fail: composition x property (over modes)", "",
             "Each cell counts the rows (one per mode) that ran: `ok (N)` all N passed, `**FAILED** (F/N)` F of N "
             "had a finding; rows that did not run (a stopped or short run) are counted apart as `not run`; "

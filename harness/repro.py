@@ -12,6 +12,7 @@ from properties import PROPERTIES
 from properties.run import run_case
 from properties.tolerances import layer_bound, widen_for_cancellation
 from properties.verdict import CHECK_WORDS, compare, token_starts
+from search import ledger
 from search.casefile import CaseFile
 
 
@@ -31,7 +32,9 @@ def describe(spec) -> str:
             f"layers [{layers}]")
 
 
-def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
+def replay(case: CaseFile, device: str, dump_dir: Path | None, known_passes: bool = False) -> int:
+    """Replay ``case`` and print where it differs; the exit status is 1 if it fails (0 for a failure a ledger entry
+    explains when ``known_passes``: a replay alone asks whether the case has a bug no entry explains)."""
     composition = parse(case.composition)
     if case.property not in PROPERTIES:
         raise UsageError(f"case names unknown property {case.property!r}; known: {', '.join(PROPERTIES)}")
@@ -42,13 +45,18 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
     print(f"composition: {case.composition}\nproperty:    {case.property}\nbatch:       {describe(case.spec)}")
     verdict = PROPERTIES[case.property].run(composition, case.spec, device)
     print(f"verdict:     {verdict}")
+    known = None if verdict.ok else ledger.match(case.composition, case.spec.mode.value, case.property, case.spec,
+                                                 verdict, device)
+    if known is not None:
+        print(f"known:       {known.id} (docs/findings/known-failures.toml)")
+    status = 0 if verdict.ok or (known is not None and known_passes) else 1
     for frame in verdict.details.get("traceback", ()):
         print(f"  at {frame}")
     try:
         run = run_case(composition, case.spec, device)
     except Exception as e:  # noqa: BLE001 - the verdict above already reported it
         print(f"(no per-layer diff: the plain run crashed with {type(e).__name__}: {e})")
-        return 0 if verdict.ok else 1
+        return status
     starts = token_starts(case.spec)
     print(f"{'layer':>6} {'rel_l2':>10} {'bound':>10} {'element':>10} {'bound':>10}  element nearest its bound")
     for layer, out, ref in zip(case.spec.layers, run.execution.outputs, run.reference.outputs):
@@ -69,4 +77,4 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None) -> int:
         except OSError as e:  # checked before the replay; this is what the check cannot foresee (a full disk)
             raise UsageError(f"--dump {dump_dir}: cannot write there: {e.strerror or e}") from None
         print(f"tensors saved to {dump_dir / 'tensors.pt'}")
-    return 0 if verdict.ok else 1
+    return status

@@ -191,7 +191,8 @@ def run_in_process(groups, profile, device: str, *, database, examples: int | No
 
 def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None, out_dir: Path,
                    shrink_seconds: float, seed: int, workers: int, case_timeout: float | None, stall_seconds: float,
-                   mutant: str | None, on_row: RowLines, progress, budget: float | None = None) -> list[dict]:
+                   mutant: str | None, on_row: RowLines, progress, budget: float | None = None,
+                   mps: bool = False) -> list[dict]:
     """Search ``rows`` in ``workers`` worker processes at a time, one round each; returns the findings that belong to
     no row (a worker that failed between cases or before its first).
 
@@ -210,7 +211,7 @@ def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None,
                   case_timeout, seed, db, None, mutant, rounds, progress, visible_gpus() if device == "cuda" else [],
                   COMPILE_TIMEOUT_S, is_run=True, examples=examples, shrink_seconds=shrink_seconds,
                   shrink_total=SHRINK_ROWS_PER_RUN * shrink_seconds, on_row=lambda state: on_row(state.outcome()),
-                  compile_notice_s=stall_seconds)
+                  compile_notice_s=stall_seconds, mps=mps)
     try:
         sweep.run()
     finally:  # also when the run is stopped: what ended is reported
@@ -272,7 +273,7 @@ def run(args, rows, skipped, profile, device: str, out_dir: Path, mutant) -> int
                     orphans = run_in_workers(rows, profile, device, db=str(db), examples=args.max_examples, out_dir=out_dir, shrink_seconds=shrink_seconds,
                                              seed=seed, workers=workers, case_timeout=args.case_timeout,
                                              stall_seconds=args.stall_seconds, mutant=args.mutant, on_row=lines,
-                                             progress=progress, budget=budget)
+                                             progress=progress, budget=budget, mps=args.mps)
                 finally:
                     progress.close()
             else:

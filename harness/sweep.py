@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from harness.options import (UsageError, add_selection, duration, parse_budget, parse_shard, profile_named,
+from harness.options import (MPS_HELP, UsageError, add_selection, duration, parse_budget, parse_shard, profile_named,
                              resolve_device)
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
@@ -174,6 +174,7 @@ class Task:
     grace_anchor: float = 0.0  # the last activity the grace belongs to
     last_watch: float = 0.0
     notices: int = 0  # compile notices printed during the current stall
+    awaited_mps: bool = False  # whether it said it waits for the MPS daemon
 
 
 @dataclass
@@ -205,6 +206,7 @@ class Sweep:
     on_row: object = None
     # A worker silent this long while its JIT compiler runs says so, in one line, and again each period
     compile_notice_s: float = 60.0
+    mps: bool = False  # the workers of a GPU sweep are clients of an MPS daemon (harness/mps.py)
     running: dict[int, Task] = field(default_factory=dict)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
@@ -321,6 +323,14 @@ class Sweep:
 
     # ---- supervision -----------------------------------------------------------------------------------
     def run(self) -> None:
+        from harness.mps import mps_daemon
+
+        if self.mps and self.device != "cuda":
+            self.progress.event("MPS: asked for, but the workers run on the CPU: nothing to share")
+        with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
+            self._supervise()
+
+    def _supervise(self) -> None:
         try:
             while True:
                 if time.time() - self.compile_checked >= 1.0:
@@ -405,6 +415,10 @@ class Sweep:
         for line in complete.decode().splitlines():
             event = json.loads(line)
             task.last_activity = time.time()
+            if event["event"] == "awaiting-mps" and not task.awaited_mps:
+                task.awaited_mps = True
+                self.progress.event(f"worker {task.slot}: the MPS daemon takes no new client yet (after a GPU fault it "
+                                    f"waits for every client to exit): waiting ({event.get('said') or 'refused'})")
             if event["event"] == "start":
                 task.current, task.current_round, task.started_any = event["row"], event["round"], True
                 task.round_rows = set(event.get("rows") or ())
@@ -774,7 +788,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
     sweep = Sweep(list(states.values()), device, profile.name, out_dir, start + budget, workers,
                   args.case_timeout, meta["seed"], db, args.redis,
                   args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
-                  args.compile_timeout or COMPILE_TIMEOUT_S)
+                  args.compile_timeout or COMPILE_TIMEOUT_S, mps=args.mps)
     began = sweep_began(meta)
     if args.resume:
         adopted = sweep.adopt_orphans(began)
@@ -846,6 +860,7 @@ def add_parser(sub) -> None:
     sp.add_argument("--workers", type=int,
                     help="worker processes at a time, pinned to the visible GPUs in turn (default: up to 4 per GPU, "
                          "about 4 cores each; 1-2 on a CPU)")
+    sp.add_argument("--mps", action="store_true", help=MPS_HELP)
     sp.add_argument("--case-timeout", type=float,
                     help=f"seconds one case may run before it counts as a hang ({CASE_TIMEOUT_DEFAULTS}); "
                          "time while a worker's JIT compiler (nvcc, ninja, ptxas) runs is not counted")

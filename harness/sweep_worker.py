@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -105,6 +106,43 @@ def die_with_parent(parent: int | None) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
+MPS_READY_TIMEOUT_S = 600.0  # how long a worker waits for an MPS daemon to take clients again after a fault
+MPS_PROBE = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
+
+
+def await_mps_daemon(emit, timeout_s: float = MPS_READY_TIMEOUT_S, probe: str = MPS_PROBE) -> bool:
+    """Wait until the MPS daemon this process would be a client of takes a client: after a fatal fault it refuses new
+    ones until every client it had has exited (NVIDIA's MPS documentation, "Error containment"), and a CUDA context
+    refused once stays refused in torch's process. Probed in a child process, an event emitted each time (the sweep
+    then knows the worker is alive). Returns whether the daemon took one; without MPS at once."""
+    from search.outcome import mps_client
+
+    if not mps_client():
+        return True
+    start = time.time()
+    while True:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+        if done.returncode == 0:
+            return True
+        waited = time.time() - start
+        emit(event="awaiting-mps", seconds=round(waited, 1), said=(done.stderr.strip().splitlines() or [""])[-1])
+        if waited >= timeout_s:
+            return False
+        time.sleep(1.0)
+
+
+def cuda_usable() -> bool:
+    """Whether this process's CUDA context works (an MPS daemon recovering from a fault refuses it)."""
+    import torch
+
+    try:
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - torch raises RuntimeError or its AcceleratorError; either way, not usable
+        return False
+
+
 def run_task(task: dict) -> int:
     die_with_parent(task.get("parent"))
     device = task["device"]
@@ -119,24 +157,48 @@ def run_task(task: dict) -> int:
     from search.profiles import profile as profile_of
 
     profile = profile_of(task["profile"])
+    events = open(task["events"], "a")
+
+    def emit(**fields) -> None:
+        events.write(json.dumps(fields | {"time": time.time()}) + "\n")
+        events.flush()
+    # Before anything asks CUDA: a CUDA context the MPS daemon refused stays refused in this process, and the matrix
+    # would hold none of the group's rows (a GPU sweep under MPS, 2026-11-29: every worker started while the daemon
+    # recovered from a fault failed so)
+    if device == "cuda" and not await_mps_daemon(emit):
+        # Not the engine's, nor a row's: the sweep records it as the worker's error (harness/sweep.py, exited)
+        print(f"SystemExit: the MPS daemon took no new client for {MPS_READY_TIMEOUT_S:.0f}s", file=sys.stderr)
+        return 1
+    if device == "cuda" and not cuda_usable():
+        # The daemon took the probe, then refused this process: a fault in between (on the H200 the mutant's rows
+        # faulted again within seconds of a recovery, harness-out/gpu108.sh). A fresh process waits again.
+        from search.outcome import mps_client
+
+        if mps_client():
+            emit(event="mps-refused")
+            return EXIT_CONTEXT_POISONED
     # Its groups, each as the sweep grouped it, and the rounds each of their rows has done
     groups, rounds = [], {}
     for item in task["units"]:
         members = set(item["members"])
         rows = [r for r in matrix_rows(device, profile, item["compositions"])[0] if r.id in members]
-        groups.append(next(g for g in group_rows(rows, profile, device) if g.id == item["unit"]))
+        group = next((g for g in group_rows(rows, profile, device) if g.id == item["unit"]), None)
+        if group is None:
+            raise RuntimeError(f"group {item['unit']} is not in this process's matrix ({len(rows)} of its "
+                               f"{len(members)} rows are): is the {device} device usable here?")
+        groups.append(group)
         rounds[item["unit"]] = {row["row"]: row["rounds"] for row in item["rows"]}
     database = example_database(task.get("db"), task.get("redis"))
     out_dir = Path(task["out_dir"])
     first_round = min(n for rows in rounds.values() for n in rows.values())
     # ``harness run``'s shrink budget: each row's seconds, and this worker's in all (None: the profile's, no total)
     shrink_seconds, shrink_left = task.get("shrink_seconds"), task.get("shrink_total")
-    with open(task["events"], "a") as events:
-        def emit(**fields) -> None:
-            events.write(json.dumps(fields | {"time": time.time()}) + "\n")
-            events.flush()
-
+    with events:
         emit(event="ready", pid=os.getpid())
+        if task.get("mutant"):
+            import search.search_row
+
+            search.search_row.REPLAY_MUTANT = task["mutant"]  # a case replayed alone runs under it too
         with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
             while any(rounds.values()):
                 round_ = min(n for rows in rounds.values() for n in rows.values())

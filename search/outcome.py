@@ -6,6 +6,7 @@ A row searched once (``harness run``) or over several rounds (``harness sweep``)
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,20 @@ def poisons_cuda_context(failure) -> bool:
     # torch's wording. A Triton launcher says "Triton Error [CUDA]" for faults and harmless launch errors alike
     # (a grid too large); Property.run's synchronize after it tells the two apart.
     return "CUDA error" in str(failure)
+
+
+# Under CUDA MPS (``--mps``: harness/mps.py) a fatal GPU fault of one client reaches every client of the daemon that
+# shares the GPU (NVIDIA's MPS documentation, "Error containment", Volta on), and the daemon takes no new client until
+# they have all exited: a worker's case that ended in a CUDA error may be another worker's fault. Such a failure that
+# passes alone, outside MPS, is counted under this name in ``passed_alone`` (not a ledger entry)
+MPS_FAULT = "mps-fault"
+MPS_PIPE, MPS_DEFAULT_PIPE = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"
+
+
+def mps_client() -> bool:
+    """Whether a CUDA context this process makes is an MPS daemon's client: the daemon's control pipe is in the folder
+    the CUDA driver looks in (without a daemon there, CUDA runs without MPS)."""
+    return os.path.exists(os.path.join(os.environ.get(MPS_PIPE) or MPS_DEFAULT_PIPE, "control"))
 
 
 def is_worse(err: float | None, bound: float | None, than_err: float | None, than_bound: float | None) -> bool:
@@ -149,7 +164,10 @@ class RowOutcome:
                                                                 if self.steered.get(k) else "")
                             for k, n in self.known.items())
             known += "".join(f", {n} failure(s) that passed alone in a fresh process after batches of {k} ran in this "
-                             f"one (its stray writes)" for k, n in self.passed_alone.items())
+                             f"one (its stray writes)" for k, n in self.passed_alone.items() if k != MPS_FAULT)
+            if self.passed_alone.get(MPS_FAULT):
+                known += (f", {self.passed_alone[MPS_FAULT]} CUDA error(s) under MPS that passed alone (another "
+                          f"worker's GPU fault reaches every MPS client)")
             if self.steered_out:
                 known += ", search ended: its last draws all had what those bugs need"
             return f"ok ({self.cases} cases{err}{known})"

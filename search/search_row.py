@@ -8,8 +8,10 @@ the case behind; after shrinking, the minimal failing case is written under ``ca
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -23,7 +25,8 @@ from properties.verdict import Verdict
 from search.casefile import CaseFile, case_name, safe_name
 from search.matrix import Row, strategy_options
 from search import ledger
-from search.outcome import ADAPTER_ERROR, RowOutcome, near_miss, poisons_cuda_context
+from search.outcome import (ADAPTER_ERROR, MPS_FAULT, MPS_PIPE, RowOutcome, mps_client, near_miss,
+                            poisons_cuda_context)
 from search.profiles import Profile, hypothesis_settings
 from search.strategies import batch_specs
 
@@ -150,41 +153,93 @@ def note_taint(row: Row, spec: BatchSpec, device: str) -> None:
             TAINTED[entry.id] = TAINTED.get(entry.id, 0) + 1
 
 
+# The catalogue mutant this process runs under (a sweep's worker sets it), which a replay alone injects as well: a
+# mutant's own failure replayed without it would pass, and be counted away
+REPLAY_MUTANT: str | None = None
+
+
+def alone_log(case_file: Path | str) -> Path:
+    """Where the replays alone of ``case_file`` write what they printed (beside it: the evidence either way)."""
+    return Path(f"{case_file}.alone.log")
+
+
 def replay_alone(case_file: Path | str) -> int | None:
-    """``harness repro CASE`` in a fresh process: its exit status (0: the case passes, 1: it fails), None where it
-    could not tell (it hung, or ended otherwise)."""
-    try:
-        done = subprocess.run([sys.executable, "-m", "harness", "repro", str(case_file)], cwd=PROJECT,
-                              capture_output=True, timeout=REPLAY_ALONE_SECONDS)
-    except subprocess.TimeoutExpired:
-        return None
+    """``harness repro CASE`` in a fresh process (under :data:`REPLAY_MUTANT`), outside CUDA MPS (its pipe folder
+    pointed at an empty one: CUDA then runs without MPS, so no other worker's fault reaches it): its exit status (0:
+    the case passes or fails only as a ledger entry describes, 1: it fails otherwise), None where it could not tell
+    (it hung, or ended otherwise). What it printed is appended to :func:`alone_log`."""
+    mutant = ["--mutant", REPLAY_MUTANT] if REPLAY_MUTANT else []
+    argv = [sys.executable, "-m", "harness", "repro", str(case_file), "--known-passes", *mutant]
+    with tempfile.TemporaryDirectory(prefix="harness-no-mps-") as no_daemon, \
+            open(alone_log(case_file), "a") as log:
+        log.write(f"$ {' '.join(argv[1:])}\n")
+        log.flush()
+        try:
+            done = subprocess.run(argv, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=REPLAY_ALONE_SECONDS, env=os.environ | {MPS_PIPE: no_daemon})
+        except subprocess.TimeoutExpired:
+            log.write(f"(no end after {REPLAY_ALONE_SECONDS} s)\n")
+            return None
+        log.write(f"(exit status {done.returncode})\n")
     return done.returncode if done.returncode in (0, 1) else None
 
 
 def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
                   replay: Callable[[Path | str], int | None] = replay_alone) -> None:
-    """A failure that no ledger entry explains, found on CUDA in a process that had run batches a corrupting entry's
-    bug reaches (TAINTED), is replayed alone in a fresh process before it is reported. If it passes there it was
-    those stray writes' doing, not its batch's: the row counts it under that entry (``passed_alone``), its case file
-    moves to ``OUT/passed-alone/``, and the process is marked suspect (its group's other rows go on in a fresh one).
-    Seen on an H200 (harness-out/gpu95.sh): a TBO-over-GDN metadata failure whose expected req_to_token row read a
-    page 0 no batch had put there, after the same process had run plainly cut GDN batches; alone, it passed. It must
+    """A failure on CUDA that may be another's doing is replayed alone in a fresh process before it is reported. If
+    it passes there, the row counts it under its cause (``passed_alone``), its case file moves to
+    ``OUT/passed-alone/``, and the process is marked suspect (its group's other rows go on in a fresh one). It must
     pass every one of REPLAYS_ALONE replays; what failed (its reason and its kept case) stays in the row's record.
-    A failure that already passed on a rerun in this process (Hypothesis's flaky) is not replayed: it stays a
-    finding."""
-    if device != "cuda" or result.ok or not TAINTED or result.case_file is None or result.finding_kind == ADAPTER_ERROR:
+    Two causes:
+
+    - a failure that no ledger entry explains, in a process that had run batches a corrupting entry's bug reaches
+      (TAINTED): those stray writes. Seen on an H200 (harness-out/gpu95.sh): a TBO-over-GDN metadata failure whose
+      expected req_to_token row read a page 0 no batch had put there, after the same process had run plainly cut GDN
+      batches; alone, it passed. Counted under that entry.
+    - a CUDA error in a client of an MPS daemon (``--mps``): another worker's fatal GPU fault reaches every client
+      (:data:`search.outcome.MPS_FAULT`). Replayed outside MPS; counted under ``mps-fault``. Such an error may be
+      raised in the harness's own code (the next call that synchronizes), so an adapter error with one is replayed
+      too.
+
+    What each replay printed is kept beside the case (``CASE.alone.log``). A failure that already passed on a rerun
+    in this process (Hypothesis's flaky) is not replayed: it stays a finding."""
+    if device != "cuda" or result.ok or result.case_file is None:
         return
-    if any(replay(result.case_file) != 0 for _ in range(REPLAYS_ALONE)):
-        return  # it fails alone too (or a replay could not tell): a finding
-    entry = max(TAINTED, key=TAINTED.get)
-    result.passed_alone[entry] = result.passed_alone.get(entry, 0) + 1
+    mps_fault = mps_client() and poisons_cuda_context(result.failure)
+    if not mps_fault and (not TAINTED or result.finding_kind == ADAPTER_ERROR):
+        return
+    # Out of cases/ while it is replayed: a sweep stopped meanwhile adopts what it finds there as findings (seen on an
+    # H200, harness-out/gpu108.sh: a case another worker's fault had failed, adopted as its row's finding)
     case = Path(result.case_file)
+    replaying = out_dir / "replaying-alone" / case.name
+    replaying.parent.mkdir(parents=True, exist_ok=True)
+    case.replace(replaying)
+    if any(replay(replaying) != 0 for _ in range(REPLAYS_ALONE)):
+        replaying.replace(case)  # it fails alone too (or a replay could not tell): a finding
+        if alone_log(replaying).exists():
+            alone_log(replaying).replace(alone_log(case))
+        said = [line for line in _read(alone_log(case)).splitlines() if line.startswith("verdict:")]
+        if mps_fault and said and not poisons_cuda_context(said[-1]):  # its own failure, but not that CUDA error
+            result.failure = dataclasses.replace(result.failure, reason=f"{result.failure.reason} [alone, outside "
+                                                 f"MPS, it failed otherwise: {said[-1][len('verdict:'):].strip()}]")
+        return
+    entry = MPS_FAULT if mps_fault else max(TAINTED, key=TAINTED.get)
+    result.passed_alone[entry] = result.passed_alone.get(entry, 0) + 1
     kept = out_dir / "passed-alone" / case.name
     kept.parent.mkdir(parents=True, exist_ok=True)
-    case.replace(kept)
+    replaying.replace(kept)
+    if alone_log(replaying).exists():
+        alone_log(replaying).replace(alone_log(kept))
     result.passed_alone_cases.append({"entry": entry, "reason": str(result.failure), "case": str(kept)})
     result.ok, result.failure, result.finding_kind, result.spec, result.case_file = True, None, None, None, None
     result.context_poisoned = True
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def record_case(row: Row, profile: Profile, device: str, spec: BatchSpec, verdict: Verdict, result: RowOutcome,
@@ -256,6 +311,7 @@ def settle(e: BaseException, row: Row, profile: Profile, device: str, result: Ro
         spec, verdict = failures[-1]
         result.ok, result.failure, result.spec, result.shrink_seconds = False, verdict, spec, 0.0
         result.finding_kind = ADAPTER_ERROR
+        confirm_alone(result, device, out_dir)  # (a CUDA error under MPS only: may be another worker's fault)
         return True
     if isinstance(e, ContextPoisoned):
         if failures:  # the case that poisoned it, unshrunk (written when it failed)

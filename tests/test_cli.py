@@ -28,6 +28,8 @@ def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     (["list", "--backends", "hybrid(torch_native)"], "hybrid() takes 2 argument(s)"),
     (["mutants", "--only", "nosuch"], "unknown mutant(s) nosuch"),
     (["run", "--mutant", "nosuch"], "unknown mutant 'nosuch'"),
+    (["repro", "docs/findings/cases/sglang-cutedsl-mla-draft-steps-read-committed-prefix.json", "--mutant", "nosuch"],
+     "unknown mutant 'nosuch'"),
     (["run", "--shrink-seconds", "-1"], "--shrink-seconds must be >= 0"),
     (["run", "--case-timeout", "0"], "--case-timeout must be positive"),
 ])
@@ -101,6 +103,9 @@ def test_failure_writes_a_case_file_that_replays(tmp_path, capfd):
     printed = capfd.readouterr().out
     assert "request 0, token 0, head" in printed and "out of bounds" in printed
     assert (tmp_path / "dump" / "tensors.pt").exists()
+    # --mutant injects it for the replay, as a sweep's worker replays a case alone under its own mutant
+    assert main(["repro", str(cases[0]), "--mutant", "gqa_modulo_mapping"]) == 1
+    assert "out of bounds" in capfd.readouterr().out
 
 
 def test_a_seeded_run_draws_the_same_cases_every_time(tmp_path):
@@ -114,3 +119,15 @@ def test_a_seeded_run_draws_the_same_cases_every_time(tmp_path):
         rows = json.loads((out / "report.json").read_text())["rows"]
         worst.append({r["row"]: (r["cases"], r["worst_error"]) for r in rows})
     assert worst[0] == worst[1] and len(worst[0]) >= 2
+
+
+@pytest.mark.skipif(__import__("backends.sglang.runtime", fromlist=["x"]).unavailable_reason() is not None,
+                    reason="needs SGLang")
+def test_repro_names_the_ledger_entry_a_case_fails_as_and_known_passes_says_so_in_its_status():
+    """A sweep replays a case alone to ask whether it has a bug no ledger entry explains: ``--known-passes``."""
+    case = "docs/findings/cases/sglang-flex-ignores-logit-cap.json"
+    out = run_cli("repro", case)
+    assert out.returncode == 1, out.stdout + out.stderr  # it fails: a user replaying it sees the failure
+    assert "known:       sglang-flex-ignores-logit-cap" in out.stdout
+    out = run_cli("repro", case, "--known-passes")
+    assert out.returncode == 0, out.stdout + out.stderr

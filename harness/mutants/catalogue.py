@@ -425,6 +425,35 @@ def decode_segfault_past_page_table():
     return _replace(TorchNativeBackend, "forward_decode", forward_decode)
 
 
+def decode_illegal_address_past_page_table():
+    from backends.torch_native import TorchNativeBackend
+    original = TorchNativeBackend.forward_decode
+
+    def forward_decode(self, q, k, v, layer, forward_batch, *args, **kwargs):
+        if _kv_pages(forward_batch) > 2:
+            _store_far_past(q)  # the page table's end read past on the GPU itself: the context faults
+        return original(self, q, k, v, layer, forward_batch, *args, **kwargs)
+    return _replace(TorchNativeBackend, "forward_decode", forward_decode)
+
+
+_WILD_STORE = []
+
+
+def _store_far_past(x: torch.Tensor) -> None:
+    """One Triton store 2^40 elements past ``x``: an address no allocation maps, so the GPU raises a fatal fault
+    (an illegal memory access) asynchronously, as a kernel reading past its page table does."""
+    if not _WILD_STORE:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def wild_store(ptr, offset):
+            tl.store(ptr + offset, tl.load(ptr))
+
+        _WILD_STORE.append(wild_store)
+    _WILD_STORE[0][(1,)](x, 1 << 40)
+
+
 def extend_hangs_past_two_pages():
     from backends.torch_native import TorchNativeBackend
     original = TorchNativeBackend.forward_extend
@@ -1208,6 +1237,10 @@ CATALOGUE: list[Mutant] = [
     Mutant("decode_segfault_past_page_table", "paged decode reads past the end of the page table once the batch "
            "spans more than two KV pages; the process dies with SIGSEGV (an illegal memory access on a GPU)",
            ("torch_native",), properties=("outputs",), crashes=True),
+    Mutant("decode_illegal_address_past_page_table", "paged decode reads past the end of the page table on the GPU "
+           "once the batch spans more than two KV pages; the CUDA context faults (an illegal memory access), and "
+           "under MPS the fault reaches every client of the daemon", ("torch_native",), properties=("outputs",),
+           needs_device="cuda", crashes=True),
     Mutant("extend_hangs_past_two_pages", "the extend kernel waits on a barrier that batches spanning more than "
            "two KV pages never reach; the process hangs (a deadlocked kernel) and the run never ends",
            ("torch_native",), properties=("outputs",), crashes=True),

@@ -1,4 +1,5 @@
-"""harness/mps.py: the MPS daemon the benchmark's workers can share, driven through a stand-in control program."""
+"""harness/mps.py: the MPS daemon a GPU sweep's (and the benchmark's) workers share, driven through a stand-in control
+program; what a search does under MPS: a CUDA error replayed alone outside it, a worker waiting for the daemon."""
 
 from __future__ import annotations
 
@@ -128,3 +129,189 @@ def test_a_daemon_that_does_not_quit_keeps_its_pipe_folder_and_says_how_to_stop_
     assert said[-1] == (f"MPS: the daemon did not quit (clients still attached); stop it with `echo quit | "
                         f"{PIPE}={pipe} {CONTROL}`")
     assert PIPE not in os.environ
+
+
+class Events:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def event(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_sweep_asked_for_mps_launches_its_gpu_workers_as_the_daemons_clients(control, monkeypatch, tmp_path,
+                                                                               device):
+    from harness.sweep import Sweep
+
+    seen = {}
+
+    def supervise(self):  # the workers' environment, as each launch builds it
+        seen["env"] = self.worker_env(0)
+    monkeypatch.setattr(Sweep, "_supervise", supervise)
+    progress = Events()
+    Sweep([], device, "ci", tmp_path, time.time() + 60, 2, case_timeout_s=None, seed=0, db=None, redis=None,
+          mutant=None, max_rounds=None, progress=progress, gpus=["0"], mps=True).run()
+    if device == "cuda":
+        assert seen["env"][PIPE] == calls(control)[0][2] and [c[1] for c in calls(control)] == ["", "quit"]
+        assert "started a daemon" in progress.lines[0]
+    else:
+        assert PIPE not in seen["env"] and calls(control) == []
+        assert progress.lines == ["MPS: asked for, but the workers run on the CPU: nothing to share"]
+
+
+def test_a_process_is_an_mps_client_where_the_daemons_control_pipe_is(tmp_path, monkeypatch):
+    from search.outcome import mps_client
+
+    monkeypatch.setenv(PIPE, str(tmp_path))
+    assert not mps_client()  # no daemon there: CUDA runs without MPS
+    (tmp_path / "control").touch()
+    assert mps_client()
+
+
+def test_under_mps_a_cuda_error_is_replayed_alone_outside_mps_before_it_is_reported(tmp_path, monkeypatch):
+    """Another worker's GPU fault reaches every MPS client: a case that failed with a CUDA error is a finding only if
+    it fails alone too; one that passes alone is counted as mps-fault and its case kept."""
+    import search.search_row as sr
+    from properties.verdict import Verdict
+    from search.outcome import ADAPTER_ERROR, MPS_FAULT, RowOutcome
+
+    monkeypatch.setattr(sr, "TAINTED", {})
+    monkeypatch.setenv(PIPE, str(tmp_path))
+    (tmp_path / "control").touch()  # a daemon's pipe: this process is its client
+
+    def failed(reason: str, kind: str | None = None) -> RowOutcome:
+        case = tmp_path / "cases" / "row.json"
+        case.parent.mkdir(exist_ok=True)
+        case.write_text("{}")
+        return RowOutcome("row", "sglang.triton", "decode", "outputs", ok=False, case_file=case, finding_kind=kind,
+                          failure=Verdict("outputs", False, reason))
+
+    fault = "crashed: AcceleratorError: CUDA error: an illegal memory access was encountered"
+    result = failed(fault)
+    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 1)  # its own fault: it fails alone too
+    assert not result.ok and result.case_file is not None and not result.passed_alone
+    result = failed(fault)
+    in_cases = []
+
+    def passes(case):  # while it is replayed, it is out of cases/ (a stopped sweep adopts what it finds there)
+        in_cases.append(any((tmp_path / "cases").iterdir()))
+        sr.alone_log(case).write_text("verdict: ok")
+        return 0
+    sr.confirm_alone(result, "cuda", tmp_path, replay=passes)
+    assert in_cases == [False, False]
+    assert result.ok and result.context_poisoned and result.case_file is None  # this process is done
+    assert result.passed_alone == {MPS_FAULT: 1} and (tmp_path / "passed-alone" / "row.json").is_file()
+    assert (tmp_path / "passed-alone" / "row.json.alone.log").read_text() == "verdict: ok"  # its evidence with it
+    assert "1 CUDA error(s) under MPS that passed alone" in result.summary()
+    # raised where the harness's code synchronized next: an adapter error by the frame rule, replayed all the same
+    result = failed("crashed: RuntimeError: CUDA error: unspecified launch failure", ADAPTER_ERROR)
+    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
+    assert result.ok and result.passed_alone == {MPS_FAULT: 1}
+    # It fails alone, but otherwise than with that CUDA error: a finding of its own, said so
+    result = failed(fault)
+
+    def fails_otherwise(case):
+        sr.alone_log(case).write_text("verdict:     outputs: FAILED: relative L2 error 0.3\n")
+        return 1
+    sr.confirm_alone(result, "cuda", tmp_path, replay=fails_otherwise)
+    assert not result.ok and Path(result.case_file).is_file() and sr.alone_log(result.case_file).is_file()
+    assert result.failure.reason.endswith("[alone, outside MPS, it failed otherwise: outputs: FAILED: relative L2 "
+                                          "error 0.3]")
+    result = failed("outputs: relative L2 error 0.3 out of bounds")  # no CUDA error: a finding as it is
+    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
+    assert not result.ok
+    (tmp_path / "control").unlink()  # no MPS: a CUDA error is this process's own
+    result = failed(fault)
+    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
+    assert not result.ok
+
+
+def test_a_replay_alone_runs_outside_mps(tmp_path, monkeypatch):
+    import search.search_row as sr
+
+    seen = {}
+
+    def run(argv, **kwargs):
+        pipe = kwargs["env"][PIPE]
+        seen["pipe"], seen["empty"], seen["argv"] = pipe, os.listdir(pipe) == [], argv
+        kwargs["stdout"].write("verdict:     outputs: ok\n")
+        return subprocess.CompletedProcess(argv, 0)
+    monkeypatch.setenv(PIPE, str(tmp_path))
+    monkeypatch.setattr(sr.subprocess, "run", run)
+    assert sr.replay_alone(tmp_path / "case.json") == 0
+    assert seen["pipe"] != str(tmp_path) and seen["empty"]  # a folder without a daemon: CUDA runs without MPS
+    assert "--mutant" not in seen["argv"]
+    assert "verdict:     outputs: ok\n(exit status 0)" in (tmp_path / "case.json.alone.log").read_text()  # kept
+    monkeypatch.setattr(sr, "REPLAY_MUTANT", "decode_illegal_address_past_page_table")  # a mutant sweep's worker
+    sr.replay_alone(tmp_path / "case.json")
+    assert seen["argv"][-2:] == ["--mutant", "decode_illegal_address_past_page_table"]
+
+
+def test_a_worker_waits_until_the_mps_daemon_takes_clients_again(tmp_path, monkeypatch):
+    """After a fault the daemon refuses new clients until its old ones have all exited; a refused CUDA context stays
+    refused in torch's process, so a worker probes in a child first, saying so each time."""
+    from harness.sweep_worker import await_mps_daemon
+
+    monkeypatch.setenv(PIPE, str(tmp_path))
+    events = []
+    assert await_mps_daemon(lambda **e: events.append(e), probe="raise SystemExit(1)") and events == []  # no MPS
+    (tmp_path / "control").touch()
+    tries = tmp_path / "tries"
+    probe = (f"import pathlib, sys; p = pathlib.Path({str(tries)!r}); p.write_text(p.read_text() + 'x' if p.exists() "
+             f"else 'x'); sys.exit(0 if len(p.read_text()) >= 3 else 'MPS server is not ready')")
+    assert await_mps_daemon(lambda **e: events.append(e), timeout_s=60, probe=probe)
+    assert [e["event"] for e in events] == ["awaiting-mps"] * 2 and events[0]["said"] == "MPS server is not ready"
+    events.clear()
+    assert not await_mps_daemon(lambda **e: events.append(e), timeout_s=0, probe="raise SystemExit(1)")
+    assert len(events) == 1
+
+
+def test_a_worker_waits_for_the_daemon_before_it_asks_cuda_for_its_rows(tmp_path, monkeypatch):
+    """The matrix asks CUDA whether the device is usable: asked while the daemon refused clients, it held none of the
+    group's rows, and every worker started then failed (harness-out/gpu107.sh: StopIteration before its first
+    row)."""
+    import harness.sweep_worker as sw
+    import search.matrix
+
+    order = []
+
+    class Stop(Exception):
+        pass
+
+    def matrix_rows(*args, **kwargs):
+        order.append("matrix")
+        raise Stop
+    monkeypatch.setattr(sw, "await_mps_daemon", lambda emit: order.append("await") or True)
+    monkeypatch.setattr(sw, "cuda_usable", lambda: order.append("usable") or True)
+    monkeypatch.setattr(search.matrix, "matrix_rows", matrix_rows)
+    task = {"device": "cuda", "profile": "ci", "events": str(tmp_path / "events.jsonl"), "parent": None,
+            "units": [{"unit": "g", "compositions": ["torch_native"], "members": ["r"], "rows": []}]}
+    with pytest.raises(Stop):
+        sw.run_task(task)
+    assert order == ["await", "usable", "matrix"]
+
+
+def test_a_worker_the_daemon_refuses_after_its_probe_goes_on_in_a_fresh_process(tmp_path, monkeypatch):
+    import harness.sweep_worker as sw
+
+    monkeypatch.setenv(PIPE, str(tmp_path))
+    (tmp_path / "control").touch()
+    monkeypatch.setattr(sw, "await_mps_daemon", lambda emit: True)
+    monkeypatch.setattr(sw, "cuda_usable", lambda: False)
+    task = {"device": "cuda", "profile": "ci", "events": str(tmp_path / "events.jsonl"), "parent": None, "units": []}
+    assert sw.run_task(task) == sw.EXIT_CONTEXT_POISONED
+    assert '"event": "mps-refused"' in (tmp_path / "events.jsonl").read_text()
+
+
+def test_the_report_lists_a_case_that_passed_alone_under_mps_on_one_table_line():
+    from harness.report import _report_data, markdown
+    from search.outcome import MPS_FAULT, RowOutcome
+
+    row = RowOutcome("sglang.triton-decode-outputs", "sglang.triton", "decode", "outputs", cases=3)
+    row.passed_alone = {MPS_FAULT: 1}
+    row.passed_alone_cases = [{"entry": MPS_FAULT, "case": "out/passed-alone/c.json",
+                               "reason": "outputs: FAILED: CUDA error: an illegal memory access\nSearch for | it"}]
+    text = markdown(_report_data([row], [], "cuda", "gpu"), [])
+    line, = [l for l in text.splitlines() if l.startswith("| sglang.triton-decode-outputs | `mps-fault`")]
+    assert "illegal memory access Search for \\| it" in line and line.endswith("| `out/passed-alone/c.json` |")
