@@ -325,3 +325,24 @@ def test_a_replayed_draft_step_is_read_as_the_leaf_reads_a_replayed_plan():
         assert len(draft.step_plans()) == 2
         assert draft.leaf.seen == [("step 0", graph), ("step 1", graph)]
         assert (draft.leaf.inner, draft.leaf.planned_graph) == ("own", "before")
+
+
+def test_a_draft_replays_real_rows_loaded_wrong_are_the_adapters_error(device, monkeypatch):
+    """The draft graph runner's real rows are the draft batch prepare_for_draft builds (backends/sglang/handover.py,
+    check_replay): loaded with two branches on one write slot by the harness's runner, the replay would differ from
+    the eager loop, a failure SGLang's code would have been blamed for; it is the adapter's error instead."""
+    _sglang_triton(device)
+    from engine import draft_loop
+
+    comp = parse("graph(sglang.triton)")
+    spec = dataclasses.replace(draft((6, 11, 3), topk=2, steps=3), graph_padding=1)  # 3 requests in a graph of 4
+    load = draft_loop.load_token_rows
+
+    def one_slot_twice(runner, fb, inputs, t):
+        load(runner, fb, inputs, t)
+        runner.out_cache_loc[t - 1] = runner.out_cache_loc[0]
+    monkeypatch.setattr(draft_loop, "load_token_rows", one_slot_twice)
+    verdict = PROPERTIES["graph_replay"].run(comp, spec, device)
+    assert not verdict.ok and "adapter_error" in verdict.details, str(verdict)
+    assert "real rows of the graph runner's decode batch" in verdict.reason and "not distinct real slots" in \
+        verdict.reason, str(verdict)

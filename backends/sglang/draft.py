@@ -175,6 +175,8 @@ class SglangMultiStepDraft:
             sfb.seq_lens_sum = fb.seq_lens_sum
         self.graph = True
         padded = getattr(fb, "num_padding", 0) or 0
+        if not in_capture:  # the real rows as prepare_for_draft builds them, or the harness's runner loaded them wrong
+            handover.check_replay(sfb, padded, self.loc, None)
         with compat.backend_scope(sgl, self.inner, sfb):
             if features_three_method():
                 # The runner hands its replay a view carrying num_padding (eagle_draft_cuda_graph_runner.py:738)

@@ -14,10 +14,10 @@ prefix's slots then the extend's write slots (``mem_cache/allocation.py:97-104``
 ``prefix + i`` for an extend and ``seq_lens - 1`` for a decode (``ForwardBatch.init_new``,
 ``model_executor/forward_batch_info.py:1228``), host lists mirror the device tensors. Graph runners' static
 batches' padded rows follow the runners' own fill rules, which the graph properties check; their real rows, the batch
-the scheduler handed the runner, are checked at each decode and target-verify replay (:func:`check_replay`; the
-request table at a static batch's first replay only, as it is not restored between replays): a graph
-runner that loaded them wrong would have its replay differ from the eager run, which the graph properties would
-otherwise report as SGLang's.
+the scheduler handed the runner, are checked at each decode, target-verify, draft-extend and draft-loop replay
+(:func:`check_replay`; the request table at a static batch's first replay only, as it is not restored between
+replays): a graph runner that loaded them wrong would have its replay differ from the eager run, which the graph
+properties would otherwise report as SGLang's.
 """
 
 from __future__ import annotations
@@ -134,17 +134,19 @@ def violations(sfb, req_to_token: torch.Tensor | None, out_cache_loc: torch.Tens
 
 
 def real_rows(sfb, padding: int, out_cache_loc: torch.Tensor):
-    """The real rows of a graph runner's static decode, target-verify or draft-extend batch ``sfb`` (its last
-    ``padding`` rows are the runner's fill): the batch the scheduler handed the runner, with ``out_cache_loc`` the
+    """The real rows of a graph runner's static decode, target-verify, draft-extend or draft-decode batch ``sfb`` (its
+    last ``padding`` rows are the runner's fill): the batch the scheduler handed the runner, with ``out_cache_loc`` the
     static write slots the adapter chose, as :func:`violations` reads a batch. Each row holds the same number of
-    tokens (one, or the draft's)."""
+    tokens (one, the draft's, or a draft decode's window) and of positions."""
+    bs = max(1, int(sfb.batch_size))
     n = int(sfb.batch_size) - padding
-    per = int(out_cache_loc.numel()) // max(1, int(sfb.batch_size))
+    per = int(out_cache_loc.numel()) // bs  # (a draft decode writes its steps' window, reads at one position a branch)
+    positions = None if sfb.positions is None else sfb.positions[:n * (int(sfb.positions.numel()) // bs)]
     seq_cpu = None if sfb.seq_lens_cpu is None else sfb.seq_lens_cpu[:n]
     rows = SimpleNamespace(
         forward_mode=sfb.forward_mode, batch_size=n, req_pool_indices=sfb.req_pool_indices[:n],
         seq_lens=sfb.seq_lens[:n], seq_lens_cpu=seq_cpu, seq_lens_sum=0 if seq_cpu is None else int(seq_cpu.sum()),
-        out_cache_loc=out_cache_loc[:n * per], positions=None if sfb.positions is None else sfb.positions[:n * per],
+        out_cache_loc=out_cache_loc[:n * per], positions=positions,
         spec_info=getattr(sfb, "spec_info", None), spec_algorithm=getattr(sfb, "spec_algorithm", None))
     if getattr(sfb, "extend_seq_lens", None) is not None:  # a draft extend's: cut to the real rows
         rows.extend_prefix_lens, rows.extend_seq_lens = sfb.extend_prefix_lens[:n], sfb.extend_seq_lens[:n]
