@@ -220,24 +220,33 @@ def _rel_l2(verdict: Verdict) -> float | None:
     return verdict.rel_l2 if verdict.rel_l2 is not None else verdict.worst_error
 
 
-def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
-    """An fp8 KV cache, the worst element in a layer whose kernel computes in e4m3 (SGLang's Triton rounds q and
-    P to e4m3 in its extend kernel and its GQA decode kernel; its decode kernel for one q head per kv head
-    computes in q's dtype), and an error within what e4m3 arithmetic explains (properties/tolerances.py)."""
+def _in_e4m3_kernel(spec: BatchSpec, verdict: Verdict) -> bool:
+    """An fp8 KV cache and the worst element in a layer whose SGLang Triton kernel computes in e4m3 (it rounds q and P
+    to e4m3 in its extend kernel and its GQA decode kernel; its decode kernel for one q head per kv head computes in
+    q's dtype)."""
     layer = _failing_layer(spec, verdict)
     if spec.kv_cache_dtype != "fp8_e4m3" or layer is None or layer.kind != "mha" or _rel_l2(verdict) is None:
         return False
     # (a draft loop's steps run the same decode kernels)
-    if spec.mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE) and layer.num_q_heads == layer.num_kv_heads:
-        return False
-    if verdict.property == "graph_replay":
-        # A replay against its eager twin: q rounded to e4m3 alike, the probabilities rounded to e4m3 within each KV
-        # split, and the splits differ (get_num_kv_splits sizes them by the batch: a padded replay's, or a TBO
-        # child's, is not the eager batch's; triton_backend.py:431-480 in 0.5.23). Held to one e4m3 rounding (u), as
-        # XQA's replays are (_xqa_e4m3_decode): 1.93e-2 measured at 32769 keys (H200, harness-out/gpu109.sh), where
-        # the eager run itself was 3.5e-2 off the exact attention
-        return _rel_l2(verdict) <= E4M3_UNIT_ROUNDOFF
-    return _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
+    return not (spec.mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE)
+                and layer.num_q_heads == layer.num_kv_heads)
+
+
+def _e4m3_arithmetic(spec: BatchSpec, verdict: Verdict) -> bool:
+    """In an e4m3 kernel (:func:`_in_e4m3_kernel`), an error within what e4m3 arithmetic explains
+    (properties/tolerances.py)."""
+    return _in_e4m3_kernel(spec, verdict) and _rel_l2(verdict) <= E4M3_ARITHMETIC_REL_L2
+
+
+def _e4m3_decode_replay(spec: BatchSpec, verdict: Verdict) -> bool:
+    """A decode replay against its eager twin in an e4m3 kernel: q rounded to e4m3 alike, the probabilities rounded
+    to e4m3 within each KV split, and on a GPU the splits differ (get_num_kv_splits sizes them by the batch: a padded
+    replay's, or a TBO child's, is not the eager batch's; triton_backend.py:431-480 in 0.5.23; on the CPU, without a
+    device core count, they are fixed, and verify and extend replays run no split kernel, num_kv_splits None at
+    :1059). Held to one e4m3 rounding (u), as XQA's replays are (:func:`_xqa_e4m3_decode`): 1.93e-2 measured at
+    32769 keys (H200, harness-out/gpu109.sh), where the eager run was itself 3.5e-2 off the exact attention."""
+    return (spec.mode in (ForwardMode.DECODE, ForwardMode.DRAFT_DECODE) and _in_e4m3_kernel(spec, verdict)
+            and _rel_l2(verdict) <= E4M3_UNIT_ROUNDOFF)
 
 
 def _xqa_e4m3_decode(spec: BatchSpec, verdict: Verdict) -> bool:
@@ -610,6 +619,7 @@ CONDITIONS: dict[str, Callable[[BatchSpec, Verdict], bool]] = {
     "wrappers_hide_flash_attention_members": _wrappers_hide_flash_attention_members,
     "flex_no_lowering_choice": _flex_no_lowering_choice,
     "e4m3_arithmetic": _e4m3_arithmetic,
+    "e4m3_decode_replay": _e4m3_decode_replay,
     "xqa_e4m3_decode": _xqa_e4m3_decode,
     "flashmla_mixed_decode_kernel": _flashmla_mixed_decode_kernel,
     "tree_window_by_row": _tree_window_by_row,

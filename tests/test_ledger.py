@@ -97,15 +97,22 @@ def test_e4m3_arithmetic_is_known_only_within_its_envelope():
     assert ledger.match("sglang.triton", "decode", "outputs", mha, failing(0.1), "cpu") is None  # its kernel is exact
     auto = BatchSpec(ForwardMode.DECODE, (30,), (1,), (MHALayer(0, 4, 2, 32, 32),))
     assert ledger.match("sglang.triton", "decode", "outputs", auto, failing(0.1), "cpu") is None
-    # A replay and its eager twin round the probabilities within KV splits that differ (the padded batch's): held to
-    # one e4m3 rounding, u = 2^-4 (seen on the H200 at 32769 keys: 1.93e-2, harness-out/gpu109.sh)
+    # A decode replay and its eager twin round the probabilities within KV splits that differ on a GPU (the padded
+    # batch's): held to one e4m3 rounding, u = 2^-4 (seen on the H200 at 32769 keys: 1.93e-2, harness-out/gpu109.sh)
     replayed = lambda error: Verdict("graph_replay", False, "decode batch replayed: out of bounds", error,  # noqa: E731
                                      0.0156, "replay with new inputs layer 0: request 0, token 0, head 3, dim 5")
     for graph in ("graph(sglang.triton)", "graph(tbo(sglang.triton))"):
-        assert ledger.match(graph, "decode", "graph_replay", gqa, replayed(0.0193), "cuda") is not None
+        known = ledger.match(graph, "decode", "graph_replay", gqa, replayed(0.0193), "cuda")
+        assert known is not None and known.id == "sglang-triton-fp8-e4m3-decode-replay"
         assert ledger.match(graph, "decode", "graph_replay", gqa, replayed(0.1), "cuda") is None  # not the 0.25
         assert ledger.match(graph, "decode", "graph_replay", mha, replayed(0.0193), "cuda") is None
         assert ledger.match(graph, "decode", "graph_replay", auto, replayed(0.0193), "cuda") is None
+        assert ledger.match(graph, "decode", "graph_replay", gqa, replayed(0.0193), "cpu") is None  # splits fixed
+    # a verify's or an extend's replay runs no split kernel: nothing differs from its eager twin
+    verify = BatchSpec(ForwardMode.TARGET_VERIFY, (30,), (2,), (MHALayer(0, 4, 2, 32, 32),), kv_cache_dtype="fp8_e4m3",
+                       spec=SpecInput(2, 1, 1, ((-1, 0),), (2,)))
+    assert ledger.match("graph(sglang.triton)", "target_verify", "graph_replay", verify, replayed(0.0193),
+                        "cuda") is None
 
 
 def test_draft_extend_is_known_only_over_an_fp8_cache():
