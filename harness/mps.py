@@ -12,7 +12,8 @@ What a search must then guard against: a fatal GPU fault in one client (a kernel
 address) is reported to every client of the daemon that shares the GPU, and the daemon takes no new client until
 they have all exited (NVIDIA's MPS documentation, "Error containment", Volta and later). So under MPS a case that
 failed with a CUDA error is replayed alone, outside MPS, before it is reported (``search.search_row.confirm_alone``;
-one that passes there is counted as ``mps-fault``, its case kept under ``passed-alone/``); every worker whose context
+one that passes there is counted as ``mps-fault``, its case kept under ``passed-alone/``, and when no case reproduced
+the fault alone the sweep reports one error naming them all: ``Sweep.unreproduced_fault``); every worker whose context
 the fault reached exits (a lost context, as without MPS), and a worker started after it waits until the daemon takes
 clients again (``harness.sweep_worker.await_mps_daemon``).
 
@@ -31,8 +32,10 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from search.outcome import MPS_PIPE as PIPE
+
 CONTROL = "nvidia-cuda-mps-control"
-PIPE, LOG = "CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"
+LOG = "CUDA_MPS_LOG_DIRECTORY"
 TIMEOUT_S = 30
 
 

@@ -52,6 +52,8 @@ def replay(case: CaseFile, device: str, dump_dir: Path | None, known_passes: boo
     status = 0 if verdict.ok or (known is not None and known_passes) else 1
     for frame in verdict.details.get("traceback", ()):
         print(f"  at {frame}")
+    if known_passes:
+        return status  # the verdict is the answer asked for: no per-layer diff (a second run of the case)
     try:
         run = run_case(composition, case.spec, device)
     except Exception as e:  # noqa: BLE001 - the verdict above already reported it

@@ -48,11 +48,12 @@ from harness.options import (MPS_HELP, UsageError, add_selection, duration, pars
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
                            compilers_under, default_case_timeout)
-from harness.sweep_worker import EXIT_CONTEXT_POISONED
+from harness.sweep_worker import (EXIT_CONTEXT_POISONED, EXIT_MPS_REFUSED, EXIT_MPS_UNAVAILABLE,
+                                  MPS_READY_TIMEOUT_S)
 from search.casefile import CaseFile, modified, safe_name
 from search.matrix import shard_rows
-from search.outcome import (ADAPTER_ERROR, RowOutcome, exit_status, finding_kind, is_worse, merge_headroom,
-                            row_at_risk, unexplained_headroom)
+from search.outcome import (ADAPTER_ERROR, MPS_FAULT, RowOutcome, exit_status, finding_kind, is_worse, merge_headroom,
+                            poisons_cuda_context, row_at_risk, unexplained_headroom)
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
@@ -153,6 +154,10 @@ class RowState:
         return self.outcome().record()
 
 
+# Workers the MPS daemon may refuse in a row (each after a probe it took: faults keep coming) before the sweep gives
+# their groups up
+MPS_REFUSALS_MAX = 10
+
 @dataclass
 class Task:
     """A worker process searching a bundle of groups, one after the other."""
@@ -207,6 +212,9 @@ class Sweep:
     # A worker silent this long while its JIT compiler runs says so, in one line, and again each period
     compile_notice_s: float = 60.0
     mps: bool = False  # the workers of a GPU sweep are clients of an MPS daemon (harness/mps.py)
+    mps_refusals: int = 0  # workers the MPS daemon refused in a row (EXIT_MPS_REFUSED), no row ending between
+    mps_faults: list = field(default_factory=list)  # the cases of CUDA errors under MPS that passed alone
+    fault_reproduced: bool = False  # whether a finding's case failed with a CUDA error (alone too, under MPS)
     running: dict[int, Task] = field(default_factory=dict)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
@@ -329,6 +337,17 @@ class Sweep:
             self.progress.event("MPS: asked for, but the workers run on the CPU: nothing to share")
         with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
             self._supervise()
+        self.unreproduced_fault()
+
+    def unreproduced_fault(self) -> None:
+        """Under MPS every CUDA error that passed alone was counted as another worker's fault (``mps-fault``). A fault
+        happened all the same: if no case reproduced one alone (its own fault may hang on memory layout or on what its
+        process ran before), one finding says so and names the candidates, so that a GPU fault is never counted away
+        whole."""
+        if self.mps_faults and not self.fault_reproduced:
+            self.finding(None, "error", f"{len(self.mps_faults)} case(s) failed with a CUDA error under MPS and passed "
+                                        f"alone; no case reproduced the GPU fault alone: its case is among them",
+                         None, "MPS", None, candidates=list(self.mps_faults))
 
     def _supervise(self) -> None:
         try:
@@ -430,6 +449,7 @@ class Sweep:
 
     def row_done(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
         self.record_result(state, round_, result, seed)
+        self.mps_refusals = 0
         if self.shrink_total is not None:  # a run's: what is left goes to the workers launched from now on
             self.shrink_total = max(0.0, self.shrink_total - (result.get("shrink_seconds") or 0.0))
         r = state.row
@@ -452,6 +472,7 @@ class Sweep:
     def record_result(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
         """``seed``: the group search's seed in that round (the worker's ``done`` event says it)."""
         state.absorb(result)
+        self.mps_faults += [c["case"] for c in result.get("passed_alone_cases") or () if c.get("entry") == MPS_FAULT]
         r = state.row
         append_jsonl(self.out_dir / "results.jsonl", {
             "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
@@ -506,10 +527,34 @@ class Sweep:
             reason = (case.verdict or {}).get("reason") or "a case file without a recorded finding"
             self.finding(state, "failure", reason, str(path), case.composition, None, adopted=f"from {path.name}")
             adopted += 1
+        for path in sorted((self.out_dir / "replaying-alone").glob("*.json")):
+            # A case a worker was replaying alone when it stopped (search_row.confirm_alone): neither a finding nor
+            # cleared. Set aside with what its replays printed, said in one line
+            aside = self.out_dir / "interrupted"
+            aside.mkdir(exist_ok=True)
+            for part in (path, Path(f"{path}.alone.log")):
+                if part.exists():
+                    part.replace(aside / part.name)
+            self.progress.event(f"{path.name} was being replayed alone when its worker stopped: not taken as a "
+                                f"finding (kept in {aside.name}/; `harness repro` it to tell)")
         return adopted
 
     def exited(self, task: Task, code: int) -> None:
         if task.stopping or code == 0:
+            return
+        label = ", ".join(self.groups[u].label for u in task.units)
+        if code == EXIT_MPS_REFUSED and self.mps_refusals < MPS_REFUSALS_MAX:
+            self.mps_refusals += 1  # (reset by any row's result)
+            self.progress.event(f"{label}: the MPS daemon refused the worker after taking its probe (another worker's "
+                                f"GPU fault since): a fresh process waits for it")
+            return
+        if code in (EXIT_MPS_REFUSED, EXIT_MPS_UNAVAILABLE):
+            # Neither the engine's nor a row's: the daemon takes no client. This sweep leaves the groups alone.
+            self.retired.update(task.units)
+            why = (f"refused {MPS_REFUSALS_MAX + 1} workers in a row" if code == EXIT_MPS_REFUSED else
+                   f"took no new client for {MPS_READY_TIMEOUT_S:.0f}s")
+            self.finding(None, "error", f"the MPS daemon {why}: its groups are left (stop the daemon, or run without "
+                                        f"--mps)", None, label, None, groups=list(task.units))
             return
         if code == EXIT_CONTEXT_POISONED:
             self.progress.event(f"{self.groups[task.current or task.units[0]].label}: the process is unusable after a "
@@ -560,6 +605,8 @@ class Sweep:
             return
         tail = self.log_tail(task, 15)
         reason += self.innermost_frame(tail)
+        if self.mps and "CUDA error" in tail:  # (not replayed alone: the process is gone; its case is kept)
+            reason += " [under MPS, another worker's GPU fault reaches every worker: replay the case alone to tell]"
         case_file = str(case.settle(pending, f"{reason} (not shrunk: the process died with it)", self.out_dir))
         self.finding(state, kind, reason, case_file, case.composition, task.current_round, log=str(task.log),
                      log_tail=tail)
@@ -571,6 +618,7 @@ class Sweep:
                   "round": round_, "reason": reason, "case_file": case_file, "mutant": self.mutant,
                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
         append_jsonl(self.out_dir / "findings.jsonl", record)
+        self.fault_reproduced = self.fault_reproduced or poisons_cuda_context(reason)
         if state is not None:
             state.finding = record
             if self.on_row is not None:

@@ -106,7 +106,12 @@ def die_with_parent(parent: int | None) -> None:
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-MPS_READY_TIMEOUT_S = 600.0  # how long a worker waits for an MPS daemon to take clients again after a fault
+# How long a worker waits for an MPS daemon to take clients again after a fault: until every client it had has
+# exited, each after replaying its failing case alone (search.search_row: REPLAYS_ALONE of REPLAY_ALONE_SECONDS at most)
+MPS_READY_TIMEOUT_S = 2 * 600.0 + 300.0
+MPS_PROBE_TIMEOUT_S = 120.0  # one probe (a CUDA context in a child)
+EXIT_MPS_REFUSED = 4  # the MPS daemon refused this worker's CUDA context after its probe: a fresh process waits again
+EXIT_MPS_UNAVAILABLE = 5  # the MPS daemon took no client for MPS_READY_TIMEOUT_S
 MPS_PROBE = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
 
 
@@ -121,11 +126,16 @@ def await_mps_daemon(emit, timeout_s: float = MPS_READY_TIMEOUT_S, probe: str = 
         return True
     start = time.time()
     while True:
-        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-        if done.returncode == 0:
-            return True
+        try:
+            done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                                  timeout=MPS_PROBE_TIMEOUT_S)
+            if done.returncode == 0:
+                return True
+            said = (done.stderr.strip().splitlines() or [""])[-1]
+        except subprocess.TimeoutExpired:
+            said = f"the probe made no CUDA context in {MPS_PROBE_TIMEOUT_S:.0f}s"
         waited = time.time() - start
-        emit(event="awaiting-mps", seconds=round(waited, 1), said=(done.stderr.strip().splitlines() or [""])[-1])
+        emit(event="awaiting-mps", seconds=round(waited, 1), said=said)
         if waited >= timeout_s:
             return False
         time.sleep(1.0)
@@ -151,32 +161,34 @@ def run_task(task: dict) -> int:
     faulthandler.enable()  # a segfault prints the Python stack into the worker's log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the sweep asks for the stack of a hung case
 
-    from harness.mutants.catalogue import MUTANTS
-    from search.group import group_rows, search_group
-    from search.matrix import matrix_rows
     from search.profiles import profile as profile_of
 
     profile = profile_of(task["profile"])
-    events = open(task["events"], "a")
+    with open(task["events"], "a") as events:
+        def emit(**fields) -> None:
+            events.write(json.dumps(fields | {"time": time.time()}) + "\n")
+            events.flush()
+        return _run_groups(task, device, profile, emit)
 
-    def emit(**fields) -> None:
-        events.write(json.dumps(fields | {"time": time.time()}) + "\n")
-        events.flush()
+
+def _run_groups(task: dict, device: str, profile, emit) -> int:
+    """The task's groups, round after round, each event through ``emit``; the worker's exit status."""
+    from harness.mutants.catalogue import MUTANTS
+    from search.group import group_rows, search_group
+    from search import search_row
+    from search.matrix import matrix_rows
+    from search.outcome import mps_client
+
     # Before anything asks CUDA: a CUDA context the MPS daemon refused stays refused in this process, and the matrix
     # would hold none of the group's rows (a GPU sweep under MPS, 2026-11-29: every worker started while the daemon
     # recovered from a fault failed so)
     if device == "cuda" and not await_mps_daemon(emit):
-        # Not the engine's, nor a row's: the sweep records it as the worker's error (harness/sweep.py, exited)
-        print(f"SystemExit: the MPS daemon took no new client for {MPS_READY_TIMEOUT_S:.0f}s", file=sys.stderr)
-        return 1
-    if device == "cuda" and not cuda_usable():
+        return EXIT_MPS_UNAVAILABLE  # not the engine's, nor a row's: the sweep says so in one line
+    if device == "cuda" and mps_client() and not cuda_usable():
         # The daemon took the probe, then refused this process: a fault in between (on the H200 the mutant's rows
         # faulted again within seconds of a recovery, harness-out/gpu108.sh). A fresh process waits again.
-        from search.outcome import mps_client
-
-        if mps_client():
-            emit(event="mps-refused")
-            return EXIT_CONTEXT_POISONED
+        emit(event="mps-refused")
+        return EXIT_MPS_REFUSED
     # Its groups, each as the sweep grouped it, and the rounds each of their rows has done
     groups, rounds = [], {}
     for item in task["units"]:
@@ -193,49 +205,45 @@ def run_task(task: dict) -> int:
     first_round = min(n for rows in rounds.values() for n in rows.values())
     # ``harness run``'s shrink budget: each row's seconds, and this worker's in all (None: the profile's, no total)
     shrink_seconds, shrink_left = task.get("shrink_seconds"), task.get("shrink_total")
-    with events:
-        emit(event="ready", pid=os.getpid())
-        if task.get("mutant"):
-            import search.search_row
+    emit(event="ready", pid=os.getpid())
+    search_row.ALIVE = lambda: emit(event="replaying-alone")  # the supervisor's stall clock: alive
+    with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
+        while any(rounds.values()):
+            round_ = min(n for rows in rounds.values() for n in rows.values())
+            if task["max_rounds"] is not None and round_ >= task["max_rounds"]:
+                break
+            if round_ > first_round and time.time() >= task["continue_until"]:
+                break  # another group waits for this worker's slot
+            for group in groups:
+                left = rounds[group.id]
+                now = {r for r, n in left.items() if n == round_}
+                if not now:
+                    continue
+                if time.time() >= task["deadline"]:
+                    emit(event="stopped", reason="budget spent")
+                    return 0
+                seed = round_seed(task["seed"], group.id, round_)
+                emit(event="start", row=group.id, round=round_, rows=sorted(now))
 
-            search.search_row.REPLAY_MUTANT = task["mutant"]  # a case replayed alone runs under it too
-        with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
-            while any(rounds.values()):
-                round_ = min(n for rows in rounds.values() for n in rows.values())
-                if task["max_rounds"] is not None and round_ >= task["max_rounds"]:
-                    break
-                if round_ > first_round and time.time() >= task["continue_until"]:
-                    break  # another group waits for this worker's slot
-                for group in groups:
-                    left = rounds[group.id]
-                    now = {r for r, n in left.items() if n == round_}
-                    if not now:
-                        continue
-                    if time.time() >= task["deadline"]:
-                        emit(event="stopped", reason="budget spent")
-                        return 0
-                    seed = round_seed(task["seed"], group.id, round_)
-                    emit(event="start", row=group.id, round=round_, rows=sorted(now))
+                def row_done(result, round_=round_, seed=seed, left=left) -> None:
+                    nonlocal shrink_left
+                    emit(event="done", row=result.row_id, round=round_, seed=seed, result=result.record())
+                    if shrink_left is not None:
+                        shrink_left -= result.shrink_seconds or 0.0
+                    left[result.row_id] += 1
+                    if not result.ok:
+                        del left[result.row_id]  # a row with a finding is done for this sweep
 
-                    def row_done(result, round_=round_, seed=seed, left=left) -> None:
-                        nonlocal shrink_left
-                        emit(event="done", row=result.row_id, round=round_, seed=seed, result=result.record())
-                        if shrink_left is not None:
-                            shrink_left -= result.shrink_seconds or 0.0
-                        left[result.row_id] += 1
-                        if not result.ok:
-                            del left[result.row_id]  # a row with a finding is done for this sweep
-
-                    shrink = shrink_seconds if shrink_left is None or shrink_seconds is None else \
-                        max(0.0, min(shrink_seconds, shrink_left))
-                    results = search_group(group, profile, device, database=database, out_dir=out_dir,
-                                           max_examples=run_examples(task, profile, round_) if task.get("run")
-                                           else round_examples(profile, round_),
-                                           seed=seed, shrink_seconds=shrink,
-                                           skip=frozenset(r.id for r in group.rows if r.id not in now),
-                                           on_done=row_done)
-                    if device == "cuda" and any(result.cuda_context_lost for result in results):
-                        return EXIT_CONTEXT_POISONED
+                shrink = shrink_seconds if shrink_left is None or shrink_seconds is None else \
+                    max(0.0, min(shrink_seconds, shrink_left))
+                results = search_group(group, profile, device, database=database, out_dir=out_dir,
+                                       max_examples=run_examples(task, profile, round_) if task.get("run")
+                                       else round_examples(profile, round_),
+                                       seed=seed, shrink_seconds=shrink,
+                                       skip=frozenset(r.id for r in group.rows if r.id not in now),
+                                       on_done=row_done)
+                if device == "cuda" and any(result.cuda_context_lost for result in results):
+                    return EXIT_CONTEXT_POISONED
     return 0
 
 

@@ -7,6 +7,7 @@ A row searched once (``harness run``) or over several rounds (``harness sweep``)
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,9 +52,19 @@ MPS_PIPE, MPS_DEFAULT_PIPE = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"
 
 
 def mps_client() -> bool:
-    """Whether a CUDA context this process makes is an MPS daemon's client: the daemon's control pipe is in the folder
-    the CUDA driver looks in (without a daemon there, CUDA runs without MPS)."""
-    return os.path.exists(os.path.join(os.environ.get(MPS_PIPE) or MPS_DEFAULT_PIPE, "control"))
+    """Whether a CUDA context this process makes is an MPS daemon's client: a daemon listens on the control socket in
+    the folder the CUDA driver looks in (without one there, CUDA runs without MPS; a socket left by a daemon that was
+    killed refuses the connection)."""
+    control = os.path.join(os.environ.get(MPS_PIPE) or MPS_DEFAULT_PIPE, "control")
+    if not os.path.exists(control):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.settimeout(2.0)
+            probe.connect(control)
+        except OSError:
+            return False
+    return True
 
 
 def is_worse(err: float | None, bound: float | None, than_err: float | None, than_bound: float | None) -> bool:

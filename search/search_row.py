@@ -153,9 +153,13 @@ def note_taint(row: Row, spec: BatchSpec, device: str) -> None:
             TAINTED[entry.id] = TAINTED.get(entry.id, 0) + 1
 
 
-# The catalogue mutant this process runs under (a sweep's worker sets it), which a replay alone injects as well: a
-# mutant's own failure replayed without it would pass, and be counted away
+# The catalogue mutant this process runs under (harness.mutants.catalogue's Mutant.patch sets it), which a replay
+# alone injects as well: a mutant's own failure replayed without it would pass, and be counted away
 REPLAY_MUTANT: str | None = None
+# Called every few seconds while a case is replayed alone (a sweep's worker says it is alive: its supervisor would
+# otherwise count the replays against the case's timeout and report a hang)
+ALIVE: Callable[[], None] | None = None
+ALIVE_EVERY_S = 5.0
 
 
 def alone_log(case_file: Path | str) -> Path:
@@ -164,28 +168,37 @@ def alone_log(case_file: Path | str) -> Path:
 
 
 def replay_alone(case_file: Path | str) -> int | None:
-    """``harness repro CASE`` in a fresh process (under :data:`REPLAY_MUTANT`), outside CUDA MPS (its pipe folder
-    pointed at an empty one: CUDA then runs without MPS, so no other worker's fault reaches it): its exit status (0:
-    the case passes or fails only as a ledger entry describes, 1: it fails otherwise), None where it could not tell
-    (it hung, or ended otherwise). What it printed is appended to :func:`alone_log`."""
+    """``harness repro CASE --known-passes`` in a fresh process (under :data:`REPLAY_MUTANT`), outside CUDA MPS (its
+    pipe folder pointed at an empty one: CUDA then runs without MPS, so no other worker's fault reaches it): its exit
+    status (0: the case passes, or fails only as a ledger entry describes; 1: it fails otherwise), None where it could
+    not tell (it hung, or ended otherwise). What it printed is appended to :func:`alone_log`."""
     mutant = ["--mutant", REPLAY_MUTANT] if REPLAY_MUTANT else []
     argv = [sys.executable, "-m", "harness", "repro", str(case_file), "--known-passes", *mutant]
     with tempfile.TemporaryDirectory(prefix="harness-no-mps-") as no_daemon, \
             open(alone_log(case_file), "a") as log:
         log.write(f"$ {' '.join(argv[1:])}\n")
         log.flush()
-        try:
-            done = subprocess.run(argv, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=REPLAY_ALONE_SECONDS, env=os.environ | {MPS_PIPE: no_daemon})
-        except subprocess.TimeoutExpired:
-            log.write(f"(no end after {REPLAY_ALONE_SECONDS} s)\n")
-            return None
-        log.write(f"(exit status {done.returncode})\n")
-    return done.returncode if done.returncode in (0, 1) else None
+        proc = subprocess.Popen(argv, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=os.environ | {MPS_PIPE: no_daemon})
+        deadline = time.monotonic() + REPLAY_ALONE_SECONDS
+        while True:
+            try:
+                code = proc.wait(timeout=ALIVE_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                if ALIVE is not None:
+                    ALIVE()
+                if time.monotonic() >= deadline:
+                    proc.kill()
+                    proc.wait()
+                    log.write(f"(no end after {REPLAY_ALONE_SECONDS} s)\n")
+                    return None
+        log.write(f"(exit status {code})\n")
+    return code if code in (0, 1) else None
 
 
 def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
-                  replay: Callable[[Path | str], int | None] = replay_alone) -> None:
+                  replay: Callable[[Path | str], int | None] | None = None) -> None:
     """A failure on CUDA that may be another's doing is replayed alone in a fresh process before it is reported. If
     it passes there, the row counts it under its cause (``passed_alone``), its case file moves to
     ``OUT/passed-alone/``, and the process is marked suspect (its group's other rows go on in a fresh one). It must
@@ -210,6 +223,7 @@ def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
         return
     # Out of cases/ while it is replayed: a sweep stopped meanwhile adopts what it finds there as findings (seen on an
     # H200, harness-out/gpu108.sh: a case another worker's fault had failed, adopted as its row's finding)
+    replay = replay or replay_alone
     case = Path(result.case_file)
     replaying = out_dir / "replaying-alone" / case.name
     replaying.parent.mkdir(parents=True, exist_ok=True)
@@ -218,10 +232,15 @@ def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
         replaying.replace(case)  # it fails alone too (or a replay could not tell): a finding
         if alone_log(replaying).exists():
             alone_log(replaying).replace(alone_log(case))
-        said = [line for line in _read(alone_log(case)).splitlines() if line.startswith("verdict:")]
-        if mps_fault and said and not poisons_cuda_context(said[-1]):  # its own failure, but not that CUDA error
+        said = [line[len("verdict:"):].strip() for line in _read(alone_log(case)).splitlines()
+                if line.startswith("verdict:")]
+        failed_alone = said and ": FAILED:" in said[-1]
+        if mps_fault and failed_alone and not poisons_cuda_context(said[-1]):
+            # Its own failure, but not that CUDA error: reported as the replay failed, whose it is included (the CUDA
+            # error may have been raised in the harness's code, the replay's failure in the engine's, or back)
             result.failure = dataclasses.replace(result.failure, reason=f"{result.failure.reason} [alone, outside "
-                                                 f"MPS, it failed otherwise: {said[-1][len('verdict:'):].strip()}]")
+                                                 f"MPS, it failed otherwise: {said[-1]}]")
+            result.finding_kind = ADAPTER_ERROR if "adapter error at " in said[-1] else None
         return
     entry = MPS_FAULT if mps_fault else max(TAINTED, key=TAINTED.get)
     result.passed_alone[entry] = result.passed_alone.get(entry, 0) + 1

@@ -37,8 +37,23 @@ class Mutant:
     engine: str = "harness"  # whose code the fault is patched into: ours, or an engine's real classes
 
     def patch(self) -> ContextManager:
-        """The fault, active inside the returned context: the module function named after the mutant."""
-        return globals()[self.name]()
+        """The fault, active inside the returned context: the module function named after the mutant (built now: one
+        the installed release lacks raises MutantUnavailable here). Inside it, a case replayed alone in a fresh process
+        runs under the mutant too (``search.search_row.REPLAY_MUTANT``): its own failure replayed without it would
+        pass, and be counted away."""
+        return _replayed_under(self.name, globals()[self.name]())
+
+
+@contextlib.contextmanager
+def _replayed_under(name: str, fault: ContextManager):
+    from search import search_row
+
+    before, search_row.REPLAY_MUTANT = search_row.REPLAY_MUTANT, name
+    try:
+        with fault:
+            yield
+    finally:
+        search_row.REPLAY_MUTANT = before
 
 
 class MutantUnavailable(UsageError):

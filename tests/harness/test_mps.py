@@ -3,13 +3,17 @@ program; what a search does under MPS: a CUDA error replayed alone outside it, a
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
 import stat
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -160,13 +164,28 @@ def test_a_sweep_asked_for_mps_launches_its_gpu_workers_as_the_daemons_clients(c
         assert progress.lines == ["MPS: asked for, but the workers run on the CPU: nothing to share"]
 
 
-def test_a_process_is_an_mps_client_where_the_daemons_control_pipe_is(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def daemon_at(folder: Path):
+    """A stand-in MPS daemon for :func:`search.outcome.mps_client`: a socket listening at FOLDER/control."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+        listening.bind(str(folder / "control"))
+        listening.listen(8)
+        try:
+            yield
+        finally:
+            (folder / "control").unlink()
+
+
+def test_a_process_is_an_mps_client_where_a_daemon_listens_on_the_control_socket(tmp_path, monkeypatch):
     from search.outcome import mps_client
 
     monkeypatch.setenv(PIPE, str(tmp_path))
     assert not mps_client()  # no daemon there: CUDA runs without MPS
-    (tmp_path / "control").touch()
-    assert mps_client()
+    with daemon_at(tmp_path):
+        assert mps_client()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(tmp_path / "control"))  # left by a daemon that was killed: nothing listens
+        assert not mps_client()
 
 
 def test_under_mps_a_cuda_error_is_replayed_alone_outside_mps_before_it_is_reported(tmp_path, monkeypatch):
@@ -178,7 +197,6 @@ def test_under_mps_a_cuda_error_is_replayed_alone_outside_mps_before_it_is_repor
 
     monkeypatch.setattr(sr, "TAINTED", {})
     monkeypatch.setenv(PIPE, str(tmp_path))
-    (tmp_path / "control").touch()  # a daemon's pipe: this process is its client
 
     def failed(reason: str, kind: str | None = None) -> RowOutcome:
         case = tmp_path / "cases" / "row.json"
@@ -188,64 +206,108 @@ def test_under_mps_a_cuda_error_is_replayed_alone_outside_mps_before_it_is_repor
                           failure=Verdict("outputs", False, reason))
 
     fault = "crashed: AcceleratorError: CUDA error: an illegal memory access was encountered"
-    result = failed(fault)
-    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 1)  # its own fault: it fails alone too
-    assert not result.ok and result.case_file is not None and not result.passed_alone
-    result = failed(fault)
-    in_cases = []
+    with daemon_at(tmp_path):  # this process is the daemon's client
+        result = failed(fault)
+        sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 1)  # its own fault: it fails alone too
+        assert not result.ok and Path(result.case_file).is_file() and not result.passed_alone
+        result = failed(fault)
+        in_cases = []
 
-    def passes(case):  # while it is replayed, it is out of cases/ (a stopped sweep adopts what it finds there)
-        in_cases.append(any((tmp_path / "cases").iterdir()))
-        sr.alone_log(case).write_text("verdict: ok")
-        return 0
-    sr.confirm_alone(result, "cuda", tmp_path, replay=passes)
-    assert in_cases == [False, False]
-    assert result.ok and result.context_poisoned and result.case_file is None  # this process is done
-    assert result.passed_alone == {MPS_FAULT: 1} and (tmp_path / "passed-alone" / "row.json").is_file()
-    assert (tmp_path / "passed-alone" / "row.json.alone.log").read_text() == "verdict: ok"  # its evidence with it
-    assert "1 CUDA error(s) under MPS that passed alone" in result.summary()
-    # raised where the harness's code synchronized next: an adapter error by the frame rule, replayed all the same
-    result = failed("crashed: RuntimeError: CUDA error: unspecified launch failure", ADAPTER_ERROR)
-    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
-    assert result.ok and result.passed_alone == {MPS_FAULT: 1}
-    # It fails alone, but otherwise than with that CUDA error: a finding of its own, said so
-    result = failed(fault)
+        def passes(case):  # while it is replayed, it is out of cases/ (a stopped sweep adopts what it finds there)
+            in_cases.append(any((tmp_path / "cases").iterdir()))
+            sr.alone_log(case).write_text("verdict: ok")
+            return 0
+        sr.confirm_alone(result, "cuda", tmp_path, replay=passes)
+        assert in_cases == [False, False]
+        assert result.ok and result.context_poisoned and result.case_file is None  # this process is done
+        assert result.passed_alone == {MPS_FAULT: 1} and (tmp_path / "passed-alone" / "row.json").is_file()
+        assert (tmp_path / "passed-alone" / "row.json.alone.log").read_text() == "verdict: ok"  # its evidence
+        assert "1 CUDA error(s) under MPS that passed alone" in result.summary()
+        # A refused or lost connection raised where the harness's code asked CUDA next: an adapter error by the frame
+        # rule (not an asynchronous device error), replayed all the same
+        result = failed("adapter error at engine/materialize.py:88 in materialize: crashed: RuntimeError: CUDA error: "
+                        "CUDA-capable device(s) is/are busy or unavailable", ADAPTER_ERROR)
+        sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
+        assert result.ok and result.passed_alone == {MPS_FAULT: 1}
 
-    def fails_otherwise(case):
-        sr.alone_log(case).write_text("verdict:     outputs: FAILED: relative L2 error 0.3\n")
-        return 1
-    sr.confirm_alone(result, "cuda", tmp_path, replay=fails_otherwise)
-    assert not result.ok and Path(result.case_file).is_file() and sr.alone_log(result.case_file).is_file()
-    assert result.failure.reason.endswith("[alone, outside MPS, it failed otherwise: outputs: FAILED: relative L2 "
-                                          "error 0.3]")
-    result = failed("outputs: relative L2 error 0.3 out of bounds")  # no CUDA error: a finding as it is
+        # It fails alone, but otherwise than with that CUDA error: reported as the replay failed, with its kind
+        def fails_otherwise(said):
+            def replay(case):
+                sr.alone_log(case).write_text(f"verdict:     {said}\n")
+                return 1
+            return replay
+        result = failed(fault, ADAPTER_ERROR)
+        sr.confirm_alone(result, "cuda", tmp_path, replay=fails_otherwise("outputs: FAILED: relative L2 error 0.3"))
+        assert not result.ok and Path(result.case_file).is_file() and sr.alone_log(result.case_file).is_file()
+        assert result.failure.reason.endswith("[alone, outside MPS, it failed otherwise: outputs: FAILED: relative L2 "
+                                              "error 0.3]") and result.finding_kind is None  # the engine's
+        result = failed(fault)
+        sr.confirm_alone(result, "cuda", tmp_path, replay=fails_otherwise(
+            "outputs: FAILED: adapter error at backends/sglang/handover.py:9 in check: crashed: BrokenHandover"))
+        assert result.finding_kind == ADAPTER_ERROR  # the harness's own
+        result = failed(fault)
+        sr.confirm_alone(result, "cuda", tmp_path, replay=fails_otherwise("outputs: ok"))  # repro failed, not it
+        assert not result.ok and result.failure.reason == fault
+        result = failed("outputs: relative L2 error 0.3 out of bounds")  # no CUDA error: a finding as it is
+        sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
+        assert not result.ok
+    result = failed(fault)  # no MPS: a CUDA error is this process's own
     sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
     assert not result.ok
-    (tmp_path / "control").unlink()  # no MPS: a CUDA error is this process's own
-    result = failed(fault)
-    sr.confirm_alone(result, "cuda", tmp_path, replay=lambda case: 0)
-    assert not result.ok
 
 
-def test_a_replay_alone_runs_outside_mps(tmp_path, monkeypatch):
+def test_an_adapter_error_with_a_cuda_error_under_mps_is_replayed_alone_too(tmp_path, monkeypatch):
     import search.search_row as sr
+    from properties.verdict import Verdict
+    from search.outcome import ADAPTER_ERROR, MPS_FAULT, RowOutcome
+
+    monkeypatch.setattr(sr, "TAINTED", {})
+    monkeypatch.setenv(PIPE, str(tmp_path))
+    replays = []
+    monkeypatch.setattr(sr, "replay_alone", lambda case: replays.append(case) or 0)
+    case = tmp_path / "cases" / "row.json"
+    case.parent.mkdir()
+    case.write_text("{}")
+    result = RowOutcome("row", "sglang.triton", "decode", "outputs", case_file=case)
+    verdict = Verdict("outputs", False, "adapter error at engine/materialize.py:88: crashed: RuntimeError: CUDA error: "
+                                        "CUDA-capable device(s) is/are busy or unavailable")
+    with daemon_at(tmp_path):
+        sr.settle(sr.AdapterFailed(), None, None, "cuda", result, [(None, verdict)], tmp_path, 0.0)
+    assert len(replays) == sr.REPLAYS_ALONE and result.ok and result.passed_alone == {MPS_FAULT: 1}
+    assert result.finding_kind is None and ADAPTER_ERROR != result.finding_kind
+
+
+def test_a_replay_alone_runs_outside_mps_under_the_mutant_and_says_it_is_alive(tmp_path, monkeypatch):
+    import search.search_row as sr
+    from harness.mutants.catalogue import MUTANTS
 
     seen = {}
 
-    def run(argv, **kwargs):
-        pipe = kwargs["env"][PIPE]
-        seen["pipe"], seen["empty"], seen["argv"] = pipe, os.listdir(pipe) == [], argv
-        kwargs["stdout"].write("verdict:     outputs: ok\n")
-        return subprocess.CompletedProcess(argv, 0)
+    class Replay:  # the replay's process: it takes two of ALIVE_EVERY_S
+        def __init__(self, argv, **kwargs):
+            pipe = kwargs["env"][PIPE]
+            seen["pipe"], seen["empty"], seen["argv"] = pipe, os.listdir(pipe) == [], argv
+            kwargs["stdout"].write("verdict:     outputs: ok\n")
+            self.waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            if self.waits < 3:
+                raise subprocess.TimeoutExpired("repro", timeout)
+            return 0
     monkeypatch.setenv(PIPE, str(tmp_path))
-    monkeypatch.setattr(sr.subprocess, "run", run)
+    monkeypatch.setattr(sr.subprocess, "Popen", Replay)
+    alive = []
+    monkeypatch.setattr(sr, "ALIVE", lambda: alive.append(1))
     assert sr.replay_alone(tmp_path / "case.json") == 0
     assert seen["pipe"] != str(tmp_path) and seen["empty"]  # a folder without a daemon: CUDA runs without MPS
-    assert "--mutant" not in seen["argv"]
+    assert "--mutant" not in seen["argv"] and "--known-passes" in seen["argv"]
+    assert len(alive) == 2  # the sweep's worker said so while it waited (no hang against the case's timeout)
     assert "verdict:     outputs: ok\n(exit status 0)" in (tmp_path / "case.json.alone.log").read_text()  # kept
-    monkeypatch.setattr(sr, "REPLAY_MUTANT", "decode_illegal_address_past_page_table")  # a mutant sweep's worker
-    sr.replay_alone(tmp_path / "case.json")
-    assert seen["argv"][-2:] == ["--mutant", "decode_illegal_address_past_page_table"]
+    with MUTANTS["gqa_modulo_mapping"].patch():  # a case replayed alone under a mutant runs under it too
+        assert sr.REPLAY_MUTANT == "gqa_modulo_mapping"
+        sr.replay_alone(tmp_path / "case.json")
+    assert seen["argv"][-2:] == ["--mutant", "gqa_modulo_mapping"] and sr.REPLAY_MUTANT is None
 
 
 def test_a_worker_waits_until_the_mps_daemon_takes_clients_again(tmp_path, monkeypatch):
@@ -256,21 +318,19 @@ def test_a_worker_waits_until_the_mps_daemon_takes_clients_again(tmp_path, monke
     monkeypatch.setenv(PIPE, str(tmp_path))
     events = []
     assert await_mps_daemon(lambda **e: events.append(e), probe="raise SystemExit(1)") and events == []  # no MPS
-    (tmp_path / "control").touch()
     tries = tmp_path / "tries"
     probe = (f"import pathlib, sys; p = pathlib.Path({str(tries)!r}); p.write_text(p.read_text() + 'x' if p.exists() "
              f"else 'x'); sys.exit(0 if len(p.read_text()) >= 3 else 'MPS server is not ready')")
-    assert await_mps_daemon(lambda **e: events.append(e), timeout_s=60, probe=probe)
-    assert [e["event"] for e in events] == ["awaiting-mps"] * 2 and events[0]["said"] == "MPS server is not ready"
-    events.clear()
-    assert not await_mps_daemon(lambda **e: events.append(e), timeout_s=0, probe="raise SystemExit(1)")
-    assert len(events) == 1
+    with daemon_at(tmp_path):
+        assert await_mps_daemon(lambda **e: events.append(e), timeout_s=60, probe=probe)
+        assert [e["event"] for e in events] == ["awaiting-mps"] * 2 and events[0]["said"] == "MPS server is not ready"
+        events.clear()
+        assert not await_mps_daemon(lambda **e: events.append(e), timeout_s=0, probe="raise SystemExit(1)")
+        assert len(events) == 1
 
 
-def test_a_worker_waits_for_the_daemon_before_it_asks_cuda_for_its_rows(tmp_path, monkeypatch):
-    """The matrix asks CUDA whether the device is usable: asked while the daemon refused clients, it held none of the
-    group's rows, and every worker started then failed (harness-out/gpu107.sh: StopIteration before its first
-    row)."""
+def run_until_matrix(tmp_path, monkeypatch, usable: bool):
+    """``run_task`` of a one-group CUDA task, stopped where it asks the matrix for its rows: what it did in order."""
     import harness.sweep_worker as sw
     import search.matrix
 
@@ -283,25 +343,73 @@ def test_a_worker_waits_for_the_daemon_before_it_asks_cuda_for_its_rows(tmp_path
         order.append("matrix")
         raise Stop
     monkeypatch.setattr(sw, "await_mps_daemon", lambda emit: order.append("await") or True)
-    monkeypatch.setattr(sw, "cuda_usable", lambda: order.append("usable") or True)
+    monkeypatch.setattr(sw, "cuda_usable", lambda: order.append("usable") or usable)
     monkeypatch.setattr(search.matrix, "matrix_rows", matrix_rows)
     task = {"device": "cuda", "profile": "ci", "events": str(tmp_path / "events.jsonl"), "parent": None,
             "units": [{"unit": "g", "compositions": ["torch_native"], "members": ["r"], "rows": []}]}
-    with pytest.raises(Stop):
-        sw.run_task(task)
-    assert order == ["await", "usable", "matrix"]
+    try:
+        order.append(sw.run_task(task))
+    except Stop:
+        pass
+    return order
 
 
-def test_a_worker_the_daemon_refuses_after_its_probe_goes_on_in_a_fresh_process(tmp_path, monkeypatch):
+def test_a_worker_waits_for_the_daemon_before_it_asks_cuda_for_its_rows(tmp_path, monkeypatch):
+    """The matrix asks CUDA whether the device is usable: asked while the daemon refused clients, it held none of the
+    group's rows, and every worker started then failed (harness-out/gpu107.sh: StopIteration before its first
+    row)."""
     import harness.sweep_worker as sw
 
     monkeypatch.setenv(PIPE, str(tmp_path))
-    (tmp_path / "control").touch()
-    monkeypatch.setattr(sw, "await_mps_daemon", lambda emit: True)
-    monkeypatch.setattr(sw, "cuda_usable", lambda: False)
-    task = {"device": "cuda", "profile": "ci", "events": str(tmp_path / "events.jsonl"), "parent": None, "units": []}
-    assert sw.run_task(task) == sw.EXIT_CONTEXT_POISONED
+    assert run_until_matrix(tmp_path, monkeypatch, True) == ["await", "matrix"]  # no MPS: no context made early
+    with daemon_at(tmp_path):
+        assert run_until_matrix(tmp_path, monkeypatch, True) == ["await", "usable", "matrix"]
+        # refused after its probe: a fresh process waits again
+        assert run_until_matrix(tmp_path, monkeypatch, False) == ["await", "usable", sw.EXIT_MPS_REFUSED]
     assert '"event": "mps-refused"' in (tmp_path / "events.jsonl").read_text()
+
+
+def sweep_for(tmp_path, mps: bool = True):
+    from harness.sweep import Sweep
+
+    sweep = Sweep([], "cuda", "ci", tmp_path, time.time() + 60, 2, case_timeout_s=None, seed=0, db=None, redis=None,
+                  mutant=None, max_rounds=None, progress=Events(), gpus=["0"], mps=mps)
+    sweep.groups = {"g": SimpleNamespace(label="decode: sglang.triton (2 rows)")}
+    return sweep
+
+
+def test_a_sweep_gives_a_group_up_when_the_mps_daemon_keeps_refusing_its_workers(tmp_path):
+    from harness.sweep import MPS_REFUSALS_MAX, Task
+    from harness.sweep_worker import EXIT_MPS_REFUSED, EXIT_MPS_UNAVAILABLE
+
+    sweep = sweep_for(tmp_path)
+    task = lambda: Task(["g"], 0, None, tmp_path / "e", tmp_path / "l", 0.0)  # noqa: E731
+    for _ in range(MPS_REFUSALS_MAX):
+        sweep.exited(task(), EXIT_MPS_REFUSED)  # each: a fresh process waits again
+    assert not (tmp_path / "findings.jsonl").exists() and not sweep.retired
+    assert "a fresh process waits for it" in sweep.progress.lines[-1]
+    sweep.exited(task(), EXIT_MPS_REFUSED)
+    sweep.exited(task(), EXIT_MPS_UNAVAILABLE)
+    found = [json.loads(line) for line in (tmp_path / "findings.jsonl").read_text().splitlines()]
+    assert [f["kind"] for f in found] == ["error", "error"] and sweep.retired == {"g"}
+    assert "refused 11 workers in a row" in found[0]["reason"] and "took no new client" in found[1]["reason"]
+
+
+def test_a_gpu_fault_under_mps_that_no_case_reproduced_alone_is_still_reported(tmp_path):
+    """Every CUDA error that passed alone is counted as another worker's fault; if none reproduced the fault, the
+    fault's own case is among them (a layout-dependent fault need not fail alone): one finding names them."""
+    sweep = sweep_for(tmp_path)
+    sweep.mps_faults = ["out/passed-alone/a.json", "out/passed-alone/b.json"]
+    sweep.unreproduced_fault()
+    found, = [json.loads(line) for line in (tmp_path / "findings.jsonl").read_text().splitlines()]
+    assert found["kind"] == "error" and found["candidates"] == sweep.mps_faults
+    again = sweep_for(tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    again.mps_faults = ["out/passed-alone/a.json"]
+    again.finding(None, "failure", "outputs: FAILED: crashed: AcceleratorError: CUDA error: an illegal memory access",
+                  "case.json", "torch_native", 0)  # the faulting row's case failed alone: that is the finding
+    again.unreproduced_fault()
+    assert len((tmp_path / "again" / "findings.jsonl").read_text().splitlines()) == 1
 
 
 def test_the_report_lists_a_case_that_passed_alone_under_mps_on_one_table_line():
