@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,18 +53,25 @@ MPS_PIPE, MPS_DEFAULT_PIPE = "CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"
 
 
 def mps_client() -> bool:
-    """Whether a CUDA context this process makes is an MPS daemon's client: a daemon listens on the control socket in
-    the folder the CUDA driver looks in (without one there, CUDA runs without MPS; a socket left by a daemon that was
-    killed refuses the connection)."""
+    """Whether a CUDA context this process makes is an MPS daemon's client: the daemon's control socket is in the
+    folder the CUDA driver looks in (without one there, CUDA runs without MPS), and something listens on it. A socket
+    left by a daemon that was killed refuses a connection (ECONNREFUSED, whatever its type); a live one of another
+    socket type than the probe's answers EPROTOTYPE, which counts as listening (the H200's daemon did:
+    harness-out/gpu110.sh, where a stream connection alone was taken for proof and every worker missed it)."""
     control = os.path.join(os.environ.get(MPS_PIPE) or MPS_DEFAULT_PIPE, "control")
-    if not os.path.exists(control):
+    try:
+        if not stat.S_ISSOCK(os.stat(control).st_mode):
+            return False
+    except OSError:
         return False
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)
         try:
-            probe.settimeout(2.0)
             probe.connect(control)
-        except OSError:
+        except ConnectionRefusedError:
             return False
+        except OSError:
+            return True
     return True
 
 

@@ -165,9 +165,10 @@ def test_a_sweep_asked_for_mps_launches_its_gpu_workers_as_the_daemons_clients(c
 
 
 @contextlib.contextmanager
-def daemon_at(folder: Path):
-    """A stand-in MPS daemon for :func:`search.outcome.mps_client`: a socket listening at FOLDER/control."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listening:
+def daemon_at(folder: Path, kind: int = socket.SOCK_SEQPACKET):
+    """A stand-in MPS daemon for :func:`search.outcome.mps_client`: a socket listening at FOLDER/control (of another
+    type than a stream: the H200's daemon refused a stream connection, harness-out/gpu110.sh)."""
+    with socket.socket(socket.AF_UNIX, kind) as listening:
         listening.bind(str(folder / "control"))
         listening.listen(8)
         try:
@@ -181,11 +182,16 @@ def test_a_process_is_an_mps_client_where_a_daemon_listens_on_the_control_socket
 
     monkeypatch.setenv(PIPE, str(tmp_path))
     assert not mps_client()  # no daemon there: CUDA runs without MPS
-    with daemon_at(tmp_path):
-        assert mps_client()
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
-        dead.bind(str(tmp_path / "control"))  # left by a daemon that was killed: nothing listens
-        assert not mps_client()
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_STREAM):
+        with daemon_at(tmp_path, kind):
+            assert mps_client()
+    for kind in (socket.SOCK_SEQPACKET, socket.SOCK_STREAM):
+        with socket.socket(socket.AF_UNIX, kind) as dead:
+            dead.bind(str(tmp_path / "control"))
+        assert not mps_client()  # left by a daemon that was killed (its socket closed): nothing listens
+        (tmp_path / "control").unlink()
+    (tmp_path / "control").write_text("")  # not a socket
+    assert not mps_client()
 
 
 def test_under_mps_a_cuda_error_is_replayed_alone_outside_mps_before_it_is_reported(tmp_path, monkeypatch):
