@@ -48,12 +48,11 @@ from harness.options import (MPS_HELP, UsageError, add_selection, duration, pars
 from harness.outlock import OutFolderLock
 from harness.procs import (CASE_TIMEOUT_DEFAULTS, COMPILE_TIMEOUT_S, STARTUP_ALLOWANCE_S, Terminated, compiler_running,
                            compilers_under, default_case_timeout)
-from harness.sweep_worker import (EXIT_CONTEXT_POISONED, EXIT_MPS_REFUSED, EXIT_MPS_UNAVAILABLE,
-                                  MPS_READY_TIMEOUT_S)
+from harness.sweep_worker import EXIT_CONTEXT_POISONED, EXIT_MPS_REFUSED, EXIT_MPS_UNAVAILABLE, mps_ready_timeout
 from search.casefile import CaseFile, modified, safe_name
 from search.matrix import shard_rows
 from search.outcome import (ADAPTER_ERROR, MPS_FAULT, RowOutcome, exit_status, finding_kind, is_worse, merge_headroom,
-                            poisons_cuda_context, row_at_risk, unexplained_headroom)
+                            mps_client, row_at_risk, unexplained_headroom)
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE_FILES = ("sweep.json", "results.jsonl", "findings.jsonl")
@@ -121,6 +120,8 @@ class RowState:
     finding: dict | None = None
     known: dict = field(default_factory=dict)  # ledger id -> cases that failed as it describes, all rounds
     steered: dict = field(default_factory=dict)  # ledger id -> draws not run after meeting it, all rounds
+    passed_alone: dict = field(default_factory=dict)  # cause -> failures that passed alone, all rounds
+    passed_alone_cases: list = field(default_factory=list)
 
     def absorb(self, result: dict) -> None:
         self.rounds += 1
@@ -130,6 +131,9 @@ class RowState:
             self.known[known_id] = self.known.get(known_id, 0) + n
         for known_id, n in (result.get("steered") or {}).items():
             self.steered[known_id] = self.steered.get(known_id, 0) + n
+        for cause, n in (result.get("passed_alone") or {}).items():
+            self.passed_alone[cause] = self.passed_alone.get(cause, 0) + n
+        self.passed_alone_cases += result.get("passed_alone_cases") or []
         err, bound = result.get("worst_error"), result.get("bound")
         if is_worse(err, bound, self.worst_error, self.bound):
             self.worst_error, self.bound = err, bound
@@ -147,7 +151,8 @@ class RowState:
                           near_misses_known=dict(self.near_misses_known),
                           failure=None if f is None else f["reason"], finding_kind=None if f is None else f["kind"],
                           case_file=None if f is None else f.get("case_file"), known=dict(self.known),
-                          steered=dict(self.steered))
+                          steered=dict(self.steered), passed_alone=dict(self.passed_alone),
+                          passed_alone_cases=list(self.passed_alone_cases))
 
     def record(self) -> dict:
         """The row as ``harness.report`` reads it."""
@@ -212,9 +217,9 @@ class Sweep:
     # A worker silent this long while its JIT compiler runs says so, in one line, and again each period
     compile_notice_s: float = 60.0
     mps: bool = False  # the workers of a GPU sweep are clients of an MPS daemon (harness/mps.py)
-    mps_refusals: int = 0  # workers the MPS daemon refused in a row (EXIT_MPS_REFUSED), no row ending between
+    mps_refusals: dict = field(default_factory=dict)  # group -> its workers the MPS daemon refused in a row
     mps_faults: list = field(default_factory=list)  # the cases of CUDA errors under MPS that passed alone
-    fault_reproduced: bool = False  # whether a finding's case failed with a CUDA error (alone too, under MPS)
+    fault_reproduced: bool = False  # whether a case's CUDA error under MPS failed alone with one too (fault_alone)
     running: dict[int, Task] = field(default_factory=dict)
     launches: int = 0
     compiling: bool = False  # whether a worker had a compiler running at the last look
@@ -335,9 +340,11 @@ class Sweep:
 
         if self.mps and self.device != "cuda":
             self.progress.event("MPS: asked for, but the workers run on the CPU: nothing to share")
-        with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
-            self._supervise()
-        self.unreproduced_fault()
+        try:
+            with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
+                self._supervise()
+        finally:  # also when the sweep is stopped: a fault seen is reported
+            self.unreproduced_fault()
 
     def unreproduced_fault(self) -> None:
         """Under MPS every CUDA error that passed alone was counted as another worker's fault (``mps-fault``). A fault
@@ -449,7 +456,7 @@ class Sweep:
 
     def row_done(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
         self.record_result(state, round_, result, seed)
-        self.mps_refusals = 0
+        self.mps_refusals.pop(self.unit_of.get(state.row.id), None)
         if self.shrink_total is not None:  # a run's: what is left goes to the workers launched from now on
             self.shrink_total = max(0.0, self.shrink_total - (result.get("shrink_seconds") or 0.0))
         r = state.row
@@ -473,6 +480,7 @@ class Sweep:
         """``seed``: the group search's seed in that round (the worker's ``done`` event says it)."""
         state.absorb(result)
         self.mps_faults += [c["case"] for c in result.get("passed_alone_cases") or () if c.get("entry") == MPS_FAULT]
+        self.fault_reproduced = self.fault_reproduced or bool(result.get("fault_alone"))
         r = state.row
         append_jsonl(self.out_dir / "results.jsonl", {
             "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
@@ -543,16 +551,18 @@ class Sweep:
         if task.stopping or code == 0:
             return
         label = ", ".join(self.groups[u].label for u in task.units)
-        if code == EXIT_MPS_REFUSED and self.mps_refusals < MPS_REFUSALS_MAX:
-            self.mps_refusals += 1  # (reset by any row's result)
+        refused = [self.mps_refusals.get(u, 0) + 1 for u in task.units]  # (a row's result resets its group's)
+        if code == EXIT_MPS_REFUSED:
+            self.mps_refusals.update(zip(task.units, refused))
+        if code == EXIT_MPS_REFUSED and max(refused) <= MPS_REFUSALS_MAX:
             self.progress.event(f"{label}: the MPS daemon refused the worker after taking its probe (another worker's "
                                 f"GPU fault since): a fresh process waits for it")
             return
         if code in (EXIT_MPS_REFUSED, EXIT_MPS_UNAVAILABLE):
             # Neither the engine's nor a row's: the daemon takes no client. This sweep leaves the groups alone.
             self.retired.update(task.units)
-            why = (f"refused {MPS_REFUSALS_MAX + 1} workers in a row" if code == EXIT_MPS_REFUSED else
-                   f"took no new client for {MPS_READY_TIMEOUT_S:.0f}s")
+            why = (f"refused the group's worker {max(refused)} times in a row" if code == EXIT_MPS_REFUSED else
+                   f"took no new client for {mps_ready_timeout():.0f}s")
             self.finding(None, "error", f"the MPS daemon {why}: its groups are left (stop the daemon, or run without "
                                         f"--mps)", None, label, None, groups=list(task.units))
             return
@@ -605,7 +615,7 @@ class Sweep:
             return
         tail = self.log_tail(task, 15)
         reason += self.innermost_frame(tail)
-        if self.mps and "CUDA error" in tail:  # (not replayed alone: the process is gone; its case is kept)
+        if "CUDA error" in tail and mps_client():  # (not replayed alone: the process is gone; its case is kept)
             reason += " [under MPS, another worker's GPU fault reaches every worker: replay the case alone to tell]"
         case_file = str(case.settle(pending, f"{reason} (not shrunk: the process died with it)", self.out_dir))
         self.finding(state, kind, reason, case_file, case.composition, task.current_round, log=str(task.log),
@@ -618,7 +628,6 @@ class Sweep:
                   "round": round_, "reason": reason, "case_file": case_file, "mutant": self.mutant,
                   "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **extra}
         append_jsonl(self.out_dir / "findings.jsonl", record)
-        self.fault_reproduced = self.fault_reproduced or poisons_cuda_context(reason)
         if state is not None:
             state.finding = record
             if self.on_row is not None:

@@ -108,14 +108,20 @@ def die_with_parent(parent: int | None) -> None:
 
 # How long a worker waits for an MPS daemon to take clients again after a fault: until every client it had has
 # exited, each after replaying its failing case alone (search.search_row: REPLAYS_ALONE of REPLAY_ALONE_SECONDS at most)
-MPS_READY_TIMEOUT_S = 2 * 600.0 + 300.0
-MPS_PROBE_TIMEOUT_S = 120.0  # one probe (a CUDA context in a child)
+def mps_ready_timeout() -> float:
+    """Seconds a worker waits for the daemon: every old client's replays alone, and some."""
+    from search.search_row import REPLAY_ALONE_SECONDS, REPLAYS_ALONE
+
+    return REPLAYS_ALONE * REPLAY_ALONE_SECONDS + 300.0
+
+
+MPS_PROBE_TIMEOUT_S = 60.0  # one probe (a CUDA context in a child), well within a worker's start-up allowance
 EXIT_MPS_REFUSED = 4  # the MPS daemon refused this worker's CUDA context after its probe: a fresh process waits again
-EXIT_MPS_UNAVAILABLE = 5  # the MPS daemon took no client for MPS_READY_TIMEOUT_S
+EXIT_MPS_UNAVAILABLE = 5  # the MPS daemon took no client for mps_ready_timeout()
 MPS_PROBE = "import torch; torch.zeros(1, device='cuda'); torch.cuda.synchronize()"
 
 
-def await_mps_daemon(emit, timeout_s: float = MPS_READY_TIMEOUT_S, probe: str = MPS_PROBE) -> bool:
+def await_mps_daemon(emit, timeout_s: float | None = None, probe: str = MPS_PROBE) -> bool:
     """Wait until the MPS daemon this process would be a client of takes a client: after a fatal fault it refuses new
     ones until every client it had has exited (NVIDIA's MPS documentation, "Error containment"), and a CUDA context
     refused once stays refused in torch's process. Probed in a child process, an event emitted each time (the sweep
@@ -124,6 +130,7 @@ def await_mps_daemon(emit, timeout_s: float = MPS_READY_TIMEOUT_S, probe: str = 
 
     if not mps_client():
         return True
+    timeout_s = mps_ready_timeout() if timeout_s is None else timeout_s
     start = time.time()
     while True:
         try:
@@ -173,9 +180,8 @@ def run_task(task: dict) -> int:
 
 def _run_groups(task: dict, device: str, profile, emit) -> int:
     """The task's groups, round after round, each event through ``emit``; the worker's exit status."""
-    from harness.mutants.catalogue import MUTANTS
-    from search.group import group_rows, search_group
     from search import search_row
+    from search.group import group_rows
     from search.matrix import matrix_rows
     from search.outcome import mps_client
 
@@ -200,13 +206,24 @@ def _run_groups(task: dict, device: str, profile, emit) -> int:
                                f"{len(members)} rows are): is the {device} device usable here?")
         groups.append(group)
         rounds[item["unit"]] = {row["row"]: row["rounds"] for row in item["rows"]}
-    database = example_database(task.get("db"), task.get("redis"))
-    out_dir = Path(task["out_dir"])
-    first_round = min(n for rows in rounds.values() for n in rows.values())
     # ``harness run``'s shrink budget: each row's seconds, and this worker's in all (None: the profile's, no total)
     shrink_seconds, shrink_left = task.get("shrink_seconds"), task.get("shrink_total")
     emit(event="ready", pid=os.getpid())
     search_row.ALIVE = lambda: emit(event="replaying-alone")  # the supervisor's stall clock: alive
+    try:
+        return _search_rounds(task, device, profile, emit, groups, rounds, shrink_seconds, shrink_left)
+    finally:
+        search_row.ALIVE = None
+
+
+def _search_rounds(task: dict, device: str, profile, emit, groups, rounds, shrink_seconds, shrink_left) -> int:
+    """Round after round of the groups' searches until the task's rounds, deadline or turn end; the exit status."""
+    from harness.mutants.catalogue import MUTANTS
+    from search.group import search_group
+
+    database = example_database(task.get("db"), task.get("redis"))
+    out_dir = Path(task["out_dir"])
+    first_round = min(n for rows in rounds.values() for n in rows.values())
     with MUTANTS[task["mutant"]].patch() if task.get("mutant") else contextlib.nullcontext():
         while any(rounds.values()):
             round_ = min(n for rows in rounds.values() for n in rows.values())

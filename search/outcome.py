@@ -68,10 +68,10 @@ def mps_client() -> bool:
         probe.settimeout(2.0)
         try:
             probe.connect(control)
-        except ConnectionRefusedError:
-            return False
+        except (ConnectionRefusedError, FileNotFoundError, PermissionError):
+            return False  # no daemon (or one that quit meanwhile), or one CUDA cannot reach either
         except OSError:
-            return True
+            return True  # EPROTOTYPE: a live socket of another type (the daemon's); anything else: assume one
     return True
 
 
@@ -117,6 +117,9 @@ class RowOutcome:
     # run batches that entry's stray writes reach (search_row.confirm_alone): that entry's doing, not a finding
     passed_alone: dict[str, int] = field(default_factory=dict)
     passed_alone_cases: list[dict] = field(default_factory=list)  # each: the entry, the failure's reason, its case
+    # Under MPS: a failure with a CUDA error whose replays alone failed with one too (the GPU fault reproduced outside
+    # MPS: search_row.confirm_alone), which tells a sweep its fault is accounted for (harness/sweep.py)
+    fault_alone: bool = False
     # A case left a sticky CUDA error (a known failure's included): the search of this row stopped there, and
     # the rows after it need a fresh process
     context_poisoned: bool = False
@@ -157,6 +160,7 @@ class RowOutcome:
         self.seconds += later.seconds
         self.steered_out = self.steered_out or later.steered_out
         self.passed_alone_cases += later.passed_alone_cases
+        self.fault_alone = self.fault_alone or later.fault_alone
         for mine, theirs in ((self.known, later.known), (self.steered, later.steered),
                              (self.near_misses_known, later.near_misses_known), (self.passed_alone, later.passed_alone)):
             for key, n in theirs.items():
@@ -214,7 +218,7 @@ class RowOutcome:
                 "first_failure_seconds": self.first_failure_seconds, "shrink_seconds": self.shrink_seconds,
                 "headline": self.headline(), "failure_at": failure_at(self.failure), "known": dict(self.known),
                 "steered": dict(self.steered), "steered_out": self.steered_out, "passed_alone": dict(self.passed_alone),
-                "passed_alone_cases": list(self.passed_alone_cases)}
+                "passed_alone_cases": list(self.passed_alone_cases), "fault_alone": self.fault_alone}
 
 
 def failure_at(failure: Verdict | str | None) -> dict | None:

@@ -7,8 +7,10 @@ the case behind; after shrinking, the minimal failing case is written under ``ca
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -178,21 +180,27 @@ def replay_alone(case_file: Path | str) -> int | None:
             open(alone_log(case_file), "a") as log:
         log.write(f"$ {' '.join(argv[1:])}\n")
         log.flush()
+        # Its own session: a stop or the deadline ends the replay and whatever it started (a JIT compiler), and the
+        # sweep's SIGINT to this worker's group does not reach it
         proc = subprocess.Popen(argv, cwd=PROJECT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=os.environ | {MPS_PIPE: no_daemon})
-        deadline = time.monotonic() + REPLAY_ALONE_SECONDS
-        while True:
-            try:
-                code = proc.wait(timeout=ALIVE_EVERY_S)
-                break
-            except subprocess.TimeoutExpired:
-                if ALIVE is not None:
-                    ALIVE()
-                if time.monotonic() >= deadline:
-                    proc.kill()
-                    proc.wait()
-                    log.write(f"(no end after {REPLAY_ALONE_SECONDS} s)\n")
-                    return None
+                                env=os.environ | {MPS_PIPE: no_daemon}, start_new_session=True)
+        try:
+            deadline = time.monotonic() + REPLAY_ALONE_SECONDS
+            while True:
+                try:
+                    code = proc.wait(timeout=ALIVE_EVERY_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    if ALIVE is not None:
+                        ALIVE()
+                    if time.monotonic() >= deadline:
+                        log.write(f"(no end after {REPLAY_ALONE_SECONDS} s)\n")
+                        return None
+        finally:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         log.write(f"(exit status {code})\n")
     return code if code in (0, 1) else None
 
@@ -235,6 +243,7 @@ def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
         said = [line[len("verdict:"):].strip() for line in _read(alone_log(case)).splitlines()
                 if line.startswith("verdict:")]
         failed_alone = said and ": FAILED:" in said[-1]
+        result.fault_alone = bool(mps_fault and failed_alone and poisons_cuda_context(said[-1]))
         if mps_fault and failed_alone and not poisons_cuda_context(said[-1]):
             # Its own failure, but not that CUDA error: reported as the replay failed, whose it is included (the CUDA
             # error may have been raised in the harness's code, the replay's failure in the engine's, or back)

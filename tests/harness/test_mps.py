@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import stat
 import subprocess
@@ -14,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -301,6 +303,9 @@ def test_a_replay_alone_runs_outside_mps_under_the_mutant_and_says_it_is_alive(t
             if self.waits < 3:
                 raise subprocess.TimeoutExpired("repro", timeout)
             return 0
+
+        def poll(self):
+            return 0 if self.waits >= 3 else None
     monkeypatch.setenv(PIPE, str(tmp_path))
     monkeypatch.setattr(sr.subprocess, "Popen", Replay)
     alive = []
@@ -398,24 +403,101 @@ def test_a_sweep_gives_a_group_up_when_the_mps_daemon_keeps_refusing_its_workers
     sweep.exited(task(), EXIT_MPS_UNAVAILABLE)
     found = [json.loads(line) for line in (tmp_path / "findings.jsonl").read_text().splitlines()]
     assert [f["kind"] for f in found] == ["error", "error"] and sweep.retired == {"g"}
-    assert "refused 11 workers in a row" in found[0]["reason"] and "took no new client" in found[1]["reason"]
+    assert "refused the group's worker 11 times in a row" in found[0]["reason"]
+    assert "took no new client" in found[1]["reason"]
+    other = sweep_for(tmp_path / "other")  # refusals are counted by group: another group's do not add up
+    (tmp_path / "other").mkdir()
+    other.groups["h"] = SimpleNamespace(label="extend: sglang.triton (2 rows)")
+    for unit in ("g", "h") * MPS_REFUSALS_MAX:
+        other.exited(Task([unit], 0, None, tmp_path / "e", tmp_path / "l", 0.0), EXIT_MPS_REFUSED)
+    assert not (tmp_path / "other" / "findings.jsonl").exists() and not other.retired
 
 
 def test_a_gpu_fault_under_mps_that_no_case_reproduced_alone_is_still_reported(tmp_path):
     """Every CUDA error that passed alone is counted as another worker's fault; if none reproduced the fault, the
     fault's own case is among them (a layout-dependent fault need not fail alone): one finding names them."""
+    from harness.sweep import RowState
+    from search.outcome import MPS_FAULT
+
+    row = SimpleNamespace(id="r", composition="torch_native", mode=SimpleNamespace(value="decode"),
+                          property=SimpleNamespace(name="outputs"))
+
+    def result(cases=(), fault_alone=False, failure=None):
+        return {"ok": failure is None, "cases": 1, "failure": failure, "fault_alone": fault_alone,
+                "passed_alone": {MPS_FAULT: len(cases)} if cases else {},
+                "passed_alone_cases": [{"entry": MPS_FAULT, "reason": "CUDA error", "case": c} for c in cases]}
     sweep = sweep_for(tmp_path)
-    sweep.mps_faults = ["out/passed-alone/a.json", "out/passed-alone/b.json"]
+    sweep.record_result(RowState(row), 0, result(["out/passed-alone/a.json"]))
+    sweep.record_result(RowState(row), 0, result(["out/passed-alone/b.json"]))
+    # a finding that says CUDA error but did not fail alone with one (it failed otherwise) reproduced nothing
+    sweep.record_result(RowState(row), 0, result(failure="CUDA error: illegal address [alone, outside MPS, it failed "
+                                                         "otherwise: outputs: FAILED: rel L2 0.3]"))
     sweep.unreproduced_fault()
     found, = [json.loads(line) for line in (tmp_path / "findings.jsonl").read_text().splitlines()]
-    assert found["kind"] == "error" and found["candidates"] == sweep.mps_faults
-    again = sweep_for(tmp_path / "again")
+    assert found["kind"] == "error" and found["candidates"] == ["out/passed-alone/a.json", "out/passed-alone/b.json"]
+    assert sweep.progress.lines == [] or "FINDING (error) MPS" in sweep.progress.lines[-1]
     (tmp_path / "again").mkdir()
-    again.mps_faults = ["out/passed-alone/a.json"]
-    again.finding(None, "failure", "outputs: FAILED: crashed: AcceleratorError: CUDA error: an illegal memory access",
-                  "case.json", "torch_native", 0)  # the faulting row's case failed alone: that is the finding
-    again.unreproduced_fault()
-    assert len((tmp_path / "again" / "findings.jsonl").read_text().splitlines()) == 1
+    again = sweep_for(tmp_path / "again")
+    again.record_result(RowState(row), 0, result(["out/passed-alone/a.json"]))
+    again.record_result(RowState(row), 0, result(fault_alone=True, failure="CUDA error: illegal address"))
+    again.unreproduced_fault()  # the faulting row's case failed alone with the fault: that is the finding
+    assert not (tmp_path / "again" / "findings.jsonl").exists()
+    # and it is reported when the sweep is stopped, too
+    (tmp_path / "stopped").mkdir()
+    stopped = sweep_for(tmp_path / "stopped")
+    stopped.mps_faults = ["out/passed-alone/a.json"]
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    with mock.patch("harness.sweep.Sweep._supervise", interrupted), pytest.raises(KeyboardInterrupt):
+        stopped.run()
+    assert "no case reproduced the GPU fault" in (tmp_path / "stopped" / "findings.jsonl").read_text()
+
+
+def test_a_replay_alone_stopped_midway_leaves_no_process_behind(tmp_path, monkeypatch):
+    import search.search_row as sr
+
+    killed = []
+
+    class Replay:
+        pid = 4242
+
+        def __init__(self, argv, **kwargs):
+            assert kwargs["start_new_session"]  # its own group: the worker's SIGINT does not reach it, its kill does
+            self.done = False
+
+        def poll(self):
+            return 0 if self.done else None
+
+        def wait(self, timeout=None):
+            if timeout is not None and not self.done:
+                raise subprocess.TimeoutExpired("repro", timeout)
+            return -9
+
+    def stop():
+        raise KeyboardInterrupt  # the sweep stops the worker while it waits on the replay
+    monkeypatch.setattr(sr.subprocess, "Popen", Replay)
+    monkeypatch.setattr(sr.os, "killpg", lambda pid, sig: killed.append((pid, sig)))
+    monkeypatch.setattr(sr, "ALIVE", stop)
+    with pytest.raises(KeyboardInterrupt):
+        sr.replay_alone(tmp_path / "case.json")
+    assert killed == [(4242, signal.SIGKILL)]
+    killed.clear()
+    monkeypatch.setattr(sr, "ALIVE", None)
+    monkeypatch.setattr(sr, "REPLAY_ALONE_SECONDS", 0)  # past its deadline
+    assert sr.replay_alone(tmp_path / "case.json") is None and killed == [(4242, signal.SIGKILL)]
+    assert "(no end after 0 s)" in (tmp_path / "case.json.alone.log").read_text()
+
+
+def test_a_case_a_stopped_worker_was_replaying_alone_is_set_aside_not_adopted(tmp_path):
+    sweep = sweep_for(tmp_path)
+    replaying = tmp_path / "replaying-alone"
+    replaying.mkdir()
+    (replaying / "c.json").write_text("{}")
+    (replaying / "c.json.alone.log").write_text("$ repro")
+    assert sweep.adopt_orphans(0.0) == 0
+    assert (tmp_path / "interrupted" / "c.json").is_file() and (tmp_path / "interrupted" / "c.json.alone.log").is_file()
+    assert "was being replayed alone when its worker stopped" in sweep.progress.lines[-1]
 
 
 def test_the_report_lists_a_case_that_passed_alone_under_mps_on_one_table_line():
