@@ -216,6 +216,7 @@ def run_in_workers(rows, profile, device: str, *, db: str, examples: int | None,
         sweep.run()
     finally:  # also when the run is stopped: what ended is reported
         sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
+        sweep.unreproduced_fault()  # (stopped or not: a fault seen is reported)
         orphans = [f for f in read_jsonl(out_dir / "findings.jsonl") if not f.get("row")]
         for f in orphans:  # a group left alone after its worker failed between cases: its rows that had not ended
             unended_rows_failed([r for unit in f.get("groups") or () for r in sweep.groups[unit].rows], f["kind"],

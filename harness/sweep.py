@@ -340,17 +340,23 @@ class Sweep:
 
         if self.mps and self.device != "cuda":
             self.progress.event("MPS: asked for, but the workers run on the CPU: nothing to share")
-        try:
-            with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
-                self._supervise()
-        finally:  # also when the sweep is stopped: a fault seen is reported
-            self.unreproduced_fault()
+        with mps_daemon(self.mps and self.device == "cuda", self.progress.event):
+            self._supervise()
+
+    def note_mps(self, result: dict) -> None:
+        """Count a row's result towards :meth:`unreproduced_fault`: its CUDA errors under MPS that passed alone, and
+        whether one of its failures reproduced the fault alone."""
+        self.mps_faults += [c["case"] for c in result.get("passed_alone_cases") or () if c.get("entry") == MPS_FAULT]
+        self.fault_reproduced = self.fault_reproduced or bool(result.get("fault_alone"))
 
     def unreproduced_fault(self) -> None:
         """Under MPS every CUDA error that passed alone was counted as another worker's fault (``mps-fault``). A fault
         happened all the same: if no case reproduced one alone (its own fault may hang on memory layout or on what its
         process ran before), one finding says so and names the candidates, so that a GPU fault is never counted away
-        whole."""
+        whole. Called once the sweep (or run) has ended, stopped or not, after its last results were read; candidates an
+        earlier session of the sweep already named are not named again."""
+        named = {c for f in read_jsonl(self.out_dir / "findings.jsonl") for c in f.get("candidates") or ()}
+        self.mps_faults = [c for c in self.mps_faults if c not in named]
         if self.mps_faults and not self.fault_reproduced:
             self.finding(None, "error", f"{len(self.mps_faults)} case(s) failed with a CUDA error under MPS and passed "
                                         f"alone; no case reproduced the GPU fault alone: its case is among them",
@@ -479,8 +485,7 @@ class Sweep:
     def record_result(self, state: RowState, round_: int, result: dict, seed: int | None = None) -> None:
         """``seed``: the group search's seed in that round (the worker's ``done`` event says it)."""
         state.absorb(result)
-        self.mps_faults += [c["case"] for c in result.get("passed_alone_cases") or () if c.get("entry") == MPS_FAULT]
-        self.fault_reproduced = self.fault_reproduced or bool(result.get("fault_alone"))
+        self.note_mps(result)
         r = state.row
         append_jsonl(self.out_dir / "results.jsonl", {
             "row": r.id, "composition": str(r.composition), "mode": r.mode.value, "property": r.property.name,
@@ -847,6 +852,8 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
                   args.mutant, args.rounds, progress, visible_gpus() if device == "cuda" else [],
                   args.compile_timeout or COMPILE_TIMEOUT_S, mps=args.mps)
     began = sweep_began(meta)
+    for result in read_jsonl(out_dir / "results.jsonl"):  # an earlier session's faults under MPS (--resume)
+        sweep.note_mps(result)
     if args.resume:
         adopted = sweep.adopt_orphans(began)
         if adopted:
@@ -872,6 +879,7 @@ def _sweep_locked(args, budget, shard, device, profile, rows, skipped, out_dir: 
         interrupted = terminated.stopped is not None
         elapsed = time.time() - start
         sweep.adopt_orphans(began)  # a case file of a worker killed between writing it and saying so
+        sweep.unreproduced_fault()  # (stopped or not: a fault seen is reported)
 
         findings = read_jsonl(out_dir / "findings.jsonl")
         records = [s.record() for s in sweep.rows]

@@ -15,7 +15,6 @@ import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from unittest import mock
 
 import pytest
 
@@ -442,16 +441,14 @@ def test_a_gpu_fault_under_mps_that_no_case_reproduced_alone_is_still_reported(t
     again.record_result(RowState(row), 0, result(fault_alone=True, failure="CUDA error: illegal address"))
     again.unreproduced_fault()  # the faulting row's case failed alone with the fault: that is the finding
     assert not (tmp_path / "again" / "findings.jsonl").exists()
-    # and it is reported when the sweep is stopped, too
-    (tmp_path / "stopped").mkdir()
-    stopped = sweep_for(tmp_path / "stopped")
-    stopped.mps_faults = ["out/passed-alone/a.json"]
-
-    def interrupted(self):
-        raise KeyboardInterrupt
-    with mock.patch("harness.sweep.Sweep._supervise", interrupted), pytest.raises(KeyboardInterrupt):
-        stopped.run()
-    assert "no case reproduced the GPU fault" in (tmp_path / "stopped" / "findings.jsonl").read_text()
+    # A resumed sweep (a new Sweep over the same folder) reads the earlier session's results, and does not name the
+    # same candidates twice
+    resumed = sweep_for(tmp_path)
+    for line in (tmp_path / "results.jsonl").read_text().splitlines():
+        resumed.note_mps(json.loads(line))
+    assert resumed.mps_faults == ["out/passed-alone/a.json", "out/passed-alone/b.json"]
+    resumed.unreproduced_fault()
+    assert len((tmp_path / "findings.jsonl").read_text().splitlines()) == 1
 
 
 def test_a_replay_alone_stopped_midway_leaves_no_process_behind(tmp_path, monkeypatch):
