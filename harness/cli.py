@@ -151,12 +151,11 @@ def cmd_run(args) -> int:
     shard = parse_shard(args.shard) if args.shard else None
     check_out_folder("--out", args.out)
 
-    from harness.mutants.catalogue import MUTANTS
+    from harness.mutants.catalogue import mutant_named
     from harness.run import run
     from search.matrix import matrix
 
-    if args.mutant and args.mutant not in MUTANTS:
-        raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
+    mutant = mutant_named(args.mutant)
     device = resolve_device(args.device)
     profile = profile_named(args.profile, shard[0] if shard else 0)  # the shard's head rotation
     m = matrix(device, profile, args.backends, args.properties, args.modes)
@@ -167,7 +166,6 @@ def cmd_run(args) -> int:
         from search.matrix import shard_rows
 
         rows = shard_rows(rows, shard)  # the sweep's split: a stable hash of the row id
-    mutant = MUTANTS[args.mutant] if args.mutant else None
     if mutant is not None:
         # Built, not applied: a mutant whose code this release lacks says so here, in one line (MutantUnavailable),
         # before any worker process starts
@@ -193,11 +191,9 @@ def cmd_repro(args) -> int:
     check_fits(case.spec, where=args.file)  # before anything is allocated
     fault = contextlib.nullcontext()
     if args.mutant:
-        from harness.mutants.catalogue import MUTANTS
+        from harness.mutants.catalogue import mutant_named
 
-        if args.mutant not in MUTANTS:
-            raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
-        fault = MUTANTS[args.mutant].patch()  # built here: one this release lacks says so in one line
+        fault = mutant_named(args.mutant).patch()  # built here: one this release lacks says so in one line
     if args.device != "auto":
         device = resolve_device(args.device)
     elif case.device == "cuda":

@@ -543,13 +543,11 @@ class Sweep:
         for path in sorted((self.out_dir / "replaying-alone").glob("*.json")):
             # A case a worker was replaying alone when it stopped (search_row.confirm_alone): neither a finding nor
             # cleared. Set aside with what its replays printed, said in one line
-            aside = self.out_dir / "interrupted"
-            aside.mkdir(exist_ok=True)
-            for part in (path, Path(f"{path}.alone.log")):
-                if part.exists():
-                    part.replace(aside / part.name)
+            from search.search_row import move_case
+
+            move_case(path, self.out_dir / "interrupted")
             self.progress.event(f"{path.name} was being replayed alone when its worker stopped: not taken as a "
-                                f"finding (kept in {aside.name}/; `harness repro` it to tell)")
+                                f"finding (kept in interrupted/; `harness repro` it to tell)")
         return adopted
 
     def exited(self, task: Task, code: int) -> None:
@@ -780,7 +778,7 @@ def resumed_profile(args) -> str:
 
 
 def cmd_sweep(args) -> int:
-    from harness.mutants.catalogue import MUTANTS
+    from harness.mutants.catalogue import mutant_named
     from harness.sweep_worker import example_database
     from properties import PROPERTIES
     from search.matrix import matrix
@@ -789,8 +787,7 @@ def cmd_sweep(args) -> int:
     shard = parse_shard(args.shard) if args.shard else None
     device = resolve_device(args.device)
     profile = profile_named(resumed_profile(args), shard[0] if shard else 0)  # the shard's head rotation
-    if args.mutant and args.mutant not in MUTANTS:
-        raise UsageError(f"unknown mutant {args.mutant!r}; see `python -m harness mutants --list`")
+    mutant_named(args.mutant)
     unknown = [p for p in args.properties or [] if p not in PROPERTIES]
     if unknown:
         raise UsageError(f"unknown propert{'y' if len(unknown) == 1 else 'ies'} {', '.join(unknown)}; "

@@ -169,6 +169,16 @@ def alone_log(case_file: Path | str) -> Path:
     return Path(f"{case_file}.alone.log")
 
 
+def move_case(case: Path, folder: Path) -> Path:
+    """Move ``case`` into ``folder`` with what its replays alone printed, if any; its new path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    moved = folder / case.name
+    if alone_log(case).exists():
+        alone_log(case).replace(alone_log(moved))
+    case.replace(moved)
+    return moved
+
+
 def replay_alone(case_file: Path | str) -> int | None:
     """``harness repro CASE --known-passes`` in a fresh process (under :data:`REPLAY_MUTANT`), outside CUDA MPS (its
     pipe folder pointed at an empty one: CUDA then runs without MPS, so no other worker's fault reaches it): its exit
@@ -233,13 +243,9 @@ def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
     # H200, harness-out/gpu108.sh: a case another worker's fault had failed, adopted as its row's finding)
     replay = replay or replay_alone
     case = Path(result.case_file)
-    replaying = out_dir / "replaying-alone" / case.name
-    replaying.parent.mkdir(parents=True, exist_ok=True)
-    case.replace(replaying)
+    replaying = move_case(case, out_dir / "replaying-alone")
     if any(replay(replaying) != 0 for _ in range(REPLAYS_ALONE)):
-        replaying.replace(case)  # it fails alone too (or a replay could not tell): a finding
-        if alone_log(replaying).exists():
-            alone_log(replaying).replace(alone_log(case))
+        move_case(replaying, case.parent)  # it fails alone too (or a replay could not tell): a finding
         said = [line[len("verdict:"):].strip() for line in _read(alone_log(case)).splitlines()
                 if line.startswith("verdict:")]
         failed_alone = said and ": FAILED:" in said[-1]
@@ -253,11 +259,7 @@ def confirm_alone(result: RowOutcome, device: str, out_dir: Path,
         return
     entry = MPS_FAULT if mps_fault else max(TAINTED, key=TAINTED.get)
     result.passed_alone[entry] = result.passed_alone.get(entry, 0) + 1
-    kept = out_dir / "passed-alone" / case.name
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    replaying.replace(kept)
-    if alone_log(replaying).exists():
-        alone_log(replaying).replace(alone_log(kept))
+    kept = move_case(replaying, out_dir / "passed-alone")
     result.passed_alone_cases.append({"entry": entry, "reason": str(result.failure), "case": str(kept)})
     result.ok, result.failure, result.finding_kind, result.spec, result.case_file = True, None, None, None, None
     result.context_poisoned = True

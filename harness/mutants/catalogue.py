@@ -1261,3 +1261,10 @@ CATALOGUE: list[Mutant] = [
            ("torch_native",), properties=("outputs",), crashes=True),
 ] + AXIS_CATALOGUE + SGLANG_CATALOGUE
 MUTANTS = {m.name: m for m in CATALOGUE}
+
+
+def mutant_named(name: str | None) -> Mutant | None:
+    """The catalogue's mutant ``name`` (None for None); an unknown name is the user's error, in one line."""
+    if name is not None and name not in MUTANTS:
+        raise UsageError(f"unknown mutant {name!r}; see `python -m harness mutants --list`")
+    return None if name is None else MUTANTS[name]
